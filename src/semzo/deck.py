@@ -79,6 +79,8 @@ class CorpusSection:
     path: str = key("data/fortunes.jsonl", "JSONL corpus: one object per line with `text`, "
                     "optional `label` and `id` (make one with `semzo corpus fortunes OUT`).",
                     kind="file")
+    max_records: int = key(0, "Use an evenly spaced subset of this many records (0 = all): "
+                           "for quick trials.", min=0)
 
 
 @dataclass(frozen=True)

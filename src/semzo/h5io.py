@@ -69,14 +69,59 @@ def open_collective(path: str | Path, comm: MPI.Intracomm) -> h5py.File:
     return h5py.File(path, "r", driver="mpio", comm=comm)
 
 
+def _collective_dxpl() -> h5py.h5p.PropDXID:
+    dxpl = h5py.h5p.create(h5py.h5p.DATASET_XFER)
+    if h5py.get_config().mpi:
+        dxpl.set_dxpl_mpio(h5py.h5fd.MPIO_COLLECTIVE)
+    return dxpl
+
+
+def _spaces(dset: h5py.Dataset, start: int, n: int):
+    """(memory space, file space) selecting rows [start, start + n) of ``dset``; for n = 0
+    both select nothing, so the rank still takes part in the collective call."""
+    rest = tuple(dset.shape[1:])
+    fspace = dset.id.get_space()
+    if n == 0:
+        fspace.select_none()
+        mspace = h5py.h5s.create_simple((1, *rest))
+        mspace.select_none()
+    else:
+        fspace.select_hyperslab((start,) + (0,) * len(rest), (n, *rest))
+        mspace = h5py.h5s.create_simple((n, *rest))
+    return mspace, fspace
+
+
+def write_slab(dset: h5py.Dataset, start: int, local: np.ndarray) -> None:
+    """Collectively write ``local`` to rows [start, start + len(local)) of ``dset``.
+
+    Collective over the file's communicator. Unlike ``dset[a:b] = x`` under
+    ``dset.collective``, a rank with no rows still makes the H5Dwrite call (h5py skips
+    empty selections, which hangs the other ranks: h5py issue #965).
+    """
+    n = int(local.shape[0])
+    buf = np.ascontiguousarray(local, dtype=dset.dtype)
+    if n == 0:
+        buf = np.zeros((1, *dset.shape[1:]), dtype=dset.dtype)
+    mspace, fspace = _spaces(dset, start, n)
+    dset.id.write(mspace, fspace, buf, dxpl=_collective_dxpl())
+
+
+def read_slab(dset: h5py.Dataset, start: int, stop: int) -> np.ndarray:
+    """Collectively read rows [start, stop) of ``dset`` (an empty range still takes part)."""
+    n = max(0, int(stop) - int(start))
+    out = np.zeros((max(n, 1), *dset.shape[1:]), dtype=dset.dtype)
+    mspace, fspace = _spaces(dset, start, n)
+    dset.id.read(mspace, fspace, out, dxpl=_collective_dxpl())
+    return out[:n]
+
+
 def write_rows(f: h5py.File, name: str, local: np.ndarray, offset: int, total: int) -> None:
     """Create dataset ``name`` of ``total`` rows and write this rank's rows at ``offset``.
 
     Collective: every rank calls it, a rank with no rows writes an empty selection.
     """
     dset = f.create_dataset(name, shape=(total, *local.shape[1:]), dtype=local.dtype)
-    with dset.collective:
-        dset[offset:offset + local.shape[0]] = local
+    write_slab(dset, offset, local)
 
 
 def row_range(n_total: int, comm: MPI.Intracomm) -> tuple[int, int]:

@@ -1,0 +1,133 @@
+"""The embed stage: JSONL slice -> sentence embeddings -> ``embeddings.h5`` (collective).
+
+``embeddings.h5`` layout (rows in global corpus order)::
+
+    embeddings   (N, H) float32   L2-normalized sentence embeddings
+    ids          (N,)   int64     record ids (the corpus's ``id``, else the record number)
+    labels       (N,)   int64     index into the ``label_names`` attribute, -1 without labels
+    text_offsets (N+1,) int64     UTF-8 text of row i is text_bytes[off[i]:off[i+1]]
+    text_bytes   (B,)   uint8
+    attrs: semzo_deck (resolved deck), label_names, model, n_total, seconds, docs_per_second
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from ..corpus import label_codes, label_vocab, read_jsonl_slice
+from ..corpus.strings import decode_strings, encode_strings
+from ..h5io import (create_collective, offsets, open_collective, read_slab, row_range,
+                    write_rows, write_slab)
+from ..runtime import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass
+class EmbeddedRows:
+    """A block of rows of embeddings.h5 held by one rank."""
+
+    embeddings: np.ndarray     # (n, H) float32
+    ids: np.ndarray            # (n,) int64
+    labels: np.ndarray         # (n,) int64
+    texts: list[str]
+    offset: int                # global index of the first row
+    n_total: int
+    label_names: list[str]
+
+
+def subset_mask(first: int, n_local: int, n_total: int, m: int) -> np.ndarray:
+    """Which of records [first, first + n_local) belong to an evenly spaced subset of ``m``
+    of ``n_total`` records: record i is kept when floor(i m / N) steps up. The subset does not
+    depend on the number of ranks, and every rank keeps about its share."""
+    i = np.arange(first, first + n_local, dtype=np.int64)
+    return (i * m) // n_total != ((i - 1) * m) // n_total
+
+
+def run_embed_stage(ctx) -> None:
+    """Collective. Reads the corpus slice, embeds it, writes embeddings.h5."""
+    from ..model import Tokenizer, embed_texts, load_model
+
+    deck, topo = ctx.deck, ctx.topo
+    comm = topo.world
+    part = read_jsonl_slice(deck.corpus.path, comm)
+    texts, ids, labels_s = part.texts, part.ids, part.labels
+    first = part.first_record
+    if deck.corpus.max_records and deck.corpus.max_records < part.n_total:
+        keep = subset_mask(first, len(texts), part.n_total, deck.corpus.max_records)
+        texts = [t for t, k in zip(texts, keep) if k]
+        ids = ids[keep]
+        labels_s = [x for x, k in zip(labels_s, keep) if k] if labels_s is not None else None
+    vocab = label_vocab(labels_s, comm)
+    labels = (label_codes(labels_s, vocab) if labels_s is not None
+              else np.full(len(texts), -1, np.int64))
+    model_path = deck.model.path or None
+    model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype)
+    if model.kind != "encoder":
+        from ..runtime import SemzoError
+
+        err = SemzoError(f"{deck.source}: model.path: the embed stage needs an encoder, "
+                         f"got a {model.kind}")
+        err.all_ranks = True
+        raise err
+    tok = Tokenizer.from_folder(model_path, max_length=deck.model.max_length)
+    t0 = time.perf_counter()
+    emb = embed_texts(model, tok, texts, batch_size=deck.embed.batch_size).astype(np.float32)
+    dt = time.perf_counter() - t0
+    with ctx.timer.comm():
+        off, total = offsets(len(texts), comm)
+        slowest = comm.allreduce(dt, op=MPI.MAX)
+    if total == 0:
+        from ..runtime import SemzoError
+
+        err = SemzoError(f"{deck.corpus.path}: the corpus has no records")
+        err.all_ranks = True
+        raise err
+    log.info("embedded %d texts on %d ranks in %.1f s (%.0f texts/s overall, %s)",
+             total, comm.Get_size(), slowest, total / max(slowest, 1e-9),
+             model_path or "all-MiniLM-L6-v2")
+    write_embeddings(ctx.path("embeddings.h5"), comm, ctx.deck.to_toml(), emb, ids, labels,
+                     texts, off, total, vocab, seconds=slowest)
+
+
+def write_embeddings(path, comm, deck_toml: str, emb, ids, labels, texts, off: int,
+                     total: int, vocab: list[str], seconds: float = 0.0) -> None:
+    """Write one rank's rows of embeddings.h5 at global row ``off``. Collective."""
+    data, lengths = encode_strings(texts)
+    boff, btotal = offsets(int(data.size), comm)
+    ends = boff + np.cumsum(lengths, dtype=np.int64)
+    with create_collective(path, comm, deck_toml, n_total=total,
+                           label_names=np.array(vocab, dtype=object),
+                           seconds=seconds, docs_per_second=total / max(seconds, 1e-9)) as f:
+        write_rows(f, "embeddings", emb, off, total)
+        write_rows(f, "ids", ids.astype(np.int64), off, total)
+        write_rows(f, "labels", labels.astype(np.int64), off, total)
+        # offsets: row i's end goes to slot i + 1; slot 0 (= 0) is written by rank 0
+        d = f.create_dataset("text_offsets", shape=(total + 1,), dtype=np.int64)
+        write_slab(d, off + 1, ends)
+        write_slab(d, 0, np.zeros(1 if comm.Get_rank() == 0 else 0, np.int64))
+        write_rows(f, "text_bytes", data, boff, btotal)
+
+
+def read_embeddings(path, comm, *, lo: int | None = None, hi: int | None = None,
+                    with_text: bool = True) -> EmbeddedRows:
+    """Read rows [lo, hi) of embeddings.h5 (default: this rank's balanced block). Collective."""
+    with open_collective(path, comm) as f:
+        n = int(f.attrs["n_total"])
+        if lo is None or hi is None:
+            lo, hi = row_range(n, comm)
+        emb = read_slab(f["embeddings"], lo, hi)
+        ids = read_slab(f["ids"], lo, hi)
+        labels = read_slab(f["labels"], lo, hi)
+        texts: list[str] = []
+        if with_text:
+            offs = read_slab(f["text_offsets"], lo, hi + 1)
+            b0, b1 = int(offs[0]), int(offs[-1])
+            texts = decode_strings(read_slab(f["text_bytes"], b0, b1), np.diff(offs))
+        names = [s.decode() if isinstance(s, bytes) else str(s) for s in f.attrs["label_names"]]
+    return EmbeddedRows(embeddings=np.ascontiguousarray(emb, np.float32), ids=ids,
+                        labels=labels, texts=texts, offset=lo, n_total=n, label_names=names)
