@@ -115,6 +115,9 @@ class ClusterSection:
     oversampling: float = key(2.0, "k-means|| candidates drawn per round, in multiples of k.",
                               min=0.0, min_excl=True)
     init_rounds: int = key(5, "k-means|| sampling rounds.", min=1, max=100)
+    algorithm: str = key("lloyd", "`lloyd` (plain), or `pruned` (exact bounds that skip "
+                         "distance work for settled points; the same labels as `lloyd`).",
+                         choices=("lloyd", "pruned"))
 
 
 @dataclass(frozen=True)
