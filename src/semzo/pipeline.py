@@ -92,11 +92,13 @@ def run(deck: Deck, comm: MPI.Intracomm) -> dict[str, float]:
     ctx = RunContext(deck=deck, topo=topo, outdir=outdir, timer=timer, xp=get_xp(deck.run.device))
     log.info("semzo run: deck %s, %d ranks, %d threads per rank, device %s, output %s",
              deck.source, topo.size, threads, deck.run.device, outdir)
+    summary: dict[str, dict] = {}
     for name in deck.run.stages:
         with timer.stage(name):
-            _stage_function(name)(ctx)
+            summary[name] = _stage_function(name)(ctx) or {}
     topo.world.Barrier()
     log.info("stage times (rank 0), total %.2f s:\n%s", time.perf_counter() - t0, timer.table())
+    log.info("summary of %s:\n%s", outdir, format_summary(summary))
     topo.free()
     return dict(timer.wall)
 
@@ -108,6 +110,15 @@ STAGE_FUNCTIONS = {
     "cluster": ("semzo.cluster.stage", "run_cluster_stage"),
     "place": ("semzo.place.stage", "run_place_stage"),
 }
+
+
+def format_summary(summary: dict[str, dict]) -> str:
+    """One line per stage: its headline figures (each stage returns a dict of them)."""
+    lines = []
+    for stage, figs in summary.items():
+        parts = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in figs.items()]
+        lines.append(f"  {stage:<10} " + ", ".join(parts))
+    return "\n".join(lines)
 
 
 def _stage_function(name: str):

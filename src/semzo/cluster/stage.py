@@ -47,7 +47,7 @@ def nmi_purity(c: np.ndarray) -> tuple[float, float]:
     return nmi, float(c.max(1).sum() / n)
 
 
-def run_cluster_stage(ctx) -> None:
+def run_cluster_stage(ctx) -> dict:
     """Collective. k-means over this rank's block of embeddings.h5; writes clusters.h5."""
     deck, topo = ctx.deck, ctx.topo
     comm = topo.world
@@ -86,6 +86,10 @@ def run_cluster_stage(ctx) -> None:
         f.create_dataset("centers", data=centers)
         f.create_dataset("counts", data=sizes.astype(np.int64))
         write_rows(f, "labels", labels, rows.offset, rows.n_total)
+    out = {"k": cfg.k, "iterations": res.n_iter, "seconds": seconds}
+    if "nmi" in attrs:
+        out.update(nmi=attrs["nmi"], purity=attrs["purity"])
+    return out
 
 
 def read_clusters(path, comm, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, dict]:

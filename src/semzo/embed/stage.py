@@ -48,7 +48,7 @@ def subset_mask(first: int, n_local: int, n_total: int, m: int) -> np.ndarray:
     return (i * m) // n_total != ((i - 1) * m) // n_total
 
 
-def run_embed_stage(ctx) -> None:
+def run_embed_stage(ctx) -> dict:
     """Collective. Reads the corpus slice, embeds it, writes embeddings.h5."""
     from ..model import Tokenizer, embed_texts, load_model
 
@@ -92,6 +92,7 @@ def run_embed_stage(ctx) -> None:
              model_path or "all-MiniLM-L6-v2")
     write_embeddings(ctx.path("embeddings.h5"), comm, ctx.deck.to_toml(), emb, ids, labels,
                      texts, off, total, vocab, seconds=slowest)
+    return {"texts": total, "labels": len(vocab), "texts/s": total / max(slowest, 1e-9)}
 
 
 def write_embeddings(path, comm, deck_toml: str, emb, ids, labels, texts, off: int,

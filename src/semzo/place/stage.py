@@ -40,7 +40,7 @@ def _fingerprint(ids: np.ndarray, comm: MPI.Intracomm) -> np.ndarray:
     return np.array([s[0], s[1], s[2], float(x[0] % np.uint64(2**52))])
 
 
-def run_place_stage(ctx) -> None:
+def run_place_stage(ctx) -> dict:
     """Collective. Reads embeddings.h5 and clusters.h5 (this rank's block), plans, moves,
     and writes shards.h5."""
     deck, topo = ctx.deck, ctx.topo
@@ -85,6 +85,10 @@ def run_place_stage(ctx) -> None:
     _write_shards(ctx, plan, cols, texts, rows.label_names)
     if topo.rank == 0:
         plot_sizes(plan, ctx.path("shards.png"))
+    fig = plan.figures
+    return {"mode": plan.mode, "load max/mean": fig["load_max_over_mean"],
+            "moved": fig["moved_fraction"], "MB across switches": fig["bytes_cross_switch"] / 1e6,
+            "centroid dist vs random": fig.get("centroid_dist_ratio", 1.0)}
 
 
 def _write_shards(ctx, plan, cols, texts, label_names) -> None:

@@ -58,7 +58,7 @@ def verify_collectives(topo, n: int = 4099, seed: int = 0) -> dict[str, float]:
     return {"float_rel_diff": rel, "allreduce_seconds": t_ar}
 
 
-def run_topology_stage(ctx) -> None:
+def run_topology_stage(ctx) -> dict:
     """Collective. Logs the hierarchy and the collectives check; writes topology.h5."""
     topo = ctx.topo
     log.info("%s", topo.describe())
@@ -73,3 +73,5 @@ def run_topology_stage(ctx) -> None:
         f.create_dataset("rank_node", data=topo.rank_node)
         f.create_dataset("node_switch", data=topo.node_switch)
         f.create_dataset("node_names", data=np.array(topo.node_names, dtype="S"))
+    return {"ranks": topo.size, "nodes": topo.n_nodes, "switches": topo.n_switches,
+            "collectives": "verified"}
