@@ -42,7 +42,11 @@ data/fortunes.jsonl: | setup
 	@mkdir -p data
 	$(PY) -m semzo corpus fortunes $@
 
-corpus: data/fortunes.jsonl
+data/debian.jsonl: | setup
+	@mkdir -p data
+	$(PY) -m semzo corpus debian $@
+
+corpus: data/fortunes.jsonl data/debian.jsonl
 
 demo: setup data/fortunes.jsonl
 	$(RUN) run $(DECK)
