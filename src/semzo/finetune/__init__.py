@@ -1,0 +1,1 @@
+"""Zeroth-order (MeZO-family) fine-tuning: counter-based z, fused CPU/GPU kernels."""

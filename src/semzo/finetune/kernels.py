@@ -1,0 +1,357 @@
+"""Fused in-place ZO kernels for the CPU (numba, parallel over elements).
+
+One pass walks a list of flat parameter tensors (1-D, C-contiguous; float32, float64, or float16
+storage passed as its ``uint16`` view) once, in one parallel launch per storage dtype,
+regenerating z from the counter-based generator of :mod:`semzo.finetune.rng` for element
+``off + i`` of tensor ``t``. Arithmetic is float64 on the float32-rounded z; the result is
+rounded once to float32 (then to float16 for half storage; float64 storage is not rounded).
+The exact formulas, which the numpy reference in the tests writes out and which the GPU kernels
+follow, are:
+
+    perturb:         p <- p + scale * z
+    restore_update:  pr = p + eps * z;  p <- pr - lr * (g * z + wd * pr)           (one z)
+    multi_update:    pr = p + eps * z_r (if restoring);  acc = sum_k gs[k] * z_k  (k = 0, 1, ...)
+                     p <- pr - lr * (acc + wd * pr)
+
+Parallel over chunks of ``CHUNK`` elements (of all tensors together) with ``numba.prange``;
+each element's value depends on its own index only, so results are bit-identical for any
+thread count (:func:`num_threads`). The kernels are compiled on first use per storage dtype and
+cached on disk (``cache=True``). numba's cache does not see edits to rng.py: touch this file
+after changing the generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import types
+from collections.abc import Callable, Iterator
+
+import numba
+import numpy as np
+from numba import njit, prange
+from numba.core import types as nbtypes
+from numba.extending import intrinsic, overload
+
+from . import rng
+
+CHUNK = 8192        # elements per parallel task (a multiple of 128, the Rademacher block)
+
+DEVICE_FUNCTIONS = ("philox4x32_10", "neg2_log_u", "cos_sin_2pi", "box_muller", "gauss4",
+                    "gauss_at", "rad_words", "rad_bit", "rad_at")
+
+
+def build_device_functions(decorator: Callable, *, cpu: bool = False) -> dict:
+    """Compile the generator functions of rng.py with ``decorator`` (``numba.njit`` or
+    ``numba.cuda.jit(device=True)``), each calling the compiled versions of the others.
+
+    ``cpu=True`` swaps in :func:`rng.neg2_log_u_bits` (bit-identical, faster on the CPU).
+    Returns the namespace: rng's globals with the compiled functions under their names.
+    """
+    ns = dict(vars(rng))
+    for name in DEVICE_FUNCTIONS:
+        f = getattr(rng, name)
+        if cpu and name == "neg2_log_u":
+            f = rng.neg2_log_u_bits
+        g = types.FunctionType(f.__code__, ns, name, f.__defaults__, f.__closure__)
+        g.__qualname__ = name
+        g.__module__ = rng.__name__
+        g.__doc__ = f.__doc__
+        ns[name] = decorator(g)
+    return ns
+
+
+_dev = build_device_functions(lambda f: njit(inline="always", error_model="numpy")(f), cpu=True)
+_gauss4 = _dev["gauss4"]
+_gauss_at = _dev["gauss_at"]
+_rad_words = _dev["rad_words"]
+_rad_bit = _dev["rad_bit"]
+_rad_at = _dev["rad_at"]
+_U0, _U1, _U2, _U3, _U7 = (np.uint64(v) for v in (0, 1, 2, 3, 7))
+_U127 = np.uint64(127)
+
+
+# ----------------------------------------------------------------------------- half precision
+@njit(cache=True, error_model="numpy")
+def half_bits_to_f64(h):
+    """float16 bits (uint16) -> float64, exact (subnormals, inf, nan included)."""
+    x = np.int64(h)
+    e = (x >> 10) & 0x1F
+    m = x & 0x3FF
+    if e == 0:
+        v = np.float64(m) * 5.9604644775390625e-08           # m * 2**-24
+    else:
+        ef = 255 if e == 31 else e + 112
+        v = np.float64(np.uint32((ef << 23) | (m << 13)).view(np.float32))
+    return -v if (x & 0x8000) != 0 else v
+
+
+@njit(cache=True, error_model="numpy")
+def f32_to_half_bits(x):
+    """float32 -> float16 bits (uint16), round to nearest even (F. Giesen's float_to_half_rtne)."""
+    f = np.int64(np.float32(x).view(np.uint32))
+    sign = f & 0x80000000
+    f = f ^ sign
+    if f >= 0x47800000:                                  # overflow to inf, or inf / nan
+        o = 0x7E00 if f > 0x7F800000 else 0x7C00
+    elif f < 0x38800000:                                 # half subnormal or zero
+        ff = np.uint32(f).view(np.float32) + np.float32(0.5)
+        o = np.int64(np.float32(ff).view(np.uint32)) - 0x3F000000
+    else:
+        odd = (f >> 13) & 1
+        o = (f - 0x38000000 + 0xFFF + odd) >> 13
+    return np.uint16(o | (sign >> 16))
+
+
+def _load(p, i):
+    pass
+
+
+def _store(p, i, v):
+    pass
+
+
+@overload(_load)
+def _ol_load(p, i):
+    if p.dtype == nbtypes.uint16:
+        return lambda p, i: half_bits_to_f64(p[i])
+    return lambda p, i: np.float64(p[i])
+
+
+@overload(_store)
+def _ol_store(p, i, v):
+    if p.dtype == nbtypes.uint16:
+        def store_half(p, i, v):
+            p[i] = f32_to_half_bits(np.float32(v))
+        return store_half
+
+    def store(p, i, v):
+        p[i] = v                                          # one rounding float64 -> dtype
+    return store
+
+
+# ----------------------------------------------------------------------------- z generation
+@njit(cache=True, error_model="numpy")
+def fill_z(z, e0, t, k0, k1, dist):
+    """z[i] = z(seed, t, e0 + i) for i < z.size (float64 array of float32-rounded values).
+
+    e0, t, k0, k1: uint64; dist: rng.GAUSSIAN or rng.RADEMACHER. Serial.
+    """
+    m = z.size
+    i = 0
+    e = e0
+    if dist == 0:
+        while i < m and (e & _U3) != _U0:
+            z[i] = _gauss_at(e, t, k0, k1)
+            i += 1
+            e += _U1
+        nb = (m - i) >> 2
+        b0 = e >> _U2
+        for j in range(nb):
+            z0, z1, z2, z3 = _gauss4(b0 + np.uint64(j), t, k0, k1)
+            z[i + 4 * j] = z0
+            z[i + 4 * j + 1] = z1
+            z[i + 4 * j + 2] = z2
+            z[i + 4 * j + 3] = z3
+        i += 4 * nb
+        e += np.uint64(4 * nb)
+        while i < m:
+            z[i] = _gauss_at(e, t, k0, k1)
+            i += 1
+            e += _U1
+    else:
+        while i < m and (e & _U127) != _U0:
+            z[i] = _rad_at(e, t, k0, k1)
+            i += 1
+            e += _U1
+        nb = (m - i) >> 7
+        b0 = e >> _U7
+        for j in range(nb):
+            w0, w1, w2, w3 = _rad_words(b0 + np.uint64(j), t, k0, k1)
+            base = i + 128 * j
+            for k in range(32):
+                kk = np.uint64(k)
+                z[base + k] = _rad_bit(w0, kk)
+                z[base + 32 + k] = _rad_bit(w1, kk)
+                z[base + 64 + k] = _rad_bit(w2, kk)
+                z[base + 96 + k] = _rad_bit(w3, kk)
+        i += 128 * nb
+        e += np.uint64(128 * nb)
+        while i < m:
+            z[i] = _rad_at(e, t, k0, k1)
+            i += 1
+            e += _U1
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def zvec_kernel(out, e0, t, k0, k1, dist):
+    """out[i] = z(seed, t, e0 + i), out float32 1-D."""
+    n = out.size
+    for c in prange((n + CHUNK - 1) // CHUNK):
+        i0 = c * CHUNK
+        m = min(CHUNK, n - i0)
+        z = np.empty(m, np.float64)
+        fill_z(z, e0 + np.uint64(i0), t, k0, k1, dist)
+        for i in range(m):
+            out[i0 + i] = z[i]
+
+
+# ----------------------------------------------------------------------------- fused updates
+PERTURB, RESTORE_UPDATE, MULTI_RESTORE, MULTI = 0, 1, 2, 3
+_NO_KEYS = np.zeros(0, np.uint64)
+_NO_GS = np.zeros(0, np.float64)
+STORAGE = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.uint16))   # uint16: float16
+
+
+@intrinsic
+def _as_pointer(typingctx, addr, proto):
+    """The address ``addr`` (an integer) as a pointer to ``proto``'s element type."""
+    if not isinstance(addr, nbtypes.Integer) or not isinstance(proto, nbtypes.Array):
+        return None
+    ptrty = nbtypes.CPointer(proto.dtype)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(ptrty))
+    return ptrty(addr, proto), codegen
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr, g, k0s, k1s,
+                 gs, mode):
+    """One in-place pass over a list of tensors of proto's dtype, all chunks in one launch.
+
+    Tensor j: flat array of sizes[j] elements at address addrs[j]; its element i is element
+    offs[j] + i of tensor ts[j]; weight decay wds[j]; its chunks are cstart[j] .. cstart[j+1]-1.
+    z = z(k0, k1); z_k keyed by (k0s[k], k1s[k]).
+
+    mode PERTURB:        p <- p + a z
+    mode RESTORE_UPDATE: pr = p + a z;  p <- pr - lr (g z + wd pr)         (z made once)
+    mode MULTI_RESTORE:  pr = p + a z;  p <- pr - lr (sum_k gs[k] z_k + wd pr)
+    mode MULTI:          pr = p;        p <- pr - lr (sum_k gs[k] z_k + wd pr)
+    One kernel for every mode and tensor: one compilation per dtype, one thread-pool launch per
+    pass (many small tensors cost no more launches than one large one).
+    """
+    npert = gs.size
+    for c in prange(cstart[cstart.size - 1]):
+        j = np.searchsorted(cstart, c, side="right") - 1
+        p = numba.carray(_as_pointer(addrs[j], proto), sizes[j])
+        i0 = (c - cstart[j]) * CHUNK
+        m = min(CHUNK, sizes[j] - i0)
+        e0 = offs[j] + np.uint64(i0)
+        t = ts[j]
+        wd = wds[j]
+        z = np.empty(m, np.float64)
+        if mode == 0:
+            fill_z(z, e0, t, k0, k1, dist)
+            for i in range(m):
+                _store(p, i0 + i, _load(p, i0 + i) + a * z[i])
+        elif mode == 1:
+            fill_z(z, e0, t, k0, k1, dist)
+            for i in range(m):
+                zi = z[i]
+                pr = _load(p, i0 + i) + a * zi
+                _store(p, i0 + i, pr - lr * (g * zi + wd * pr))
+        else:
+            acc = np.zeros(m, np.float64)
+            for k in range(npert):
+                fill_z(z, e0, t, k0s[k], k1s[k], dist)
+                gk = gs[k]
+                for i in range(m):
+                    acc[i] = acc[i] + gk * z[i]
+            if mode == 2:
+                fill_z(z, e0, t, k0, k1, dist)
+                for i in range(m):
+                    pr = _load(p, i0 + i) + a * z[i]
+                    _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
+            else:
+                for i in range(m):
+                    pr = _load(p, i0 + i)
+                    _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
+
+
+def _u(x) -> np.uint64:
+    return np.uint64(x)
+
+
+def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 0.0,
+             g: float = 0.0, k0s: np.ndarray = _NO_KEYS, k1s: np.ndarray = _NO_KEYS,
+             gs: np.ndarray = _NO_GS) -> None:
+    """One fused pass (``mode``, see :func:`fused_kernel`) over ``entries``, in place.
+
+    entries: (p, off, t, wd) with p a flat C-contiguous writeable numpy array of float32,
+    float64 or uint16 (the view of float16 storage). One kernel launch per storage dtype.
+    ValueError if two arrays share memory (the chunks run concurrently).
+    """
+    groups: dict[np.dtype, list] = {}
+    spans = []
+    for p, off, t, wd in entries:
+        if p.dtype not in STORAGE or p.ndim != 1 or not p.flags.c_contiguous \
+                or not p.flags.writeable:
+            raise ValueError(f"tensor {t}: need a flat, C-contiguous, writeable array of "
+                             f"float32/float64/uint16, got {p.dtype} {p.shape}")
+        if p.size:
+            groups.setdefault(p.dtype, []).append((p, off, t, wd))
+            spans.append((p.ctypes.data, p.ctypes.data + p.nbytes, t))
+    spans.sort()
+    for (_, hi, t0), (lo, _, t1) in itertools.pairwise(spans):
+        if lo < hi:
+            raise ValueError(f"tensors {t0} and {t1} share memory")
+    k0s = np.ascontiguousarray(k0s, np.uint64)
+    k1s = np.ascontiguousarray(k1s, np.uint64)
+    gs = np.ascontiguousarray(gs, np.float64)
+    if not k0s.size == k1s.size == gs.size:
+        raise ValueError("k0s, k1s and gs must have the same length")
+    for dt, items in groups.items():
+        sizes = np.array([p.size for p, _, _, _ in items], np.int64)
+        cstart = np.zeros(len(items) + 1, np.int64)
+        np.cumsum((sizes + CHUNK - 1) // CHUNK, out=cstart[1:])
+        fused_kernel(np.empty(0, dt), np.array([p.ctypes.data for p, _, _, _ in items], np.uint64),
+                     sizes, np.array([o for _, o, _, _ in items], np.uint64),
+                     np.array([t for _, _, t, _ in items], np.uint64),
+                     np.array([w for _, _, _, w in items], np.float64), cstart, int(dist),
+                     _u(k0), _u(k1), float(a), float(lr), float(g), k0s, k1s, gs, int(mode))
+
+
+def perturb(p: np.ndarray, off: int, t: int, k0, k1, dist: int, scale: float) -> None:
+    """p <- p + scale z, in place. p: flat float32/float64 array or float16 as uint16 view."""
+    run_pass([(p, off, t, 0.0)], PERTURB, dist, k0, k1, a=scale)
+
+
+def restore_update(p: np.ndarray, off: int, t: int, k0, k1, dist: int, eps: float, lr: float,
+                   g: float, wd: float) -> None:
+    """pr = p + eps z; p <- pr - lr (g z + wd pr), in place, z computed once per element."""
+    run_pass([(p, off, t, wd)], RESTORE_UPDATE, dist, k0, k1, a=eps, lr=lr, g=g)
+
+
+def multi_update(p: np.ndarray, off: int, t: int, k0s: np.ndarray, k1s: np.ndarray,
+                 gs: np.ndarray, lr: float, wd: float, restore: bool, rk0, rk1, eps: float,
+                 dist: int) -> None:
+    """pr = p + eps z_r (if restore); p <- pr - lr (sum_k gs[k] z_k + wd pr), in place.
+
+    k0s, k1s: uint64[P] key words of the P seeds; gs: float64[P]; (rk0, rk1): restore key.
+    """
+    run_pass([(p, off, t, wd)], MULTI_RESTORE if restore else MULTI, dist, rk0, rk1, a=eps,
+             lr=lr, k0s=k0s, k1s=k1s, gs=gs)
+
+
+def zvec(out: np.ndarray, e0: int, t: int, k0, k1, dist: int) -> None:
+    """out[i] = z(seed, t, e0 + i) into a float32 array."""
+    zvec_kernel(out, _u(e0), _u(t), _u(k0), _u(k1), int(dist))
+
+
+# ----------------------------------------------------------------------------- threads
+@contextlib.contextmanager
+def num_threads(n: int | None) -> Iterator[int]:
+    """Run the kernels inside the block on ``n`` numba threads (None: leave as is).
+
+    Results do not depend on the thread count. Yields the count in effect.
+    """
+    if n is None:
+        yield numba.get_num_threads()
+        return
+    old = numba.get_num_threads()
+    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+    try:
+        yield numba.get_num_threads()
+    finally:
+        numba.set_num_threads(old)

@@ -1,0 +1,455 @@
+"""GPU ZO kernels: a CuPy RawModule (CUDA C) and numba.cuda kernels, same z stream as the CPU.
+
+Import this module only when a GPU is used (or in the simulator test); it imports neither cupy
+nor numba.cuda at import time.
+
+Two implementations of the same contract (rng.py stream definition, kernels.py formulas):
+
+* **CuPy** (:data:`CUDA_SOURCE`, used for cupy arrays by default). The CUDA C source spells the
+  operations of rng.py in C, in the same order, with every constant pasted from rng.py
+  (:func:`cuda_source`). It is compiled with ``--fmad=false`` so that no multiply-add is contracted
+  and the float64 arithmetic is the CPU's, operation for operation. The same source, kernels
+  included, compiles as plain C (the ``ZO_*`` macros turn each grid-stride loop into a serial
+  loop); the tests build it with gcc and require bit-identical results to the numba CPU kernels.
+  It has NOT been run on a GPU here: only the CPU build of the source is tested.
+* **numba.cuda** (:func:`numba_cuda_kernels`, used when ``SEMZO_ZO_GPU_BACKEND=numba``). The
+  device functions are rng.py's own Python functions compiled with ``cuda.jit(device=True)``
+  (textually the same code as the CPU path). Tested under the CUDA simulator
+  (``NUMBA_ENABLE_CUDASIM=1``), where it gives the CPU's bits; on a real GPU, NVVM may contract
+  multiply-adds, which changes Gaussian z by at most about one float32 ulp (< 1e-6).
+
+Entry points mirror kernels.py: ``zvec``, ``perturb``, ``restore_update``, ``multi_update`` take
+a flat device array ``p`` (float32, float64, float16), the element offset ``off`` of ``p[0]`` in
+tensor ``t``, the seed key words, and act in place on the current CuPy stream.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+
+from . import rng
+from .kernels import build_device_functions
+
+THREADS_PER_BLOCK = 256
+cuda = None              # numba.cuda, imported by numba_cuda_kernels()
+MAX_BLOCKS = 65535
+
+_SOURCE_TEMPLATE = r"""
+// semzo ZO kernels (generated from semzo/finetune/kernels_gpu.py; constants from rng.py).
+// z(seed, t, e): Philox-4x32-10, key (seed lo, seed hi), counter (block lo, block hi, t, domain).
+#ifdef __CUDACC__
+#define ZO_DEV static __device__ __forceinline__
+#define ZO_GLOBAL extern "C" __global__ void
+#define ZO_FOR(i, n) for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; \
+                          i < (n); i += (long long)blockDim.x * gridDim.x)
+#define ZO_F2U(f) __float_as_uint(f)
+#define ZO_U2F(u) __uint_as_float(u)
+#else
+#include <math.h>
+#include <string.h>
+#define ZO_DEV static inline
+#define ZO_GLOBAL void
+#define ZO_FOR(i, n) for (long long i = 0; i < (n); ++i)
+static inline unsigned int ZO_F2U(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+static inline float ZO_U2F(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+#endif
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+#define ZO_M32 0xFFFFFFFFULL
+
+ZO_DEV void zo_philox(u64 c[4], u64 k0, u64 k1) {
+  for (int r = 0; r < 10; ++r) {
+    u64 p0 = @PHILOX_M0@ULL * c[0];
+    u64 p1 = @PHILOX_M1@ULL * c[2];
+    u64 n0 = (p1 >> 32) ^ c[1] ^ k0;
+    u64 n2 = (p0 >> 32) ^ c[3] ^ k1;
+    c[1] = p1 & ZO_M32;
+    c[3] = p0 & ZO_M32;
+    c[0] = n0;
+    c[2] = n2;
+    k0 = (k0 + @PHILOX_W0@ULL) & ZO_M32;
+    k1 = (k1 + @PHILOX_W1@ULL) & ZO_M32;
+  }
+}
+
+ZO_DEV double zo_neg2_log_u(u64 x) {
+  double m = (double)x + 1.0;
+  double e = 0.0;
+  int c;
+  c = m >= 4294967296.0; m = c ? m * @TWO_M32@ : m; e = c ? e + 32.0 : e;
+  c = m >= 65536.0;      m = c ? m * @TWO_M16@ : m; e = c ? e + 16.0 : e;
+  c = m >= 256.0;        m = c ? m * @TWO_M8@ : m;  e = c ? e + 8.0 : e;
+  c = m >= 16.0;         m = c ? m * 0.0625 : m;    e = c ? e + 4.0 : e;
+  c = m >= 4.0;          m = c ? m * 0.25 : m;      e = c ? e + 2.0 : e;
+  c = m >= 2.0;          m = c ? m * 0.5 : m;       e = c ? e + 1.0 : e;
+  c = m > @SQRT2@;       m = c ? m * 0.5 : m;       e = c ? e + 1.0 : e;
+  double s = (m - 1.0) / (m + 1.0);
+  double s2 = s * s;
+  double poly = @LOG_C4@;
+  poly = poly * s2 + @LOG_C3@;
+  poly = poly * s2 + @LOG_C2@;
+  poly = poly * s2 + @LOG_C1@;
+  poly = poly * s2 + @LOG_C0@;
+  poly = poly * s2 + 1.0;
+  return (32.0 - e) * (2.0 * @LN2@) - 4.0 * s * poly;
+}
+
+ZO_DEV void zo_cos_sin(u64 x, double* cs, double* sn) {
+  u64 q = x >> 30;
+  double phi = ((double)(x & 0x3FFFFFFFULL) + 0.5) * @PI_2_M31@ - @PI_4@;
+  double p2 = phi * phi;
+  double sp = @SIN_C4@;
+  sp = sp * p2 + @SIN_C3@;
+  sp = sp * p2 + @SIN_C2@;
+  sp = sp * p2 + @SIN_C1@;
+  sp = sp * p2 + @SIN_C0@;
+  double s = phi + phi * (p2 * sp);
+  double cp = @COS_C5@;
+  cp = cp * p2 + @COS_C4@;
+  cp = cp * p2 + @COS_C3@;
+  cp = cp * p2 + @COS_C2@;
+  cp = cp * p2 + @COS_C1@;
+  cp = cp * p2 + @COS_C0@;
+  double c = 1.0 + p2 * cp;
+  int odd = (q & 1ULL) != 0ULL;
+  double c1 = odd ? -s : c;
+  double s1 = odd ? c : s;
+  int half = (q & 2ULL) != 0ULL;
+  *cs = half ? -c1 : c1;
+  *sn = half ? -s1 : s1;
+}
+
+ZO_DEV double zo_gauss_at(u64 e, u64 t, u64 k0, u64 k1) {
+  u64 b = e >> 2;
+  u64 c[4] = {b & ZO_M32, b >> 32, t, 0ULL};
+  zo_philox(c, k0, k1);
+  u64 lane = e & 3ULL;
+  int second = lane >= 2ULL;
+  u64 xa = second ? c[2] : c[0];
+  u64 xb = second ? c[3] : c[1];
+  double r = sqrt(zo_neg2_log_u(xa));
+  double cs, sn;
+  zo_cos_sin(xb, &cs, &sn);
+  double za = r * cs;
+  double zb = r * sn;
+  double z = (lane & 1ULL) != 0ULL ? zb : za;
+  return (double)(float)z;
+}
+
+ZO_DEV double zo_rad_at(u64 e, u64 t, u64 k0, u64 k1) {
+  u64 b = e >> 7;
+  u64 c[4] = {b & ZO_M32, b >> 32, t, 1ULL};
+  zo_philox(c, k0, k1);
+  u64 j = (e >> 5) & 3ULL;
+  u64 lo = j == 1ULL ? c[1] : c[0];
+  u64 hi = j == 3ULL ? c[3] : c[2];
+  u64 w = j >= 2ULL ? hi : lo;
+  return 1.0 - 2.0 * (double)((w >> (e & 31ULL)) & 1ULL);
+}
+
+ZO_DEV double zo_z(u64 e, u64 t, u64 k0, u64 k1, int dist) {
+  return dist == 0 ? zo_gauss_at(e, t, k0, k1) : zo_rad_at(e, t, k0, k1);
+}
+
+ZO_DEV double zo_half_to_double(u16 h) {
+  long long x = (long long)h;
+  long long e = (x >> 10) & 0x1F;
+  long long m = x & 0x3FF;
+  double v;
+  if (e == 0) {
+    v = (double)m * 5.9604644775390625e-08;
+  } else {
+    long long ef = e == 31 ? 255 : e + 112;
+    v = (double)ZO_U2F((u32)((ef << 23) | (m << 13)));
+  }
+  return (x & 0x8000) != 0 ? -v : v;
+}
+
+ZO_DEV u16 zo_float_to_half(float x) {
+  long long f = (long long)ZO_F2U(x);
+  long long sign = f & 0x80000000LL;
+  long long o;
+  f = f ^ sign;
+  if (f >= 0x47800000LL) {
+    o = f > 0x7F800000LL ? 0x7E00 : 0x7C00;
+  } else if (f < 0x38800000LL) {
+    float ff = ZO_U2F((u32)f) + 0.5f;
+    o = (long long)ZO_F2U(ff) - 0x3F000000LL;
+  } else {
+    long long odd = (f >> 13) & 1;
+    o = (f - 0x38000000LL + 0xFFF + odd) >> 13;
+  }
+  return (u16)(o | (sign >> 16));
+}
+
+#define ZO_LOAD_f32(p, i) ((double)(p)[i])
+#define ZO_STORE_f32(p, i, v) ((p)[i] = (float)(v))
+#define ZO_LOAD_f64(p, i) ((p)[i])
+#define ZO_STORE_f64(p, i, v) ((p)[i] = (v))
+#define ZO_LOAD_f16(p, i) zo_half_to_double((p)[i])
+#define ZO_STORE_f16(p, i, v) ((p)[i] = zo_float_to_half((float)(v)))
+
+ZO_GLOBAL zo_zvec(float* out, long long n, u64 e0, u64 t, u64 k0, u64 k1, int dist) {
+  ZO_FOR(i, n) { out[i] = (float)zo_z(e0 + (u64)i, t, k0, k1, dist); }
+}
+
+#define ZO_DEFINE(S, T)                                                                       \
+ZO_GLOBAL zo_perturb_##S(T* p, long long n, u64 off, u64 t, u64 k0, u64 k1, int dist,         \
+                         double scale) {                                                      \
+  ZO_FOR(i, n) {                                                                              \
+    double z = zo_z(off + (u64)i, t, k0, k1, dist);                                           \
+    ZO_STORE_##S(p, i, ZO_LOAD_##S(p, i) + scale * z);                                        \
+  }                                                                                           \
+}                                                                                             \
+ZO_GLOBAL zo_restore_update_##S(T* p, long long n, u64 off, u64 t, u64 k0, u64 k1, int dist,  \
+                                double eps, double lr, double g, double wd) {                 \
+  ZO_FOR(i, n) {                                                                              \
+    double z = zo_z(off + (u64)i, t, k0, k1, dist);                                           \
+    double pr = ZO_LOAD_##S(p, i) + eps * z;                                                  \
+    ZO_STORE_##S(p, i, pr - lr * (g * z + wd * pr));                                          \
+  }                                                                                           \
+}                                                                                             \
+ZO_GLOBAL zo_multi_update_##S(T* p, long long n, u64 off, u64 t, const u64* k0s,             \
+                              const u64* k1s, const double* gs, int npert, double lr,         \
+                              double wd, int restore, u64 rk0, u64 rk1, double eps,           \
+                              int dist) {                                                     \
+  ZO_FOR(i, n) {                                                                              \
+    u64 e = off + (u64)i;                                                                     \
+    double acc = 0.0;                                                                         \
+    for (int k = 0; k < npert; ++k) acc = acc + gs[k] * zo_z(e, t, k0s[k], k1s[k], dist);     \
+    double pr = ZO_LOAD_##S(p, i);                                                            \
+    if (restore) pr = pr + eps * zo_z(e, t, rk0, rk1, dist);                                  \
+    ZO_STORE_##S(p, i, pr - lr * (acc + wd * pr));                                            \
+  }                                                                                           \
+}
+
+ZO_DEFINE(f32, float)
+ZO_DEFINE(f64, double)
+ZO_DEFINE(f16, u16)
+"""
+
+
+def _c_double(x: float) -> str:
+    """A C literal that parses to exactly the double ``x``."""
+    s = repr(float(x))
+    return s if ("e" in s or "." in s) else s + ".0"
+
+
+@functools.cache
+def cuda_source() -> str:
+    """The CUDA C source of the GPU kernels (also valid C: see the module docstring)."""
+    subs = {
+        "PHILOX_M0": str(int(rng.PHILOX_M0)), "PHILOX_M1": str(int(rng.PHILOX_M1)),
+        "PHILOX_W0": str(int(rng.PHILOX_W0)), "PHILOX_W1": str(int(rng.PHILOX_W1)),
+        "TWO_M32": _c_double(rng.TWO_M32), "TWO_M16": _c_double(rng.TWO_M16),
+        "TWO_M8": _c_double(rng.TWO_M8), "SQRT2": _c_double(rng.SQRT2),
+        "LN2": _c_double(rng.LN2), "PI_2_M31": _c_double(rng.PI_2_M31),
+        "PI_4": _c_double(rng.PI_4),
+    }
+    for name in ("LOG_C", "SIN_C", "COS_C"):
+        for i, c in enumerate(getattr(rng, name)):
+            subs[f"{name}{i}"] = _c_double(c)
+    src = _SOURCE_TEMPLATE
+    for k, v in subs.items():
+        src = src.replace(f"@{k}@", v)
+    if "@" in src:
+        raise RuntimeError("unsubstituted constant in the CUDA source")
+    return src
+
+
+SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16"}
+
+
+# ----------------------------------------------------------------------------- CuPy backend
+@functools.cache
+def _cupy_module(device_id: int):
+    import cupy
+    return cupy.RawModule(code=cuda_source(), options=("--fmad=false",))
+
+
+def _cupy_launch(name: str, n: int, args: tuple) -> None:
+    import cupy
+    fn = _cupy_module(cupy.cuda.runtime.getDevice()).get_function(name)
+    blocks = max(1, min(MAX_BLOCKS, -(-n // THREADS_PER_BLOCK)))
+    fn((blocks,), (THREADS_PER_BLOCK,), args)
+
+
+def _storage(p):
+    """(suffix, array the kernel writes) for a flat cupy array: float16 goes as its uint16 view."""
+    import cupy
+    sfx = SUFFIX.get(np.dtype(p.dtype))
+    if sfx is None:
+        raise TypeError(f"ZO kernels support float32, float64, float16 storage, not {p.dtype}")
+    return sfx, (p.view(cupy.uint16) if sfx == "f16" else p)
+
+
+def _u(x) -> np.uint64:
+    return np.uint64(x)
+
+
+def _use_numba() -> bool:
+    return os.environ.get("SEMZO_ZO_GPU_BACKEND", "cupy").lower() == "numba"
+
+
+def zvec(out, e0, t, k0, k1, dist) -> None:
+    """out[i] = z(seed, t, e0 + i) into a float32 device array."""
+    if _use_numba():
+        numba_cuda_kernels().zvec(out, e0, t, k0, k1, dist)
+        return
+    n = out.size
+    _cupy_launch("zo_zvec", n, (out, np.int64(n), _u(e0), _u(t), _u(k0), _u(k1),
+                                np.int32(dist)))
+
+
+def perturb(p, off, t, k0, k1, dist, scale) -> None:
+    """p <- p + scale z, in place (formula of kernels.perturb_kernel)."""
+    if _use_numba():
+        numba_cuda_kernels().perturb(p, off, t, k0, k1, dist, scale)
+        return
+    sfx, q = _storage(p)
+    n = p.size
+    _cupy_launch(f"zo_perturb_{sfx}", n, (q, np.int64(n), _u(off), _u(t), _u(k0), _u(k1),
+                                           np.int32(dist), np.float64(scale)))
+
+
+def restore_update(p, off, t, k0, k1, dist, eps, lr, g, wd) -> None:
+    """pr = p + eps z; p <- pr - lr (g z + wd pr), in place."""
+    if _use_numba():
+        numba_cuda_kernels().restore_update(p, off, t, k0, k1, dist, eps, lr, g, wd)
+        return
+    sfx, q = _storage(p)
+    n = p.size
+    _cupy_launch(f"zo_restore_update_{sfx}", n,
+                 (q, np.int64(n), _u(off), _u(t), _u(k0), _u(k1), np.int32(dist),
+                  np.float64(eps), np.float64(lr), np.float64(g), np.float64(wd)))
+
+
+def multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1, eps, dist) -> None:
+    """pr = p + eps z_r (if restore); p <- pr - lr (sum_k gs[k] z_k + wd pr), in place.
+
+    k0s, k1s: uint64[P], gs: float64[P] host (numpy) arrays.
+    """
+    if _use_numba():
+        numba_cuda_kernels().multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1,
+                                          eps, dist)
+        return
+    import cupy
+    sfx, q = _storage(p)
+    n = p.size
+    dk0 = cupy.asarray(np.asarray(k0s, np.uint64))
+    dk1 = cupy.asarray(np.asarray(k1s, np.uint64))
+    dgs = cupy.asarray(np.asarray(gs, np.float64))
+    _cupy_launch(f"zo_multi_update_{sfx}", n,
+                 (q, np.int64(n), _u(off), _u(t), dk0, dk1, dgs, np.int32(dgs.size),
+                  np.float64(lr), np.float64(wd), np.int32(bool(restore)), _u(rk0), _u(rk1),
+                  np.float64(eps), np.int32(dist)))
+
+
+# ----------------------------------------------------------------------------- numba.cuda backend
+class _NumbaCuda:
+    """numba.cuda kernels compiled from rng.py's device functions (see numba_cuda_kernels)."""
+
+    def __init__(self, threads_per_block: int) -> None:
+        global cuda
+        from numba import cuda  # a module global: the simulator swaps it in kernel globals
+        self.cuda = cuda
+        self.tpb = threads_per_block
+        dev = build_device_functions(lambda f: cuda.jit(device=True)(f))
+        gauss_at = dev["gauss_at"]
+        rad_at = dev["rad_at"]
+
+        @cuda.jit(device=True)
+        def z_at(e, t, k0, k1, dist):
+            if dist == 0:
+                return gauss_at(e, t, k0, k1)
+            return rad_at(e, t, k0, k1)
+
+        @cuda.jit(device=True)
+        def rounded(v, rnd32):
+            # float32 and float16 storage: round once to float32 (float16: then to float16)
+            return np.float64(np.float32(v)) if rnd32 else v
+
+        @cuda.jit
+        def k_zvec(out, e0, t, k0, k1, dist):
+            for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+                out[i] = np.float32(z_at(e0 + np.uint64(i), t, k0, k1, dist))
+
+        @cuda.jit
+        def k_perturb(p, off, t, k0, k1, dist, scale, rnd32):
+            for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
+                z = z_at(off + np.uint64(i), t, k0, k1, dist)
+                p[i] = rounded(np.float64(p[i]) + scale * z, rnd32)
+
+        @cuda.jit
+        def k_restore_update(p, off, t, k0, k1, dist, eps, lr, g, wd, rnd32):
+            for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
+                z = z_at(off + np.uint64(i), t, k0, k1, dist)
+                pr = np.float64(p[i]) + eps * z
+                p[i] = rounded(pr - lr * (g * z + wd * pr), rnd32)
+
+        @cuda.jit
+        def k_multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1, eps, dist,
+                           rnd32):
+            for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
+                e = off + np.uint64(i)
+                acc = 0.0
+                for k in range(gs.size):
+                    acc = acc + gs[k] * z_at(e, t, k0s[k], k1s[k], dist)
+                pr = np.float64(p[i])
+                if restore:
+                    pr = pr + eps * z_at(e, t, rk0, rk1, dist)
+                p[i] = rounded(pr - lr * (acc + wd * pr), rnd32)
+
+        self.k_zvec, self.k_perturb = k_zvec, k_perturb
+        self.k_restore_update, self.k_multi_update = k_restore_update, k_multi_update
+
+    def _cfg(self, n: int):
+        blocks = max(1, min(MAX_BLOCKS, -(-n // self.tpb)))
+        return blocks, self.tpb
+
+    def _stream(self, p):
+        """numba stream matching cupy's current stream for cupy arrays, else the default."""
+        if type(p).__module__.startswith("cupy"):
+            import cupy
+            return self.cuda.external_stream(cupy.cuda.get_current_stream().ptr)
+        return 0
+
+    @staticmethod
+    def _rnd32(p) -> bool:
+        return np.dtype(p.dtype) != np.dtype(np.float64)
+
+    def zvec(self, out, e0, t, k0, k1, dist):
+        b, tpb = self._cfg(out.size)
+        self.k_zvec[b, tpb, self._stream(out)](out, _u(e0), _u(t), _u(k0), _u(k1), int(dist))
+
+    def perturb(self, p, off, t, k0, k1, dist, scale):
+        b, tpb = self._cfg(p.size)
+        self.k_perturb[b, tpb, self._stream(p)](p, _u(off), _u(t), _u(k0), _u(k1), int(dist),
+                                                float(scale), self._rnd32(p))
+
+    def restore_update(self, p, off, t, k0, k1, dist, eps, lr, g, wd):
+        b, tpb = self._cfg(p.size)
+        self.k_restore_update[b, tpb, self._stream(p)](
+            p, _u(off), _u(t), _u(k0), _u(k1), int(dist), float(eps), float(lr), float(g),
+            float(wd), self._rnd32(p))
+
+    def multi_update(self, p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1, eps, dist):
+        b, tpb = self._cfg(p.size)
+        self.k_multi_update[b, tpb, self._stream(p)](
+            p, _u(off), _u(t), np.asarray(k0s, np.uint64), np.asarray(k1s, np.uint64),
+            np.asarray(gs, np.float64), float(lr), float(wd), bool(restore), _u(rk0), _u(rk1),
+            float(eps), int(dist), self._rnd32(p))
+
+
+@functools.cache
+def numba_cuda_kernels(threads_per_block: int = THREADS_PER_BLOCK) -> _NumbaCuda:
+    """The numba.cuda kernels (compiled lazily on first launch; works under the simulator)."""
+    return _NumbaCuda(threads_per_block)
+
+
+__all__ = ["THREADS_PER_BLOCK", "cuda_source", "multi_update", "numba_cuda_kernels", "perturb",
+           "restore_update", "zvec"]
