@@ -15,7 +15,7 @@ from mpi4py import MPI
 from ..embed import read_embeddings
 from ..h5io import create_collective, open_collective, read_slab, write_rows
 from ..runtime import SemzoError, get_logger
-from . import kmeans
+from .kmeans import kmeans
 
 log = get_logger(__name__)
 

@@ -1,0 +1,127 @@
+"""GPU (CuPy) E-step of k-means: the same interface as :mod:`semzo.cluster.cpu`, plain Lloyd.
+
+Imported only when :func:`semzo.cluster.kmeans` receives a CuPy array. Distances by cuBLAS
+SGEMM per block, argmin by CuPy, per-cluster sums by ``cupyx.scatter_add`` in float64 (atomic
+adds: the sums are not bit-reproducible run to run, unlike the CPU path). The reduced buffer
+lives on the host (k*(d+1) numbers), so any ``allreduce`` on numpy buffers works; the device is
+synchronised by the ``.get()`` copies before any MPI call. Not exercised by the tests (no GPU
+on the development machine); the CPU path is the reference.
+"""
+
+from __future__ import annotations
+
+import cupy as cp
+import cupyx
+import numpy as np
+
+
+class LocalData:
+    """A rank's rows (n, d) float32 on the device; methods mirror ``cpu.LocalData``."""
+
+    def __init__(self, x, block_rows: int):
+        self.x = cp.ascontiguousarray(x, dtype=cp.float32)
+        self.n, self.d = self.x.shape
+        self.block_rows = max(1, int(block_rows))
+        self.x_sq = cp.empty(self.n, dtype=cp.float64)
+        for s, e in self.blocks():
+            blk = self.x[s:e].astype(cp.float64)
+            self.x_sq[s:e] = (blk * blk).sum(axis=1)
+
+    def blocks(self):
+        for s in range(0, self.n, self.block_rows):
+            yield s, min(self.n, s + self.block_rows)
+
+    def take_rows(self, idx) -> np.ndarray:
+        idx = cp.asarray(np.asarray(idx, dtype=np.int64))
+        return cp.asnumpy(self.x[idx])
+
+    def column_sums(self) -> np.ndarray:
+        return cp.asnumpy(self.x.sum(axis=0, dtype=cp.float64))
+
+    def column_sq_dev(self, mean: np.ndarray) -> np.ndarray:
+        m = cp.asarray(mean)
+        out = cp.zeros(self.d, dtype=cp.float64)
+        for s, e in self.blocks():
+            dev = self.x[s:e].astype(cp.float64) - m
+            out += (dev * dev).sum(axis=0)
+        return cp.asnumpy(out)
+
+    def fold_candidates(self, cand, base, d2, nearest) -> None:
+        if self.n == 0 or cand.shape[0] == 0:
+            return
+        c = cp.asarray(cand, dtype=cp.float32)
+        c_sq = (c.astype(cp.float64) ** 2).sum(axis=1).astype(cp.float32)
+        d2_dev = cp.asarray(d2)
+        near_dev = cp.asarray(nearest)
+        for s, e in self.blocks():
+            score = c_sq[None, :] - 2.0 * (self.x[s:e] @ c.T)
+            j = cp.argmin(score, axis=1)
+            v = cp.maximum(self.x_sq[s:e] + cp.take_along_axis(score, j[:, None], 1)[:, 0], 0.0)
+            better = v < d2_dev[s:e]
+            d2_dev[s:e] = cp.where(better, v, d2_dev[s:e])
+            near_dev[s:e] = cp.where(better, (j + base).astype(cp.int32), near_dev[s:e])
+        d2[:] = cp.asnumpy(d2_dev)
+        nearest[:] = cp.asnumpy(near_dev)
+
+    def exact_cost(self, labels, centers, counts, spherical):
+        c = cp.asarray(centers, dtype=cp.float32)
+        e2 = cp.empty(self.n, dtype=cp.float64)
+        inertia = cp.zeros((), dtype=cp.float64)
+        for s, e in self.blocks():
+            xb = self.x[s:e].astype(cp.float64)
+            cb = c[labels[s:e]].astype(cp.float64)
+            e2[s:e] = ((xb - cb) ** 2).sum(axis=1)
+            inertia += (1.0 - (xb * cb).sum(axis=1)).sum() if spherical else e2[s:e].sum()
+        if counts.shape[0]:
+            counts += cp.asnumpy(cp.bincount(labels, minlength=counts.shape[0]))
+        return e2, float(inertia)
+
+
+class LloydGPU:
+    """Plain Lloyd E-step on the device (see ``cpu.LloydCPU`` for the contract)."""
+
+    name = "lloyd"
+
+    def __init__(self, data: LocalData, k: int, spherical: bool):
+        self.data = data
+        self.k = k
+        self.spherical = spherical
+        self.labels = cp.full(data.n, -1, dtype=cp.int32)
+
+    def estep(self, centers, sums, counts, accumulate=True):
+        data, k = self.data, self.k
+        c = cp.asarray(centers, dtype=cp.float32)
+        if self.spherical:
+            c_sq = cp.zeros(k, dtype=cp.float32)
+        else:
+            c_sq = (c.astype(cp.float64) ** 2).sum(axis=1).astype(cp.float32)
+        s_dev = cp.zeros((k, data.d), dtype=cp.float64) if accumulate else None
+        n_dev = cp.zeros(k, dtype=cp.float64) if accumulate else None
+        changed = cp.zeros((), dtype=cp.int64)
+        inertia = cp.zeros((), dtype=cp.float64)
+        for s, e in data.blocks():
+            xb = data.x[s:e]
+            score = c_sq[None, :] - cp.float32(2.0) * (xb @ c.T)
+            lab = cp.argmin(score, axis=1).astype(cp.int32)
+            best = cp.take_along_axis(score, lab[:, None].astype(cp.int64), 1)[:, 0]
+            changed += (lab != self.labels[s:e]).sum()
+            self.labels[s:e] = lab
+            inertia += (data.x_sq[s:e] + best.astype(cp.float64)).sum()
+            if accumulate:
+                cupyx.scatter_add(s_dev, lab, xb.astype(cp.float64))
+                n_dev += cp.bincount(lab, minlength=k).astype(cp.float64)
+        if accumulate:
+            sums[...] = cp.asnumpy(s_dev)
+            counts[...] = cp.asnumpy(n_dev)
+        inertia = float(inertia)
+        if self.spherical:
+            inertia = 0.5 * (inertia - float(data.x_sq.sum())) + data.n
+        return int(changed), inertia, data.n
+
+
+def predict(x, centers, spherical, block_rows):
+    data = LocalData(x, block_rows)
+    a = LloydGPU(data, int(centers.shape[0]), spherical)
+    a.estep(np.asarray(cp.asnumpy(centers) if hasattr(centers, "get") else centers,
+                       dtype=np.float32), None, None, False)
+    return a.labels
