@@ -1,4 +1,4 @@
-"""Command line: ``python -m semzo {run,check,topology,corpus,deck-doc} ...``.
+"""Command line: ``python -m semzo {run,check,topology,corpus,inspect,export,deck-doc} ...``.
 
 Every command is SPMD-safe: launched under ``mpirun -n N`` each rank runs it, rank 0 prints,
 and an error on any rank ends every rank (see :func:`semzo.runtime.run_spmd`).
@@ -35,6 +35,12 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("corpus", help="write a JSONL corpus from a system source")
     k.add_argument("source", choices=("fortunes", "debian"))
     k.add_argument("out")
+    i = sub.add_parser("inspect", help="summarize and verify a checkpoint (file or folder)")
+    i.add_argument("ckpt")
+    i.add_argument("--no-deck", action="store_true", help="do not print the stored deck")
+    e = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face folder")
+    e.add_argument("ckpt", help="checkpoint file, or folder (its newest valid checkpoint)")
+    e.add_argument("outdir")
     sub.add_parser("deck-doc", help="print the deck reference (docs/deck.md)")
     return p
 
@@ -52,6 +58,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "corpus":
         return _corpus(args)
+    if args.cmd in ("inspect", "export"):
+        return _checkpoint_tool(args)
 
     from mpi4py import MPI
 
@@ -77,6 +85,24 @@ def _dispatch(args: argparse.Namespace) -> int:
     from .pipeline import run
 
     run(deck, comm)
+    return 0
+
+
+def _checkpoint_tool(args: argparse.Namespace) -> int:
+    """``inspect`` (exit 1 when a checksum fails) and ``export``; any number of ranks."""
+    from mpi4py import MPI
+
+    from .checkpoint import tools
+
+    comm = MPI.COMM_WORLD
+    if args.cmd == "inspect":
+        text, ok = tools.summary(args.ckpt, comm, deck=not args.no_deck)
+        if comm.Get_rank() == 0:
+            print(text)
+        return 0 if ok else 1
+    out = tools.export(args.ckpt, args.outdir, comm)
+    if comm.Get_rank() == 0:
+        print(f"exported {args.ckpt} to {out}")
     return 0
 
 

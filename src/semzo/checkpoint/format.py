@@ -1,0 +1,205 @@
+"""The checkpoint file layout, the fixed block layout of every dataset, and its checksums.
+
+A checkpoint is one HDF5 file (``ckpt-000000100.h5``)::
+
+    /                       attrs: format, format_version, semzo_version, semzo_deck (resolved
+                            TOML), world_size, step, created, topology (JSON), metrics (JSON),
+                            shards_path, shards_manifest, checksum_kind, block_bytes,
+                            n_params, param_bytes; attrs_checksum is written last
+    /params/<hf name>       each parameter in its global shape and dtype (creation order kept)
+    /state/...              the ZO state: scalars as attributes, arrays as datasets (nested dicts
+                            are subgroups); attr semzo_keys lists the keys in their order
+    /per_rank/<name>        (P, ...) one row per rank of the run that wrote it (data cursor ...)
+    /extras/<name>          other arrays (k-means centroids ...)
+    /metrics                attrs: loss and other figures at this step
+
+Block layout: every dataset is cut along its first axis into blocks of ``block_rows`` rows
+(about ``block_bytes`` bytes, at most :data:`MAX_BLOCKS` blocks). Blocks, not ranks, are the
+unit of checksums: the dataset's attribute ``digests`` holds one digest per block and
+``checksum`` is the digest of those digests, so a file written at P ranks verifies at any
+other rank count. Ranks own contiguous runs of whole blocks (:func:`rank_rows`), both to write
+(each rank writes and hashes its run) and to read (each rank reads and verifies its run).
+0-d arrays are stored as shape ``(1,)`` with attr ``semzo_kind = "scalar"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import zlib
+from dataclasses import dataclass
+
+import h5py
+import numpy as np
+
+FORMAT = "semzo-checkpoint"
+FORMAT_VERSION = 1
+MAX_BLOCKS = 4096          # keeps the digests attribute under HDF5's 64 KiB compact limit
+ALIGN_BYTES = 4096         # blocks are whole pages where the row size allows
+CHECKSUM_KINDS = ("xxh64", "crc32", "blake2b")
+GROUPS = ("params", "state", "per_rank", "extras")
+
+
+class CheckpointError(Exception):
+    """A checkpoint file that is incomplete, corrupt or of an unknown format."""
+
+
+# --------------------------------------------------------------------------- digests
+def digest(kind: str, buf) -> int:
+    """Digest of a bytes-like object as an unsigned 64-bit integer: XXH64 (seed 0), crc32
+    zero-extended, or the first 8 bytes of blake2b. All release the GIL for large buffers."""
+    mv = memoryview(buf).cast("B")
+    if kind == "xxh64":
+        from .xxh64 import xxh64  # numba: imported on first use only
+        return xxh64(mv)
+    if kind == "crc32":
+        return zlib.crc32(mv)
+    if kind == "blake2b":
+        return int.from_bytes(hashlib.blake2b(mv, digest_size=8).digest(), "little")
+    raise ValueError(f"unknown checksum kind {kind!r}")
+
+
+def combine(kind: str, digests: np.ndarray) -> str:
+    """The dataset checksum: ``kind:hex`` of the digest of its block digests (uint64 LE)."""
+    d = np.ascontiguousarray(digests, dtype="<u8")
+    return _hex(kind, digest(kind, d.view(np.uint8)))
+
+
+def _hex(kind: str, value: int) -> str:
+    return f"{kind}:{value:0{8 if kind == 'crc32' else 16}x}"
+
+
+# --------------------------------------------------------------------------- block layout
+@dataclass(frozen=True)
+class BlockLayout:
+    """How one dataset of ``shape``/``itemsize`` is cut into checksum blocks."""
+
+    n_rows: int
+    block_rows: int
+    n_blocks: int
+
+    @classmethod
+    def of(cls, shape: tuple, itemsize: int, block_bytes: int) -> BlockLayout:
+        shape = tuple(int(s) for s in shape) or (1,)
+        n_rows = shape[0]
+        row_bytes = itemsize * math.prod(shape[1:])
+        if n_rows == 0 or row_bytes == 0:
+            return cls(n_rows, 1, 0)
+        # rows per block: a multiple of the rows that make whole pages, near block_bytes
+        unit = ALIGN_BYTES // math.gcd(row_bytes, ALIGN_BYTES)
+        if unit * row_bytes > block_bytes:
+            unit = 1
+        rows = max(unit, (block_bytes // row_bytes) // unit * unit)
+        rows = max(rows, -(-n_rows // MAX_BLOCKS))
+        rows = min(rows, n_rows)
+        return cls(n_rows, rows, -(-n_rows // rows))
+
+    def block_range(self, b_lo: int, b_hi: int) -> tuple[int, int]:
+        """Rows [lo, hi) of blocks [b_lo, b_hi)."""
+        return min(self.n_rows, b_lo * self.block_rows), min(self.n_rows, b_hi * self.block_rows)
+
+
+def rank_blocks(n_blocks: int, rank: int, size: int, shift: int) -> tuple[int, int]:
+    """Blocks [b_lo, b_hi) owned by ``rank``: balanced contiguous parts in rank order rotated
+    by ``shift``, so that a run of one-block datasets is spread round-robin over the ranks."""
+    part = (rank - shift) % size
+    return -(-n_blocks * part // size), -(-n_blocks * (part + 1) // size)
+
+
+def rank_rows(layout: BlockLayout, rank: int, size: int, shift: int) -> tuple[int, int, int, int]:
+    """(row lo, row hi, block lo, block hi) of ``rank``'s part of a dataset."""
+    b_lo, b_hi = rank_blocks(layout.n_blocks, rank, size, shift)
+    lo, hi = layout.block_range(b_lo, b_hi)
+    return lo, hi, b_lo, b_hi
+
+
+def all_rank_rows(layout: BlockLayout, size: int, shift: int) -> list[tuple[int, int]]:
+    """[(lo, hi)] of every rank (what each one reads or writes)."""
+    return [rank_rows(layout, r, size, shift)[:2] for r in range(size)]
+
+
+def block_digests(kind: str, rows: np.ndarray, block_rows: int) -> np.ndarray:
+    """Digests (uint64) of consecutive blocks of ``block_rows`` rows of ``rows`` (C-contiguous,
+    first row at a block boundary; the last block may be short)."""
+    n = int(rows.shape[0])
+    return np.array([digest(kind, np.ascontiguousarray(rows[s:s + block_rows]))
+                     for s in range(0, n, block_rows)], dtype=np.uint64)
+
+
+# --------------------------------------------------------------------------- attributes
+def attrs_checksum(f: h5py.File, kind: str) -> str:
+    """Digest over every attribute of every object in the file (sorted by path, then name),
+    except the root ``attrs_checksum`` itself. Values are canonicalized as h5py reads them,
+    so the writer (reading back its own attributes) and a reader compute the same text."""
+    parts: list[bytes] = []
+
+    def add(path: str, obj) -> None:
+        for name in sorted(obj.attrs):
+            if path == "/" and name == "attrs_checksum":
+                continue
+            parts.append(f"{path}@{name}=".encode() + _canon(obj.attrs[name]))
+
+    add("/", f)
+    names: list[str] = []
+    f.visit(names.append)
+    for n in sorted(names):
+        add("/" + n, f[n])
+    return _hex(kind, digest(kind, b"|".join(parts)))
+
+
+def _canon(v) -> bytes:
+    if isinstance(v, str):
+        return b"s" + v.encode("utf-8")
+    if isinstance(v, bytes):
+        return b"b" + v
+    a = np.asarray(v)
+    if a.dtype.kind == "O":
+        return b"o" + json.dumps([str(x) for x in a.ravel()]).encode()
+    return f"{a.dtype.str}{a.shape}".encode() + a.tobytes()
+
+
+# --------------------------------------------------------------------------- values
+def to_host(a) -> np.ndarray:
+    """A C-contiguous NumPy array of ``a`` (CuPy arrays are copied to the host)."""
+    if hasattr(a, "get") and not isinstance(a, np.ndarray):
+        a = a.get()
+    a = np.asarray(a)      # (np.ascontiguousarray would turn 0-d arrays into 1-d ones)
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+def scalar_attr(v):
+    """A Python/NumPy scalar as the attribute value HDF5 stores exactly (None is refused)."""
+    if isinstance(v, (bool, np.bool_)):
+        return np.bool_(v)
+    if isinstance(v, (int, np.integer)):
+        if not -2**63 <= int(v) < 2**63:
+            raise TypeError(f"integer {v} does not fit in int64")
+        return np.int64(v) if isinstance(v, int) else v
+    if isinstance(v, (float, np.floating, str)):
+        return v
+    raise TypeError(f"unsupported value {v!r} of type {type(v).__name__}")
+
+
+def from_attr(v):
+    """An attribute value back as Python int/float/bool/str (arrays stay arrays)."""
+    if isinstance(v, np.bool_):
+        return bool(v)
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.float64):
+        return float(v)
+    return v
+
+
+def checkpoint_name(step: int) -> str:
+    return f"ckpt-{int(step):09d}.h5"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint file name, or None for other names (temporaries included)."""
+    if name.startswith("ckpt-") and name.endswith(".h5"):
+        core = name[5:-3]
+        if core.isdigit():
+            return int(core)
+    return None

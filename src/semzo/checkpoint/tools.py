@@ -1,0 +1,178 @@
+"""``semzo inspect CKPT`` and ``semzo export CKPT OUTDIR``.
+
+Both run on any number of ranks (one is enough): reading and verifying is collective, rank 0
+prints or writes. ``inspect`` of a folder lists its checkpoints (verifying each) and then
+describes the newest valid one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+from ..runtime import SemzoError, get_logger
+from .format import CheckpointError
+from .manager import list_checkpoints, manifest_checksum, read_latest
+from .reader import describe, load, verify
+
+log = get_logger(__name__)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def _value(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tuple[str, bool]:
+    """(text, all checksums OK) describing a checkpoint file or folder. Collective."""
+    path = Path(path)
+    if not path.exists():
+        raise SemzoError(f"{path}: no such checkpoint file or folder")
+    lines: list[str] = []
+    if path.is_dir():
+        ckpts = list(reversed(list_checkpoints(path)))
+        latest = read_latest(path)
+        lines.append(f"checkpoint folder {path}: {len(ckpts)} checkpoint(s), latest -> "
+                     f"{latest or '(none)'}")
+        chosen = None
+        for step, p in ckpts:
+            ok, why = verify(p, comm)
+            lines.append(f"  {p.name}  step {step:>9}  {_mib(p.stat().st_size):>12}  "
+                         f"{'OK' if ok else 'INVALID: ' + why}")
+            if ok and chosen is None:
+                chosen = p
+        if chosen is None:
+            return "\n".join(lines + ["no valid checkpoint"]), False
+        text, ok = summary(chosen, comm, deck=deck)
+        return "\n".join(lines + ["", text]), ok
+    try:
+        meta = describe(path, comm)
+    except CheckpointError as exc:
+        return f"checkpoint {path}\n  INVALID: {exc}", False
+    ok, why = verify(path, comm)
+    a = meta.attrs
+    topo = json.loads(a.get("topology", "{}") or "{}")
+    where = f"{a.get('world_size')} ranks"
+    if "n_nodes" in topo:
+        where += f" ({topo['n_nodes']} nodes, {topo['n_switches']} switches)"
+    lines.append(f"checkpoint {path}")
+    lines.append(f"  step {a.get('step')}, written {a.get('created', '?')} by semzo "
+                 f"{a.get('semzo_version')} on {where}, format {a.get('format_version')}")
+    metrics = meta.groups.get("metrics", {})
+    if metrics:
+        lines.append("  metrics: " + ", ".join(f"{k} = {_value(v)}" for k, v in metrics.items()))
+    params = [d for d in meta.datasets if d[0].startswith("params/")]
+    n_values = sum(int(np.prod(d[1])) for d in params)
+    lines.append(f"  parameters: {len(params)} tensors, {n_values:,} values, "
+                 f"{_mib(int(a.get('param_bytes', 0)))}; file {_mib(meta.file_bytes)}")
+    for g, label in (("state", "state"), ("per_rank", "per-rank (P, ...)"),
+                     ("extras", "extras")):
+        items = [f"{p.split('/', 1)[1]} {tuple(s)} {t}" for p, s, t, _, _ in meta.datasets
+                 if p.startswith(g + "/")]
+        if g == "state":
+            scalars = []
+            for gp, d in meta.groups.items():
+                if gp == "state" or gp.startswith("state/"):
+                    pre = gp[len("state/"):] + "/" if "/" in gp else ""
+                    scalars += [f"{pre}{k}={_value(v)}" for k, v in d.items()
+                                if k != "semzo_keys"]
+            items = scalars + items
+        if items:
+            lines.append(f"  {label}: " + ", ".join(items))
+    if a.get("shards_path"):
+        sp = Path(a["shards_path"])
+        now = manifest_checksum(sp) if sp.is_file() else "missing"
+        lines.append(f"  shards: {sp} {a.get('shards_manifest')} "
+                     f"({'matches' if now == a.get('shards_manifest') else 'now ' + now})")
+    blocks = sum(d[3] for d in meta.datasets)
+    lines.append(f"  checksums: {a.get('checksum_kind')} of {blocks} blocks in "
+                 f"{len(meta.datasets)} datasets, metadata {a.get('attrs_checksum')}: "
+                 + ("OK" if ok else f"FAILED: {why}"))
+    big = sorted(params, key=lambda d: -int(np.prod(d[1])))[:5]
+    for p, s, t, _, c in big:
+        lines.append(f"    {p[7:]:<56} {tuple(s)!s:<14} {t:<4} {c}")
+    if len(params) > len(big):
+        lines.append(f"    ... and {len(params) - len(big)} more tensors")
+    if deck and a.get("semzo_deck"):
+        lines.append("  deck:")
+        lines.extend("    " + ln for ln in str(a["semzo_deck"]).rstrip().splitlines())
+    return "\n".join(lines), ok
+
+
+def _rebuild_model(loaded, meta: dict):
+    """The base model of the stored deck with the checkpoint's head and LoRA adapters."""
+    from ..deck import from_toml_text
+    from ..model import load_model
+
+    deck = from_toml_text(loaded.deck_toml) if loaded.deck_toml.strip() else None
+    folder = deck.model.path if deck is not None and deck.model.path else None
+    model = load_model(folder)
+    names = set(loaded.params)
+    if "classifier.weight" in names and model.head is None:
+        head = meta.get("head", {})
+        n = int(loaded.params["classifier.weight"].shape[0])
+        model.add_classifier(int(head.get("n_classes", n)),
+                             normalize=bool(head.get("normalize", False)))
+    lora_a = sorted(n for n in names if n.endswith(".lora_A.weight"))
+    if lora_a:
+        lm = meta.get("lora", {})
+        train = getattr(deck, "train", None)
+        alpha = lm.get("alpha", getattr(train, "lora_alpha", None))
+        if alpha is None:
+            raise SemzoError(f"{loaded.path}: LoRA tensors but no LoRA alpha in model_meta "
+                             f"or the stored deck")
+        rank = int(loaded.params[lora_a[0]].shape[0])
+        modules = tuple(n[:-len(".lora_A.weight")] for n in lora_a)
+        model.add_lora(rank=rank, alpha=float(alpha), targets=modules)
+    return model
+
+
+def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
+    """Write the checkpoint's model as a Hugging Face folder (rank 0). Collective: the file
+    is read and verified by every rank. Raises :class:`SemzoError` on every rank on error."""
+    path = Path(path)
+    if path.is_dir():
+        from .manager import find_resumable
+
+        found = find_resumable(path, comm)
+        if found is None:
+            raise SemzoError(f"{path}: no valid checkpoint in this folder")
+        path = found
+    try:
+        loaded = load(path, comm)
+    except CheckpointError as exc:
+        raise SemzoError(str(exc)) from None
+    err, out = None, Path(outdir)
+    if comm.Get_rank() == 0:
+        try:
+            from ..model import export_hf
+
+            model = _rebuild_model(loaded, json.loads(loaded.attrs.get("model_meta") or "{}"))
+            missing = [n for n in loaded.params if n not in model.params]
+            if missing:
+                raise SemzoError(f"{path}: tensor {missing[0]!r} is not in the model "
+                                 f"({len(missing)} unknown)")
+            for name, arr in loaded.params.items():
+                dst = model.params[name]
+                if dst.shape != arr.shape:
+                    raise SemzoError(f"{path}: {name} has shape {arr.shape}, the model "
+                                     f"{dst.shape}")
+                dst[...] = arr          # in place: the model's fused buffers stay valid
+            kept = len(model.params) - len(loaded.params)
+            if kept:
+                log.info("%d tensors not in the checkpoint keep the base model's values", kept)
+            export_hf(model, out)
+        except (SemzoError, OSError, ValueError) as exc:
+            err = str(exc) if isinstance(exc, SemzoError) else f"{out}: {exc}"
+    err = comm.bcast(err, root=0)
+    if err:
+        raise SemzoError(err)
+    return out
