@@ -1,0 +1,29 @@
+"""Transformer forward passes in NumPy/CuPy with real pretrained weights (no torch).
+
+Public API::
+
+    from semzo.model import load_model, Tokenizer, embed_texts, export_hf
+    model = load_model()                     # packaged all-MiniLM-L6-v2 -> Encoder
+    tok = Tokenizer.from_folder()            # its tokenizer.json
+    ids, mask = tok(["a sentence", "another one"])
+    emb = model.embed(ids, mask)             # (B, 384) float32, L2-normalized
+    vecs = embed_texts(model, tok, texts)    # (N, 384), bucketed by length, input order
+
+See docs/model.md for the parameter contract the zeroth-order engine relies on.
+"""
+
+from semzo.model.base import HeadSpec, LoraSpec, TransformerBase, is_no_decay
+from semzo.model.config import DecoderConfig, EncoderConfig, read_config
+from semzo.model.decoder import Decoder
+from semzo.model.embed import embed_ids, embed_texts, length_batches
+from semzo.model.encoder import Encoder
+from semzo.model.export import export_hf
+from semzo.model.kernels import set_threads
+from semzo.model.loader import default_model_path, load_model
+from semzo.model.tokenizer import Tokenizer
+
+__all__ = [
+    "Decoder", "DecoderConfig", "Encoder", "EncoderConfig", "HeadSpec", "LoraSpec", "Tokenizer",
+    "TransformerBase", "default_model_path", "embed_ids", "embed_texts", "export_hf",
+    "is_no_decay", "length_batches", "load_model", "read_config", "set_threads",
+]

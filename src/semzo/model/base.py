@@ -1,0 +1,261 @@
+"""What encoders and decoders share: the named parameter collection, projections with optional
+LoRA deltas, pooling, and the classification head with its loss.
+
+The parameter contract (relied on by the zeroth-order engine):
+
+- ``model.params`` is an ordered ``dict`` name -> array, names exactly as in the Hugging Face
+  checkpoint (``encoder.layer.0.attention.self.query.weight``, ``h.0.attn.c_attn.weight``, ...),
+  in module order (embeddings, blocks 0..L-1, final norm, then tensors the forward pass does
+  not use, then added tensors: ``classifier.*`` and LoRA ``<module>.lora_A.weight`` /
+  ``<module>.lora_B.weight``). The order never depends on the file.
+- Every array is C-contiguous, of the model dtype, and modified in place by the caller
+  (``arr += ...``, ``xp.copyto(arr, ...)``); the forward pass reads the arrays of the collection
+  on every call and keeps no derived copies. (The encoder stores Q, K and V of a layer as three
+  row blocks of one buffer so it can run one fused GEMM; each block is still a C-contiguous
+  array of the collection. Replacing a dict entry by a new array instead of writing in place is
+  detected and handled by falling back to three GEMMs.)
+- ``model.frozen`` is the set of names that are not trained (tensors the forward pass does not
+  use, such as the BERT pooler; the base weights after :meth:`add_lora`).
+  ``model.named_parameters()`` yields the trainable ones, ``named_parameters(True)`` all.
+
+LoRA hook: ``model.lora`` maps a projection's module name (``...attention.self.query``) to a
+:class:`LoraSpec`; every projection ``y = x @ W.T (+ b)`` then adds ``(x @ A.T) @ B.T * scale``
+with ``A = params[spec.a]`` (r, in) and ``B = params[spec.b]`` (out, r). :meth:`add_lora`
+creates and registers them (A uniform like PEFT's Kaiming init, B zero, so the output starts
+unchanged).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from semzo.model.config import DecoderConfig, EncoderConfig
+from semzo.model.kernels import matmul_into
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A low-rank delta on one projection: ``y += (x @ params[a].T) @ params[b].T * scale``."""
+
+    a: str
+    b: str
+    scale: float
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """Classification head: mean-pooled hidden states (L2-normalized if ``normalize``) -> linear."""
+
+    n_classes: int
+    normalize: bool = False
+
+
+def is_no_decay(name: str) -> bool:
+    """True for tensors that MeZO-style updates exclude from weight decay (biases, norms)."""
+    return name.endswith(".bias") or "LayerNorm" in name or ".ln_" in name or \
+        name.startswith(("ln_", "transformer.ln_"))
+
+
+class TransformerBase:
+    """Base of :class:`~semzo.model.encoder.Encoder` and :class:`~semzo.model.decoder.Decoder`.
+
+    Attributes: ``config`` (frozen dataclass), ``xp`` (numpy or cupy), ``dtype`` (numpy dtype of
+    the stored tensors), ``params``, ``buffers`` (non-float tensors of the checkpoint, kept for
+    export), ``frozen``, ``lora``, ``head`` (:class:`HeadSpec` or None), ``source`` (the folder
+    the model was read from) and ``prefix`` (checkpoint name prefix, such as ``"bert."``).
+    """
+
+    kind = "base"
+    #: "out_in": weights are (out, in) like torch.nn.Linear; "in_out": GPT-2 Conv1D (in, out)
+    layout = "out_in"
+
+    def __init__(self, config: EncoderConfig | DecoderConfig, params: dict[str, Any],
+                 buffers: dict[str, np.ndarray], frozen: set[str], xp, dtype,
+                 source: Path | None, prefix: str) -> None:
+        self.config = config
+        self.params = params
+        self.buffers = buffers
+        self.frozen = set(frozen)
+        self.xp = xp
+        self.dtype = np.dtype(dtype)
+        self.source = source
+        self.prefix = prefix
+        self.lora: dict[str, LoraSpec] = {}
+        self.head: HeadSpec | None = None
+
+    # ------------------------------------------------------------------ parameter collection
+    def named_parameters(self, include_frozen: bool = False) -> Iterator[tuple[str, Any]]:
+        """(name, array) in the collection's stable order; trainable ones unless asked for all."""
+        for name, arr in self.params.items():
+            if include_frozen or name not in self.frozen:
+                yield name, arr
+
+    def num_parameters(self, include_frozen: bool = False) -> int:
+        return sum(int(a.size) for _, a in self.named_parameters(include_frozen))
+
+    def weight_name(self, module: str) -> str:
+        return f"{module}.weight"
+
+    def proj_shape(self, module: str) -> tuple[int, int]:
+        """(in_features, out_features) of a projection."""
+        w = self.params[self.weight_name(module)]
+        return (w.shape[1], w.shape[0]) if self.layout == "out_in" else (w.shape[0], w.shape[1])
+
+    def lora_modules(self) -> list[str]:
+        """Names of the projections that accept a LoRA delta (attention projections)."""
+        raise NotImplementedError
+
+    def add_lora(self, rank: int = 8, alpha: float = 16.0, targets: tuple[str, ...] | None = None,
+                 seed: int = 0, freeze_base: bool = True) -> list[str]:
+        """Add LoRA adapters to the projections whose name ends with one of ``targets``.
+
+        Creates ``<module>.lora_A.weight`` (rank, in) and ``<module>.lora_B.weight`` (out, rank)
+        (B = 0, so outputs are unchanged), registers them in :attr:`lora` with scale
+        ``alpha / rank`` and, with ``freeze_base``, freezes every other tensor except the
+        classifier. Returns the names of the new tensors.
+        """
+        mods = self.lora_modules()
+        if targets is not None:
+            mods = [m for m in mods if m.endswith(tuple(targets))]
+        if not mods:
+            raise ValueError(f"no projection matches LoRA targets {targets}")
+        rng = np.random.default_rng(seed)
+        new: list[str] = []
+        for m in mods:
+            fin, fout = self.proj_shape(m)
+            bound = 1.0 / math.sqrt(fin)
+            a = rng.uniform(-bound, bound, size=(rank, fin)).astype(self.dtype)
+            spec = LoraSpec(f"{m}.lora_A.weight", f"{m}.lora_B.weight", float(alpha) / rank)
+            self.params[spec.a] = self.xp.ascontiguousarray(self.xp.asarray(a))
+            self.params[spec.b] = self.xp.zeros((fout, rank), dtype=self.dtype)
+            self.lora[m] = spec
+            new += [spec.a, spec.b]
+        if freeze_base:
+            keep = set(new) | {n for n in self.params if n.startswith("classifier.")}
+            self.frozen |= set(self.params) - keep
+        return new
+
+    def add_classifier(self, n_classes: int, init: str = "normal", std: float = 0.02,
+                       seed: int = 0, normalize: bool = False) -> None:
+        """Add ``classifier.weight`` (C, H) and ``classifier.bias`` (C,) for :meth:`classify`.
+
+        ``init``: "normal" (N(0, std), bias 0) or "zeros". ``normalize``: L2-normalize the pooled
+        embedding before the linear layer.
+        """
+        h = self.config.hidden_size
+        if init == "normal":
+            w = np.random.default_rng(seed).normal(0.0, std, size=(n_classes, h))
+        elif init == "zeros":
+            w = np.zeros((n_classes, h))
+        else:
+            raise ValueError(f"unknown classifier init {init!r}")
+        self.params["classifier.weight"] = self.xp.ascontiguousarray(
+            self.xp.asarray(w.astype(self.dtype)))
+        self.params["classifier.bias"] = self.xp.zeros((n_classes,), dtype=self.dtype)
+        self.frozen -= {"classifier.weight", "classifier.bias"}
+        self.head = HeadSpec(int(n_classes), bool(normalize))
+
+    # ------------------------------------------------------------------ projections
+    def _proj(self, x, module: str, out):
+        """``out = x @ W.T`` (or ``x @ W`` for Conv1D) plus the LoRA delta; bias not added.
+
+        x: (N, in) of the model dtype; out: (N, out), written in full.
+        """
+        w = self.params[module + ".weight"]
+        matmul_into(x, w.T if self.layout == "out_in" else w, out)
+        spec = self.lora.get(module)
+        if spec is not None:
+            self._lora_add(x, spec, out)
+        return out
+
+    def _lora_add(self, x, spec: LoraSpec, out) -> None:
+        """``out += (x @ A.T) @ B.T * scale`` (out may be a column slice)."""
+        t = x @ self.params[spec.a].T
+        t *= self.dtype.type(spec.scale)
+        out += t @ self.params[spec.b].T
+
+    # ------------------------------------------------------------------ inputs and pooling
+    def _inputs(self, input_ids, attention_mask):
+        """ids as a C-contiguous integer array of xp and the key mask as float32 (B, T)."""
+        xp = self.xp
+        ids = xp.ascontiguousarray(xp.asarray(input_ids))
+        if ids.ndim != 2 or ids.dtype.kind not in "iu":
+            raise ValueError(f"input_ids must be a 2-D integer array, got {ids.shape} {ids.dtype}")
+        if ids.shape[1] > self.config.max_positions:
+            raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's "
+                             f"{self.config.max_positions} positions")
+        if attention_mask is None:
+            maskf = xp.ones(ids.shape, dtype=xp.float32)
+        else:
+            maskf = xp.ascontiguousarray(xp.asarray(attention_mask).astype(xp.float32))
+            if maskf.shape != ids.shape:
+                raise ValueError(f"attention_mask {maskf.shape} does not match ids {ids.shape}")
+        return ids, maskf
+
+    def hidden_states(self, input_ids, attention_mask=None):
+        raise NotImplementedError
+
+    def pooled(self, input_ids, attention_mask=None, normalize: bool = True):
+        """Mean of the final hidden states over unmasked tokens, float32 (B, H); L2-normalized
+        when ``normalize`` (the sentence-transformers pipeline of all-MiniLM-L6-v2)."""
+        xp = self.xp
+        hs = self.hidden_states(input_ids, attention_mask)
+        _, maskf = self._inputs(input_ids, attention_mask)
+        return mean_pool(xp, hs, maskf, normalize)
+
+    def embed(self, input_ids, attention_mask=None):
+        """Sentence embeddings (B, H) float32: mean pooling + L2 normalization."""
+        return self.pooled(input_ids, attention_mask, normalize=True)
+
+    def classify(self, input_ids, attention_mask, labels):
+        """Classification head: returns ``(loss, accuracy, logits)``.
+
+        ``loss`` (float) is the mean cross-entropy over the batch, computed in float64 from
+        float32 logits; ``accuracy`` (float) the share of argmax hits; ``logits`` (B, C) float32
+        in xp. Needs :meth:`add_classifier` first.
+        """
+        if self.head is None:
+            raise RuntimeError("no classification head: call add_classifier(n_classes) first")
+        xp = self.xp
+        pooled = self.pooled(input_ids, attention_mask, normalize=self.head.normalize)
+        w = self.params["classifier.weight"].astype(xp.float32, copy=False)
+        b = self.params["classifier.bias"].astype(xp.float32, copy=False)
+        logits = pooled @ w.T + b
+        lab = xp.asarray(labels).astype(xp.int64).reshape(-1)
+        loss, acc = cross_entropy(xp, logits, lab)
+        return loss, acc, logits
+
+
+def mean_pool(xp, hs, maskf, normalize: bool):
+    """Masked mean over axis 1 of hs (B, T, H) in float32; optional L2 normalization."""
+    m = maskf[:, :, None]
+    s = (hs.astype(xp.float32, copy=False) * m).sum(axis=1)
+    cnt = xp.maximum(maskf.sum(axis=1, keepdims=True), 1e-9)
+    out = (s / cnt).astype(xp.float32, copy=False)
+    if normalize:
+        nrm = xp.sqrt((out * out).sum(axis=1, keepdims=True))
+        out /= xp.maximum(nrm, 1e-12)
+    return out
+
+
+def cross_entropy(xp, logits, labels, weights=None) -> tuple[float, float]:
+    """Mean cross-entropy (float64 arithmetic) and accuracy of logits (N, C) against labels (N,).
+
+    ``weights`` (N,) of 0/1 selects the rows that count (default: all).
+    """
+    z = logits.astype(xp.float64)
+    m = z.max(axis=1, keepdims=True)
+    lse = (m + xp.log(xp.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
+    pick = xp.take_along_axis(z, labels[:, None], axis=1)[:, 0]
+    hit = (xp.argmax(z, axis=1) == labels).astype(xp.float64)
+    if weights is None:
+        return float((lse - pick).mean()), float(hit.mean())
+    w = weights.astype(xp.float64)
+    n = max(float(w.sum()), 1.0)
+    return float(((lse - pick) * w).sum()) / n, float((hit * w).sum()) / n

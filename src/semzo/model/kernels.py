@@ -1,0 +1,362 @@
+"""Element-wise and row-wise kernels of the transformer forward pass.
+
+Every public function takes arrays of one module ``xp`` (numpy or cupy) and dispatches:
+float32 NumPy arrays go to Numba kernels (parallel over rows, ``fastmath``), anything else
+(CuPy arrays, float16 storage) to a generic ``xp`` implementation that computes in float32 and
+stores in the input dtype.
+
+Promises (both paths):
+
+- ``layernorm``, ``bias_residual_layernorm`` and ``masked_softmax`` accumulate in float32 and
+  use a two-pass (max / mean, then sum) scheme;
+- ``masked_softmax`` gives exact zeros at masked keys (and above the diagonal when causal), and
+  a row whose keys are all masked becomes all zeros (never NaN);
+- GELU (erf form) uses a rational approximation of ``erf`` with absolute error below 5e-7;
+  ``exp`` in the CPU softmax is a vectorizable polynomial with relative error below 1e-7.
+
+The Numba kernels use ``fastmath`` (re-association of the row sums), so results are
+deterministic on one machine but not bit-identical to a plain sequential sum; the forward
+pass does not need bit reproducibility across machines.
+"""
+
+from __future__ import annotations
+
+import math
+import types as types_mod
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+F32 = np.float32
+
+# --------------------------------------------------------------------------- scalar helpers
+
+
+@intrinsic
+def _bits_to_f32(typingctx, x):
+    """Reinterpret the low 32 bits of an integer as a float32 (vectorizable bit cast)."""
+    if not isinstance(x, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        v = args[0]
+        if x.bitwidth > 32:
+            v = builder.trunc(v, ir.IntType(32))
+        return builder.bitcast(v, ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def _fexp(x):
+    """exp(x) for float32, relative error < 1e-7 on [-87, 88]; clamps outside that range."""
+    x = min(max(x, F32(-87.0)), F32(88.0))
+    k = math.floor(x * F32(1.4426950408889634) + F32(0.5))
+    r = x - k * F32(0.693145751953125)
+    r = r - k * F32(1.428606765330187e-06)
+    p = F32(1.0 / 5040.0)
+    p = p * r + F32(1.0 / 720.0)
+    p = p * r + F32(1.0 / 120.0)
+    p = p * r + F32(1.0 / 24.0)
+    p = p * r + F32(1.0 / 6.0)
+    p = p * r + F32(0.5)
+    p = p * r + F32(1.0)
+    p = p * r + F32(1.0)
+    return p * _bits_to_f32((np.int64(k) + 127) << 23)
+
+
+# Rational approximation of erf on [-4, 4] (odd numerator / even denominator in x^2), the one
+# Eigen uses for float32; |error| < 5e-7 over the real line (erf is +-1 in float32 beyond 4).
+_ERF_A = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+          -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+          -1.60960333262415e-02)
+_ERF_B = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+          -7.37332916720468e-03, -1.42647390514189e-02)
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def _ferf(x):
+    x = min(max(x, F32(-4.0)), F32(4.0))
+    x2 = x * x
+    p = F32(-2.72614225801306e-10)
+    p = p * x2 + F32(2.77068142495902e-08)
+    p = p * x2 + F32(-2.10102402082508e-06)
+    p = p * x2 + F32(-5.69250639462346e-05)
+    p = p * x2 + F32(-7.34990630326855e-04)
+    p = p * x2 + F32(-2.95459980854025e-03)
+    p = p * x2 + F32(-1.60960333262415e-02)
+    q = F32(-1.45660718464996e-05)
+    q = q * x2 + F32(-2.13374055278905e-04)
+    q = q * x2 + F32(-1.68282697438203e-03)
+    q = q * x2 + F32(-7.37332916720468e-03)
+    q = q * x2 + F32(-1.42647390514189e-02)
+    return x * p / q
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def _ftanh(x):
+    """tanh via the polynomial exp: (1 - e) / (1 + e) with e = exp(-2|x|)."""
+    e = _fexp(F32(-2.0) * abs(x))
+    t = (F32(1.0) - e) / (F32(1.0) + e)
+    return t if x >= 0 else -t
+
+
+# --------------------------------------------------------------------------- numba kernels
+
+#: below this many elements a kernel runs on one thread (waking threads costs more than it
+#: saves, and on a busy machine a woken thread may wait for a time slice)
+PARALLEL_MIN = 1 << 15
+
+
+class _Kernel:
+    """A row kernel compiled twice: parallel over rows (prange) and serial; ``k(work, *args)``
+    picks the parallel one when ``work`` (elements touched) is at least :data:`PARALLEL_MIN`."""
+
+    def __init__(self, fn, fastmath: bool) -> None:
+        serial = types_mod.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
+                                        fn.__defaults__, fn.__closure__)
+        serial.__qualname__ = fn.__qualname__ + "_serial"
+        self.par = njit(parallel=True, fastmath=fastmath, cache=True)(fn)
+        self.ser = njit(parallel=False, fastmath=fastmath, cache=True)(serial)
+
+    def __call__(self, work: int, *args):
+        if work >= PARALLEL_MIN and numba.get_num_threads() > 1:
+            return self.par(*args)
+        return self.ser(*args)
+
+
+def _kernel(fastmath: bool):
+    return lambda fn: _Kernel(fn, fastmath)
+
+
+@_kernel(fastmath=True)
+def _nb_layernorm(x, gamma, beta, eps, out):
+    n, h = x.shape
+    inv_h = F32(1.0) / F32(h)
+    for i in prange(n):
+        s = F32(0.0)
+        for j in range(h):
+            s += x[i, j]
+        mean = s * inv_h
+        v = F32(0.0)
+        for j in range(h):
+            d = x[i, j] - mean
+            v += d * d
+        rstd = F32(1.0) / math.sqrt(v * inv_h + eps)
+        for j in range(h):
+            out[i, j] = (x[i, j] - mean) * rstd * gamma[j] + beta[j]
+
+
+@_kernel(fastmath=True)
+def _nb_bias_residual_layernorm(x, bias, resid, gamma, beta, eps, out):
+    n, h = x.shape
+    inv_h = F32(1.0) / F32(h)
+    for i in prange(n):
+        s = F32(0.0)
+        for j in range(h):
+            t = x[i, j] + bias[j] + resid[i, j]
+            resid[i, j] = t
+            s += t
+        mean = s * inv_h
+        v = F32(0.0)
+        for j in range(h):
+            d = resid[i, j] - mean
+            v += d * d
+        rstd = F32(1.0) / math.sqrt(v * inv_h + eps)
+        for j in range(h):
+            out[i, j] = (resid[i, j] - mean) * rstd * gamma[j] + beta[j]
+
+
+@_kernel(fastmath=True)
+def _nb_bias_act(x, bias, kind):
+    n, h = x.shape
+    for i in prange(n):
+        if kind == 0:      # gelu, erf form
+            for j in range(h):
+                t = x[i, j] + bias[j]
+                x[i, j] = F32(0.5) * t * (F32(1.0) + _ferf(t * F32(0.7071067811865476)))
+        elif kind == 1:    # gelu, tanh form (gelu_new)
+            for j in range(h):
+                t = x[i, j] + bias[j]
+                u = F32(0.7978845608028654) * (t + F32(0.044715) * t * t * t)
+                x[i, j] = F32(0.5) * t * (F32(1.0) + _ftanh(u))
+        elif kind == 2:    # relu
+            for j in range(h):
+                t = x[i, j] + bias[j]
+                x[i, j] = t if t > 0 else F32(0.0)
+        else:              # identity (bias only)
+            for j in range(h):
+                x[i, j] = x[i, j] + bias[j]
+
+
+@_kernel(fastmath=True)
+def _nb_masked_softmax(s, maskf, scale, heads, causal):
+    g, tq, tk = s.shape
+    for gi in prange(g):
+        b = gi // heads
+        for i in range(tq):
+            lim = min(i + 1, tk) if causal else tk
+            m = F32(-3.0e38)
+            for j in range(lim):
+                v = s[gi, i, j] if maskf[b, j] > 0 else F32(-3.0e38)
+                m = max(m, v)
+            tot = F32(0.0)
+            for j in range(lim):
+                e = _fexp((s[gi, i, j] - m) * scale) * maskf[b, j]
+                s[gi, i, j] = e
+                tot += e
+            inv = F32(1.0) / tot if tot > 0 else F32(0.0)
+            for j in range(lim):
+                s[gi, i, j] *= inv
+            for j in range(lim, tk):
+                s[gi, i, j] = F32(0.0)
+
+
+@_kernel(fastmath=False)
+def _nb_embed_sum(ids, word, pos, extra, out):
+    b, t = ids.shape
+    h = word.shape[1]
+    for r in prange(b * t):
+        bi = r // t
+        ti = r - bi * t
+        w = ids[bi, ti]
+        for j in range(h):
+            out[r, j] = word[w, j] + pos[ti, j] + extra[j]
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def _is_cpu32(*arrays) -> bool:
+    return all(isinstance(a, np.ndarray) and a.dtype == F32 for a in arrays)
+
+
+def get_xp(a):
+    """The array module of ``a``: numpy for NumPy arrays, else the array's own module (cupy)."""
+    if isinstance(a, np.ndarray):
+        return np
+    import sys
+    cp = sys.modules.get("cupy")
+    if cp is not None and isinstance(a, cp.ndarray):
+        return cp
+    return np
+
+
+def layernorm(x, gamma, beta, eps: float, out=None):
+    """LayerNorm over the last axis of ``x`` (N, H) into ``out`` (may be ``x``); returns out."""
+    if out is None:
+        out = get_xp(x).empty_like(x)
+    if _is_cpu32(x, gamma, beta, out):
+        _nb_layernorm(x.size, x, gamma, beta, F32(eps), out)
+        return out
+    xp = get_xp(x)
+    t = x.astype(xp.float32)
+    mean = t.mean(axis=-1, keepdims=True)
+    t -= mean
+    var = (t * t).mean(axis=-1, keepdims=True)
+    t *= 1.0 / xp.sqrt(var + xp.float32(eps))
+    t = t * gamma.astype(xp.float32) + beta.astype(xp.float32)
+    out[...] = t.astype(out.dtype, copy=False)
+    return out
+
+
+def bias_residual_layernorm(x, bias, resid, gamma, beta, eps: float, out):
+    """``resid += x + bias`` (in place), then ``out = LayerNorm(resid)``; ``out`` may be ``resid``.
+
+    x, resid, out: (N, H); bias, gamma, beta: (H,). Used as the post-LN residual of BERT (out is
+    resid) and the pre-LN residual update of GPT-2 (out is the next block's normalized input).
+    """
+    if _is_cpu32(x, bias, resid, gamma, beta, out):
+        _nb_bias_residual_layernorm(x.size, x, bias, resid, gamma, beta, F32(eps), out)
+        return out
+    resid += x
+    resid += bias
+    return layernorm(resid, gamma, beta, eps, out)
+
+
+_ACT = {"gelu": 0, "gelu_new": 1, "gelu_pytorch_tanh": 1, "gelu_fast": 1, "relu": 2, None: 3}
+ACTIVATIONS = tuple(k for k in _ACT if k is not None)
+
+
+def _xp_erf(xp, x):
+    x = xp.clip(x, -4.0, 4.0)
+    x2 = x * x
+    p = xp.full_like(x, _ERF_A[0])
+    for c in _ERF_A[1:]:
+        p = p * x2 + xp.float32(c)
+    q = xp.full_like(x, _ERF_B[0])
+    for c in _ERF_B[1:]:
+        q = q * x2 + xp.float32(c)
+    return x * p / q
+
+
+def bias_act(x, bias, act: str | None):
+    """In place ``x = act(x + bias)`` for x (N, F), bias (F,); act in :data:`ACTIVATIONS` or None."""
+    kind = _ACT[act]
+    if _is_cpu32(x, bias):
+        _nb_bias_act(x.size, x, bias, kind)
+        return x
+    xp = get_xp(x)
+    t = x.astype(xp.float32) + bias.astype(xp.float32)
+    if kind == 0:
+        t = 0.5 * t * (1.0 + _xp_erf(xp, t * xp.float32(0.7071067811865476)))
+    elif kind == 1:
+        t = 0.5 * t * (1.0 + xp.tanh(xp.float32(0.7978845608028654) * (t + 0.044715 * t * t * t)))
+    elif kind == 2:
+        t = xp.maximum(t, 0)
+    x[...] = t.astype(x.dtype, copy=False)
+    return x
+
+
+def masked_softmax(s, maskf, scale: float, heads: int, causal: bool):
+    """In place softmax over the last axis of scores ``s`` (B*heads, Tq, Tk), of ``scale * s``.
+
+    ``maskf`` (B, Tk) float32 holds 1 for keys to attend and 0 for padding; ``causal`` also
+    masks keys j > i (Tq == Tk). Masked entries become exactly 0.
+    """
+    if _is_cpu32(s, maskf):
+        _nb_masked_softmax(s.size, s, maskf, F32(scale), heads, causal)
+        return s
+    xp = get_xp(s)
+    g, tq, tk = s.shape
+    b = g // heads
+    t = s.astype(xp.float32).reshape(b, heads, tq, tk) * xp.float32(scale)
+    keep = (maskf > 0)[:, None, None, :]
+    if causal:
+        keep = keep & xp.tril(xp.ones((tq, tk), dtype=bool))[None, None]
+    t = xp.where(keep, t, xp.float32(-3.0e38))
+    t -= t.max(axis=-1, keepdims=True)
+    e = xp.exp(t) * keep
+    tot = e.sum(axis=-1, keepdims=True)
+    e /= xp.where(tot > 0, tot, 1.0)
+    s[...] = e.reshape(g, tq, tk).astype(s.dtype, copy=False)
+    return s
+
+
+def embed_sum(ids, word, pos, extra, out):
+    """``out[b*T + t] = word[ids[b, t]] + pos[t] + extra`` for ids (B, T); out (B*T, H)."""
+    if _is_cpu32(word, pos, extra, out) and isinstance(ids, np.ndarray):
+        _nb_embed_sum(out.size, ids, word, pos, extra, out)
+        return out
+    b, t = ids.shape
+    h = word.shape[1]
+    o = word[ids.reshape(-1)].reshape(b, t, h) + pos[:t][None] + extra
+    out[...] = o.reshape(b * t, h)
+    return out
+
+
+def matmul_into(a, b, out):
+    """``out[...] = a @ b``: NumPy writes straight into ``out`` (which may be a strided view);
+    other modules (CuPy) compute then copy, since ``out=`` support varies across versions."""
+    if isinstance(out, np.ndarray):
+        return np.matmul(a, b, out=out)
+    out[...] = get_xp(a).matmul(a, b)
+    return out
+
+
+def set_threads(n: int) -> None:
+    """Set the number of threads of the Numba kernels (BLAS threads are set by the caller)."""
+    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))

