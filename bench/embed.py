@@ -34,7 +34,7 @@ def parse() -> argparse.Namespace:
 
 ARGS = parse()
 # BLAS / OpenMP threads must be fixed before numpy or torch are imported
-for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_var] = str(ARGS.threads)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -98,6 +98,11 @@ def sgemm_rate(m: int, k: int, n: int, reps: int = 20) -> float:
     return 2.0 * m * k * n / best / 1e9
 
 
+#: pause when switching between semzo and torch, so the idle workers of one thread pool
+#: (OpenBLAS spins ~0.1 s after a call, OpenMP a little) stop spinning before the other runs
+SWITCH_PAUSE = 0.3
+
+
 def fixed_batch_forward(model, st, nt: int, reps: int) -> tuple[float, float | None]:
     """Best time of one forward pass on the same 16 x 64 batch (no padding, no tokenizer):
     semzo ``hidden_states`` against the transformers module inside sentence-transformers."""
@@ -112,11 +117,13 @@ def fixed_batch_forward(model, st, nt: int, reps: int) -> tuple[float, float | N
         t_sz.append(time.perf_counter() - t0)
         if hf is not None:
             import torch
+            time.sleep(SWITCH_PAUSE)
             ti, tm = torch.from_numpy(ids), torch.from_numpy(mask)
             with torch.inference_mode():
                 t0 = time.perf_counter()
                 hf(input_ids=ti, attention_mask=tm)
                 t_st.append(time.perf_counter() - t0)
+            time.sleep(SWITCH_PAUSE)
     return min(t_sz[1:]), (min(t_st[1:]) if t_st else None)
 
 
@@ -145,6 +152,7 @@ def main() -> int:
         embed_texts(model, tok, docs[:64], batch_size=ARGS.batch_size)      # compile / warm up
         if st is not None:
             st.encode(docs[:64], batch_size=ARGS.batch_size)
+            time.sleep(SWITCH_PAUSE)
         t_sz, t_st = [], []
         e_sz = e_st = None
         for _ in range(ARGS.repeat):
@@ -152,11 +160,14 @@ def main() -> int:
             e_sz = embed_texts(model, tok, docs, batch_size=ARGS.batch_size)
             t_sz.append(time.perf_counter() - t0)
             if st is not None:
+                time.sleep(SWITCH_PAUSE)
                 t0 = time.perf_counter()
                 e_st = st.encode(docs, batch_size=ARGS.batch_size, convert_to_numpy=True)
                 t_st.append(time.perf_counter() - t0)
+                time.sleep(SWITCH_PAUSE)
         fw = fixed_batch_forward(model, st, nt, ARGS.forward_reps) if ARGS.forward_reps else None
-        gemm = sgemm_rate(ARGS.batch_size * 64, model.config.hidden_size, model.config.intermediate_size)
+        gemm = sgemm_rate(ARGS.batch_size * 64, model.config.hidden_size,
+                          model.config.intermediate_size)
 
     n = len(docs)
     flops = padded_flops(model.config, seqs, ARGS.batch_size)

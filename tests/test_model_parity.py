@@ -40,16 +40,13 @@ RTOL = 1e-4
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One thread for torch, BLAS and Numba (the suite shares 2 cores with MPI tests)."""
-    import numba
+    """One thread for torch and BLAS (the suite shares 2 cores with MPI tests)."""
     from threadpoolctl import threadpool_limits
-    old_nb, old_t = numba.get_num_threads(), torch.get_num_threads()
-    numba.set_num_threads(1)
+    old = torch.get_num_threads()
     torch.set_num_threads(1)
     with threadpool_limits(limits=1):
         yield
-    numba.set_num_threads(old_nb)
-    torch.set_num_threads(old_t)
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")

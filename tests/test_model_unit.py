@@ -34,15 +34,11 @@ SENTENCES = (DATA / "model_sentences.txt").read_text(encoding="utf-8").splitline
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """One BLAS and one Numba thread: the suite shares 2 cores with MPI tests, and on an
-    oversubscribed machine a woken helper thread can wait a whole time slice per GEMM."""
-    import numba
+    """One BLAS thread: the suite shares 2 cores with MPI tests, and on an oversubscribed
+    machine a woken BLAS helper thread can wait a whole time slice per GEMM."""
     from threadpoolctl import threadpool_limits
-    old = numba.get_num_threads()
-    numba.set_num_threads(1)
     with threadpool_limits(limits=1):
         yield
-    numba.set_num_threads(old)
 
 
 @pytest.fixture(scope="module")
@@ -141,32 +137,6 @@ def test_layernorm_kernels_match_numpy():
     assert np.max(np.abs(resid - ref)) < 1e-5
     gen = K.layernorm(t.astype(np.float64), g, be, 1e-5)                 # generic xp path
     assert np.max(np.abs(gen - ref)) < 1e-5
-
-
-def test_parallel_and_serial_kernels_agree():
-    """The prange (parallel) builds, used for large batches, against the serial ones."""
-    import numba
-    rng = np.random.default_rng(6)
-    n, h = 300, 128                       # 38400 elements: above PARALLEL_MIN
-    x = rng.standard_normal((n, h)).astype(np.float32)
-    bias, g, be = (rng.standard_normal(h).astype(np.float32) for _ in range(3))
-    s = rng.standard_normal((8, 60, 60)).astype(np.float32)
-    mask = (rng.random((4, 60)) > 0.3).astype(np.float32)
-    old = numba.get_num_threads()
-    numba.set_num_threads(min(2, numba.config.NUMBA_NUM_THREADS))
-    try:
-        for k, args in ((K._nb_layernorm, lambda: (x.copy(), g, be, np.float32(1e-5),
-                                                   np.empty_like(x))),
-                        (K._nb_bias_act, lambda: (x.copy(), bias, 0)),
-                        (K._nb_bias_act, lambda: (x.copy(), bias, 1)),
-                        (K._nb_masked_softmax, lambda: (s.copy(), mask, np.float32(.2), 2, True))):
-            a, b = args(), args()
-            k.par(*a)
-            k.ser(*b)
-            assert all(np.allclose(u, v, rtol=1e-6, atol=1e-6) for u, v in zip(a, b)
-                       if isinstance(u, np.ndarray))
-    finally:
-        numba.set_num_threads(old)
 
 
 def test_generic_xp_path_matches_numba_path(minilm, tok, tmp_path, monkeypatch):

@@ -36,7 +36,7 @@ def key(default: Any, doc: str, *, choices: tuple | None = None, min: float | No
     return field(default=default, metadata=meta)
 
 
-STAGES = ("topology", "embed", "cluster", "place")
+STAGES = ("topology", "embed", "cluster", "place", "finetune")
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ class ClusterSection:
     oversampling: float = key(2.0, "k-means|| candidates drawn per round, in multiples of k.",
                               min=0.0, min_excl=True)
     init_rounds: int = key(5, "k-means|| sampling rounds.", min=1, max=100)
-    algorithm: str = key("lloyd", "`lloyd` (plain), or `pruned` (exact bounds that skip "
+    algorithm: str = key("pruned", "`lloyd` (plain), or `pruned` (exact bounds that skip "
                          "distance work for settled points; the same labels as `lloyd`).",
                          choices=("lloyd", "pruned"))
 
@@ -133,10 +133,128 @@ class PlaceSection:
                                "round of the redistribution.", min=0.0, min_excl=True)
 
 
+@dataclass(frozen=True)
+class ZoSection:
+    """[zo]: the zeroth-order optimizer (MeZO-style ZO-SGD) and its parallel mode."""
+
+    mode: str = key("data", "`data`: one seed per step, each rank its own batch, one "
+                    "allreduce of the projected gradient; `perturbation`: one seed per rank, "
+                    "(seed, g) pairs allgathered, all applied in one pass; `hybrid`: ranks of a "
+                    "node share a seed, nodes exchange (seed, g) through their leaders.",
+                    choices=("data", "perturbation", "hybrid"))
+    eps: float = key(1e-3, "Perturbation size: losses at theta + eps z and theta - eps z.",
+                     min=0.0, min_excl=True)
+    lr: float = key(1e-4, "Peak learning rate (see train.schedule).", min=0.0)
+    weight_decay: float = key(0.0, "Weight decay (not on biases and LayerNorm weights).",
+                              min=0.0)
+    dist: str = key("gaussian", "Distribution of the direction z.",
+                    choices=("gaussian", "rademacher"))
+    restore: str = key("copy", "`perturbation`/`hybrid` modes: `copy` keeps a reference copy of "
+                       "the trainable tensors so every replica stays bit-identical; `fused` "
+                       "restores inside the update pass (no copy; replicas drift by rounding "
+                       "and are re-synchronized from rank 0 at every checksum). `data` mode "
+                       "always fuses restore and update.", choices=("copy", "fused"))
+    checksum_every: int = key(50, "Compare a checksum of the trainable parameters across ranks "
+                              "every this many steps (and at the end); a mismatch stops the "
+                              "run on every rank. 0 = at the end only.", min=0)
+    history: int = key(16, "How many recent (seed, g) pairs the training state keeps.",
+                       min=1, max=100000)
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    """[train]: the fine-tuning task, data, schedule, evaluation and outputs."""
+
+    task: str = key("auto", "`classify` (encoder + classification head on the shard labels), "
+                    "`lm` (next-token loss of a decoder on the shard texts), `auto` (by model).",
+                    choices=("auto", "classify", "lm"))
+    params: str = key("head+last", "Trainable tensors: `all`, `head+last` (the classification "
+                      "head plus the last `last_layers` blocks; 0 = head only), `lora` "
+                      "(adapters of rank `lora_rank` on the attention projections, plus the "
+                      "head).", choices=("all", "head+last", "lora"))
+    last_layers: int = key(1, "Blocks trained by `head+last` (counted from the top).", min=0)
+    lora_rank: int = key(8, "LoRA rank r.", min=1, max=4096)
+    lora_alpha: float = key(16.0, "LoRA scale numerator: the delta is (alpha / r) B A.",
+                            min=0.0, min_excl=True)
+    steps: int = key(200, "ZO steps (each: two forward passes per rank).", min=0)
+    max_epochs: float = key(0.0, "Stop sooner than `steps` after this many passes over the "
+                            "training data (steps of the global batch, ranks x batch_size); "
+                            "0 = no limit.", min=0.0)
+    batch_size: int = key(16, "Training texts per rank per step.", min=1, max=65536)
+    max_length: int = key(64, "Tokens per text in fine-tuning (0 = model.max_length).",
+                          min=0, max=512)
+    schedule: str = key("constant", "Learning-rate schedule after warm-up.",
+                        choices=("constant", "linear", "cosine"))
+    warmup_steps: int = key(0, "Linear warm-up from 0 to zo.lr over this many steps.", min=0)
+    min_lr_ratio: float = key(0.0, "`linear`/`cosine`: final learning rate as a fraction of "
+                              "zo.lr.", min=0.0, max=1.0)
+    heldout_fraction: float = key(0.1, "Share of samples held out for evaluation, chosen by a "
+                                  "hash of the sample id (independent of the rank count).",
+                                  min=0.0, max=0.9, min_excl=True)
+    eval_every: int = key(100, "Evaluate on the held-out split every this many steps "
+                          "(0 = before and after training only).", min=0)
+    eval_batch_size: int = key(64, "Texts per forward pass in evaluation.", min=1, max=65536)
+    log_every: int = key(10, "Rank 0 logs a progress line every this many steps.", min=1)
+    max_skips: int = key(10, "Stop the run when more steps than this had a NaN/Inf loss "
+                         "(such steps are skipped).", min=0)
+    head_init: str = key("class_means", "Classification head start: `class_means` (nearest "
+                         "class mean: cosine to each class's mean training embedding from "
+                         "shards.h5, times head_scale, plus the log class prior) or `random`.",
+                         choices=("class_means", "random"))
+    head_scale: float = key(20.0, "Logit scale of the class-means head.", min=0.0,
+                            min_excl=True)
+    save: str = key("trainable", "Write model.h5 at the end with the `trainable` tensors, "
+                    "`all` tensors, or `none`.", choices=("trainable", "all", "none"))
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """[checkpoint]: periodic, verified checkpoints of fine-tuning (see docs/checkpoint.md)."""
+
+    every_steps: int = key(100, "Write a checkpoint every this many training steps, and at the "
+                           "end; 0 = at the end only.", min=0)
+    keep: int = key(3, "Keep the newest this many complete checkpoints (older ones are deleted "
+                    "once a new one is complete).", min=1)
+    dir: str = key("", "Checkpoint folder; empty = `<run.output_dir>/checkpoints`.")
+    resume: str = key("auto", "`auto`: resume from the newest valid checkpoint in `dir` if any "
+                      "(incomplete or corrupt ones are skipped with a warning); `never`: start "
+                      "from the model.", choices=("auto", "never"))
+    async_save: bool = key(False, "Write in a background thread while training goes on (each "
+                           "rank copies only its 1/P share of the parameters); needs an MPI "
+                           "library initialized with MPI_THREAD_MULTIPLE.")
+    checksum: str = key("xxh64", "Digest of every block: `xxh64` (XXH64, numba, about 10 "
+                        "GiB/s per core), `crc32` (zlib) or `blake2b` (8 bytes, cryptographic, "
+                        "slowest).", choices=("xxh64", "crc32", "blake2b"))
+    block_kib: int = key(1024, "Checksum block size in KiB; whole blocks are also what each "
+                         "rank writes and reads.", min=4, max=1048576)
+    alignment_threshold: int = key(65536, "HDF5: objects of at least this many bytes start on "
+                                   "an `alignment_interval` boundary.", min=1)
+    alignment_interval: int = key(4096, "HDF5 alignment in bytes (the stripe size on Lustre; "
+                                  "1 = none).", min=1)
+    transfer: str = key("independent", "How each rank's slabs are written (file creation and "
+                        "metadata are always collective): `independent` (no per-tensor "
+                        "synchronization; fastest for large contiguous slabs), `collective` "
+                        "(collective H5Dwrite with MPI-IO collective buffering through "
+                        "aggregators: for Lustre with many ranks, with stripe-aligned hints), "
+                        "`individual` (collective H5Dwrite, each rank's own MPI-IO write).",
+                        choices=("independent", "collective", "individual"))
+    romio_cb_write: str = key("automatic", "MPI-IO hint: collective buffering of writes "
+                              "(ROMIO; Open MPI's default ompio ignores it).",
+                              choices=("automatic", "enable", "disable"))
+    cb_buffer_size: int = key(0, "MPI-IO hint `cb_buffer_size` in bytes (0 = MPI default).",
+                              min=0)
+    cb_nodes: int = key(0, "MPI-IO hint `cb_nodes`: aggregator nodes (0 = MPI default).", min=0)
+    striping_factor: int = key(0, "MPI-IO hint at file creation: Lustre stripe count "
+                               "(0 = file system default).", min=0)
+    striping_unit: int = key(0, "MPI-IO hint at file creation: Lustre stripe size in bytes "
+                             "(0 = file system default).", min=0)
+
+
 SECTIONS: dict[str, type] = {
     "run": RunSection, "topology": TopologySection, "corpus": CorpusSection,
     "model": ModelSection, "embed": EmbedSection, "cluster": ClusterSection,
-    "place": PlaceSection,
+    "place": PlaceSection, "zo": ZoSection, "train": TrainSection,
+    "checkpoint": CheckpointSection,
 }
 
 
@@ -152,6 +270,9 @@ class Deck:
     embed: EmbedSection
     cluster: ClusterSection
     place: PlaceSection
+    zo: ZoSection
+    train: TrainSection
+    checkpoint: CheckpointSection
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: {f.name: _plain(getattr(getattr(self, name), f.name))

@@ -109,6 +109,7 @@ STAGE_FUNCTIONS = {
     "embed": ("semzo.embed.stage", "run_embed_stage"),
     "cluster": ("semzo.cluster.stage", "run_cluster_stage"),
     "place": ("semzo.place.stage", "run_place_stage"),
+    "finetune": ("semzo.finetune.stage", "run_finetune_stage"),
 }
 
 

@@ -1,7 +1,8 @@
 """Element-wise and row-wise kernels of the transformer forward pass.
 
 Every public function takes arrays of one module ``xp`` (numpy or cupy) and dispatches:
-float32 NumPy arrays go to Numba kernels (parallel over rows, ``fastmath``), anything else
+float32 NumPy arrays go to serial Numba kernels (``fastmath``; see :func:`set_threads` for why
+serial), anything else
 (CuPy arrays, float16 storage) to a generic ``xp`` implementation that computes in float32 and
 stores in the input dtype.
 
@@ -22,12 +23,10 @@ pass does not need bit reproducibility across machines.
 from __future__ import annotations
 
 import math
-import types as types_mod
 
-import numba
 import numpy as np
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import njit, types
 from numba.extending import intrinsic
 
 F32 = np.float32
@@ -106,37 +105,11 @@ def _ftanh(x):
 
 # --------------------------------------------------------------------------- numba kernels
 
-#: below this many elements a kernel runs on one thread (waking threads costs more than it
-#: saves, and on a busy machine a woken thread may wait for a time slice)
-PARALLEL_MIN = 1 << 15
-
-
-class _Kernel:
-    """A row kernel compiled twice: parallel over rows (prange) and serial; ``k(work, *args)``
-    picks the parallel one when ``work`` (elements touched) is at least :data:`PARALLEL_MIN`."""
-
-    def __init__(self, fn, fastmath: bool) -> None:
-        serial = types_mod.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial",
-                                        fn.__defaults__, fn.__closure__)
-        serial.__qualname__ = fn.__qualname__ + "_serial"
-        self.par = njit(parallel=True, fastmath=fastmath, cache=True)(fn)
-        self.ser = njit(parallel=False, fastmath=fastmath, cache=True)(serial)
-
-    def __call__(self, work: int, *args):
-        if work >= PARALLEL_MIN and numba.get_num_threads() > 1:
-            return self.par(*args)
-        return self.ser(*args)
-
-
-def _kernel(fastmath: bool):
-    return lambda fn: _Kernel(fn, fastmath)
-
-
-@_kernel(fastmath=True)
+@njit(fastmath=True, cache=True)
 def _nb_layernorm(x, gamma, beta, eps, out):
     n, h = x.shape
     inv_h = F32(1.0) / F32(h)
-    for i in prange(n):
+    for i in range(n):
         s = F32(0.0)
         for j in range(h):
             s += x[i, j]
@@ -150,11 +123,11 @@ def _nb_layernorm(x, gamma, beta, eps, out):
             out[i, j] = (x[i, j] - mean) * rstd * gamma[j] + beta[j]
 
 
-@_kernel(fastmath=True)
+@njit(fastmath=True, cache=True)
 def _nb_bias_residual_layernorm(x, bias, resid, gamma, beta, eps, out):
     n, h = x.shape
     inv_h = F32(1.0) / F32(h)
-    for i in prange(n):
+    for i in range(n):
         s = F32(0.0)
         for j in range(h):
             t = x[i, j] + bias[j] + resid[i, j]
@@ -170,10 +143,10 @@ def _nb_bias_residual_layernorm(x, bias, resid, gamma, beta, eps, out):
             out[i, j] = (resid[i, j] - mean) * rstd * gamma[j] + beta[j]
 
 
-@_kernel(fastmath=True)
+@njit(fastmath=True, cache=True)
 def _nb_bias_act(x, bias, kind):
     n, h = x.shape
-    for i in prange(n):
+    for i in range(n):
         if kind == 0:      # gelu, erf form
             for j in range(h):
                 t = x[i, j] + bias[j]
@@ -192,10 +165,10 @@ def _nb_bias_act(x, bias, kind):
                 x[i, j] = x[i, j] + bias[j]
 
 
-@_kernel(fastmath=True)
+@njit(fastmath=True, cache=True)
 def _nb_masked_softmax(s, maskf, scale, heads, causal):
     g, tq, tk = s.shape
-    for gi in prange(g):
+    for gi in range(g):
         b = gi // heads
         for i in range(tq):
             lim = min(i + 1, tk) if causal else tk
@@ -215,11 +188,11 @@ def _nb_masked_softmax(s, maskf, scale, heads, causal):
                 s[gi, i, j] = F32(0.0)
 
 
-@_kernel(fastmath=False)
+@njit(cache=True)
 def _nb_embed_sum(ids, word, pos, extra, out):
     b, t = ids.shape
     h = word.shape[1]
-    for r in prange(b * t):
+    for r in range(b * t):
         bi = r // t
         ti = r - bi * t
         w = ids[bi, ti]
@@ -250,7 +223,7 @@ def layernorm(x, gamma, beta, eps: float, out=None):
     if out is None:
         out = get_xp(x).empty_like(x)
     if _is_cpu32(x, gamma, beta, out):
-        _nb_layernorm(x.size, x, gamma, beta, F32(eps), out)
+        _nb_layernorm(x, gamma, beta, F32(eps), out)
         return out
     xp = get_xp(x)
     t = x.astype(xp.float32)
@@ -270,7 +243,7 @@ def bias_residual_layernorm(x, bias, resid, gamma, beta, eps: float, out):
     resid) and the pre-LN residual update of GPT-2 (out is the next block's normalized input).
     """
     if _is_cpu32(x, bias, resid, gamma, beta, out):
-        _nb_bias_residual_layernorm(x.size, x, bias, resid, gamma, beta, F32(eps), out)
+        _nb_bias_residual_layernorm(x, bias, resid, gamma, beta, F32(eps), out)
         return out
     resid += x
     resid += bias
@@ -297,7 +270,7 @@ def bias_act(x, bias, act: str | None):
     """In place ``x = act(x + bias)`` for x (N, F), bias (F,); act in :data:`ACTIVATIONS` or None."""
     kind = _ACT[act]
     if _is_cpu32(x, bias):
-        _nb_bias_act(x.size, x, bias, kind)
+        _nb_bias_act(x, bias, kind)
         return x
     xp = get_xp(x)
     t = x.astype(xp.float32) + bias.astype(xp.float32)
@@ -318,7 +291,7 @@ def masked_softmax(s, maskf, scale: float, heads: int, causal: bool):
     masks keys j > i (Tq == Tk). Masked entries become exactly 0.
     """
     if _is_cpu32(s, maskf):
-        _nb_masked_softmax(s.size, s, maskf, F32(scale), heads, causal)
+        _nb_masked_softmax(s, maskf, F32(scale), heads, causal)
         return s
     xp = get_xp(s)
     g, tq, tk = s.shape
@@ -339,7 +312,7 @@ def masked_softmax(s, maskf, scale: float, heads: int, causal: bool):
 def embed_sum(ids, word, pos, extra, out):
     """``out[b*T + t] = word[ids[b, t]] + pos[t] + extra`` for ids (B, T); out (B*T, H)."""
     if _is_cpu32(word, pos, extra, out) and isinstance(ids, np.ndarray):
-        _nb_embed_sum(out.size, ids, word, pos, extra, out)
+        _nb_embed_sum(ids, word, pos, extra, out)
         return out
     b, t = ids.shape
     h = word.shape[1]
@@ -358,5 +331,11 @@ def matmul_into(a, b, out):
 
 
 def set_threads(n: int) -> None:
-    """Set the number of threads of the Numba kernels (BLAS threads are set by the caller)."""
-    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+    """Limit the BLAS libraries loaded in this process to ``n`` threads (via threadpoolctl).
+
+    The Numba kernels are serial on purpose: a second thread pool (Numba's OpenMP) next to
+    OpenBLAS's made a 2-thread forward 2.3x slower than BLAS threads alone, because the idle
+    workers of one pool spin on the cores the other needs. BLAS holds ~90% of the work.
+    """
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(limits=max(1, int(n)), user_api="blas")

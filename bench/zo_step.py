@@ -1,0 +1,381 @@
+"""semzo's ZO step against a faithful MeZO-style torch step, same model, batch and threads.
+
+    .venv/bin/python bench/zo_step.py [--threads 2] [--batch 16] [--length 64] [--reps 3]
+    timeout 600 mpirun -n 4 .venv/bin/python bench/zo_step.py --comm [--reps 5]
+
+Model: all-MiniLM-L6-v2 (22.7M parameters) with a 16-class head, full-parameter ZO (every
+tensor trainable, as in MeZO), a batch of the first ``--batch`` fortunes padded to
+``--length`` tokens. Printed figures:
+
+1. semzo step time / (2 x semzo forward time) on that batch (goal <= 1.10);
+2. semzo step time vs the MeZO-style torch step (MeZO's trainer: per tensor an out-of-place
+   ``torch.normal`` perturbation +eps, forward, -2 eps, forward, +eps restore, then the update
+   with z regenerated from the same seed), same model and batch, same threads;
+3. peak memory of a ZO step vs parameter bytes plus one forward's activations (goal
+   <= 1.15x), and vs a backprop fine-tuning step in torch (AdamW, same model and batch): each
+   measured in its own process as the peak RSS during the step (VmHWM, reset before it) above
+   the RSS before the model is loaded, and for semzo also with tracemalloc (numpy's
+   allocations: the transient peak above the parameters);
+4. ``--comm`` under mpirun: communication time as a share of the step time in data mode (the
+   engine's time inside the exchange, which includes waiting for the slowest rank, and the
+   exchange collective alone, timed after a barrier).
+
+The torch measurements run in processes of their own: numba's and torch's OpenMP thread pools
+in one process slow each other down badly on a loaded machine.
+
+Other people's processes on a shared machine make timings noisy: say so when reporting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+EPS, LR = 1e-3, 1e-6
+
+
+def batch(n: int, length: int):
+    from semzo.model import Tokenizer
+
+    with open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line, _ in zip(f, range(n))]
+    tok = Tokenizer.from_folder(None, max_length=length)
+    ids, mask = tok.pad(tok.encode_batch(texts), length)
+    labels = np.arange(n) % 16
+    return ids, mask, labels
+
+
+class Solo:
+    """One-rank stand-in for the topology (no MPI)."""
+
+    rank, size, node_id, n_nodes = 0, 1, 0, 1
+
+    def allreduce(self, buf, op=None):
+        return buf
+
+
+def semzo_setup(threads: int):
+    from semzo.backend import set_threads
+    from semzo.finetune.engine import ZOEngine, ztensors
+    from semzo.model import load_model
+
+    set_threads(threads)
+    m = load_model(None)
+    m.add_classifier(16, normalize=True)
+    tensors = ztensors(list(m.named_parameters()))
+    return m, ZOEngine(tensors, Solo(), eps=EPS, threads=threads)
+
+
+def torch_setup(threads: int):
+    import torch
+    from transformers import AutoModel
+
+    from semzo.model import default_model_path
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    body = AutoModel.from_pretrained(str(default_model_path())).eval()
+    head = torch.nn.Linear(body.config.hidden_size, 16)
+    return torch, body, head
+
+
+def torch_loss(torch, body, head, ids, mask, labels):
+    out = body(input_ids=ids, attention_mask=mask).last_hidden_state
+    m = mask.unsqueeze(-1).float()
+    pooled = (out * m).sum(1) / m.sum(1).clamp(min=1e-9)
+    pooled = torch.nn.functional.normalize(pooled, dim=-1)
+    return torch.nn.functional.cross_entropy(head(pooled), labels)
+
+
+def mezo_step(torch, params, loss_fn, step: int, wd: float = 0.0):
+    """MeZO's trainer (large_models/trainer.py): zo_perturb_parameters x3, then zo_update."""
+    seed = 1000 + step
+
+    def perturb(scale):
+        torch.manual_seed(seed)
+        for _, p in params:
+            z = torch.normal(mean=0, std=1, size=p.data.size(), device=p.data.device,
+                             dtype=p.data.dtype)
+            p.data = p.data + scale * z * EPS
+
+    with torch.no_grad():
+        perturb(1)
+        l1 = loss_fn()
+        perturb(-2)
+        l2 = loss_fn()
+        g = float((l1 - l2) / (2 * EPS))
+        perturb(1)
+        torch.manual_seed(seed)
+        for name, p in params:
+            z = torch.normal(mean=0, std=1, size=p.data.size(), device=p.data.device,
+                             dtype=p.data.dtype)
+            if "bias" not in name and "LayerNorm" not in name:
+                p.data = p.data - LR * (g * z + wd * p.data)
+            else:
+                p.data = p.data - LR * g * z
+
+
+def best(f, reps: int) -> float:
+    f()                                           # warm-up (numba cache load, allocations)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def timings(args) -> dict:
+    ids, mask, labels = batch(args.batch, args.length)
+    m, eng = semzo_setup(args.threads)
+    fwd = best(lambda: m.classify(ids, mask, labels), args.reps)
+    k = [0]
+
+    def zo():
+        k[0] += 1
+        eng.step(lambda: m.classify(ids, mask, labels)[0], k[0], LR, args.batch)
+
+    step = best(zo, args.reps)
+    one_pass = best(lambda: eng._perturb(12345, 0.0), args.reps)
+    eng.dist = "rademacher"
+    step_r = best(zo, args.reps)
+    pass_r = best(lambda: eng._perturb(12345, 0.0), args.reps)
+    eng.dist = "gaussian"
+    t = _child_json("--torch-times", args)
+    tfwd, tzo = t["torch_forward_s"], t["mezo_torch_step_s"]
+    return {"semzo_forward_s": fwd, "semzo_step_s": step, "semzo_param_pass_s": one_pass,
+            "semzo_step_rademacher_s": step_r, "semzo_param_pass_rademacher_s": pass_r,
+            "torch_forward_s": tfwd, "mezo_torch_step_s": tzo,
+            "trainable": eng.n_trainable}
+
+
+def torch_times(args) -> None:
+    """The peer's timings, in a process of its own (torch's and numba's thread pools never
+    share one). Prints JSON."""
+    ids, mask, labels = batch(args.batch, args.length)
+    torch, body, head = torch_setup(args.threads)
+    tids, tmask, tlab = (torch.from_numpy(ids), torch.from_numpy(mask),
+                         torch.from_numpy(labels))
+    params = [(n, p) for n, p in body.named_parameters()] + \
+        [(f"head.{n}", p) for n, p in head.named_parameters()]
+
+    def tloss():
+        return torch_loss(torch, body, head, tids, tmask, tlab)
+
+    with torch.no_grad():
+        tfwd = best(tloss, args.reps)
+    j = [0]
+
+    def tstep():
+        j[0] += 1
+        mezo_step(torch, params, tloss, j[0])
+
+    tzo = best(tstep, args.reps)
+    print("JSON " + json.dumps({"torch_forward_s": tfwd, "mezo_torch_step_s": tzo}))
+
+
+def _child_json(flag: str, args, *extra: str) -> dict:
+    p = subprocess.run([sys.executable, __file__, flag, *extra, "--threads", str(args.threads),
+                        "--batch", str(args.batch), "--length", str(args.length), "--reps",
+                        str(args.reps)], capture_output=True, text=True, timeout=900,
+                       check=False)
+    line = [x for x in p.stdout.splitlines() if x.startswith("JSON ")]
+    if not line:
+        raise RuntimeError(f"{flag} {' '.join(extra)} failed:\n{p.stderr[-3000:]}")
+    return json.loads(line[0][5:])
+
+
+def mem_child(what: str, args) -> None:
+    """Run one measurement in this (fresh) process; print JSON.
+
+    footprint = peak RSS during the operation (VmHWM, reset just before it through
+    /proc/self/clear_refs) minus the RSS after the imports, before the model is loaded: the
+    parameters, anything the operation keeps (gradients, optimizer state) and its transient
+    peak. Every operation runs once before the measured run (warm-up)."""
+    import tracemalloc
+
+    ids, mask, labels = batch(args.batch, args.length)
+    out = {}
+    if what.startswith("semzo"):
+        import numba  # noqa: F401 - imported before the baseline like numpy
+
+        rss0 = _status("VmRSS")
+        m, eng = semzo_setup(args.threads)
+        out["param_bytes"] = sum(a.nbytes for a in m.params.values())
+        if what == "semzo-fwd":
+            def op():
+                m.classify(ids, mask, labels)
+        else:
+            k = [0]
+
+            def op():
+                k[0] += 1
+                eng.step(lambda: m.classify(ids, mask, labels)[0], k[0], LR, args.batch)
+        op()
+        tracemalloc.start()
+        t0 = tracemalloc.get_traced_memory()[0]
+        _reset_peak()
+        op()
+        peak = _status("VmHWM")
+        out["traced_peak_bytes"] = tracemalloc.get_traced_memory()[1] - t0
+        tracemalloc.stop()
+    else:
+        import torch as _torch  # noqa: F401 - imported before the baseline
+
+        rss0 = _status("VmRSS")
+        torch, body, head = torch_setup(args.threads)
+        params = [p for p in body.parameters()] + list(head.parameters())
+        out["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
+        tids, tmask, tlab = (torch.from_numpy(ids), torch.from_numpy(mask),
+                             torch.from_numpy(labels))
+        if what == "torch-backprop":
+            body.train()
+            opt = torch.optim.AdamW(params, lr=1e-5)
+
+            def op():
+                loss = torch_loss(torch, body, head, tids, tmask, tlab)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+        else:
+            named = [(n, p) for n, p in body.named_parameters()]
+
+            def op():
+                mezo_step(torch, named, lambda: torch_loss(torch, body, head, tids, tmask,
+                                                           tlab), 1)
+        op()
+        _reset_peak()
+        op()
+        peak = _status("VmHWM")
+    out["footprint_bytes"] = peak - rss0
+    print("JSON " + json.dumps(out))
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:      # "5": reset the peak RSS (VmHWM)
+        f.write("5")
+
+
+def memory(args) -> dict:
+    return {what: _child_json("--mem", args, what)
+            for what in ("semzo-fwd", "semzo-step", "torch-mezo", "torch-backprop")}
+
+
+def comm_share(args) -> None:
+    from mpi4py import MPI
+
+    from semzo.backend import set_threads
+    from semzo.deck import TopologySection
+    from semzo.finetune.engine import ZOEngine, ztensors
+    from semzo.model import load_model
+    from semzo.runtime import run_spmd
+    from semzo.topology import build_topology
+
+    def main():
+        comm = MPI.COMM_WORLD
+        topo = build_topology(comm, TopologySection(ranks_per_node=1, nodes_per_switch=2))
+        set_threads(1)
+        ids, mask, labels = batch(args.batch, args.length)
+        m = load_model(None)
+        m.add_classifier(16, normalize=True)
+        eng = ZOEngine(ztensors(list(m.named_parameters())), topo, eps=EPS, threads=1)
+        rows = []
+        for s in range(args.reps + 1):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            r = eng.step(lambda: m.classify(ids, mask, labels)[0], s, LR, args.batch)
+            rows.append((time.perf_counter() - t0, r.comm_s))
+        ex = []
+        for _ in range(20):
+            buf = np.array([1.0, 16.0, 2.0, 0.0])
+            comm.Barrier()
+            t0 = time.perf_counter()
+            topo.allreduce(buf)
+            ex.append(time.perf_counter() - t0)
+        rows = np.array(rows[1:])
+        mx = np.empty_like(rows)
+        comm.Allreduce(rows, mx, op=MPI.MAX)
+        if comm.Get_rank() == 0:
+            step, c = mx[:, 0].mean(), mx[:, 1].mean()
+            print(f"data mode, {comm.Get_size()} ranks ({topo.n_nodes} nodes, "
+                  f"{topo.n_switches} switches, hierarchical allreduce), 1 thread each:")
+            print(f"  step time (slowest rank, mean of {len(rows)}): {step:.3f} s")
+            print(f"  engine time inside the exchange (incl. waiting for the slowest rank): "
+                  f"{c * 1e3:.2f} ms = {c / step:.2%} of the step")
+            print(f"  the exchange allreduce alone (after a barrier, median of 20): "
+                  f"{np.median(ex) * 1e6:.1f} us = {np.median(ex) / step:.4%} of the step "
+                  f"(goal < 1%)")
+        topo.free()
+
+    run_spmd(main)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--comm", action="store_true")
+    ap.add_argument("--mem", default=None)
+    ap.add_argument("--torch-times", action="store_true")
+    args = ap.parse_args()
+    if args.torch_times:
+        torch_times(args)
+        return
+    if args.mem:
+        mem_child(args.mem, args)
+        return
+    if args.comm:
+        comm_share(args)
+        return
+    t = timings(args)
+    mem = memory(args)
+    mib = 2.0 ** 20
+    print(f"ZO step, all-MiniLM-L6-v2 + 16-class head, full-parameter ({t['trainable']:,} "
+          f"trainable), batch {args.batch} x {args.length} tokens, {args.threads} threads; "
+          f"best of {args.reps}")
+    ratio = t["semzo_step_s"] / (2 * t["semzo_forward_s"])
+    print(f"  semzo forward {t['semzo_forward_s']:.3f} s, step {t['semzo_step_s']:.3f} s: "
+          f"step / (2 x forward) = {ratio:.3f} (goal <= 1.10); one parameter pass "
+          f"{t['semzo_param_pass_s'] * 1e3:.1f} ms")
+    rr = t["semzo_step_rademacher_s"] / (2 * t["semzo_forward_s"])
+    print(f"  with Rademacher z: step {t['semzo_step_rademacher_s']:.3f} s, ratio {rr:.3f}; "
+          f"one parameter pass {t['semzo_param_pass_rademacher_s'] * 1e3:.1f} ms")
+    sp = t["mezo_torch_step_s"] / t["semzo_step_s"]
+    print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
+          f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
+    pb = mem["semzo-step"]["param_bytes"]
+    fwd_act = mem["semzo-fwd"]["traced_peak_bytes"]
+    step_tr = mem["semzo-step"]["traced_peak_bytes"]
+    r_tr = (pb + step_tr) / (pb + fwd_act)
+    zs, zf = mem["semzo-step"]["footprint_bytes"], mem["semzo-fwd"]["footprint_bytes"]
+    print(f"  memory: parameters {pb / mib:.1f} MiB; transient peak above the parameters "
+          f"(tracemalloc): forward {fwd_act / mib:.1f} MiB, ZO step {step_tr / mib:.1f} MiB")
+    print(f"    (parameters + ZO step peak) / (parameters + forward peak) = {r_tr:.3f} "
+          f"(goal <= 1.15); by RSS footprint (peak RSS minus RSS before the model): ZO step "
+          f"{zs / mib:.0f} MiB / forward {zf / mib:.0f} MiB = {zs / zf:.3f}")
+    tb = mem["torch-backprop"]["footprint_bytes"]
+    tm = mem["torch-mezo"]["footprint_bytes"]
+    print(f"    RSS footprint: semzo ZO step {zs / mib:.0f} MiB, torch MeZO-style step "
+          f"{tm / mib:.0f} MiB, torch backprop + AdamW step {tb / mib:.0f} MiB: semzo / "
+          f"backprop = {zs / tb:.3f}, semzo / MeZO-torch = {zs / tm:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Fine-tuning data: this rank's rows of ``shards.h5``, the held-out split, deterministic and
+resumable batches.
+
+* Rows: rank r reads ``rank_offsets[r]:rank_offsets[r+1]`` (the place stage's shard) when the
+  world has as many ranks as wrote the file, else a balanced contiguous block.
+* Held-out split: sample ``id`` is held out when ``u(id) < fraction``, ``u`` a Philox hash of
+  the id keyed by the run seed: the split does not depend on the number of ranks.
+* Order: a cursor (epoch, position) walks a per-epoch permutation of the rank's training rows;
+  the permutation is the argsort of Philox hashes of (position, epoch, rank) keyed by the run
+  seed, so the order is a pure function of (seed, epoch, rank) and a cursor resumes it exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from ..corpus.strings import decode_strings
+from ..h5io import open_collective, read_slab, row_range
+from ..runtime import get_logger
+from .engine import philox_hash
+
+log = get_logger(__name__)
+
+_DOMAIN_HELDOUT = 0x401D
+_DOMAIN_PERM = 0x9E11
+
+
+@dataclass
+class ShardRows:
+    """One rank's rows of shards.h5 (numpy, host memory)."""
+
+    ids: np.ndarray          # (n,) int64
+    labels: np.ndarray       # (n,) int64, -1 = no label
+    embeddings: np.ndarray   # (n, H) float32, L2-normalized (embed stage)
+    texts: list[str]
+    label_names: list[str]
+    offset: int              # global row of the first row
+    n_total: int
+    deck_toml: str = ""      # the resolved deck that wrote the file
+
+
+def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> ShardRows:
+    """Read this rank's shard of ``shards.h5``. Collective over comm."""
+    with open_collective(path, comm) as f:
+        n_total = int(f.attrs["n_total"])
+        offs = f["rank_offsets"][...]
+        if len(offs) == comm.Get_size() + 1:
+            lo, hi = int(offs[comm.Get_rank()]), int(offs[comm.Get_rank() + 1])
+        else:
+            if comm.Get_rank() == 0:
+                log.warning("%s was written by %d ranks, this run has %d: rows are split in "
+                            "balanced blocks instead of the placement's shards", path,
+                            len(offs) - 1, comm.Get_size())
+            lo, hi = row_range(n_total, comm)
+        ids = read_slab(f["ids"], lo, hi).astype(np.int64)
+        labels = read_slab(f["labels"], lo, hi).astype(np.int64)
+        emb = read_slab(f["embeddings"], lo, hi) if with_embeddings else \
+            np.zeros((hi - lo, 0), np.float32)
+        toff = read_slab(f["text_offsets"], lo, hi + 1)
+        b0, b1 = (int(toff[0]), int(toff[-1])) if toff.size else (0, 0)
+        texts = decode_strings(read_slab(f["text_bytes"], b0, b1), np.diff(toff))
+        names = [s.decode() if isinstance(s, bytes) else str(s) for s in f.attrs["label_names"]]
+        deck = f.attrs.get("semzo_deck", "")
+    return ShardRows(ids=ids, labels=labels, embeddings=np.ascontiguousarray(emb, np.float32),
+                     texts=texts, label_names=names, offset=lo, n_total=n_total,
+                     deck_toml=deck.decode() if isinstance(deck, bytes) else str(deck))
+
+
+def heldout_mask(ids: np.ndarray, seed: int, fraction: float) -> np.ndarray:
+    """True for held-out samples: a hash of the sample id, below ``fraction``."""
+    u = np.asarray(ids, np.int64).view(np.uint64)
+    x0, _ = philox_hash(u & np.uint64(0xFFFFFFFF), u >> np.uint64(32), 0, _DOMAIN_HELDOUT, seed)
+    return (np.asarray(x0, np.float64) * 2.0 ** -32) < fraction
+
+
+def epoch_permutation(n: int, seed: int, epoch: int, rank: int) -> np.ndarray:
+    """A permutation of range(n): argsort of Philox hashes of (position, epoch, rank)."""
+    pos = np.arange(n, dtype=np.uint64)
+    x0, x1 = philox_hash(pos, np.uint64(epoch), np.uint64(rank), _DOMAIN_PERM, seed)
+    return np.argsort((np.asarray(x1, np.uint64) << np.uint64(32)) | x0, kind="stable")
+
+
+class Batcher:
+    """Batches of ``batch_size`` positions into ``n`` training rows, in the order of
+    :func:`epoch_permutation`, from a cursor ``(epoch, pos)``; a batch that reaches the end of
+    an epoch continues in the next one. Empty shards give empty batches."""
+
+    def __init__(self, n: int, batch_size: int, seed: int, rank: int) -> None:
+        self.n, self.batch_size, self.seed, self.rank = int(n), int(batch_size), seed, rank
+        self._perm_epoch = -1
+        self._perm = np.zeros(0, np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = epoch_permutation(self.n, self.seed, epoch, self.rank)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def next(self, epoch: int, pos: int) -> tuple[np.ndarray, int, int]:
+        """(row indices, new epoch, new pos)."""
+        if self.n == 0:
+            return np.zeros(0, np.int64), epoch, pos
+        out = []
+        need = min(self.batch_size, self.n) if self.batch_size > self.n else self.batch_size
+        while need > 0:
+            perm = self._permutation(epoch)
+            take = perm[pos:pos + need]
+            out.append(take)
+            need -= take.size
+            pos += take.size
+            if pos >= self.n:
+                epoch, pos = epoch + 1, 0
+        return np.concatenate(out).astype(np.int64), epoch, pos
+
+
+def pad_batch(seqs: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pad token id arrays to the longest: ids (B, T) int64, mask (B, T) float32."""
+    t = max((len(s) for s in seqs), default=1)
+    ids = np.full((len(seqs), max(t, 1)), pad_id, dtype=np.int64)
+    mask = np.zeros(ids.shape, dtype=np.float32)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = s
+        mask[i, :len(s)] = 1.0
+    return ids, mask

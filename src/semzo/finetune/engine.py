@@ -1,0 +1,361 @@
+"""The ZO-SGD step (MeZO) and its three parallel modes over a :class:`~semzo.topology.Topology`.
+
+One step, for the rank's trainable tensors theta (a list of :class:`~.perturb.ZTensor`)::
+
+    perturb(theta, s, +eps)        -> L+ = loss(batch)                 pass 1
+    perturb(theta, s, -2 eps)      -> L- = loss(batch)                 pass 2
+    g = (L+ - L-) / (2 eps)        one float64 scalar per rank
+    exchange (seed, g) pairs       mode-dependent, scalars only
+    restore + update               theta <- theta - lr (sum_k w_k g_k z_k + wd theta)   pass 3
+
+z is never stored: the kernels regenerate it from (seed, tensor index, element). Weight decay
+is off for biases and LayerNorm weights (``ZTensor.decay``).
+
+Modes (``[zo] mode``):
+
+* ``data``: every rank uses the step seed (group 0) on its own batch; one allreduce of
+  ``[n g, n, n loss, bad]`` makes g the projected gradient of the global batch
+  (``g = sum_r n_r g_r / sum_r n_r``); every rank applies the same fused restore+update.
+* ``perturbation``: rank r draws the seed of group r; the records ``(seed, g, n, loss, bad)``
+  of all ranks are allgathered and every rank applies the P updates in one multi-update pass,
+  weights ``w_k = n_k / N``.
+* ``hybrid`` (DistZO2's 2D parallelism on the node/switch communicators): ranks of node j share
+  the seed of group j and average g inside the node (node allreduce); node leaders exchange the
+  node records over ``node_leaders`` (inside a switch) and ``switch_leaders`` (across
+  switches), then broadcast them inside the node; one multi-update pass applies the
+  per-node updates, weights ``n_j / N``.
+
+Replicas stay bit-identical: in ``data`` mode every rank makes the same operations; when
+groups differ (perturbation, hybrid), the arithmetic restore of a rank's own perturbation
+leaves rounding residue (up to ~1.5 ulp, see docs/finetune.md) that differs from rank to rank,
+so ``restore = "copy"`` keeps a reference copy of the trainable tensors that only receives the
+(identical) multi-update and is copied back into the model. ``restore = "fused"`` skips the
+copy (restore fused into the multi-update, as in one memory pass) and re-synchronizes the
+replicas from rank 0 at every checksum. A NaN/Inf loss on any rank skips the step on every
+rank (the decision comes out of the same collective).
+
+Per-step seeds are a counter-based hash of (run seed, step, group), so a resumed run
+regenerates them (:func:`step_seed`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from ..backend import synchronize
+from ..runtime import EXIT_FAILURE, SemzoError
+from . import rng
+from .perturb import ZTensor, decays, multi_update, perturb, restore_update
+
+MODES = ("data", "perturbation", "hybrid")
+_DOMAIN_SEED = np.uint64(0x5EED)
+_M32 = np.uint64(0xFFFFFFFF)
+_U32 = np.uint64(32)
+
+
+class ReplicaMismatch(SemzoError):
+    """Replicas of the trainable parameters differ between ranks; raised on every rank."""
+
+    all_ranks = True
+    exit_code = EXIT_FAILURE
+
+
+# ----------------------------------------------------------------------------- hashing
+def philox_hash(c0, c1, c2, c3, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two 32-bit words (as uint64 arrays) of Philox-4x32-10 of counter (c0, c1, c2, c3) under
+    the 64-bit key ``seed``; counters are uint64 arrays (or scalars) with values < 2**32."""
+    k0, k1 = rng.split_seed(seed)
+    c = [np.asarray(x, np.uint64) & _M32 for x in (c0, c1, c2, c3)]
+    x0, x1, _, _ = rng.philox4x32_10(c[0], c[1], c[2], c[3], k0, k1)
+    return x0, x1
+
+
+def step_seed(run_seed: int, step: int, group: int) -> int:
+    """The seed of ``group`` at ``step`` (uint64 as int): Philox of (step, group) keyed by the run
+    seed. Pure function: a resumed run regenerates every seed."""
+    s = np.uint64(step)
+    x0, x1 = philox_hash(s & _M32, s >> _U32, np.uint64(group), _DOMAIN_SEED, run_seed)
+    return int(x0) | (int(x1) << 32)
+
+
+def tensor_index(name: str) -> int:
+    """The generator's tensor index of a parameter: crc32 of its name (stable across runs,
+    rank counts, trainable subsets and code versions)."""
+    return zlib.crc32(name.encode("utf-8"))
+
+
+def ztensors(named: Sequence[tuple[str, object]]) -> list[ZTensor]:
+    """ZTensors of (name, array) pairs: index by :func:`tensor_index`, decay by name."""
+    out = [ZTensor(tensor_index(n), a, 0, decays(n)) for n, a in named]
+    idx = [z.t for z in out]
+    if len(set(idx)) != len(idx):
+        raise RuntimeError("two trainable tensors hash to the same generator index")
+    return out
+
+
+# ----------------------------------------------------------------------------- checksums
+_CHUNK = 1 << 20
+SMALL = 1 << 16         # tensors below this many elements: kernels on one thread
+
+
+def param_checksum(tensors: Sequence[ZTensor]) -> np.ndarray:
+    """uint64[3]: (sum of the bit patterns, position-weighted sum of the bit patterns, float64
+    sum viewed as bits), computed on the arrays' device with integer arithmetic modulo 2**64:
+    order-independent, exact, the same on CPU and GPU. One ulp anywhere changes the first two."""
+    s1 = s2 = 0
+    fsum = 0.0
+    for z in tensors:
+        a = z.array.reshape(-1)
+        xp = _xp(a)
+        bits_t = {2: xp.uint16, 4: xp.uint32, 8: xp.uint64}[a.dtype.itemsize]
+        for i0 in range(0, a.size, _CHUNK):
+            c = a[i0:i0 + _CHUNK]
+            b = c.view(bits_t).astype(xp.uint64)
+            pos = xp.arange(i0, i0 + c.size, dtype=xp.uint64) * xp.uint64(0x9E3779B97F4A7C15)
+            pos ^= xp.uint64(z.t)
+            pos |= xp.uint64(1)
+            s1 = (s1 + int(b.sum(dtype=xp.uint64))) % 2**64
+            s2 = (s2 + int((b * pos).sum(dtype=xp.uint64))) % 2**64
+            fsum += float(c.astype(xp.float64).sum())
+    return np.array([s1, s2, int(np.float64(fsum).view(np.uint64))], dtype=np.uint64)
+
+
+def _xp(a):
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def verify_replicas(tensors: Sequence[ZTensor], comm: MPI.Intracomm, step: int) -> np.ndarray:
+    """Compare the checksum of ``tensors`` across the ranks of ``comm``; raise
+    :class:`ReplicaMismatch` on every rank (after the collective) if any rank differs.
+    Collective over comm. Returns this rank's checksum."""
+    mine = param_checksum(tensors)
+    everyone = np.empty((comm.Get_size(), mine.size), dtype=np.uint64)
+    comm.Allgather(mine, everyone)
+    bad = [r for r in range(everyone.shape[0]) if not np.array_equal(everyone[r], everyone[0])]
+    if bad:
+        sums = [float(everyone[r, 2].view(np.float64)) for r in [0, *bad]]
+        raise ReplicaMismatch(
+            f"replicas differ at step {step}: the trainable parameters of rank(s) "
+            f"{', '.join(map(str, bad))} do not match rank 0's (float64 sums "
+            f"{', '.join(f'{s:.17g}' for s in sums)}); the run cannot continue consistently")
+    return mine
+
+
+# ----------------------------------------------------------------------------- the engine
+@dataclass
+class StepResult:
+    """What one ZO step did (identical on every rank except the local fields)."""
+
+    step: int
+    ok: bool               # False: a NaN/Inf loss somewhere, step skipped on every rank
+    g: float               # projected gradient, n-weighted mean over the step's groups
+    loss: float            # n-weighted mean of (L+ + L-) / 2 over all ranks
+    seeds: np.ndarray      # uint64 (K,): the seeds applied (K groups)
+    gs: np.ndarray         # float64 (K,): their projected gradients
+    lp: float = math.nan   # this rank's L+ (local)
+    lm: float = math.nan   # this rank's L- (local)
+    compute_s: float = 0.0  # this rank: forward passes and parameter passes
+    comm_s: float = 0.0     # this rank: time inside the exchange collectives
+
+
+class ZOEngine:
+    """ZO-SGD over a list of trainable tensors, replicated on every rank of ``topo.world``.
+
+    tensors: the model's trainable arrays (modified in place); mode: one of :data:`MODES`;
+    restore: "copy" or "fused" (see module docstring); threads: numba threads of the CPU
+    kernels (None: numba's setting). Collective methods are marked so.
+    """
+
+    def __init__(self, tensors: Sequence[ZTensor], topo, *, mode: str = "data",
+                 eps: float = 1e-3, weight_decay: float = 0.0, dist: str = "gaussian",
+                 restore: str = "copy", run_seed: int = 0, threads: int | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown ZO mode {mode!r}")
+        if restore not in ("copy", "fused"):
+            raise ValueError(f"unknown restore {restore!r}")
+        self.tensors = list(tensors)
+        self.topo = topo
+        self.mode = mode
+        self.eps = float(eps)
+        self.wd = float(weight_decay)
+        self.dist = dist
+        self.run_seed = int(run_seed)
+        self.threads = threads
+        if mode == "data":
+            self.group, self.n_groups = 0, 1
+        elif mode == "perturbation":
+            self.group, self.n_groups = topo.rank, topo.size
+        else:
+            self.group, self.n_groups = topo.node_id, topo.n_nodes
+        self.copy = restore == "copy" and self.n_groups > 1
+        self.fused_groups = restore == "fused" and self.n_groups > 1
+        self.ref: list[ZTensor] = []
+        if self.copy:
+            self.ref = [z._replace(array=z.array.copy()) for z in self.tensors]
+        self.loss_hook: Callable[[int, float], float] | None = None   # tests: inject NaN
+
+    # ------------------------------------------------------------------ public
+    def seed_for(self, step: int, group: int | None = None) -> int:
+        return step_seed(self.run_seed, step, self.group if group is None else group)
+
+    @property
+    def n_trainable(self) -> int:
+        return sum(int(z.array.size) for z in self.tensors)
+
+    def step(self, loss_fn: Callable[[], float], step: int, lr: float, n_local: int) -> StepResult:
+        """One ZO step on the rank's batch (``loss_fn()`` evaluates it at the current
+        parameters; ``n_local`` its size, the weight of this rank). Collective over the world."""
+        seed = self.seed_for(step)
+        t0 = time.perf_counter()
+        self._perturb(seed, self.eps)
+        lp = float(loss_fn())
+        self._perturb(seed, -2.0 * self.eps)
+        lm = float(loss_fn())
+        if self.loss_hook is not None:
+            lp = self.loss_hook(step, lp)
+        g = (lp - lm) / (2.0 * self.eps)
+        bad = 0.0 if (math.isfinite(lp) and math.isfinite(lm) and math.isfinite(g)) else 1.0
+        t1 = time.perf_counter()
+        rec = np.array([g if not bad else 0.0, float(n_local),
+                        0.5 * (lp + lm) if not bad else 0.0, bad], dtype=np.float64)
+        seeds, gs, ns, losses, nbad = self._exchange(step, seed, rec)
+        t2 = time.perf_counter()
+        ok = nbad == 0
+        n_tot = float(ns.sum())
+        if ok and n_tot > 0:
+            w = gs * (ns / n_tot)
+            self._update(seeds, w, seed, lr)
+            g_mean = float(w.sum())
+            loss = float((losses * ns).sum() / n_tot)
+        else:
+            self._undo(seed)
+            g_mean, loss = math.nan, math.nan
+        t3 = time.perf_counter()
+        return StepResult(step, ok, g_mean, loss, seeds, gs, lp, lm,
+                          compute_s=(t1 - t0) + (t3 - t2), comm_s=t2 - t1)
+
+    def verify(self, step: int) -> None:
+        """Check (or, with ``restore = "fused"`` and several groups, re-establish) identical
+        replicas. Collective over the world; raises :class:`ReplicaMismatch` on every rank."""
+        if self.fused_groups:
+            for z in self.tensors:
+                synchronize(z.array)
+                self.topo.bcast(z.array.reshape(-1), root=0)
+        verify_replicas(self.tensors, self.topo.world, step)
+        if self.copy:
+            verify_replicas(self.ref, self.topo.world, step)
+
+    # ------------------------------------------------------------------ exchange
+    def _exchange(self, step: int, seed: int, rec: np.ndarray):
+        """(seeds uint64 (K,), gs (K,), ns (K,), losses (K,), number of bad records)."""
+        if self.mode == "data":
+            w = np.array([rec[0] * rec[1], rec[1], rec[2] * rec[1], rec[3]])
+            self.topo.allreduce(w)
+            n = w[1]
+            g = w[0] / n if n > 0 else 0.0
+            loss = w[2] / n if n > 0 else 0.0
+            return (np.array([seed], np.uint64), np.array([g]), np.array([n]), np.array([loss]),
+                    int(w[3]))
+        if self.mode == "perturbation":
+            allr = self.topo.allgather(_pack(seed, self.group, rec))
+        else:
+            allr = self._hybrid_gather(seed, rec)
+        allr = allr[np.argsort(allr[:, 1], kind="stable")]
+        seeds = allr[:, 0].copy()
+        # every rank sees the same records: a seed that is not the one the step's hash gives
+        # (a rank out of step) fails here identically everywhere
+        groups = [int(x) for x in allr[:, 1]]
+        if groups != list(range(self.n_groups)) or any(
+                int(s) != step_seed(self.run_seed, step, k) for k, s in zip(groups, seeds)):
+            raise ReplicaMismatch(f"step {step}: the exchanged (seed, g) records do not match "
+                                  f"the seeds of step {step} (a rank is out of step)")
+        vals = allr[:, 2:].copy().view(np.float64)
+        return seeds, vals[:, 0], vals[:, 1], vals[:, 2], int(vals[:, 3].sum())
+
+    def _hybrid_gather(self, seed: int, rec: np.ndarray) -> np.ndarray:
+        """Node allreduce of the n-weighted record, node leaders exchange the node records
+        (allgather inside the switch over ``node_leaders``, allgatherv across switches over
+        ``switch_leaders``, broadcast back over ``node_leaders``), then node broadcast."""
+        topo = self.topo
+        w = np.array([rec[0] * rec[1], rec[1], rec[2] * rec[1], rec[3]])
+        if topo.node.Get_size() > 1:
+            topo.node.Allreduce(MPI.IN_PLACE, w, op=MPI.SUM)
+        n = w[1]
+        node_rec = np.array([w[0] / n if n > 0 else 0.0, n, w[2] / n if n > 0 else 0.0, w[3]])
+        out = np.empty((topo.n_nodes, 6), dtype=np.uint64)
+        if topo.is_node_leader:
+            nl = topo.node_leaders
+            in_switch = np.empty((nl.Get_size(), 6), dtype=np.uint64)
+            nl.Allgather(_pack(seed, topo.node_id, node_rec), in_switch)
+            if topo.is_switch_leader:
+                sl = topo.switch_leaders
+                if sl.Get_size() > 1:
+                    counts = np.bincount(topo.node_switch, minlength=topo.n_switches) * 6
+                    displ = np.concatenate(([0], np.cumsum(counts)[:-1]))
+                    sl.Allgatherv(in_switch, [out, counts, displ, MPI.UINT64_T])
+                else:
+                    out[:] = in_switch
+            if nl.Get_size() > 1:
+                nl.Bcast(out, root=0)
+        if topo.node.Get_size() > 1:
+            topo.node.Bcast(out, root=0)
+        return out
+
+    # ------------------------------------------------------------------ updates
+    def _split(self, tensors: Sequence[ZTensor]):
+        """(tensors, threads) groups: tensors below ``SMALL`` elements run on one thread (a
+        parallel launch costs more than it saves there, much more on a shared machine)."""
+        small = [z for z in tensors if z.array.size < SMALL or _xp(z.array) is not np]
+        large = [z for z in tensors if not (z.array.size < SMALL or _xp(z.array) is not np)]
+        return [(g, th) for g, th in ((small, 1), (large, self.threads)) if g]
+
+    def _perturb(self, seed: int, scale: float) -> None:
+        for group, th in self._split(self.tensors):
+            perturb(group, seed, scale, dist=self.dist, threads=th)
+
+    def _update(self, seeds: np.ndarray, w: np.ndarray, own_seed: int, lr: float) -> None:
+        seeds_i = [int(s) for s in seeds]
+        if self.n_groups == 1:
+            # one direction, shared by every rank: restore and update in one pass
+            for group, th in self._split(self.tensors):
+                restore_update(group, own_seed, self.eps, lr, float(w[0]), self.wd,
+                               dist=self.dist, threads=th)
+        elif self.copy:
+            for group, th in self._split(self.ref):
+                multi_update(group, seeds_i, w, lr, self.wd, dist=self.dist, threads=th)
+            self._copy_back()
+        else:
+            for group, th in self._split(self.tensors):
+                multi_update(group, seeds_i, w, lr, self.wd, eps=self.eps,
+                             restore_seed=own_seed, dist=self.dist, threads=th)
+
+    def _undo(self, own_seed: int) -> None:
+        """Skipped step: back to the state before it (exactly with a reference copy)."""
+        if self.copy:
+            self._copy_back()
+        else:
+            self._perturb(own_seed, self.eps)
+
+    def _copy_back(self) -> None:
+        for z, r in zip(self.tensors, self.ref):
+            _xp(z.array).copyto(z.array, r.array)
+
+
+def _pack(seed: int, group: int, rec: np.ndarray) -> np.ndarray:
+    """A record as uint64[6]: seed, group, then the four float64 values' bits."""
+    out = np.empty(6, dtype=np.uint64)
+    out[0] = np.uint64(seed)
+    out[1] = np.uint64(group)
+    out[2:] = np.ascontiguousarray(rec, dtype=np.float64).view(np.uint64)
+    return out

@@ -1,0 +1,289 @@
+"""The training loop: tasks (classification, next-token), the training state, evaluation,
+NaN guard, checksums, progress lines and metrics.
+
+:class:`TrainState` holds everything a resumed run needs (step, run seed, data cursor, skip
+count, last learning rate, the last M (step, seed, g) triples) as numbers and numpy arrays
+(:meth:`TrainState.to_dict` / :meth:`TrainState.from_dict`); :func:`train` starts from any
+such state and regenerates seeds, batches and learning rates from it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from ..model.base import cross_entropy
+from ..runtime import EXIT_FAILURE, SemzoError, get_logger
+from .data import Batcher, pad_batch
+from .engine import ZOEngine
+from .schedule import lr_at
+
+log = get_logger(__name__)
+
+
+class TooManySkips(SemzoError):
+    """More NaN/Inf steps than ``train.max_skips``; raised on every rank at the same step."""
+
+    all_ranks = True
+    exit_code = EXIT_FAILURE
+
+
+# ----------------------------------------------------------------------------- state
+@dataclass
+class TrainState:
+    """The whole training state of one rank (cursor fields differ between ranks)."""
+
+    step: int = 0                  # next step to run
+    run_seed: int = 0
+    epoch: int = 0                 # data cursor: epoch and position in its permutation
+    pos: int = 0
+    skips: int = 0                 # steps skipped for a NaN/Inf loss
+    lr: float = 0.0                # schedule: learning rate of the last step
+    hist_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    hist_seed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    hist_g: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+
+    def record(self, step: int, seeds: np.ndarray, gs: np.ndarray, keep: int) -> None:
+        """Append the step's (seed, g) pairs, keeping the last ``keep``."""
+        k = len(seeds)
+        self.hist_step = np.concatenate([self.hist_step, np.full(k, step, np.int64)])[-keep:]
+        self.hist_seed = np.concatenate([self.hist_seed, np.asarray(seeds, np.uint64)])[-keep:]
+        self.hist_g = np.concatenate([self.hist_g, np.asarray(gs, np.float64)])[-keep:]
+
+    def to_dict(self) -> dict:
+        """Numbers and numpy arrays only (copies)."""
+        return {f.name: (getattr(self, f.name).copy() if isinstance(getattr(self, f.name),
+                                                                     np.ndarray)
+                         else getattr(self, f.name)) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TrainState:
+        s = cls(step=int(d["step"]), run_seed=int(d["run_seed"]), epoch=int(d["epoch"]),
+                pos=int(d["pos"]), skips=int(d["skips"]), lr=float(d["lr"]))
+        s.hist_step = np.array(d["hist_step"], np.int64)
+        s.hist_seed = np.array(d["hist_seed"], np.uint64)
+        s.hist_g = np.array(d["hist_g"], np.float64)
+        return s
+
+
+# ----------------------------------------------------------------------------- tasks
+class _Task:
+    """Token sequences of the rank's rows, training batches and held-out evaluation."""
+
+    def __init__(self, model, seqs: list[np.ndarray], labels: np.ndarray,
+                 train_rows: np.ndarray, heldout_rows: np.ndarray, pad_id: int,
+                 eval_batch_size: int) -> None:
+        self.model, self.seqs, self.labels = model, seqs, labels
+        self.train_rows, self.heldout_rows = train_rows, heldout_rows
+        self.pad_id = pad_id
+        order = sorted(heldout_rows.tolist(), key=lambda r: -len(seqs[r]))
+        self.eval_batches = [np.array(order[i:i + eval_batch_size], np.int64)
+                             for i in range(0, len(order), eval_batch_size)]
+
+    def batch(self, positions: np.ndarray):
+        """Prepared inputs of training rows ``train_rows[positions]``."""
+        rows = self.train_rows[positions]
+        ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
+        return ids, mask, self.labels[rows], len(rows)
+
+    def loss(self, batch) -> float:
+        raise NotImplementedError
+
+    def eval_sums(self) -> np.ndarray:
+        """float64 [sum of losses, sum of hits, count] over the rank's held-out rows."""
+        raise NotImplementedError
+
+
+class ClassifyTask(_Task):
+    """Sequence classification: mean cross-entropy of the model's classification head."""
+
+    kind = "classify"
+
+    def loss(self, batch) -> float:
+        ids, mask, labels, n = batch
+        if n == 0:
+            return 0.0
+        return self.model.classify(ids, mask, labels)[0]
+
+    def eval_sums(self) -> np.ndarray:
+        out = np.zeros(3)
+        for rows in self.eval_batches:
+            ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
+            loss, acc, _ = self.model.classify(ids, mask, self.labels[rows])
+            out += (loss * len(rows), round(acc * len(rows)), len(rows))
+        return out
+
+
+class LMTask(_Task):
+    """Next-token prediction with a decoder: loss and accuracy per predicted token."""
+
+    kind = "lm"
+
+    def loss(self, batch) -> float:
+        ids, mask, _, n = batch
+        if n == 0:
+            return 0.0
+        return self.model.next_token_loss(ids, mask)
+
+    def eval_sums(self) -> np.ndarray:
+        out = np.zeros(3)
+        for rows in self.eval_batches:
+            ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
+            cnt = float(mask[:, 1:].sum())
+            if cnt == 0:
+                continue
+            loss, acc = self.model.next_token_loss(ids, mask, return_accuracy=True)
+            out += (loss * cnt, round(acc * cnt), cnt)
+        return out
+
+    def batch_weight(self, batch) -> float:
+        return float(batch[1][:, 1:].sum())
+
+
+class FeatureClassifyTask(_Task):
+    """Classification when only the head trains: the frozen encoder's pooled, L2-normalized
+    features of every row are computed once (``features`` (n, H) float32), and each loss is the
+    head on them -- the same arithmetic as ``model.classify`` with ``head.normalize``."""
+
+    kind = "classify"
+
+    def __init__(self, model, features: np.ndarray, labels: np.ndarray,
+                 train_rows: np.ndarray, heldout_rows: np.ndarray, eval_batch_size: int) -> None:
+        xp = model.xp
+        self.model, self.labels = model, labels
+        self.feats = xp.asarray(np.ascontiguousarray(features, np.float32))
+        self.train_rows, self.heldout_rows = train_rows, heldout_rows
+        self.eval_batches = [heldout_rows[i:i + eval_batch_size]
+                             for i in range(0, len(heldout_rows), eval_batch_size)]
+
+    def batch(self, positions: np.ndarray):
+        rows = self.train_rows[positions]
+        return rows, None, self.labels[rows], len(rows)
+
+    def _loss_acc(self, rows) -> tuple[float, float]:
+        xp, p = self.model.xp, self.model.params
+        w = p["classifier.weight"].astype(xp.float32, copy=False)
+        b = p["classifier.bias"].astype(xp.float32, copy=False)
+        logits = self.feats[xp.asarray(rows)] @ w.T + b
+        return cross_entropy(xp, logits, xp.asarray(self.labels[rows]).astype(xp.int64))
+
+    def loss(self, batch) -> float:
+        rows, _, _, n = batch
+        return self._loss_acc(rows)[0] if n else 0.0
+
+    def eval_sums(self) -> np.ndarray:
+        out = np.zeros(3)
+        for rows in self.eval_batches:
+            loss, acc = self._loss_acc(rows)
+            out += (loss * len(rows), round(acc * len(rows)), len(rows))
+        return out
+
+
+def evaluate(task: _Task, topo) -> tuple[float, float, int]:
+    """Held-out (loss, accuracy, count) over all ranks. Collective over the world."""
+    sums = task.eval_sums()
+    topo.allreduce(sums)
+    n = float(sums[2])
+    return (float(sums[0]) / n if n else math.nan, float(sums[1]) / n if n else math.nan, int(n))
+
+
+# ----------------------------------------------------------------------------- the loop
+@dataclass
+class LoopConfig:
+    """What :func:`train` needs from the deck (``[zo]`` and ``[train]``)."""
+
+    steps: int
+    lr: float
+    schedule: str = "constant"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    eval_every: int = 0
+    log_every: int = 10
+    checksum_every: int = 50
+    max_skips: int = 10
+    history: int = 16
+
+    @classmethod
+    def from_deck(cls, deck) -> LoopConfig:
+        t, z = deck.train, deck.zo
+        return cls(steps=t.steps, lr=z.lr, schedule=t.schedule, warmup_steps=t.warmup_steps,
+                   min_lr_ratio=t.min_lr_ratio, eval_every=t.eval_every, log_every=t.log_every,
+                   checksum_every=z.checksum_every, max_skips=t.max_skips, history=z.history)
+
+
+def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
+          cfg: LoopConfig, *, on_row: Callable[[dict], None] | None = None,
+          on_comm: Callable[[float], None] | None = None,
+          on_step: Callable[[TrainState], None] | None = None) -> TrainState:
+    """Run steps ``state.step .. cfg.steps - 1``. Collective over ``engine.topo.world``.
+
+    ``on_row(row)`` receives every metrics row (train rows every step, eval rows every
+    ``cfg.eval_every`` steps), on every rank. ``on_step(state)`` is called on every rank after
+    every completed step (the hook for periodic checkpoints; it may be collective). Raises :class:`TooManySkips` (every rank, same
+    step) and :class:`~.engine.ReplicaMismatch` (every rank, after the checksum collective).
+    """
+    topo = engine.topo
+    t_start = time.perf_counter()
+    first = state.step
+    last_log = (t_start, first)
+    while state.step < cfg.steps:
+        step = state.step
+        lr = lr_at(step, cfg.steps, cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio)
+        positions, state.epoch, state.pos = batcher.next(state.epoch, state.pos)
+        batch = task.batch(positions)
+        weight = task.batch_weight(batch) if hasattr(task, "batch_weight") else batch[3]
+        res = engine.step(lambda b=batch: task.loss(b), step, lr, weight)
+        if on_comm is not None:
+            on_comm(res.comm_s)
+        state.lr = lr
+        state.step = step + 1
+        if res.ok:
+            state.record(step, res.seeds, res.gs, cfg.history)
+        else:
+            state.skips += 1
+            if not (math.isfinite(res.lp) and math.isfinite(res.lm)):
+                log.warning("step %d: non-finite loss on rank %d (L+ %.4g, L- %.4g); the step "
+                            "is skipped on every rank (%d skipped so far, at most %d allowed)",
+                            step, topo.rank, res.lp, res.lm, state.skips, cfg.max_skips)
+            elif topo.rank == 0:
+                log.info("step %d: skipped (non-finite loss on another rank; %d skipped so far, "
+                         "at most %d allowed)", step, state.skips, cfg.max_skips)
+            if state.skips > cfg.max_skips:
+                raise TooManySkips(
+                    f"stopping at step {step}: {state.skips} steps had a NaN or Inf loss "
+                    f"(train.max_skips = {cfg.max_skips}); lower zo.lr or zo.eps, or check "
+                    f"the data")
+        if on_row is not None:
+            on_row({"kind": "train", "step": step, "loss": res.loss, "g": res.g, "lr": lr,
+                    "compute_s": res.compute_s, "comm_s": res.comm_s, "skipped": int(not res.ok)})
+        done = state.step
+        if cfg.checksum_every and done % cfg.checksum_every == 0 and done < cfg.steps:
+            engine.verify(step)
+        if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+            loss, acc, n = evaluate(task, topo)
+            if on_row is not None:
+                on_row({"kind": "eval", "step": done, "heldout_loss": loss, "heldout_acc": acc,
+                        "heldout_n": n})
+            log.info("step %d: held-out loss %.4f, accuracy %.4f (%d samples)", done, loss,
+                     acc, n)
+        if done % cfg.log_every == 0 or done == cfg.steps:
+            now = time.perf_counter()
+            rate = (done - last_log[1]) / max(now - last_log[0], 1e-9)
+            overall = (done - first) / max(now - t_start, 1e-9)
+            eta = (cfg.steps - done) / max(overall, 1e-9)
+            log.info("step %d/%d  loss %.4f  g %+.3e  lr %.2e  %.2f steps/s  ETA %s", done,
+                     cfg.steps, res.loss, res.g, lr, rate, _fmt_eta(eta))
+            last_log = (now, done)
+        if on_step is not None:
+            on_step(state)
+    engine.verify(state.step)
+    return state
+
+
+def _fmt_eta(s: float) -> str:
+    s = round(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

@@ -1,0 +1,123 @@
+"""Fine-tuning outputs of rank 0: ``metrics.csv`` and PNG plots of loss and accuracy.
+
+``metrics.csv`` columns: ``kind`` (``train`` or ``eval``), ``step``, ``loss`` (mean of L+ and
+L- over the global batch), ``g`` (projected gradient), ``lr``, ``compute_s`` and ``comm_s``
+(rank 0's time in forward/parameter passes and in the exchange collectives), ``skipped``
+(1 for a NaN/Inf step), ``heldout_loss``, ``heldout_acc``, ``heldout_n`` (eval rows; step 0 is
+the model before training). Empty cells are fields a row does not have.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+
+COLUMNS = ("kind", "step", "loss", "g", "lr", "compute_s", "comm_s", "skipped",
+           "heldout_loss", "heldout_acc", "heldout_n")
+
+
+class Metrics:
+    """Collects rows; rank 0 appends them to ``metrics.csv`` (flushed every ``flush_every``
+    rows) and draws the plots. Other ranks keep nothing."""
+
+    def __init__(self, outdir: str | Path, active: bool, flush_every: int = 50) -> None:
+        self.active = active
+        self.path = Path(outdir) / "metrics.csv"
+        self.rows: list[dict] = []
+        self._pending: list[dict] = []
+        self.flush_every = flush_every
+        if active:
+            with open(self.path, "w", newline="", encoding="utf-8") as f:
+                csv.writer(f).writerow(COLUMNS)
+
+    def add(self, row: dict) -> None:
+        if not self.active:
+            return
+        self.rows.append(row)
+        self._pending.append(row)
+        if len(self._pending) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.active or not self._pending:
+            return
+        with open(self.path, "a", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            for r in self._pending:
+                w.writerow([_fmt(r.get(c)) for c in COLUMNS])
+        self._pending = []
+
+    def plot(self, title: str = "") -> list[Path]:
+        """Write loss.png and accuracy.png next to metrics.csv; returns their paths."""
+        if not self.active:
+            return []
+        self.flush()
+        return plot_metrics(self.rows, self.path.parent, title)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, (float, np.floating)):
+        return "nan" if math.isnan(v) else repr(float(v))
+    if isinstance(v, np.integer):
+        return str(int(v))
+    return str(v)
+
+
+def _smooth(y: list[float], k: int) -> list[float]:
+    out, acc, q = [], 0.0, []
+    for v in y:
+        q.append(v)
+        acc += v
+        if len(q) > k:
+            acc -= q.pop(0)
+        out.append(acc / len(q))
+    return out
+
+
+def plot_metrics(rows: list[dict], outdir: Path, title: str = "") -> list[Path]:
+    """loss.png (training loss, smoothed, and held-out loss) and accuracy.png (held-out
+    accuracy) from metrics rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tr = [r for r in rows if r["kind"] == "train" and not r.get("skipped")
+          and math.isfinite(r["loss"])]
+    ev = [r for r in rows if r["kind"] == "eval"]
+    paths = []
+    fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    if tr:
+        xs = [r["step"] for r in tr]
+        ys = [r["loss"] for r in tr]
+        ax.plot(xs, ys, color="0.75", lw=0.8, label="training loss (global batch)")
+        ax.plot(xs, _smooth(ys, max(1, len(ys) // 20)), color="C0", lw=1.5,
+                label="training loss, running mean")
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["heldout_loss"] for r in ev], "o-", color="C3",
+                label="held-out loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title(f"semzo ZO fine-tuning: loss {title}".strip())
+    ax.legend()
+    paths.append(outdir / "loss.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
+    if ev:
+        ax.plot([r["step"] for r in ev], [r["heldout_acc"] for r in ev], "o-", color="C2",
+                label="held-out accuracy")
+    ax.set_xlabel("step")
+    ax.set_ylabel("accuracy")
+    ax.set_title(f"semzo ZO fine-tuning: held-out accuracy {title}".strip())
+    ax.legend()
+    paths.append(outdir / "accuracy.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths

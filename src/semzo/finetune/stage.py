@@ -1,0 +1,251 @@
+"""The finetune stage: ``shards.h5`` -> ZO fine-tuning -> ``model.h5``, ``metrics.csv``, plots.
+
+Every rank holds a full replica of the model and trains on its own shard (the place stage's
+rows); ranks exchange only scalars (see engine.py). Tasks: ``classify`` (encoder or decoder with
+a classification head on the shard labels; the head starts from scaled class means of the
+training embeddings) and ``lm`` (next-token loss of a decoder on the shard texts).
+
+``model.h5``: one dataset per saved tensor under its Hugging Face name (global shape, written
+collectively in row blocks), attrs: the resolved deck, ``model_source``, ``task``,
+``trainable`` (JSON list of trained names), ``lora`` (JSON), ``label_names``, ``head_normalize``,
+``steps``, ``skips``, held-out loss/accuracy before and after.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+
+import numpy as np
+
+from ..h5io import create_collective, row_range, write_slab
+from ..runtime import SemzoError, get_logger
+from .data import Batcher, heldout_mask, read_shard
+from .engine import ZOEngine, ztensors
+from .loop import ClassifyTask, FeatureClassifyTask, LMTask, LoopConfig, TrainState, evaluate, train
+from .report import Metrics
+
+log = get_logger(__name__)
+
+_BLOCK = re.compile(r"(?:^|\.)(?:layer|h)\.(\d+)\.")
+
+
+def _deck_error(msg: str) -> SemzoError:
+    err = SemzoError(msg)
+    err.all_ranks = True
+    return err
+
+
+def select_trainable(model, params: str, last_layers: int = 1, lora_rank: int = 8,
+                     lora_alpha: float = 16.0, seed: int = 0) -> list[str]:
+    """Freeze everything but the chosen subset; return the trainable names (model order).
+
+    ``all``: every tensor the forward pass uses (and the head); ``head+last``: the head
+    (``classifier.*``) plus blocks ``L - last_layers .. L - 1`` (and a decoder's final norm);
+    ``lora``: LoRA adapters of rank ``lora_rank`` on the attention projections plus the head.
+    """
+    if params == "lora":
+        model.add_lora(rank=lora_rank, alpha=lora_alpha, seed=seed)
+    elif params == "head+last":
+        n_layers = model.config.num_layers
+        first = n_layers - min(last_layers, n_layers)
+        keep = set()
+        for name in model.params:
+            m = _BLOCK.search(name)
+            if name.startswith("classifier.") or (m and int(m.group(1)) >= first) or \
+                    (last_layers > 0 and re.search(r"(?:^|\.)ln_f\.", name)):
+                keep.add(name)
+        model.frozen |= set(model.params) - keep
+    elif params != "all":
+        raise ValueError(f"unknown trainable subset {params!r}")
+    names = [n for n, _ in model.named_parameters()]
+    if not names:
+        raise _deck_error(f"train.params = {params!r} with last_layers = {last_layers} leaves "
+                          f"nothing to train for this model and task")
+    return names
+
+
+def init_head_class_means(model, emb: np.ndarray, labels: np.ndarray, n_classes: int,
+                          scale: float, topo) -> np.ndarray:
+    """Nearest-class-mean head: ``classifier.weight[c] = scale * m_c / |m_c|`` (m_c the mean
+    of the L2-normalized training embeddings of class c), ``classifier.bias[c] = log prior of
+    c``; with ``head.normalize`` the logits are ``scale * cos(e, m_c) + log p_c``. One allreduce
+    of per-class sums and counts. Collective over the world. Returns the class counts."""
+    h = model.config.hidden_size
+    if emb.shape[1] != h:
+        raise _deck_error(f"shards.h5 embeddings have {emb.shape[1]} dimensions, the model "
+                          f"{h}: embed with the same model or set train.head_init = \"random\"")
+    acc = np.zeros((n_classes, h + 1), np.float64)
+    ok = labels >= 0
+    np.add.at(acc[:, :h], labels[ok], emb[ok].astype(np.float64))
+    np.add.at(acc[:, h], labels[ok], 1.0)
+    topo.allreduce(acc)
+    counts = acc[:, h]
+    means = acc[:, :h] / np.maximum(counts, 1.0)[:, None]
+    means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
+    prior = np.log(np.maximum(counts, 0.5) / max(counts.sum(), 1.0))
+    xp = model.xp
+    w, b = model.params["classifier.weight"], model.params["classifier.bias"]
+    xp.copyto(w, xp.asarray((scale * means).astype(w.dtype)))
+    xp.copyto(b, xp.asarray(prior.astype(b.dtype)))
+    return counts
+
+
+def head_features(ctx, model, rows, max_len: int, batch_size: int) -> tuple[np.ndarray, str]:
+    """Pooled, L2-normalized features (n, H) float32 of the rank's rows under the frozen
+    encoder: the embeddings of shards.h5 when they were made by the same model at the same
+    max_length (the embed stage computes exactly this), else one forward pass per row."""
+    from ..deck import from_toml_text
+    from ..model import Tokenizer, embed_texts
+
+    src = from_toml_text(rows.deck_toml)
+    same = (src.model.path == ctx.deck.model.path and src.model.max_length == max_len and
+            src.model.dtype == ctx.deck.model.dtype and
+            rows.embeddings.shape[1] == model.config.hidden_size)
+    if same:
+        return rows.embeddings, f"taken from shards.h5: same model, max_length {max_len}"
+    tok = Tokenizer.from_folder(ctx.deck.model.path or None, max_length=max_len)
+    feats = embed_texts(model, tok, rows.texts, batch_size=batch_size, normalize=True)
+    return feats.astype(np.float32), f"one forward pass per row at max_length {max_len}"
+
+
+def run_finetune_stage(ctx) -> dict:
+    """Collective. Reads shards.h5, fine-tunes, writes model.h5, metrics.csv and plots.
+    Returns the stage's headline figures (held-out accuracy before/after, steps, speed)."""
+    from ..model import Tokenizer, load_model
+
+    deck, topo = ctx.deck, ctx.topo
+    comm = topo.world
+    t, z = deck.train, deck.zo
+    shards = ctx.path("shards.h5")
+    found = comm.allreduce(int(shards.is_file()))
+    if found != comm.Get_size():
+        raise _deck_error(f"{deck.source}: run.stages: {shards} not found (run the place stage "
+                          f"first)")
+    model_path = deck.model.path or None
+    model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype)
+    task_kind = t.task if t.task != "auto" else ("lm" if model.kind == "decoder" else "classify")
+    if task_kind == "lm" and model.kind != "decoder":
+        raise _deck_error(f"{deck.source}: train.task: next-token fine-tuning needs a decoder "
+                          f"(GPT-2 family) in model.path, got an {model.kind}")
+    use_emb = task_kind == "classify" and t.head_init == "class_means"
+    rows = read_shard(shards, comm, with_embeddings=task_kind == "classify")
+    held = heldout_mask(rows.ids, deck.run.seed, t.heldout_fraction)
+    n_classes = len(rows.label_names)
+    if task_kind == "classify":
+        unlabeled = np.array([int((rows.labels < 0).sum())], np.int64)
+        topo.allreduce(unlabeled)
+        if unlabeled[0] or n_classes < 2:
+            raise _deck_error(f"{deck.corpus.path}: train.task = classify needs a label on "
+                              f"every record and at least 2 classes ({int(unlabeled[0])} "
+                              f"unlabeled, {n_classes} classes); use a labelled corpus or "
+                              f"task = \"lm\" with a decoder")
+        model.add_classifier(n_classes, init="zeros" if use_emb else "normal",
+                             seed=deck.run.seed, normalize=True)
+    names = select_trainable(model, t.params, t.last_layers, t.lora_rank, t.lora_alpha,
+                             deck.run.seed)
+    if task_kind == "classify" and use_emb:
+        train_rows = ~held
+        init_head_class_means(model, rows.embeddings[train_rows], rows.labels[train_rows],
+                              n_classes, t.head_scale, topo)
+    max_len = t.max_length or deck.model.max_length
+    train_idx, held_idx = np.flatnonzero(~held), np.flatnonzero(held)
+    head_only = task_kind == "classify" and all(n.startswith("classifier.") for n in names)
+    if head_only:
+        feats, how = head_features(ctx, model, rows, max_len, t.eval_batch_size)
+        log.info("finetune: only the head trains: the frozen encoder's pooled features are "
+                 "computed once (%s) and every ZO step evaluates the head on them", how)
+        task = FeatureClassifyTask(model, feats, rows.labels, train_idx, held_idx,
+                                   t.eval_batch_size)
+    else:
+        tok = Tokenizer.from_folder(model_path, max_length=max_len)
+        seqs = tok.encode_batch(rows.texts)
+        cls = ClassifyTask if task_kind == "classify" else LMTask
+        task = cls(model, seqs, rows.labels, train_idx, held_idx, tok.pad_id,
+                   t.eval_batch_size)
+
+    counts = np.array([train_idx.size, held_idx.size], np.int64)
+    topo.allreduce(counts)
+    if counts[0] == 0:
+        raise _deck_error(f"{deck.source}: train.heldout_fraction: no training samples left")
+    steps = t.steps
+    if t.max_epochs > 0:
+        per_epoch = counts[0] / (topo.size * t.batch_size)
+        steps = min(steps, max(1, math.ceil(t.max_epochs * per_epoch)))
+    tensors = ztensors([(n, model.params[n]) for n in names])
+    engine = ZOEngine(tensors, topo, mode=z.mode, eps=z.eps, weight_decay=z.weight_decay,
+                      dist=z.dist, restore=z.restore, run_seed=deck.run.seed)
+    n_tr = engine.n_trainable
+    n_all = model.num_parameters(include_frozen=True)
+    log.info("finetune: task %s, %s model, trainable %s: %d tensors, %d of %d parameters "
+             "(%.2f%%); %d training / %d held-out samples; mode %s (%d seed group%s), "
+             "batch %d per rank, max_length %d, %d steps, lr %.2e (%s), eps %.1e, z %s",
+             task_kind, model.kind, t.params if t.params != "head+last"
+             else f"head+last:{t.last_layers}", len(names), n_tr, n_all,
+             100.0 * n_tr / max(n_all, 1), counts[0], counts[1], z.mode, engine.n_groups,
+             "s" if engine.n_groups > 1 else "", t.batch_size, max_len, steps, z.lr,
+             t.schedule, z.eps, z.dist)
+
+    metrics = Metrics(ctx.outdir, active=topo.rank == 0)
+    before = evaluate(task, topo)
+    metrics.add({"kind": "eval", "step": 0, "heldout_loss": before[0],
+                 "heldout_acc": before[1], "heldout_n": before[2]})
+    log.info("held-out before fine-tuning: loss %.4f, accuracy %.4f (%d samples)", *before)
+    state = TrainState(run_seed=deck.run.seed)
+    batcher = Batcher(train_idx.size, t.batch_size, deck.run.seed, topo.rank)
+
+    def add_comm(s: float) -> None:
+        ctx.timer.comm_time["finetune"] = ctx.timer.comm_time.get("finetune", 0.0) + s
+
+    t0 = time.perf_counter()
+    cfg = LoopConfig.from_deck(deck)
+    cfg.steps = steps
+    state = train(engine, task, batcher, state, cfg,
+                  on_row=metrics.add, on_comm=add_comm)
+    secs = time.perf_counter() - t0
+    after = evaluate(task, topo)
+    metrics.add({"kind": "eval", "step": state.step, "heldout_loss": after[0],
+                 "heldout_acc": after[1], "heldout_n": after[2]})
+    metrics.plot(f"({task_kind}, {z.mode}, {topo.size} ranks)")
+    if t.save != "none":
+        save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after)
+    what = "accuracy" if task_kind == "classify" else "next-token accuracy"
+    log.info("finetune: %d steps in %.1f s (%.2f steps/s), %d skipped", state.step, secs,
+             state.step / max(secs, 1e-9), state.skips)
+    log.info("HELD-OUT %s before %.4f -> after %.4f (%+.2f points); loss %.4f -> %.4f "
+             "(%d samples)", what.upper(), before[1], after[1], 100 * (after[1] - before[1]),
+             before[0], after[0], after[2])
+    return {"task": task_kind, "steps": state.step, "skipped": state.skips,
+            "steps/s": state.step / max(secs, 1e-9), "heldout acc before": float(before[1]),
+            "heldout acc after": float(after[1])}
+
+
+def save_model(ctx, model, names: list[str], which: str, task_kind: str,
+               label_names: list[str], state: TrainState, before, after) -> None:
+    """Write model.h5: every rank writes a block of rows of each tensor (replicas are
+    identical). Collective over the world."""
+    comm = ctx.topo.world
+    saved = names if which == "trainable" else list(model.params)
+    lora = {m: {"a": s.a, "b": s.b, "scale": s.scale} for m, s in model.lora.items()}
+    attrs = {"model_source": str(model.source or ""), "task": task_kind,
+             "trainable": json.dumps(names), "lora": json.dumps(lora),
+             "label_names": np.array(label_names, dtype=object),
+             "head_normalize": bool(model.head.normalize) if model.head else False,
+             "steps": state.step, "skips": state.skips,
+             "heldout_loss_before": _num(before[0]), "heldout_acc_before": _num(before[1]),
+             "heldout_loss_after": _num(after[0]), "heldout_acc_after": _num(after[1])}
+    with create_collective(ctx.path("model.h5"), comm, ctx.deck.to_toml(), **attrs) as f:
+        for name in saved:
+            arr = model.params[name]
+            host = np.ascontiguousarray(arr.get() if hasattr(arr, "get") else arr)
+            if host.ndim == 0:
+                host = host.reshape(1)
+            dset = f.create_dataset(name, shape=host.shape, dtype=host.dtype)
+            lo, hi = row_range(host.shape[0], comm)
+            write_slab(dset, lo, host[lo:hi])
+
+
+def _num(x: float) -> float:
+    return float(x) if math.isfinite(x) else float("nan")

@@ -1,0 +1,115 @@
+"""The pipeline with the finetune stage, end to end at 2 ranks on a small labelled corpus and a
+tiny random encoder (classification through the transformer), then the finetune stage alone
+with a tiny GPT-2 (next-token loss) and with a head-only subset (cached features)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from mpiutil import check, mpirun
+
+sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+from zo_common import make_model, write_corpus
+
+ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+COMMON = ["--set", "topology.ranks_per_node=1", "--set", "topology.nodes_per_switch=1",
+          "--set", "model.max_length=24", "--set", "train.max_length=24",
+          "--set", "train.batch_size=8", "--set", "train.log_every=5",
+          "--set", "train.schedule=constant", "--set", "train.warmup_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ft")
+    bert = make_model(tmp / "bert")
+    corpus = write_corpus(tmp / "corpus.jsonl", 240)
+    out = tmp / "out"
+    proc = check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
+                            "--set", f"run.output_dir={out}", "--set", f"corpus.path={corpus}",
+                            "--set", f"model.path={bert}", "--set", "cluster.k=3",
+                            "--set", "train.params=head+last", "--set", "train.last_layers=1",
+                            "--set", "train.steps=12", "--set", "train.eval_every=6",
+                            "--set", "zo.mode=hybrid", "--set", "zo.lr=1e-3",
+                            "--set", "zo.checksum_every=5", *COMMON],
+                        timeout=240, env=ENV))
+    return tmp, out, proc
+
+
+def _metrics(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_pipeline_with_finetune(run):
+    tmp, out, proc = run
+    for name in ("shards.h5", "metrics.csv", "loss.png", "accuracy.png", "model.h5"):
+        assert (out / name).is_file(), name
+    assert not list(out.glob("*.tmp"))
+    rows = _metrics(out / "metrics.csv")
+    train = [r for r in rows if r["kind"] == "train"]
+    evals = [r for r in rows if r["kind"] == "eval"]
+    assert [int(r["step"]) for r in train] == list(range(12))
+    assert [int(r["step"]) for r in evals] == [0, 6, 12]
+    for r in train:
+        assert math.isfinite(float(r["loss"])) and math.isfinite(float(r["g"]))
+        assert float(r["lr"]) == 1e-3 and float(r["compute_s"]) > 0
+        assert float(r["comm_s"]) >= 0 and r["skipped"] == "0"
+    for r in evals:
+        assert 0.0 <= float(r["heldout_acc"]) <= 1.0 and math.isfinite(float(r["heldout_loss"]))
+        assert int(r["heldout_n"]) > 0
+    assert "HELD-OUT ACCURACY before" in proc.stderr
+    assert "mode hybrid (2 seed groups)" in proc.stderr
+    with h5py.File(out / "model.h5") as f:
+        names = json.loads(f.attrs["trainable"])
+        assert names and set(names) == set(f.keys())
+        assert all(n.startswith(("classifier.", "encoder.layer.1.")) for n in names)
+        assert f["classifier.weight"].shape == (3, 32)
+        assert "[train]" in f.attrs["semzo_deck"] and f.attrs["steps"] == 12
+        w = f["encoder.layer.1.output.dense.weight"][...]
+    from safetensors.numpy import load_file
+    w0 = load_file(str(tmp / "bert" / "model.safetensors"))["encoder.layer.1.output.dense.weight"]
+    assert w.shape == w0.shape and not np.array_equal(w, w0)      # trained
+    assert np.max(np.abs(w - w0)) < 0.1
+
+
+def test_finetune_stage_lm_decoder(run):
+    tmp, out, _ = run
+    gpt = make_model(tmp / "gpt2", kind="gpt2")
+    proc = check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
+                            "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
+                            "--set", f"model.path={gpt}", "--set", "train.task=lm",
+                            "--set", "train.params=lora", "--set", "train.lora_rank=2",
+                            "--set", "train.steps=6", "--set", "train.eval_every=0",
+                            "--set", "zo.mode=perturbation", "--set", "zo.lr=1e-3", *COMMON],
+                        timeout=180, env=ENV))
+    assert "HELD-OUT NEXT-TOKEN ACCURACY before" in proc.stderr
+    rows = _metrics(out / "metrics.csv")
+    assert len([r for r in rows if r["kind"] == "train"]) == 6
+    assert all(math.isfinite(float(r["loss"])) for r in rows if r["kind"] == "train")
+    with h5py.File(out / "model.h5") as f:
+        names = json.loads(f.attrs["trainable"])
+        assert names and all(".lora_" in n for n in names)
+        assert f.attrs["task"] == "lm"
+
+
+def test_finetune_stage_head_only_uses_cached_features(run):
+    _, out, _ = run
+    proc = check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
+                            "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
+                            "--set", f"model.path={run[0] / 'bert'}",
+                            "--set", "train.params=head+last", "--set", "train.last_layers=0",
+                            "--set", "train.steps=200", "--set", "train.eval_every=100",
+                            "--set", "zo.mode=data", "--set", "zo.lr=1e-2", *COMMON],
+                        timeout=180, env=ENV))
+    assert "taken from shards.h5: same model, max_length 24" in proc.stderr
+    rows = _metrics(out / "metrics.csv")
+    assert len([r for r in rows if r["kind"] == "train"]) == 200
+    with h5py.File(out / "model.h5") as f:
+        assert set(json.loads(f.attrs["trainable"])) == {"classifier.weight", "classifier.bias"}
