@@ -154,6 +154,25 @@ def test_generic_xp_path_matches_numba_path(minilm, tok, tmp_path, monkeypatch):
     assert np.max(np.abs(dec.logits(gids, gmask) - zfast)[gmask.astype(bool)]) < 1e-4
 
 
+def test_thread_split_forward_equals_single(minilm, tok, tmp_path):
+    """set_threads(n): row blocks run concurrently give the one-thread results, in order."""
+    from semzo.model import get_threads, set_threads
+    ids, mask = tok(SENTENCES[:7])
+    dec = load_model(tiny_gpt2(tmp_path / "g"))
+    gids = np.random.default_rng(0).integers(0, 97, size=(5, 30))
+    one, z1 = minilm.hidden_states(ids, mask), dec.logits(gids)
+    old = get_threads()
+    set_threads(3)
+    try:
+        dec.split_min_tokens = 1
+        many, z3 = minilm.hidden_states(ids, mask), dec.logits(gids)
+    finally:
+        set_threads(old)
+        dec.split_min_tokens = type(dec).split_min_tokens
+    assert many.shape == one.shape and z3.shape == z1.shape
+    assert np.max(np.abs(many - one)) < 1e-5 and np.max(np.abs(z3 - z1)) < 1e-5
+
+
 # ----------------------------------------------------------------------------- parameters
 
 def test_parameter_collection_contract(minilm):

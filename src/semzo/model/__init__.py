@@ -18,12 +18,12 @@ from semzo.model.decoder import Decoder
 from semzo.model.embed import embed_ids, embed_texts, length_batches
 from semzo.model.encoder import Encoder
 from semzo.model.export import export_hf
-from semzo.model.kernels import set_threads
+from semzo.model.kernels import get_threads, set_threads
 from semzo.model.loader import default_model_path, load_model
 from semzo.model.tokenizer import Tokenizer
 
 __all__ = [
     "Decoder", "DecoderConfig", "Encoder", "EncoderConfig", "HeadSpec", "LoraSpec", "Tokenizer",
-    "TransformerBase", "default_model_path", "embed_ids", "embed_texts", "export_hf",
+    "TransformerBase", "default_model_path", "embed_ids", "embed_texts", "export_hf", "get_threads",
     "is_no_decay", "length_batches", "load_model", "read_config", "set_threads",
 ]

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from semzo.model.config import DecoderConfig, EncoderConfig
-from semzo.model.kernels import matmul_into
+from semzo.model.kernels import matmul_into, run_split
 
 
 @dataclass(frozen=True)
@@ -198,7 +198,25 @@ class TransformerBase:
                 raise ValueError(f"attention_mask {maskf.shape} does not match ids {ids.shape}")
         return ids, maskf
 
-    def hidden_states(self, input_ids, attention_mask=None):
+    #: batches with fewer tokens run on one thread even when set_threads(n > 1)
+    split_min_tokens = 256
+
+    def hidden_states(self, input_ids, attention_mask=None, **kwargs):
+        """Final hidden states (B, T, H) in the model dtype; padded positions hold finite values
+        that mean nothing. On CPU with ``set_threads(n > 1)`` the batch is split into row blocks
+        run concurrently (same results: rows are independent)."""
+        ids, maskf = self._inputs(input_ids, attention_mask)
+        if self.xp is not np:
+            return self._hidden(ids, maskf, **kwargs)
+        extra = {k: np.asarray(v) for k, v in kwargs.items() if v is not None}
+
+        def run(sl):
+            return self._hidden(ids[sl], maskf[sl], **{k: v[sl] for k, v in extra.items()})
+        parts = run_split(run, ids.shape[0], self.split_min_tokens, ids.shape[1])
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+    def _hidden(self, ids, maskf, **kwargs):
+        """Forward pass on prepared inputs: ids (B, T) integers, maskf (B, T) float32."""
         raise NotImplementedError
 
     def pooled(self, input_ids, attention_mask=None, normalize: bool = True):

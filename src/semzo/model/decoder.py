@@ -46,10 +46,9 @@ class Decoder(TransformerBase):
             mods += [f"{self.prefix}h.{i}.attn.c_attn", f"{self.prefix}h.{i}.attn.c_proj"]
         return mods
 
-    def hidden_states(self, input_ids, attention_mask=None):
+    def _hidden(self, ids, maskf):
         """Final hidden states after ``ln_f`` (B, T, H), model dtype."""
         xp, cfg, p, pre = self.xp, self.config, self.params, self.prefix
-        ids, maskf = self._inputs(input_ids, attention_mask)
         bsz, t = ids.shape
         n, h, nh, d = bsz * t, cfg.hidden_size, cfg.num_heads, cfg.head_dim
         dt, eps = self.dtype, cfg.layer_norm_eps

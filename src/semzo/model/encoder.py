@@ -97,8 +97,10 @@ class Encoder(TransformerBase):
 
         Padded positions (mask 0) hold finite values that mean nothing.
         """
+        return super().hidden_states(input_ids, attention_mask, token_type_ids=token_type_ids)
+
+    def _hidden(self, ids, maskf, token_type_ids=None):
         xp, cfg, p, pre = self.xp, self.config, self.params, self.prefix
-        ids, maskf = self._inputs(input_ids, attention_mask)
         bsz, t = ids.shape
         n, h, nh, d = bsz * t, cfg.hidden_size, cfg.num_heads, cfg.head_dim
         dt, eps = self.dtype, cfg.layer_norm_eps
