@@ -23,7 +23,7 @@ export TRANSFORMERS_OFFLINE := 1
 
 RUN = timeout -k 10 $(TIMEOUT) $(MPIEXEC) $(NPFLAG) $(NP) $(PY) -m semzo
 
-.PHONY: help setup setup-test demo test test-1 test-2 test-4 bench lint docs corpus clean
+.PHONY: help setup setup-test demo test test-mpi bench lint docs corpus clean
 
 help:
 	@echo "make demo    set up if needed, then run the default deck under $(MPIEXEC) -n $(NP)"
@@ -54,11 +54,19 @@ demo: setup data/fortunes.jsonl
 test: setup-test data/fortunes.jsonl
 	$(PY) -m pytest -q tests
 
-test-1 test-2 test-4: setup-test
-	SEMZO_TEST_NP=$(subst test-,,$@) $(PY) -m pytest -q tests -k mpi
+# only the tests that launch mpirun (at 1, 2 and 4 ranks)
+test-mpi: setup-test data/fortunes.jsonl
+	$(PY) -m pytest -q tests -k "mpi or pipeline or topology or bad_decks"
 
+# each benchmark prints semzo's figure, the named peer's figure from the same run, the ratio
 bench: setup-test
 	timeout -k 10 600 $(MPIEXEC) $(NPFLAG) 4 $(PY) bench/allreduce.py
+	timeout -k 10 900 $(PY) bench/embed.py
+	timeout -k 10 900 $(MPIEXEC) $(NPFLAG) 2 $(PY) bench/kmeans.py
+	@if [ -f runs/demo/embeddings.h5 ]; then timeout -k 10 900 $(PY) bench/cluster_quality.py runs/demo/embeddings.h5; fi
+	timeout -k 10 900 $(PY) bench/zo_step.py
+	timeout -k 10 900 $(PY) bench/zo_quality.py
+	timeout -k 10 900 $(MPIEXEC) $(NPFLAG) 4 $(PY) bench/checkpoint.py
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench
