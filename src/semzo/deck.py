@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -331,7 +332,7 @@ def _check_value(src: str, path: str, f: dataclasses.Field, value: Any) -> Any:
           "tuple": isinstance(value, list) and all(isinstance(x, str) for x in value)}[want]
     if not ok:
         raise bad(f"expected {_type_name(want)}, got {type(value).__name__} {value!r}")
-    if want == "float" and value != value:
+    if want == "float" and math.isnan(value):
         raise bad("must be a number, got nan")
     lo, hi = meta["min"], meta["max"]
     if lo is not None and (value < lo or (meta["min_excl"] and value == lo)):

@@ -135,3 +135,28 @@ def offsets(n_local: int, comm: MPI.Intracomm) -> tuple[int, int]:
     total = comm.allreduce(n_local, op=MPI.SUM)
     off = comm.exscan(n_local, op=MPI.SUM)
     return (off or 0) if comm.Get_rank() else 0, total
+
+
+def write_texts(f: h5py.File, texts: list[str], off: int, total: int,
+                comm: MPI.Intracomm) -> None:
+    """Write this rank's strings as rows [off, off + len(texts)) of ``text_offsets`` (N + 1,)
+    and ``text_bytes`` (UTF-8): row i is ``text_bytes[text_offsets[i]:text_offsets[i+1]]``.
+    Collective."""
+    from .corpus.strings import encode_strings
+
+    data, lengths = encode_strings(texts)
+    boff, btotal = offsets(int(data.size), comm)
+    ends = boff + np.cumsum(lengths, dtype=np.int64)
+    tof = f.create_dataset("text_offsets", shape=(total + 1,), dtype=np.int64)
+    write_slab(tof, off + 1, ends)               # row i's end goes to slot i + 1
+    write_slab(tof, 0, np.zeros(1 if comm.Get_rank() == 0 else 0, np.int64))
+    write_rows(f, "text_bytes", data, boff, btotal)
+
+
+def read_texts(f: h5py.File, lo: int, hi: int) -> list[str]:
+    """Rows [lo, hi) of the strings written by :func:`write_texts`. Collective."""
+    from .corpus.strings import decode_strings
+
+    offs = read_slab(f["text_offsets"], lo, hi + 1)
+    raw = read_slab(f["text_bytes"], int(offs[0]), int(offs[-1]))
+    return decode_strings(raw, np.diff(offs))

@@ -19,9 +19,16 @@ import numpy as np
 from mpi4py import MPI
 
 from ..corpus import label_codes, label_vocab, read_jsonl_slice
-from ..corpus.strings import decode_strings, encode_strings
-from ..h5io import (create_collective, offsets, open_collective, read_slab, row_range,
-                    write_rows, write_slab)
+from ..h5io import (
+    create_collective,
+    offsets,
+    open_collective,
+    read_slab,
+    read_texts,
+    row_range,
+    write_rows,
+    write_texts,
+)
 from ..runtime import get_logger
 
 log = get_logger(__name__)
@@ -98,20 +105,13 @@ def run_embed_stage(ctx) -> dict:
 def write_embeddings(path, comm, deck_toml: str, emb, ids, labels, texts, off: int,
                      total: int, vocab: list[str], seconds: float = 0.0) -> None:
     """Write one rank's rows of embeddings.h5 at global row ``off``. Collective."""
-    data, lengths = encode_strings(texts)
-    boff, btotal = offsets(int(data.size), comm)
-    ends = boff + np.cumsum(lengths, dtype=np.int64)
     with create_collective(path, comm, deck_toml, n_total=total,
                            label_names=np.array(vocab, dtype=object),
                            seconds=seconds, docs_per_second=total / max(seconds, 1e-9)) as f:
         write_rows(f, "embeddings", emb, off, total)
         write_rows(f, "ids", ids.astype(np.int64), off, total)
         write_rows(f, "labels", labels.astype(np.int64), off, total)
-        # offsets: row i's end goes to slot i + 1; slot 0 (= 0) is written by rank 0
-        d = f.create_dataset("text_offsets", shape=(total + 1,), dtype=np.int64)
-        write_slab(d, off + 1, ends)
-        write_slab(d, 0, np.zeros(1 if comm.Get_rank() == 0 else 0, np.int64))
-        write_rows(f, "text_bytes", data, boff, btotal)
+        write_texts(f, texts, off, total, comm)
 
 
 def read_embeddings(path, comm, *, lo: int | None = None, hi: int | None = None,
@@ -124,11 +124,7 @@ def read_embeddings(path, comm, *, lo: int | None = None, hi: int | None = None,
         emb = read_slab(f["embeddings"], lo, hi)
         ids = read_slab(f["ids"], lo, hi)
         labels = read_slab(f["labels"], lo, hi)
-        texts: list[str] = []
-        if with_text:
-            offs = read_slab(f["text_offsets"], lo, hi + 1)
-            b0, b1 = int(offs[0]), int(offs[-1])
-            texts = decode_strings(read_slab(f["text_bytes"], b0, b1), np.diff(offs))
+        texts = read_texts(f, lo, hi) if with_text else []
         names = [s.decode() if isinstance(s, bytes) else str(s) for s in f.attrs["label_names"]]
     return EmbeddedRows(embeddings=np.ascontiguousarray(emb, np.float32), ids=ids,
                         labels=labels, texts=texts, offset=lo, n_total=n, label_names=names)

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from ..corpus.strings import decode_strings
-from ..h5io import open_collective, read_slab, row_range
+from ..h5io import open_collective, read_slab, read_texts, row_range
 from ..runtime import get_logger
 from .engine import philox_hash
 
@@ -59,9 +58,7 @@ def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> Sh
         labels = read_slab(f["labels"], lo, hi).astype(np.int64)
         emb = read_slab(f["embeddings"], lo, hi) if with_embeddings else \
             np.zeros((hi - lo, 0), np.float32)
-        toff = read_slab(f["text_offsets"], lo, hi + 1)
-        b0, b1 = (int(toff[0]), int(toff[-1])) if toff.size else (0, 0)
-        texts = decode_strings(read_slab(f["text_bytes"], b0, b1), np.diff(toff))
+        texts = read_texts(f, lo, hi)
         names = [s.decode() if isinstance(s, bytes) else str(s) for s in f.attrs["label_names"]]
         deck = f.attrs.get("semzo_deck", "")
     return ShardRows(ids=ids, labels=labels, embeddings=np.ascontiguousarray(emb, np.float32),

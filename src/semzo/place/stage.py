@@ -16,9 +16,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..cluster.stage import read_clusters
-from ..corpus.strings import encode_strings
 from ..embed import read_embeddings
-from ..h5io import create_collective, offsets, write_rows, write_slab
+from ..h5io import create_collective, offsets, write_rows, write_texts
 from ..runtime import get_logger
 from . import cluster_counts, destinations, format_figures, place
 from .redistribute import redistribute
@@ -97,9 +96,6 @@ def _write_shards(ctx, plan, cols, texts, label_names) -> None:
     off, total = offsets(n, comm)
     counts = np.array(comm.allgather(n), dtype=np.int64)
     rank_offsets = np.concatenate(([0], np.cumsum(counts)))
-    data, lengths = encode_strings(texts)
-    boff, btotal = offsets(int(data.size), comm)
-    ends = boff + np.cumsum(lengths, dtype=np.int64)
     fig = {f"fig_{k}": v for k, v in plan.figures.items()
            if isinstance(v, (int, float, np.integer, np.floating))}
     with create_collective(ctx.path("shards.h5"), comm, ctx.deck.to_toml(), mode=plan.mode,
@@ -107,10 +103,7 @@ def _write_shards(ctx, plan, cols, texts, label_names) -> None:
                            **fig) as f:
         for name in ("embeddings", "ids", "labels", "clusters"):
             write_rows(f, name, cols[name], off, total)
-        tof = f.create_dataset("text_offsets", shape=(total + 1,), dtype=np.int64)
-        write_slab(tof, off + 1, ends)
-        write_slab(tof, 0, np.zeros(1 if comm.Get_rank() == 0 else 0, np.int64))
-        write_rows(f, "text_bytes", data, boff, btotal)
+        write_texts(f, texts, off, total, comm)
         f.create_dataset("rank_offsets", data=rank_offsets)
         for name in ("quota", "cluster_rank", "cluster_node", "cluster_switch", "rank_node",
                      "node_switch"):

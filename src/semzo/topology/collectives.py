@@ -37,7 +37,7 @@ def _staged(fn):
         if out is host:
             buf.set(host)
             return buf
-        import cupy  # noqa: PLC0415
+        import cupy
 
         return cupy.asarray(out)
 

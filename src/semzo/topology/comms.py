@@ -122,9 +122,9 @@ class Topology:
 
     def describe(self) -> str:
         """A table: rank, node, switch, leader roles (the same text on every rank)."""
-        lines = [f"topology: {self.size} ranks, {self.n_nodes} nodes ({self.node_source}), "
-                 f"{self.n_switches} switches ({self.switch_source}), collectives "
-                 f"{'hierarchical' if self.hierarchical else 'flat'}",
+        lines = [(f"topology: {self.size} ranks, {self.n_nodes} nodes ({self.node_source}), "
+                  f"{self.n_switches} switches ({self.switch_source}), collectives "
+                  f"{'hierarchical' if self.hierarchical else 'flat'}"),
                  f"{'rank':>5} {'node':>5} {'switch':>7}  {'host':<20} roles"]
         for r in range(self.size):
             n = int(self.rank_node[r])
