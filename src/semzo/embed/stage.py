@@ -57,7 +57,7 @@ def subset_mask(first: int, n_local: int, n_total: int, m: int) -> np.ndarray:
 
 def run_embed_stage(ctx) -> dict:
     """Collective. Reads the corpus slice, embeds it, writes embeddings.h5."""
-    from ..model import Tokenizer, embed_texts, load_model
+    from ..model import Tokenizer, embed_texts, load_model, set_threads
 
     deck, topo = ctx.deck, ctx.topo
     comm = topo.world
@@ -82,6 +82,7 @@ def run_embed_stage(ctx) -> dict:
         err.all_ranks = True
         raise err
     tok = Tokenizer.from_folder(model_path, max_length=deck.model.max_length)
+    set_threads(ctx.threads)    # a rank owning several cores splits each batch over them
     t0 = time.perf_counter()
     emb = embed_texts(model, tok, texts, batch_size=deck.embed.batch_size).astype(np.float32)
     dt = time.perf_counter() - t0
