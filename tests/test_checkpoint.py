@@ -232,7 +232,7 @@ def test_unwritable_folder_is_a_clear_error(tmp_path):
 # ----------------------------------------------------------------------------- deck, tools
 def test_checkpoint_deck_section(tmp_path):
     d = deckmod.load(None)
-    assert d.checkpoint.every_steps == 100 and d.checkpoint.resume == "auto"
+    assert d.checkpoint.every_steps == 100 and d.checkpoint.resume == "never"
     assert "[checkpoint]" in d.to_toml()
     for bad in ("checkpoint.resume=sometimes", "checkpoint.keep=0", "checkpoint.async=true"):
         with pytest.raises(DeckError, match="checkpoint"):
