@@ -192,7 +192,7 @@ def run_finetune_stage(ctx) -> dict:
 
     metrics = Metrics(ctx.outdir, active=topo.rank == 0)
     before = evaluate(task, topo)
-    metrics.add({"kind": "eval", "step": 0, "heldout_loss": before[0],
+    metrics.add({"kind": "eval", "step": state.step, "heldout_loss": before[0],
                  "heldout_acc": before[1], "heldout_n": before[2]})
     log.info("held-out before fine-tuning: loss %.4f, accuracy %.4f (%d samples)", *before)
     batcher = Batcher(train_idx.size, t.batch_size, deck.run.seed, topo.rank)
@@ -221,8 +221,8 @@ def run_finetune_stage(ctx) -> dict:
              "(%d samples)", what.upper(), before[1], after[1], 100 * (after[1] - before[1]),
              before[0], after[0], after[2])
     out = {"task": task_kind, "steps": state.step, "skipped": state.skips,
-            "steps/s": state.step / max(secs, 1e-9), "heldout acc before": float(before[1]),
-            "heldout acc after": float(after[1])}
+           "steps/s": state.step / max(secs, 1e-9), "heldout acc before": float(before[1]),
+           "heldout acc after": float(after[1])}
     if resumed_from is not None:
         out["resumed from step"] = resumed_from
     return out
