@@ -155,7 +155,7 @@ def test_every_checksum_kind_round_trips_and_catches_a_flip(tmp_path, kind):
 
 def test_checkpointer_resume_and_never(tmp_path):
     _save(tmp_path, [3, 6])
-    cfg = CheckpointSection(dir=str(tmp_path), block_kib=BLOCK_KIB)
+    cfg = CheckpointSection(dir=str(tmp_path), block_kib=BLOCK_KIB, resume="auto")
     with Checkpointer(COMM, cfg) as ck:
         L = ck.resume(shard_size=103)
         assert L is not None and L.step == 6 and same(L.params, params(6))
@@ -232,7 +232,7 @@ def test_unwritable_folder_is_a_clear_error(tmp_path):
 # ----------------------------------------------------------------------------- deck, tools
 def test_checkpoint_deck_section(tmp_path):
     d = deckmod.load(None)
-    assert d.checkpoint.every_steps == 100 and d.checkpoint.resume == "auto"
+    assert d.checkpoint.every_steps == 100 and d.checkpoint.resume == "never"
     assert "[checkpoint]" in d.to_toml()
     for bad in ("checkpoint.resume=sometimes", "checkpoint.keep=0", "checkpoint.async=true"):
         with pytest.raises(DeckError, match="checkpoint"):

@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("deck")
     r.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a deck key (repeatable); validated like the deck")
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the newest valid checkpoint (same as --set "
+                   "checkpoint.resume=auto)")
     c = sub.add_parser("check", help="validate a deck and print it resolved")
     c.add_argument("deck")
     c.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -66,6 +69,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     from .pipeline import load_deck_collective
 
     comm = MPI.COMM_WORLD
+    if getattr(args, "resume", False):
+        args.set = [*args.set, "checkpoint.resume=auto"]
     # `topology` only needs the [topology] section: input files need not exist yet
     deck = load_deck_collective(args.deck, args.set, comm,
                                 check_inputs=args.cmd != "topology")

@@ -217,9 +217,10 @@ class CheckpointSection:
     keep: int = key(3, "Keep the newest this many complete checkpoints (older ones are deleted "
                     "once a new one is complete).", min=1)
     dir: str = key("", "Checkpoint folder; empty = `<run.output_dir>/checkpoints`.")
-    resume: str = key("auto", "`auto`: resume from the newest valid checkpoint in `dir` if any "
-                      "(incomplete or corrupt ones are skipped with a warning); `never`: start "
-                      "from the model.", choices=("auto", "never"))
+    resume: str = key("never", "`auto`: resume from the newest valid checkpoint in `dir` if "
+                      "any (incomplete or corrupt ones are skipped with a warning); `never`: "
+                      "start from the model (a plain rerun does not resume; `semzo run "
+                      "--resume` sets `auto`).", choices=("auto", "never"))
     async_save: bool = key(False, "Write in a background thread while training goes on (each "
                            "rank copies only its 1/P share of the parameters); needs an MPI "
                            "library initialized with MPI_THREAD_MULTIPLE.")

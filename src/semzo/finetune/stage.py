@@ -174,6 +174,8 @@ def run_finetune_stage(ctx) -> dict:
     if t.max_epochs > 0:
         per_epoch = counts[0] / (topo.size * t.batch_size)
         steps = min(steps, max(1, math.ceil(t.max_epochs * per_epoch)))
+    ck, state, resumed_from = _open_checkpoints(ctx, model, names, task_kind, n_classes,
+                                                train_idx.size)
     tensors = ztensors([(n, model.params[n]) for n in names])
     engine = ZOEngine(tensors, topo, mode=z.mode, eps=z.eps, weight_decay=z.weight_decay,
                       dist=z.dist, restore=z.restore, run_seed=deck.run.seed)
@@ -190,10 +192,9 @@ def run_finetune_stage(ctx) -> dict:
 
     metrics = Metrics(ctx.outdir, active=topo.rank == 0)
     before = evaluate(task, topo)
-    metrics.add({"kind": "eval", "step": 0, "heldout_loss": before[0],
+    metrics.add({"kind": "eval", "step": state.step, "heldout_loss": before[0],
                  "heldout_acc": before[1], "heldout_n": before[2]})
     log.info("held-out before fine-tuning: loss %.4f, accuracy %.4f (%d samples)", *before)
-    state = TrainState(run_seed=deck.run.seed)
     batcher = Batcher(train_idx.size, t.batch_size, deck.run.seed, topo.rank)
 
     def add_comm(s: float) -> None:
@@ -202,9 +203,11 @@ def run_finetune_stage(ctx) -> dict:
     t0 = time.perf_counter()
     cfg = LoopConfig.from_deck(deck)
     cfg.steps = steps
+    saver = _StepSaver(ck, model, names, train_idx.size, centroids=_centroids(ctx), topo=topo)
     state = train(engine, task, batcher, state, cfg,
-                  on_row=metrics.add, on_comm=add_comm)
+                  on_row=saver.on_row(metrics.add), on_comm=add_comm, on_step=saver)
     secs = time.perf_counter() - t0
+    saver.final(state)
     after = evaluate(task, topo)
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": after[0],
                  "heldout_acc": after[1], "heldout_n": after[2]})
@@ -217,9 +220,141 @@ def run_finetune_stage(ctx) -> dict:
     log.info("HELD-OUT %s before %.4f -> after %.4f (%+.2f points); loss %.4f -> %.4f "
              "(%d samples)", what.upper(), before[1], after[1], 100 * (after[1] - before[1]),
              before[0], after[0], after[2])
-    return {"task": task_kind, "steps": state.step, "skipped": state.skips,
-            "steps/s": state.step / max(secs, 1e-9), "heldout acc before": float(before[1]),
-            "heldout acc after": float(after[1])}
+    out = {"task": task_kind, "steps": state.step, "skipped": state.skips,
+           "steps/s": state.step / max(secs, 1e-9), "heldout acc before": float(before[1]),
+           "heldout acc after": float(after[1])}
+    if resumed_from is not None:
+        out["resumed from step"] = resumed_from
+    return out
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: int,
+                      n_train_local: int):
+    """The run's :class:`~semzo.checkpoint.Checkpointer` and the starting
+    :class:`TrainState`: fresh, or from the newest valid checkpoint (``checkpoint.resume =
+    "auto"``), whose trainable tensors are then copied into the model in place. Collective.
+    Returns ``(ck, state, resumed step or None)``."""
+    from ..checkpoint import Checkpointer, list_checkpoints
+
+    deck, topo = ctx.deck, ctx.topo
+    meta: dict = {"task": task_kind, "trainable": names}
+    if model.head:
+        meta["head"] = {"n_classes": n_classes, "normalize": bool(model.head.normalize)}
+    if model.lora:
+        meta["lora"] = {"rank": deck.train.lora_rank, "alpha": deck.train.lora_alpha,
+                        "targets": sorted(model.lora)}
+    ck = Checkpointer(topo, deck.checkpoint, deck.run.output_dir, deck.to_toml(),
+                      shards_path=ctx.path("shards.h5"), model_meta=meta)
+    state = TrainState(run_seed=deck.run.seed)
+    if deck.checkpoint.resume == "never":
+        if topo.rank == 0 and list_checkpoints(ck.dir):
+            log.warning("finetune: %s holds checkpoints of an earlier run; starting from the "
+                        "model (checkpoint.resume = \"never\"; pass --resume to continue "
+                        "from them). Newer ones of the earlier run stay until pruned.", ck.dir)
+        return ck, state, None
+    loaded = ck.resume(shard_size=n_train_local)
+    if loaded is None:
+        log.info("finetune: no valid checkpoint in %s: starting from the model", ck.dir)
+        return ck, state, None
+    missing = sorted(set(names) - set(loaded.params))
+    extra = sorted(set(loaded.params) - set(names))
+    bad = [n for n in names if n in loaded.params and
+           tuple(loaded.params[n].shape) != tuple(model.params[n].shape)]
+    if missing or extra or bad:
+        raise _deck_error(f"{loaded.path}: its tensors do not match this run's trainable set "
+                          f"(missing {missing[:3]}, unexpected {extra[:3]}, other shape "
+                          f"{bad[:3]}); resume with the deck it was written with "
+                          f"(`semzo inspect` prints it) or set checkpoint.resume = \"never\"")
+    xp = model.xp
+    for n in names:
+        dst = model.params[n]
+        xp.copyto(dst, xp.asarray(loaded.params[n]).astype(dst.dtype, copy=False))
+    cur = np.asarray(loaded.per_rank["cursor"]).reshape(-1)
+    state = TrainState.from_dict({**loaded.state, "epoch": int(cur[0]), "pos": int(cur[1])})
+    if loaded.resharded:
+        log.info("finetune: resumed from %s (step %d) written at %d ranks, now %d: data "
+                 "cursors remapped%s", loaded.path.name, loaded.step, loaded.world_size_saved,
+                 topo.size, f", dropped {loaded.dropped}" if loaded.dropped else "")
+    else:
+        log.info("finetune: resumed from %s (step %d, same world size %d)", loaded.path.name,
+                 loaded.step, topo.size)
+    return ck, state, int(loaded.step)
+
+
+def _centroids(ctx) -> dict:
+    """``{"centroids": (k, d)}`` from clusters.h5 when it is there (rank 0 reads, then a
+    broadcast), else ``{}``. Collective."""
+    import h5py
+
+    c = None
+    if ctx.topo.rank == 0:
+        p = ctx.path("clusters.h5")
+        try:
+            if p.is_file():
+                with h5py.File(p, "r") as f:
+                    if "centers" in f:
+                        c = np.ascontiguousarray(f["centers"][()])
+        except OSError as exc:
+            log.warning("finetune: %s unreadable, checkpoints go without centroids: %s", p, exc)
+    c = ctx.topo.world.bcast(c, root=0)
+    return {} if c is None else {"centroids": c}
+
+
+class _StepSaver:
+    """The ``on_step`` hook: checkpoint every ``checkpoint.every_steps`` steps. The last
+    train row's loss and g feed the metrics (averaged over ranks first, so every rank
+    passes the same numbers). ``SEMZO_TEST_KILL`` = ``"rank:step"`` SIGKILLs that rank after
+    that step (fault tests only)."""
+
+    def __init__(self, ck, model, names, n_local, *, centroids, topo) -> None:
+        import os
+
+        self.ck, self.model, self.names, self.n_local = ck, model, names, int(n_local)
+        self.extras, self.topo = centroids, topo
+        self.last: dict = {}
+        kill = os.environ.get("SEMZO_TEST_KILL", "")
+        self.kill = tuple(int(x) for x in kill.split(":")) if kill else None
+
+    def on_row(self, inner):
+        def add(row: dict) -> None:
+            if row.get("kind") == "train":
+                self.last = row
+            inner(row)
+        return add
+
+    def _payload(self, state: TrainState):
+        d = state.to_dict()
+        cursor = np.array([d.pop("epoch"), d.pop("pos")], np.int64)
+        per_rank = {"cursor": cursor, "shard_size": np.int64(self.n_local)}
+        m = np.array([float(self.last.get("loss", math.nan)),
+                      float(self.last.get("g", math.nan))], np.float64)
+        self.topo.allreduce(m)
+        m /= self.topo.size
+        metrics = {"loss": float(m[0]), "g": float(m[1]), "skips": state.skips}
+        params = {n: self.model.params[n] for n in self.names}
+        return params, d, per_rank, metrics
+
+    def __call__(self, state: TrainState) -> None:
+        if self.kill and self.kill == (self.topo.rank, state.step):
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.ck.due(state.step):
+            params, d, per_rank, metrics = self._payload(state)
+            self.ck.save(state.step, params, d, per_rank, self.extras, metrics)
+        else:
+            self.ck.poll()
+
+    def final(self, state: TrainState) -> None:
+        """The last checkpoint (a no-op when this step was just saved), then close."""
+        try:
+            if state.step != self.ck.last_step:
+                params, d, per_rank, metrics = self._payload(state)
+                self.ck.save(state.step, params, d, per_rank, self.extras, metrics)
+        finally:
+            self.ck.close()
 
 
 def save_model(ctx, model, names: list[str], which: str, task_kind: str,

@@ -1,0 +1,159 @@
+"""Checkpoints in the finetune stage: bit-exact resume, resume at another world size, a rank
+killed with SIGKILL mid-run, and a corrupt newest checkpoint. Every run is the finetune stage
+alone on the shards.h5 of one small pipeline run (module fixture), with a tiny random BERT."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from mpiutil import check, mpirun
+
+sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+from zo_common import make_model, write_corpus
+
+ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+COMMON = ["--set", "topology.ranks_per_node=1", "--set", "topology.nodes_per_switch=1",
+          "--set", "model.max_length=24", "--set", "train.max_length=24",
+          "--set", "train.batch_size=8", "--set", "train.log_every=5",
+          "--set", "train.schedule=constant", "--set", "train.warmup_steps=0"]
+N = 20
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ftresume")
+    bert = make_model(tmp / "bert")
+    corpus = write_corpus(tmp / "corpus.jsonl", 240)
+    out = tmp / "base"
+    check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
+                     "--set", f"run.output_dir={out}", "--set", f"corpus.path={corpus}",
+                     "--set", f"model.path={bert}", "--set", "cluster.k=3",
+                     "--set", "train.params=head+last", "--set", "train.last_layers=0",
+                     "--set", "train.steps=1", "--set", "checkpoint.every_steps=0",
+                     *COMMON], timeout=240, env=ENV))
+    return tmp, bert, out
+
+
+def _outdir(base, name: str) -> Path:
+    tmp, _, src = base
+    d = tmp / name
+    d.mkdir()
+    for f in ("shards.h5", "clusters.h5"):
+        shutil.copy(src / f, d / f)
+    return d
+
+
+def _ft(base, n: int, out: Path, steps: int, *extra: str, env: dict | None = None,
+        ok: bool = True, last_layers: int = 1, timeout: int = 120):
+    """The finetune stage alone: head + last encoder block, hybrid ZO, a checkpoint every 5
+    steps."""
+    proc = mpirun(n, ["-m", "semzo", "run", "inputs/demo.toml",
+                      "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
+                      "--set", f"model.path={base[1]}", "--set", "train.params=head+last",
+                      "--set", f"train.last_layers={last_layers}",
+                      "--set", f"train.steps={steps}", "--set", "train.eval_every=0",
+                      "--set", "zo.mode=hybrid", "--set", "zo.lr=1e-3",
+                      "--set", "checkpoint.every_steps=5", *COMMON, *extra],
+                  timeout=timeout, env={**ENV, **(env or {})})
+    return check(proc) if ok else proc
+
+
+def _params(path: Path) -> dict[str, np.ndarray]:
+    with h5py.File(path) as f:
+        return {k: f[k][()] for k in f}
+
+
+def _same_params(a: Path, b: Path) -> None:
+    pa, pb = _params(a), _params(b)
+    assert pa.keys() == pb.keys() and pa
+    for k in pa:
+        assert pa[k].dtype == pb[k].dtype and np.array_equal(pa[k], pb[k]), k
+
+
+def _train_rows(path: Path) -> dict[int, tuple[str, str, str]]:
+    with open(path, newline="") as f:
+        return {int(r["step"]): (r["loss"], r["g"], r["lr"])
+                for r in csv.DictReader(f) if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def reference(base):
+    """The uninterrupted N-step run at 2 ranks."""
+    out = _outdir(base, "ref")
+    _ft(base, 2, out, N)
+    return out
+
+
+def test_resume_is_bit_exact(base, reference):
+    out = _outdir(base, "split")
+    _ft(base, 2, out, N // 2)
+    first = _train_rows(out / "metrics.csv")
+    assert max((out / "checkpoints").glob("ckpt-*.h5")).name == "ckpt-000000010.h5"
+    plain = _ft(base, 2, out, N // 2)
+    assert "starting from the model" in plain.stderr and "pass --resume" in plain.stderr
+    proc = _ft(base, 2, out, N, "--resume")
+    assert "resumed from ckpt-000000010.h5 (step 10, same world size 2)" in proc.stderr
+    second = _train_rows(out / "metrics.csv")
+    ref = _train_rows(reference / "metrics.csv")
+    assert sorted(first) == list(range(10)) and sorted(second) == list(range(10, N))
+    assert {**first, **second} == ref               # loss, g and lr as written, every step
+    _same_params(out / "model.h5", reference / "model.h5")
+    with h5py.File(out / "model.h5") as f:
+        assert f.attrs["steps"] == N
+    with h5py.File(out / "checkpoints" / "ckpt-000000020.h5") as f:
+        assert "extras/centroids" in f and f["extras/centroids"].shape == (3, 32)
+
+
+@pytest.mark.parametrize("sizes", [(4, 2), (2, 4)])
+def test_resume_at_another_world_size(base, sizes):
+    a, b = sizes
+    out = _outdir(base, f"ws{a}to{b}")
+    _ft(base, a, out, N // 2)
+    proc = _ft(base, b, out, N, "--resume", timeout=180)
+    assert f"written at {a} ranks, now {b}: data cursors remapped" in proc.stderr
+    with h5py.File(out / "model.h5") as f:
+        assert f.attrs["steps"] == N
+    with h5py.File(out / "checkpoints" / f"ckpt-{N:09d}.h5") as f:
+        assert f.attrs["world_size"] == b
+        assert f["per_rank/cursor"].shape == (b, 2)
+
+
+def test_killed_rank_then_resume(base, reference):
+    out = _outdir(base, "killed")
+    t0 = time.monotonic()
+    proc = _ft(base, 2, out, N, env={"SEMZO_TEST_KILL": "1:13"}, ok=False, timeout=90)
+    # mpirun reports the rank's signal (exit 137 = 128 + 9) well before the 90 s timeout
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60, proc.returncode
+    assert "signal 9" in proc.stdout + proc.stderr
+    assert not (out / "model.h5").exists()
+    assert (out / "checkpoints" / "ckpt-000000010.h5").is_file()
+    assert not (out / "checkpoints" / "ckpt-000000015.h5").exists()
+    proc = _ft(base, 2, out, N, "--resume")
+    assert "resumed from ckpt-000000010.h5" in proc.stderr
+    _same_params(out / "model.h5", reference / "model.h5")
+
+
+def test_corrupt_newest_checkpoint_falls_back(base, reference):
+    out = _outdir(base, "corrupt")
+    _ft(base, 2, out, N // 2)
+    newest = out / "checkpoints" / "ckpt-000000010.h5"
+    with h5py.File(newest) as f:
+        name = next(k for k in f["params"] if k.startswith("classifier."))
+        off = f["params"][name].id.get_offset()
+    assert off is not None
+    with open(newest, "r+b") as fh:
+        fh.seek(off + 3)
+        b = fh.read(1)
+        fh.seek(off + 3)
+        fh.write(bytes([b[0] ^ 0x40]))
+    proc = _ft(base, 2, out, N, "--resume")
+    assert "skipping checkpoint" in proc.stderr and "ckpt-000000010.h5" in proc.stderr
+    assert "resumed from ckpt-000000005.h5" in proc.stderr
+    _same_params(out / "model.h5", reference / "model.h5")
