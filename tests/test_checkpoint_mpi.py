@@ -46,7 +46,7 @@ def test_async_save_snapshots_the_arrays(tmp_path):
 
 
 def test_async_without_thread_multiple_is_a_deck_error(tmp_path):
-    proc = mpirun(2, [FAULT, "async-funneled", str(tmp_path), "0"], timeout=60)
+    proc = mpirun(4, [FAULT, "async-funneled", str(tmp_path), "0"], timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "checkpoint.async_save: needs MPI_THREAD_MULTIPLE" in proc.stderr
     assert proc.stderr.count("error:") == 1
@@ -65,7 +65,7 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 
 def test_kill_during_write_keeps_previous(tmp_path):
-    check(mpirun(2, [FAULT, "write", str(tmp_path), "1"], timeout=60))
+    check(mpirun(4, [FAULT, "write", str(tmp_path), "1"], timeout=60))
     env = dict(os.environ, **MPI_ENV, SEMZO_CKPT_TEST_SLEEP="0.4")
     proc = subprocess.Popen(["timeout", "-k", "5", "60", MPIEXEC, "-n", "2", sys.executable,
                              FAULT, "write", str(tmp_path), "2"], env=env, cwd=ROOT,
@@ -81,13 +81,13 @@ def test_kill_during_write_keeps_previous(tmp_path):
         _kill_session(proc)
     assert not (tmp_path / "ckpt-000000002.h5").exists()
     assert (tmp_path / "latest").read_text().strip() == "ckpt-000000001.h5"
-    out = check(mpirun(2, [FAULT, "check", str(tmp_path), "1"], timeout=60))
+    out = check(mpirun(4, [FAULT, "check", str(tmp_path), "1"], timeout=60))
     assert "ok: resumable step 1" in out.stdout
 
 
 def test_corrupt_newest_falls_back(tmp_path):
     for s in (1, 2, 3):
-        check(mpirun(2, [FAULT, "write", str(tmp_path), str(s)], timeout=60))
+        check(mpirun(4, [FAULT, "write", str(tmp_path), str(s)], timeout=60))
     p2, p3 = tmp_path / "ckpt-000000002.h5", tmp_path / "ckpt-000000003.h5"
     with h5py.File(p3, "r") as f:        # one byte inside a parameter's data
         d = f["params/embeddings.word_embeddings.weight"]
@@ -99,7 +99,7 @@ def test_corrupt_newest_falls_back(tmp_path):
         fh.write(bytes([b[0] ^ 1]))
     with h5py.File(p2, "r+") as f:       # and an altered attribute in the one before
         f.attrs["step"] = 7
-    out = check(mpirun(2, [FAULT, "check", str(tmp_path), "1"], timeout=60))
+    out = check(mpirun(4, [FAULT, "check", str(tmp_path), "1"], timeout=60))
     assert "ok: resumable step 1" in out.stdout
     assert "embeddings.word_embeddings.weight: data checksum mismatch in block" in out.stderr
     assert "ckpt-000000002.h5: metadata checksum mismatch" in out.stderr
@@ -107,7 +107,7 @@ def test_corrupt_newest_falls_back(tmp_path):
 
 def test_unwritable_folder_exits_2(tmp_path):
     (tmp_path / "file").write_text("x")
-    proc = mpirun(2, [FAULT, "write", str(tmp_path / "file" / "ck"), "1"], timeout=60)
+    proc = mpirun(4, [FAULT, "write", str(tmp_path / "file" / "ck"), "1"], timeout=60)
     assert proc.returncode == 2
     assert f"error: checkpoint dir {tmp_path}/file/ck: cannot write: Not a directory" \
         in proc.stderr
@@ -132,18 +132,18 @@ def small_tmpfs(tmp_path):
 def test_full_folder_exits_2_and_keeps_previous(small_tmpfs):
     d = small_tmpfs / "ck"
     for s in (1, 2):                     # 0.2 MiB each
-        check(mpirun(2, [FAULT, "write", str(d), str(s)], timeout=60))
-    proc = mpirun(2, [FAULT, "write", str(d), "3"], timeout=60)
+        check(mpirun(4, [FAULT, "write", str(d), str(s)], timeout=60))
+    proc = mpirun(4, [FAULT, "write", str(d), "3"], timeout=60)
     assert proc.returncode == 2 and f"checkpoint dir {d}: not enough free space" in proc.stderr
     free = shutil.disk_usage(small_tmpfs).free
     (small_tmpfs / "filler").write_bytes(b"\0" * (free - 100_000))   # 0.1 MiB left
     # past the space check (as if the disk filled up meanwhile): ENOSPC inside the write
-    proc = mpirun(2, [FAULT, "write", str(d), "4"], timeout=60,
+    proc = mpirun(4, [FAULT, "write", str(d), "4"], timeout=60,
                   env={"SEMZO_CKPT_SKIP_SPACE_CHECK": "1"})
     assert proc.returncode == 2, proc.stderr
     assert f"checkpoint {d}/ckpt-000000004.h5.tmp: cannot write" in proc.stderr
     assert not list(d.glob("*.tmp"))     # the rank that failed removed the partial file
     (small_tmpfs / "filler").unlink()
     assert (d / "latest").read_text().strip() == "ckpt-000000002.h5"
-    out = check(mpirun(2, [FAULT, "check", str(d), "2"], timeout=60))
+    out = check(mpirun(4, [FAULT, "check", str(d), "2"], timeout=60))
     assert "ok: resumable step 2" in out.stdout
