@@ -162,6 +162,17 @@ class TransformerBase:
         self.head = HeadSpec(int(n_classes), bool(normalize))
 
     # ------------------------------------------------------------------ projections
+    def _layer_buffers(self, bsz: int, t: int):
+        """Per-layer scratch arrays, reused by every layer (only one layer's activations live):
+        qkv (n, 3h), scores (B*heads, t, t) and its 4-D view, ctx (B, t, heads, d), tmp (n, h),
+        inter (n, intermediate), and the attention scale 1/sqrt(d)."""
+        cfg, xp, dt = self.config, self.xp, self.dtype
+        n, h, nh, d = bsz * t, cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        scores = xp.empty((bsz * nh, t, t), dtype=dt)
+        return (xp.empty((n, 3 * h), dtype=dt), scores, xp.empty((bsz, t, nh, d), dtype=dt),
+                xp.empty((n, h), dtype=dt), xp.empty((n, cfg.intermediate_size), dtype=dt),
+                1.0 / math.sqrt(d), scores.reshape(bsz, nh, t, t))
+
     def _proj(self, x, module: str, out):
         """``out = x @ W.T`` (or ``x @ W`` for Conv1D) plus the LoRA delta; bias not added.
 

@@ -7,8 +7,6 @@ attention mask and no position ids). Only one layer's activations live at a time
 
 from __future__ import annotations
 
-import math
-
 from semzo.model.base import TransformerBase, cross_entropy
 from semzo.model.kernels import (
     bias_act,
@@ -56,13 +54,7 @@ class Decoder(TransformerBase):
         a = xp.empty((n, h), dtype=dt)      # normalized input of the next sub-block
         embed_sum(ids, p[f"{pre}wte.weight"], p[f"{pre}wpe.weight"], xp.zeros(h, dtype=dt), x)
         layernorm(x, p[f"{pre}h.0.ln_1.weight"], p[f"{pre}h.0.ln_1.bias"], eps, out=a)
-        qkv = xp.empty((n, 3 * h), dtype=dt)
-        scores = xp.empty((bsz * nh, t, t), dtype=dt)
-        ctx = xp.empty((bsz, t, nh, d), dtype=dt)
-        tmp = xp.empty((n, h), dtype=dt)
-        inter = xp.empty((n, cfg.intermediate_size), dtype=dt)
-        scale = 1.0 / math.sqrt(d)
-        s4 = scores.reshape(bsz, nh, t, t)
+        qkv, scores, ctx, tmp, inter, scale, s4 = self._layer_buffers(bsz, t)
         for i in range(cfg.num_layers):
             pl = f"{pre}h.{i}."
             self._proj(a, f"{pl}attn.c_attn", qkv)

@@ -9,8 +9,6 @@ layer to layer.
 
 from __future__ import annotations
 
-import math
-
 from semzo.model.base import TransformerBase
 from semzo.model.kernels import (
     bias_act,
@@ -114,13 +112,7 @@ class Encoder(TransformerBase):
             x += tt[tti] - tt[0]
         layernorm(x, p[f"{e}LayerNorm.weight"], p[f"{e}LayerNorm.bias"], eps, out=x)
 
-        qkv = xp.empty((n, 3 * h), dtype=dt)
-        scores = xp.empty((bsz * nh, t, t), dtype=dt)
-        ctx = xp.empty((bsz, t, nh, d), dtype=dt)
-        tmp = xp.empty((n, h), dtype=dt)
-        inter = xp.empty((n, cfg.intermediate_size), dtype=dt)
-        scale = 1.0 / math.sqrt(d)
-        s4 = scores.reshape(bsz, nh, t, t)
+        qkv, scores, ctx, tmp, inter, scale, s4 = self._layer_buffers(bsz, t)
         for i in range(cfg.num_layers):
             pl = f"{pre}encoder.layer.{i}."
             self._qkv(x, i, qkv)
