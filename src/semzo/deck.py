@@ -48,7 +48,7 @@ class RunSection:
                           kind="outdir")
     stages: tuple = key(list(STAGES), "Stages to run, in pipeline order; each reads the "
                         "previous stage's HDF5 output, so any suffix can be rerun alone.",
-                        choices=STAGES)
+                        choices=STAGES, kind="stages")
     seed: int = key(0, "Seed of every random choice of the run.", min=0)
     device: str = key("cpu", "Array backend: `cpu` (NumPy/numba) or `gpu` (CuPy, one rank "
                       "per GPU, bound by node-local rank).", choices=("cpu", "gpu"))
@@ -125,9 +125,11 @@ class ClusterSection:
 class PlaceSection:
     """[place]: cluster-to-rank placement and redistribution."""
 
-    mode: str = key("semantic", "`semantic` (related clusters share a node and switch) or "
-                    "`random` (same balance, random assignment: the baseline).",
-                    choices=("semantic", "random"))
+    mode: str = key("semantic", "`semantic` (related clusters share a node and switch), "
+                    "`random` (whole clusters on random ranks, same balance: the placement "
+                    "baseline) or `shuffle` (every sample on a rank chosen by a hash of its id, "
+                    "exactly balanced: ordinary i.i.d. data-parallel sharding).",
+                    choices=("semantic", "random", "shuffle"))
     balance_tol: float = key(0.05, "Largest allowed deviation of a rank's sample count from "
                              "the mean, as a fraction.", min=0.0, max=1.0, min_excl=True)
     memory_cap_mb: float = key(256.0, "Most MiB a rank sends and receives in one Alltoallv "
@@ -252,11 +254,32 @@ class CheckpointSection:
                              "(0 = file system default).", min=0)
 
 
+@dataclass(frozen=True)
+class ExperimentSection:
+    """[experiment]: `semzo experiment`: sharding x ZO mode x seed at one forward-pass budget."""
+
+    shardings: tuple = key(["semantic", "shuffle", "random"], "Sharding modes compared (each "
+                           "is a `place.mode`); the embeddings and clusters are shared.",
+                           choices=("semantic", "shuffle", "random"))
+    modes: tuple = key(["data", "perturbation", "hybrid"], "ZO parallel modes compared (each "
+                       "is a `zo.mode`).", choices=("data", "perturbation", "hybrid"))
+    seeds: int = key(3, "Seeds per configuration: run.seed, run.seed + 1, ... (ZO directions, "
+                     "batch order and held-out split change with the seed).", min=1, max=1000)
+    report_points: int = key(4, "Budgets at which the report tabulates held-out accuracy and "
+                             "loss: this many evenly spaced fractions of the forward-pass "
+                             "budget (`train.steps`), the last being the whole budget.",
+                             min=1, max=100)
+    target_loss: float = key(0.0, "Held-out loss whose first crossing is reported in forward "
+                             "passes; 0 = halfway from the starting loss to the best final "
+                             "mean loss of any configuration (the same target for all).",
+                             min=0.0)
+
+
 SECTIONS: dict[str, type] = {
     "run": RunSection, "topology": TopologySection, "corpus": CorpusSection,
     "model": ModelSection, "embed": EmbedSection, "cluster": ClusterSection,
     "place": PlaceSection, "zo": ZoSection, "train": TrainSection,
-    "checkpoint": CheckpointSection,
+    "checkpoint": CheckpointSection, "experiment": ExperimentSection,
 }
 
 
@@ -275,6 +298,7 @@ class Deck:
     zo: ZoSection
     train: TrainSection
     checkpoint: CheckpointSection
+    experiment: ExperimentSection = field(default_factory=ExperimentSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {name: {f.name: _plain(getattr(getattr(self, name), f.name))
@@ -348,12 +372,13 @@ def _check_value(src: str, path: str, f: dataclasses.Field, value: Any) -> Any:
                 raise bad(f"'{item}' is not one of {', '.join(map(str, choices))}"
                           + _suggest(item, choices))
         if want == "tuple":
+            what = "stage" if meta["kind"] == "stages" else "value"
             if not items:
-                raise bad("must name at least one stage")
+                raise bad(f"must name at least one {what}")
             if len(set(items)) != len(items):
-                raise bad("a stage is listed twice")
+                raise bad(f"a {what} is listed twice")
             order = [choices.index(x) for x in items]
-            if order != sorted(order):
+            if meta["kind"] == "stages" and order != sorted(order):
                 raise bad(f"stages must be in pipeline order: {', '.join(choices)}")
             value = tuple(items)
     if meta["kind"] == "outdir" and not value:
