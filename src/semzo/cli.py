@@ -1,4 +1,5 @@
-"""Command line: ``python -m semzo {run,check,topology,corpus,inspect,export,deck-doc} ...``.
+"""Command line: ``python -m semzo {run,experiment,check,topology,corpus,inspect,export,
+deck-doc} ...``.
 
 Every command is SPMD-safe: launched under ``mpirun -n N`` each rank runs it, rank 0 prints,
 and an error on any rank ends every rank (see :func:`semzo.runtime.run_spmd`).
@@ -29,6 +30,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true",
                    help="continue from the newest valid checkpoint (same as --set "
                    "checkpoint.resume=auto)")
+    x = sub.add_parser("experiment", help="compare semantic and random sharding across ZO "
+                       "modes and seeds at one forward-pass budget; writes report.md and plots")
+    x.add_argument("deck")
+    x.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a deck key (repeatable)")
+    x.add_argument("--report-only", action="store_true",
+                   help="rebuild report.md and the plots from a finished experiment's files")
     c = sub.add_parser("check", help="validate a deck and print it resolved")
     c.add_argument("deck")
     c.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -72,8 +80,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if getattr(args, "resume", False):
         args.set = [*args.set, "checkpoint.resume=auto"]
     # `topology` only needs the [topology] section: input files need not exist yet
+    report_only = getattr(args, "report_only", False)
     deck = load_deck_collective(args.deck, args.set, comm,
-                                check_inputs=args.cmd != "topology")
+                                check_inputs=args.cmd != "topology" and not report_only)
     setup_logging(deck.run.log_level)
     if args.cmd == "check":
         if comm.Get_rank() == 0:
@@ -87,9 +96,34 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(topo.describe())
         topo.free()
         return 0
+    if args.cmd == "experiment":
+        return _experiment(deck, comm, report_only)
     from .pipeline import run
 
     run(deck, comm)
+    return 0
+
+
+def _experiment(deck, comm, report_only: bool) -> int:
+    from .experiment import run_experiment, write_report
+
+    if not report_only:
+        path = run_experiment(deck, comm)
+    else:
+        err, path = None, None
+        if comm.Get_rank() == 0:
+            try:
+                path = write_report(deck.run.output_dir)
+            except FileNotFoundError as exc:
+                err = f"{deck.source}: run.output_dir: {exc.filename or exc}: not found " \
+                      f"(run `semzo experiment` without --report-only first)"
+        err, path = comm.bcast((err, path), root=0)
+        if err:
+            e = SemzoError(err)
+            e.all_ranks = True
+            raise e
+    if comm.Get_rank() == 0:
+        print(f"experiment report: {path}")
     return 0
 
 

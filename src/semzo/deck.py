@@ -194,6 +194,9 @@ class TrainSection:
     heldout_fraction: float = key(0.1, "Share of samples held out for evaluation, chosen by a "
                                   "hash of the sample id (independent of the rank count).",
                                   min=0.0, max=0.9, min_excl=True)
+    split_seed: int = key(-1, "Seed of the held-out split (-1 = run.seed); `semzo experiment` "
+                          "fixes it to the base run.seed so that every seed and configuration "
+                          "is scored on the same held-out samples.", min=-1)
     eval_every: int = key(100, "Evaluate on the held-out split every this many steps "
                           "(0 = before and after training only).", min=0)
     eval_batch_size: int = key(64, "Texts per forward pass in evaluation.", min=1, max=65536)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -31,9 +31,22 @@ class RunContext:
     timer: StageTimer
     xp: ModuleType
     threads: int = 1
+    inputs: dict[str, Path] = field(default_factory=dict)
 
     def path(self, name: str) -> Path:
-        return self.outdir / name
+        """Where the file ``name`` of this run lives: ``outdir / name``, unless ``inputs``
+        maps it elsewhere (`semzo experiment` shares one embeddings.h5 between runs)."""
+        return Path(self.inputs[name]) if name in self.inputs else self.outdir / name
+
+    def derive(self, deck: Deck, inputs: dict[str, str | Path] | None = None) -> RunContext:
+        """A context for another deck (and its ``run.output_dir``) on the same topology, clock
+        and backend; ``inputs`` maps file names (``"embeddings.h5"``) to paths outside the
+        new folder. Collective (rank 0 creates the folder)."""
+        ctx = RunContext(deck=deck, topo=self.topo, outdir=Path(deck.run.output_dir),
+                         timer=self.timer, xp=self.xp, threads=self.threads,
+                         inputs={k: Path(v) for k, v in (inputs or {}).items()})
+        prepare_outdir(ctx.outdir, deck, self.topo)
+        return ctx
 
 
 def load_deck_collective(path: str | None, overrides: list[str], comm: MPI.Intracomm, *,
@@ -67,17 +80,9 @@ def _threads(deck: Deck, topo: Topology) -> int:
     return max(1, (cores or 1) // on_host)
 
 
-def run(deck: Deck, comm: MPI.Intracomm) -> dict[str, float]:
-    """Run the deck's stages. Collective over ``comm``. Returns stage wall times."""
-    timer = StageTimer()
-    t0 = time.perf_counter()
-    with timer.stage("topology"):
-        topo = build_topology(comm, deck.topology, src=deck.source)
-    threads = set_threads(_threads(deck, topo))
-    if deck.run.device == "gpu":
-        dev = bind_gpu(topo.local_rank)
-        log.info("rank %d bound to GPU %d (node-local rank %d)", topo.rank, dev, topo.local_rank)
-    outdir = Path(deck.run.output_dir)
+def prepare_outdir(outdir: Path, deck: Deck, topo: Topology) -> None:
+    """Rank 0 creates ``outdir`` and checks it is writable; every rank raises the same
+    DeckError if not. Collective over the world."""
     err = None
     if topo.rank == 0:
         try:
@@ -90,17 +95,43 @@ def run(deck: Deck, comm: MPI.Intracomm) -> dict[str, float]:
     err = topo.world.bcast(err, root=0)
     if err:
         raise DeckError(err)
-    ctx = RunContext(deck=deck, topo=topo, outdir=outdir, timer=timer, xp=get_xp(deck.run.device),
-                     threads=threads)
+
+
+def start(deck: Deck, comm: MPI.Intracomm, timer: StageTimer) -> RunContext:
+    """Build the topology (timed as the ``topology`` stage's first part), set threads, bind
+    the GPU, create the output folder. Collective over ``comm``."""
+    with timer.stage("topology"):
+        topo = build_topology(comm, deck.topology, src=deck.source)
+    threads = set_threads(_threads(deck, topo))
+    if deck.run.device == "gpu":
+        dev = bind_gpu(topo.local_rank)
+        log.info("rank %d bound to GPU %d (node-local rank %d)", topo.rank, dev, topo.local_rank)
+    outdir = Path(deck.run.output_dir)
+    prepare_outdir(outdir, deck, topo)
+    return RunContext(deck=deck, topo=topo, outdir=outdir, timer=timer,
+                      xp=get_xp(deck.run.device), threads=threads)
+
+
+def run_stage(ctx: RunContext, name: str, label: str | None = None) -> dict:
+    """Run one stage, timed under ``label`` (default: its name). Collective."""
+    with ctx.timer.stage(label or name):
+        return _stage_function(name)(ctx) or {}
+
+
+def run(deck: Deck, comm: MPI.Intracomm) -> dict[str, float]:
+    """Run the deck's stages. Collective over ``comm``. Returns stage wall times."""
+    timer = StageTimer()
+    t0 = time.perf_counter()
+    ctx = start(deck, comm, timer)
+    topo = ctx.topo
     log.info("semzo run: deck %s, %d ranks, %d threads per rank, device %s, output %s",
-             deck.source, topo.size, threads, deck.run.device, outdir)
+             deck.source, topo.size, ctx.threads, deck.run.device, ctx.outdir)
     summary: dict[str, dict] = {}
     for name in deck.run.stages:
-        with timer.stage(name):
-            summary[name] = _stage_function(name)(ctx) or {}
+        summary[name] = run_stage(ctx, name)
     topo.world.Barrier()
     log.info("stage times (rank 0), total %.2f s:\n%s", time.perf_counter() - t0, timer.table())
-    log.info("summary of %s:\n%s", outdir, format_summary(summary))
+    log.info("summary of %s:\n%s", ctx.outdir, format_summary(summary))
     topo.free()
     return dict(timer.wall)
 

@@ -132,7 +132,8 @@ def run_finetune_stage(ctx) -> dict:
                           f"(GPT-2 family) in model.path, got an {model.kind}")
     use_emb = task_kind == "classify" and t.head_init == "class_means"
     rows = read_shard(shards, comm, with_embeddings=task_kind == "classify")
-    held = heldout_mask(rows.ids, deck.run.seed, t.heldout_fraction)
+    split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
+    held = heldout_mask(rows.ids, split_seed, t.heldout_fraction)
     n_classes = len(rows.label_names)
     if task_kind == "classify":
         unlabeled = np.array([int((rows.labels < 0).sum())], np.int64)

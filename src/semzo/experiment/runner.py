@@ -1,0 +1,156 @@
+"""`semzo experiment DECK`: does semantic sharding help ZO fine-tuning?
+
+One SPMD job runs, in ``run.output_dir`` (``OUT``)::
+
+    topology, embed, cluster                    once         OUT/{topology,embeddings,clusters}.h5
+    place                                        per sharding OUT/<sharding>/shards.h5, shards.png
+    finetune                                     per (sharding, mode, seed)
+                                                 OUT/<sharding>/<mode>/seed<s>/metrics.csv, ...
+    report (rank 0)                              OUT/report.md, accuracy.png, loss.png, time.png,
+                                                 experiment.h5
+
+Every configuration gets the deck's settings with only ``place.mode``, ``zo.mode`` and
+``run.seed`` changed, and the same budget: exactly ``train.steps`` steps (``train.max_epochs``
+is ignored), i.e. ``2 x ranks x steps`` forward passes of ``train.batch_size`` texts, so every
+mode and sharding sees the same number of forward passes. Held-out evaluations are spaced so
+that the report's budgets fall on them. ``timings.csv`` records the wall time of every stage of
+every configuration as it finishes (rank 0); ``--report-only`` rebuilds the report from the
+``metrics.csv`` files and ``timings.csv`` without MPI work.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import math
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+from ..deck import Deck
+from ..pipeline import RunContext, run_stage, start
+from ..runtime import SemzoError, StageTimer, get_logger
+
+log = get_logger(__name__)
+
+EVAL_POINTS = 40          # about this many held-out evaluations per configuration
+TIMINGS = "timings.csv"
+TIMING_COLUMNS = ("sharding", "mode", "seed", "stage", "wall_s", "comm_s")
+
+
+def eval_every(steps: int, report_points: int) -> int:
+    """Steps between held-out evaluations: a divisor of ``steps / report_points`` when that is
+    whole (so every report budget is an evaluation), giving about :data:`EVAL_POINTS`."""
+    if steps <= 0:
+        return 0
+    if steps % report_points == 0:
+        seg = steps // report_points
+        per = max(1, round(EVAL_POINTS / report_points))
+        for n in range(per, seg + 1):          # smallest split of a segment at least `per`
+            if seg % n == 0:
+                return seg // n
+        return 1
+    return max(1, steps // EVAL_POINTS)
+
+
+def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int) -> Deck:
+    """The deck of one configuration: the base deck with the sharding, mode and seed set,
+    a folder of its own, no model.h5, checkpoints at the end only, no resume."""
+    base = Path(deck.run.output_dir)
+    out = base / sharding if mode is None else base / sharding / mode / f"seed{seed_index}"
+    e = deck.experiment
+    steps = deck.train.steps
+    return deck.replace(
+        run=dataclasses.replace(deck.run, output_dir=str(out), seed=deck.run.seed + seed_index),
+        place=dataclasses.replace(deck.place, mode=sharding),
+        zo=dataclasses.replace(deck.zo, mode=mode or deck.zo.mode),
+        train=dataclasses.replace(deck.train, max_epochs=0.0, save="none",
+                                  split_seed=(deck.train.split_seed if deck.train.split_seed >= 0
+                                              else deck.run.seed),
+                                  eval_every=eval_every(steps, e.report_points)),
+        checkpoint=dataclasses.replace(deck.checkpoint, every_steps=0, resume="never", dir=""),
+    )
+
+
+class _Timings:
+    """Rank 0 appends one row per finished stage to ``OUT/timings.csv``."""
+
+    def __init__(self, path: Path, active: bool) -> None:
+        self.path, self.active = path, active
+        if active:
+            with open(path, "w", newline="", encoding="utf-8") as f:
+                csv.writer(f).writerow(TIMING_COLUMNS)
+
+    def add(self, timer: StageTimer, label: str, sharding: str, mode: str, seed: int | str,
+            stage: str) -> None:
+        if not self.active:
+            return
+        with open(self.path, "a", newline="", encoding="utf-8") as f:
+            csv.writer(f).writerow([sharding, mode, seed, stage, repr(timer.wall.get(label, 0.0)),
+                                    repr(timer.comm_time.get(label, 0.0))])
+
+
+def run_experiment(deck: Deck, comm: MPI.Intracomm) -> Path:
+    """The whole experiment. Collective over ``comm``. Returns the report's path."""
+    from .report import write_report
+
+    e = deck.experiment
+    if deck.train.steps < e.report_points:
+        err = SemzoError(f"{deck.source}: train.steps: the experiment needs at least "
+                         f"experiment.report_points = {e.report_points} steps, got "
+                         f"{deck.train.steps}")
+        err.all_ranks = True
+        raise err
+    timer = StageTimer()
+    t0 = time.perf_counter()
+    ctx = start(deck, comm, timer)
+    topo = ctx.topo
+    base = ctx.outdir
+    n_cfg = len(e.shardings) * len(e.modes) * e.seeds
+    log.info("semzo experiment: %d ranks; shardings %s x ZO modes %s x %d seeds = %d "
+             "fine-tuning runs of %d steps (%d forward passes each), output %s",
+             topo.size, ", ".join(e.shardings), ", ".join(e.modes), e.seeds, n_cfg,
+             deck.train.steps, 2 * topo.size * deck.train.steps, base)
+    if topo.rank == 0:
+        cmd = f"mpirun -n {topo.size} python -m semzo {shlex.join(sys.argv[1:])}"
+        (base / "experiment.toml").write_text(f"# command: {cmd}\n{deck.to_toml()}",
+                                              encoding="utf-8")
+    timings = _Timings(base / TIMINGS, topo.rank == 0)
+    timings.add(timer, "topology", "-", "-", "-", "topology")
+    # shared stages: the topology stage checks the communicators, embed and cluster run once
+    for name in ("topology", "embed", "cluster"):
+        label = name if name != "topology" else "topology check"
+        run_stage(ctx, name, label)
+        timings.add(timer, label, "-", "-", "-", name)
+    shared = {"embeddings.h5": ctx.path("embeddings.h5"),
+              "clusters.h5": ctx.path("clusters.h5")}
+    done = 0
+    for sharding in e.shardings:
+        sctx: RunContext = ctx.derive(config_deck(deck, sharding, None, 0), shared)
+        label = f"place {sharding}"
+        run_stage(sctx, "place", label)
+        timings.add(timer, label, sharding, "-", "-", "place")
+        inputs = {**shared, "shards.h5": sctx.path("shards.h5")}
+        for mode in e.modes:
+            for s in range(e.seeds):
+                fctx = ctx.derive(config_deck(deck, sharding, mode, s), inputs)
+                label = f"finetune {sharding} {mode} {s}"
+                fig = run_stage(fctx, "finetune", label)
+                timings.add(timer, label, sharding, mode, s, "finetune")
+                done += 1
+                elapsed = time.perf_counter() - t0
+                log.info("experiment: %d/%d done (%s sharding, %s mode, seed %d): held-out "
+                         "accuracy %.4f -> %.4f; %.0f s so far", done, n_cfg, sharding, mode,
+                         fctx.deck.run.seed, fig.get("heldout acc before", math.nan),
+                         fig.get("heldout acc after", math.nan), elapsed)
+    topo.world.Barrier()
+    report = base / "report.md"
+    if topo.rank == 0:
+        write_report(base)
+    topo.world.Barrier()
+    log.info("experiment done in %.1f s: %s", time.perf_counter() - t0, report)
+    topo.free()
+    return report

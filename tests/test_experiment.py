@@ -1,0 +1,153 @@
+"""`semzo experiment`: the statistics of the report on known curves, and a small real
+experiment under mpirun (2 ranks, 2 shardings x 3 ZO modes x 2 seeds) whose outputs, budgets
+and report are checked."""
+
+import csv
+import math
+import subprocess
+import sys
+
+import h5py
+import numpy as np
+import pytest
+from mpiutil import ROOT, check, mpirun
+
+from semzo.experiment.report import Run, crossing, paired, stats
+from semzo.experiment.runner import config_deck, eval_every
+
+CORPUS = ROOT / "data" / "fortunes.jsonl"
+
+
+def _run(seed, steps, loss, acc=None, sharding="semantic", mode="data"):
+    steps = np.asarray(steps)
+    loss = np.asarray(loss, np.float64)
+    acc = np.zeros_like(loss) if acc is None else np.asarray(acc, np.float64)
+    return Run(sharding=sharding, mode=mode, seed=seed, steps=steps, loss=loss, acc=acc,
+               compute_s=1.0, comm_s=0.5, skipped=0, n_steps=int(steps[-1]))
+
+
+def test_eval_every_hits_every_report_budget():
+    for steps, pts in ((4000, 4), (400, 4), (1000, 3), (12, 4), (7, 7), (100, 1)):
+        ev = eval_every(steps, pts)
+        assert ev >= 1
+        for j in range(1, pts + 1):
+            if steps % pts == 0:
+                assert (steps * j // pts) % ev == 0, (steps, pts, ev)
+    assert eval_every(4000, 4) == 100           # 40 evaluations
+    assert eval_every(0, 4) == 0
+
+
+def test_crossing_interpolates_and_reports_never():
+    r = _run(0, [0, 10, 20, 30], [2.0, 1.8, 1.4, 1.2])
+    assert crossing(r, 1.6) == pytest.approx(15.0)
+    assert crossing(r, 2.5) == 0.0
+    assert math.isnan(crossing(r, 1.0))
+
+
+def test_stats_and_paired_differences():
+    m, sd, lo, hi = stats([1.0, 2.0, 3.0, math.nan])
+    assert (m, lo, hi) == (2.0, 1.0, 3.0) and sd == pytest.approx(1.0)
+    assert all(math.isnan(x) for x in stats([]))
+
+    class E:
+        runs = [_run(s, [0, 10], [2.0, 1.0 + 0.1 * s], [0.4, 0.5 + 0.01 * s], "semantic")
+                for s in range(3)]
+        runs += [_run(s, [0, 10], [2.0, 1.2 + 0.1 * s], [0.4, 0.4 + 0.01 * s], "shuffle")
+                 for s in range(3)]
+
+        def group(self, s, m):
+            return [r for r in self.runs if r.sharding == s and r.mode == m]
+
+    d, p = paired(E(), "semantic", "shuffle", "data", "acc", 10)
+    assert np.allclose(d, 0.1) and p == 0.0      # identical nonzero differences: certain
+    d, p = paired(E(), "semantic", "shuffle", "data", "loss", 5)
+    assert np.allclose(d, -0.1)                  # interpolated half way: -0.2 / 2
+
+
+def test_config_deck_changes_only_the_compared_keys():
+    from semzo.deck import load
+
+    base = load(ROOT / "inputs" / "experiment.toml", check_inputs=False)
+    c = config_deck(base, "shuffle", "hybrid", 2)
+    assert c.place.mode == "shuffle" and c.zo.mode == "hybrid"
+    assert c.run.seed == base.run.seed + 2
+    assert c.train.split_seed == base.run.seed          # the same held-out split for all
+    assert c.run.output_dir.endswith("shuffle/hybrid/seed2")
+    assert c.train.max_epochs == 0 and c.train.steps == base.train.steps
+    assert c.zo.lr == base.zo.lr and c.zo.eps == base.zo.eps
+    assert c.cluster == base.cluster and c.model == base.model
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    if not CORPUS.is_file():
+        CORPUS.parent.mkdir(exist_ok=True)
+        subprocess.run([sys.executable, "-m", "semzo", "corpus", "fortunes", str(CORPUS)],
+                       check=True, cwd=ROOT)
+    out = tmp_path_factory.mktemp("exp")
+    proc = check(mpirun(2, ["-m", "semzo", "experiment", "inputs/experiment.toml",
+                            "--set", f"run.output_dir={out}",
+                            "--set", "corpus.max_records=400", "--set", "cluster.k=8",
+                            "--set", "topology.ranks_per_node=1",
+                            "--set", "topology.nodes_per_switch=1",
+                            "--set", "train.steps=40", "--set", "experiment.seeds=2",
+                            "--set", 'experiment.shardings=["semantic", "shuffle"]'],
+                        timeout=400))
+    return out, proc
+
+
+def _metrics(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_experiment_runs_every_configuration_with_the_same_budget(experiment):
+    out, proc = experiment
+    starts = set()
+    for s in ("semantic", "shuffle"):
+        assert (out / s / "shards.h5").is_file()
+        for m in ("data", "perturbation", "hybrid"):
+            for i in range(2):
+                rows = _metrics(out / s / m / f"seed{i}" / "metrics.csv")
+                train = [r for r in rows if r["kind"] == "train"]
+                ev = [r for r in rows if r["kind"] == "eval"]
+                assert len(train) == 40, (s, m, i)          # same steps = same budget
+                assert [int(r["step"]) for r in ev] == list(range(0, 41, 10))
+                starts.add((i, ev[0]["heldout_loss"]))
+    # the same held-out split and initial head in every configuration: one starting loss
+    assert len({v for _, v in starts}) == 1
+    with h5py.File(out / "semantic" / "shards.h5") as a, h5py.File(out / "shuffle" /
+                                                                   "shards.h5") as b:
+        assert a.attrs["mode"] == "semantic" and b.attrs["mode"] == "shuffle"
+        assert sorted(a["ids"][...]) == sorted(b["ids"][...])
+    assert "experiment report:" in proc.stdout
+
+
+def test_experiment_report_and_plots(experiment):
+    out, _ = experiment
+    text = (out / "report.md").read_text()
+    for heading in ("## Conclusion", "## Held-out accuracy at fixed budgets",
+                    "## Held-out loss at fixed budgets", "## Forward passes to the target loss",
+                    "## Paired differences", "## Time", "mpirun -n 2 python -m semzo experiment"):
+        assert heading in text, heading
+    assert "semantic vs shuffle" in text
+    table = [ln for ln in text.splitlines() if ln.startswith("| shuffle | hybrid |")]
+    assert len(table) == 3                 # accuracy, loss, forward passes to target
+    for png in ("accuracy.png", "loss.png", "time.png"):
+        assert (out / png).stat().st_size > 10_000
+    with h5py.File(out / "experiment.h5") as f:
+        g = f["semantic/data/seed0"]
+        assert g["forward_passes"][-1] == 2 * 2 * 40            # 2 ranks x 2 passes x steps
+        assert np.all(np.isfinite(g["heldout_loss"][...]))
+
+
+def test_report_only_rebuilds_and_missing_folder_is_exit_2(experiment, tmp_path):
+    out, _ = experiment
+    (out / "report.md").unlink()
+    check(mpirun(1, ["-m", "semzo", "experiment", "inputs/experiment.toml", "--report-only",
+                     "--set", f"run.output_dir={out}"], timeout=120))
+    assert "## Conclusion" in (out / "report.md").read_text()
+    proc = mpirun(2, ["-m", "semzo", "experiment", "inputs/experiment.toml", "--report-only",
+                      "--set", f"run.output_dir={tmp_path / 'nothing'}"], timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("error:") == 1 and "run.output_dir" in proc.stderr
