@@ -1,5 +1,5 @@
 """Placement of clusters on ranks and redistribution of rows (see plan.py, flows.py,
-redistribute.py)."""
+shuffle.py, redistribute.py)."""
 
 from semzo.place.flows import (
     cluster_counts,
@@ -9,7 +9,9 @@ from semzo.place.flows import (
     plan_figures,
     within_rank_distance,
 )
-from semzo.place.plan import Placement, place
+from semzo.place.plan import Placement, place, placement_from_quota
+from semzo.place.shuffle import movement_from_dest, shuffle_destinations
 
 __all__ = ["Placement", "cluster_counts", "destinations", "format_figures", "movement",
-           "place", "plan_figures", "within_rank_distance"]
+           "movement_from_dest", "place", "placement_from_quota", "plan_figures",
+           "shuffle_destinations", "within_rank_distance"]

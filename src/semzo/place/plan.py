@@ -33,6 +33,11 @@ Semantic mode, top down over the tree root -> switches -> nodes -> ranks (see to
 Random mode (the baseline): clusters in a seeded random order poured into ranks 0..P-1 with
 exact integer targets (``N//P`` or ``N//P + 1``); ``where`` is ignored.
 
+Shuffle mode (i.i.d. data-parallel sharding) is not planned from counts: every sample goes to a
+rank chosen by a hash of its id, so it needs the ids
+(:func:`semzo.place.shuffle.shuffle_destinations`). The quota it induces is turned into a
+:class:`Placement` by :func:`placement_from_quota`; ``place(mode="shuffle")`` raises ValueError.
+
 Everything is deterministic; floating point enters only through principal axes and spreads. Pass
 ``comm`` to compute on rank 0 and broadcast the quota, so ranks agree bit for bit even on
 machines whose BLAS differ.
@@ -408,7 +413,8 @@ def place(centroids: np.ndarray, where: np.ndarray, rank_node: np.ndarray,
     """Plan where every cluster's samples go (see the module docstring).
 
     centroids: (k, d) float. where: (P, k) int64, identical on all ranks. rank_node: (P,).
-    node_switch: (n_nodes,). mode: ``"semantic"`` or ``"random"``. keep_tol: at each tree
+    node_switch: (n_nodes,). mode: ``"semantic"`` or ``"random"`` (``"shuffle"`` needs the
+    ids: see :mod:`semzo.place.shuffle`). keep_tol: at each tree
     level, keep the data's current grouping instead of the fresh partition when that moves
     fewer samples, stays balanced and achieves at least ``1 - keep_tol`` of the fresh one's
     reduction of centroid spread (None: always the fresh partition). bytes_per_row: for the
@@ -426,6 +432,10 @@ def place(centroids: np.ndarray, where: np.ndarray, rank_node: np.ndarray,
                          f"got {where.shape}")
     if where.size and where.min() < 0:
         raise ValueError("where has negative counts")
+    if mode == "shuffle":
+        raise ValueError("place(): mode 'shuffle' assigns samples by a hash of their ids, not "
+                         "from cluster counts: use semzo.place.shuffle.shuffle_destinations(ids, "
+                         "P, seed, comm), then placement_from_quota() for the plan")
     if mode not in ("semantic", "random"):
         raise ValueError(f"mode must be 'semantic' or 'random', got {mode!r}")
     if not 0.0 <= balance_tol < 1.0:
@@ -443,6 +453,32 @@ def place(centroids: np.ndarray, where: np.ndarray, rank_node: np.ndarray,
         if quota is None:
             quota = np.empty((centroids.shape[0], rank_node.size), dtype=np.int64)
         comm.Bcast([quota, MPI.INT64_T], root=0)
+    return placement_from_quota(centroids, where, quota, rank_node, node_switch, mode=mode,
+                                bytes_per_row=bytes_per_row, seed=seed, figures=figures)
+
+
+def placement_from_quota(centroids: np.ndarray, where: np.ndarray, quota: np.ndarray,
+                         rank_node: np.ndarray, node_switch: np.ndarray, *, mode: str,
+                         bytes_per_row: int | None = None, seed: int = 0,
+                         figures: bool = True) -> Placement:
+    """A :class:`Placement` for a given ``quota (k, P)`` (e.g. the one shuffle placement
+    induces): manifest from the quota, and :func:`semzo.place.flows.plan_figures` with the
+    random baseline (``seed``) unless mode is ``"random"``. Not collective.
+
+    The movement figures assume the minimal flows of :func:`semzo.place.flows.destinations`;
+    a caller that moves rows otherwise (shuffle) overrides them with the actual movement.
+    """
+    centroids = np.asarray(centroids)
+    where = np.ascontiguousarray(where, dtype=np.int64)
+    quota = np.ascontiguousarray(quota, dtype=np.int64)
+    rank_node, node_switch = check_topology(rank_node, node_switch)
+    if quota.shape != (centroids.shape[0], rank_node.size):
+        raise ValueError(f"quota must be (k, P) = ({centroids.shape[0]}, {rank_node.size}), "
+                         f"got {quota.shape}")
+    if where.shape != quota.T.shape:
+        raise ValueError(f"where must be (P, k) = {quota.T.shape}, got {where.shape}")
+    if not np.array_equal(quota.sum(1), where.sum(0)) or (quota.size and quota.min() < 0):
+        raise ValueError("quota does not hold every sample exactly once (row sums != sizes)")
     cr, cn, cs = _manifest(quota, rank_node, node_switch)
     plan = Placement(quota=quota, where=where, rank_node=rank_node, node_switch=node_switch,
                      mode=mode, cluster_rank=cr, cluster_node=cn, cluster_switch=cs)

@@ -1,6 +1,11 @@
 """The place stage: plan cluster -> rank placement, move rows with Alltoallv, write
 ``shards.h5`` (collective) and a PNG of cluster sizes per rank, node and switch.
 
+Modes (``[place] mode``): ``semantic`` / ``random`` plan a quota from cluster counts
+(:func:`semzo.place.place`) and move the fewest rows meeting it; ``shuffle`` sends every row to
+the rank a hash of its id chooses (:func:`semzo.place.shuffle_destinations`), and its plan is
+the quota that induces, with the actual movement as its movement figures.
+
 ``shards.h5``: rows grouped by the rank that now holds them (rank r's rows are
 ``rank_offsets[r]:rank_offsets[r+1]``): ``embeddings``, ``ids``, ``labels``, ``clusters``,
 ``text_offsets``/``text_bytes``; manifest: ``quota (k, P)`` (samples of cluster c on rank p),
@@ -19,7 +24,15 @@ from ..cluster.stage import read_clusters
 from ..embed import read_embeddings
 from ..h5io import create_collective, offsets, write_rows, write_texts
 from ..runtime import get_logger
-from . import cluster_counts, destinations, format_figures, place
+from . import (
+    cluster_counts,
+    destinations,
+    format_figures,
+    movement_from_dest,
+    place,
+    placement_from_quota,
+    shuffle_destinations,
+)
 from .redistribute import redistribute
 
 log = get_logger(__name__)
@@ -52,13 +65,16 @@ def run_place_stage(ctx) -> dict:
         where = cluster_counts(labels, k, comm)
     d = rows.embeddings.shape[1]
     bytes_per_row = 4 * d + 8 + 8 + 4 + int(np.mean([len(t) for t in rows.texts] or [0]))
-    plan = place(centers, where, topo.rank_node, topo.node_switch, mode=deck.place.mode,
-                 balance_tol=deck.place.balance_tol, seed=deck.run.seed,
-                 bytes_per_row=bytes_per_row, comm=comm)
+    if deck.place.mode == "shuffle":
+        plan, dest = _shuffle_plan(ctx, centers, where, labels, rows.ids, bytes_per_row)
+    else:
+        plan = place(centers, where, topo.rank_node, topo.node_switch, mode=deck.place.mode,
+                     balance_tol=deck.place.balance_tol, seed=deck.run.seed,
+                     bytes_per_row=bytes_per_row, comm=comm)
+        dest = destinations(labels, plan, comm)
     log.info("placement (%s, %d clusters on %d ranks / %d nodes / %d switches):\n%s",
              plan.mode, k, topo.size, topo.n_nodes, topo.n_switches,
              format_figures(plan.figures))
-    dest = destinations(labels, plan, comm)
     before = _fingerprint(rows.ids, comm)
     stats: dict = {}
     t0 = time.perf_counter()
@@ -88,6 +104,31 @@ def run_place_stage(ctx) -> dict:
     return {"mode": plan.mode, "load max/mean": fig["load_max_over_mean"],
             "moved": fig["moved_fraction"], "MB across switches": fig["bytes_cross_switch"] / 1e6,
             "centroid dist vs random": fig.get("centroid_dist_ratio", 1.0)}
+
+
+def _shuffle_plan(ctx, centers, where, labels, ids, bytes_per_row):
+    """Shuffle mode: destinations by a hash of the ids (exactly balanced), the quota they
+    induce (one Allreduce), and the plan's movement figures replaced by the actual movement
+    (shuffle moves about ``1 - 1/P`` of the rows, far more than the minimal flows). Collective
+    over the world communicator."""
+    topo, seed = ctx.topo, ctx.deck.run.seed
+    comm = topo.world
+    k = centers.shape[0]
+    with ctx.timer.comm():
+        dest = shuffle_destinations(ids, topo.size, seed, comm)
+        quota = np.bincount(labels.astype(np.int64) * topo.size + dest,
+                            minlength=k * topo.size).astype(np.int64).reshape(k, topo.size)
+        comm.Allreduce(MPI.IN_PLACE, quota, op=MPI.SUM)
+        mv = movement_from_dest(dest, topo.rank_node, topo.node_switch, comm)
+    plan = placement_from_quota(centers, where, quota, topo.rank_node, topo.node_switch,
+                                mode="shuffle", bytes_per_row=bytes_per_row, seed=seed)
+    fig = plan.figures
+    n = fig["n"]
+    fig.update(moved_fraction=mv["moved"] / n if n else 0.0,
+               rows_cross_node=mv["cross_node"], rows_cross_switch=mv["cross_switch"],
+               bytes_cross_node=mv["cross_node"] * bytes_per_row,
+               bytes_cross_switch=mv["cross_switch"] * bytes_per_row)
+    return plan, dest
 
 
 def _write_shards(ctx, plan, cols, texts, label_names) -> None:
