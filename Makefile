@@ -8,6 +8,9 @@ PY      := $(VENV)/bin/python
 MPIEXEC ?= mpirun
 NP      ?= 4
 DECK    ?= inputs/demo.toml
+EXPDECK ?= inputs/experiment.toml
+EXPOUT  ?= runs/experiment
+RESULTS ?= docs/results
 TIMEOUT ?= 1800
 # mpirun's rank-count flag; srun uses -n too
 NPFLAG  ?= -n
@@ -23,11 +26,12 @@ export TRANSFORMERS_OFFLINE := 1
 
 RUN = timeout -k 10 $(TIMEOUT) $(MPIEXEC) $(NPFLAG) $(NP) $(PY) -m semzo
 
-.PHONY: help setup setup-test demo test test-mpi bench lint docs corpus clean
+.PHONY: help setup setup-test demo experiment test test-mpi bench lint docs corpus clean
 
 help:
 	@echo "make demo    set up if needed, then run the default deck under $(MPIEXEC) -n $(NP)"
 	@echo "make test    set up if needed (test extras too), then the whole test suite"
+	@echo "make experiment  semantic vs random sharding x ZO modes x seeds; report in $(RESULTS)/"
 	@echo "make setup   Debian packages, .venv, mpi4py, h5py (MPI build), model package"
 	@echo "make bench   benchmarks (bench/*.py) against their peers"
 	@echo "make lint    ruff;  make docs  regenerate docs/deck.md;  make clean"
@@ -50,6 +54,13 @@ corpus: data/fortunes.jsonl data/debian.jsonl
 
 demo: setup data/fortunes.jsonl
 	$(RUN) run $(DECK)
+
+# the sharding experiment (docs/results/experiment.md): about 10 min on 2 cores
+experiment: setup data/fortunes.jsonl
+	SEMZO_COMMAND="make experiment" $(RUN) experiment $(EXPDECK) --set run.output_dir=$(EXPOUT)
+	@mkdir -p $(RESULTS)
+	cp $(EXPOUT)/report.md $(RESULTS)/experiment.md
+	cp $(EXPOUT)/accuracy.png $(EXPOUT)/loss.png $(EXPOUT)/time.png $(RESULTS)/
 
 test: setup-test data/fortunes.jsonl
 	$(PY) -m pytest -q tests

@@ -112,7 +112,7 @@ def test_experiment_runs_every_configuration_with_the_same_budget(experiment):
                 train = [r for r in rows if r["kind"] == "train"]
                 ev = [r for r in rows if r["kind"] == "eval"]
                 assert len(train) == 40, (s, m, i)          # same steps = same budget
-                assert [int(r["step"]) for r in ev] == list(range(0, 41, 10))
+                assert [int(r["step"]) for r in ev] == list(range(0, 41))   # eval_every 1
                 starts.add((i, ev[0]["heldout_loss"]))
     # the same held-out split and initial head in every configuration: one starting loss
     assert len({v for _, v in starts}) == 1
@@ -132,7 +132,7 @@ def test_experiment_report_and_plots(experiment):
         assert heading in text, heading
     assert "semantic vs shuffle" in text
     table = [ln for ln in text.splitlines() if ln.startswith("| shuffle | hybrid |")]
-    assert len(table) == 3                 # accuracy, loss, forward passes to target
+    assert len(table) == 4                 # accuracy, loss, forward passes to target, time
     for png in ("accuracy.png", "loss.png", "time.png"):
         assert (out / png).stat().st_size > 10_000
     with h5py.File(out / "experiment.h5") as f:

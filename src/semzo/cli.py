@@ -82,7 +82,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     # `topology` only needs the [topology] section: input files need not exist yet
     report_only = getattr(args, "report_only", False)
     deck = load_deck_collective(args.deck, args.set, comm,
-                                check_inputs=args.cmd != "topology" and not report_only)
+                                check_inputs=args.cmd != "topology" and not report_only,
+                                check_world=not report_only)
     setup_logging(deck.run.log_level)
     if args.cmd == "check":
         if comm.Get_rank() == 0:

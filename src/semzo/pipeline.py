@@ -50,7 +50,7 @@ class RunContext:
 
 
 def load_deck_collective(path: str | None, overrides: list[str], comm: MPI.Intracomm, *,
-                         check_inputs: bool = True) -> Deck:
+                         check_inputs: bool = True, check_world: bool = True) -> Deck:
     """Load and validate the deck on every rank; if any rank fails, all raise the same error.
 
     Every rank reads the file itself (no broadcast of parsed objects); the outcome is agreed
@@ -59,7 +59,8 @@ def load_deck_collective(path: str | None, overrides: list[str], comm: MPI.Intra
     deck, err = None, None
     try:
         deck = deckmod.load(path, overrides, check_inputs=check_inputs)
-        deckmod.check_world(deck, comm.Get_size())
+        if check_world:
+            deckmod.check_world(deck, comm.Get_size())
     except DeckError as exc:
         err = str(exc)
     errors = comm.allgather(err)

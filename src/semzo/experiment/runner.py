@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import math
+import os
 import shlex
 import sys
 import time
@@ -116,6 +117,8 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm) -> Path:
              deck.train.steps, 2 * topo.size * deck.train.steps, base)
     if topo.rank == 0:
         cmd = f"mpirun -n {topo.size} python -m semzo {shlex.join(sys.argv[1:])}"
+        if os.environ.get("SEMZO_COMMAND"):            # set by `make experiment`
+            cmd = f"{os.environ['SEMZO_COMMAND']}  # = {cmd}"
         (base / "experiment.toml").write_text(f"# command: {cmd}\n{deck.to_toml()}",
                                               encoding="utf-8")
     timings = _Timings(base / TIMINGS, topo.rank == 0)
