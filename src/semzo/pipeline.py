@@ -71,14 +71,22 @@ def load_deck_collective(path: str | None, overrides: list[str], comm: MPI.Intra
 
 
 def _threads(deck: Deck, topo: Topology) -> int:
+    """Threads per rank: ``run.threads``, else the cores this rank may run on divided by the
+    ranks of its host whose CPU sets overlap its own. Ranks a launcher binds to disjoint
+    cores (srun --cpu-bind, mpirun --map-by slot:PE=N) keep all their cores; unbound ranks
+    sharing the host's cores split them. Collective over the world (one allgather)."""
     if deck.run.threads > 0:
         return deck.run.threads
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    # simulated nodes share one host: divide the host's cores by the ranks on the host
+    if hasattr(os, "sched_getaffinity"):
+        mask = sorted(os.sched_getaffinity(0))
+    else:
+        mask = list(range(os.cpu_count() or 1))
+    # simulated nodes share one host: compare with every rank of the same host
     host = topo.node_names[topo.node_id].split("/")[0]
-    on_host = sum(1 for r in range(topo.size)
-                  if topo.node_names[int(topo.rank_node[r])].split("/")[0] == host)
-    return max(1, (cores or 1) // on_host)
+    masks = topo.world.allgather((host, mask))
+    mine = set(mask)
+    sharers = sum(1 for h, m in masks if h == host and mine.intersection(m))
+    return max(1, len(mask) // max(sharers, 1))
 
 
 def prepare_outdir(outdir: Path, deck: Deck, topo: Topology) -> None:

@@ -201,7 +201,7 @@ def run_finetune_stage(ctx) -> dict:
     def add_comm(s: float) -> None:
         ctx.timer.comm_time["finetune"] = ctx.timer.comm_time.get("finetune", 0.0) + s
 
-    t0 = time.perf_counter()
+    t0, first_step = time.perf_counter(), state.step
     cfg = LoopConfig.from_deck(deck)
     cfg.steps = steps
     saver = _StepSaver(ck, model, names, train_idx.size, centroids=_centroids(ctx), topo=topo)
@@ -216,13 +216,14 @@ def run_finetune_stage(ctx) -> dict:
     if t.save != "none":
         save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after)
     what = "accuracy" if task_kind == "classify" else "next-token accuracy"
-    log.info("finetune: %d steps in %.1f s (%.2f steps/s), %d skipped", state.step, secs,
-             state.step / max(secs, 1e-9), state.skips)
+    ran = state.step - first_step
+    log.info("finetune: %d steps in %.1f s (%.2f steps/s), %d skipped", ran, secs,
+             ran / max(secs, 1e-9), state.skips)
     log.info("HELD-OUT %s before %.4f -> after %.4f (%+.2f points); loss %.4f -> %.4f "
              "(%d samples)", what.upper(), before[1], after[1], 100 * (after[1] - before[1]),
              before[0], after[0], after[2])
     out = {"task": task_kind, "steps": state.step, "skipped": state.skips,
-           "steps/s": state.step / max(secs, 1e-9), "heldout acc before": float(before[1]),
+           "steps/s": ran / max(secs, 1e-9), "heldout acc before": float(before[1]),
            "heldout acc after": float(after[1])}
     if resumed_from is not None:
         out["resumed from step"] = resumed_from
