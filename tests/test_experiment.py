@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mpiutil import ROOT, check, mpirun
 
-from semzo.experiment.report import Run, crossing, paired, stats
+from semzo.experiment.report import Run, crossing, holm, paired, stats
 from semzo.experiment.runner import config_deck, eval_every
 
 CORPUS = ROOT / "data" / "fortunes.jsonl"
@@ -50,10 +50,11 @@ def test_stats_and_paired_differences():
     assert all(math.isnan(x) for x in stats([]))
 
     class E:
-        runs = [_run(s, [0, 10], [2.0, 1.0 + 0.1 * s], [0.4, 0.5 + 0.01 * s], "semantic")
-                for s in range(3)]
-        runs += [_run(s, [0, 10], [2.0, 1.2 + 0.1 * s], [0.4, 0.4 + 0.01 * s], "shuffle")
-                 for s in range(3)]
+        def __init__(self):
+            self.runs = [_run(s, [0, 10], [2.0, 1.0 + 0.1 * s], [0.4, 0.5 + 0.01 * s],
+                              "semantic") for s in range(3)]
+            self.runs += [_run(s, [0, 10], [2.0, 1.2 + 0.1 * s], [0.4, 0.4 + 0.01 * s],
+                               "shuffle") for s in range(3)]
 
         def group(self, s, m):
             return [r for r in self.runs if r.sharding == s and r.mode == m]
@@ -62,6 +63,13 @@ def test_stats_and_paired_differences():
     assert np.allclose(d, 0.1) and p == 0.0      # identical nonzero differences: certain
     d, p = paired(E(), "semantic", "shuffle", "data", "loss", 5)
     assert np.allclose(d, -0.1)                  # interpolated half way: -0.2 / 2
+
+
+def test_holm_adjustment():
+    # sorted p 0.01, 0.02, 0.04 -> 3*0.01, max(0.03, 2*0.02), max(0.04, 1*0.04)
+    assert holm([0.04, 0.01, 0.02]) == pytest.approx([0.04, 0.03, 0.04])
+    out = holm([0.5, math.nan, 0.9])
+    assert out[0] == pytest.approx(1.0) and math.isnan(out[1]) and out[2] == pytest.approx(1.0)
 
 
 def test_config_deck_changes_only_the_compared_keys():
@@ -112,7 +120,7 @@ def test_experiment_runs_every_configuration_with_the_same_budget(experiment):
                 train = [r for r in rows if r["kind"] == "train"]
                 ev = [r for r in rows if r["kind"] == "eval"]
                 assert len(train) == 40, (s, m, i)          # same steps = same budget
-                assert [int(r["step"]) for r in ev] == list(range(0, 41))   # eval_every 1
+                assert [int(r["step"]) for r in ev] == list(range(41))   # eval_every 1
                 starts.add((i, ev[0]["heldout_loss"]))
     # the same held-out split and initial head in every configuration: one starting loss
     assert len({v for _, v in starts}) == 1
@@ -128,7 +136,8 @@ def test_experiment_report_and_plots(experiment):
     text = (out / "report.md").read_text()
     for heading in ("## Conclusion", "## Held-out accuracy at fixed budgets",
                     "## Held-out loss at fixed budgets", "## Forward passes to the target loss",
-                    "## Paired differences", "## Time", "mpirun -n 2 python -m semzo experiment"):
+                    "## Paired differences", "## Time", "## What this does and does not show",
+                    "Holm", "mpirun -n 2 python -m semzo experiment"):
         assert heading in text, heading
     assert "semantic vs shuffle" in text
     table = [ln for ln in text.splitlines() if ln.startswith("| shuffle | hybrid |")]

@@ -62,6 +62,7 @@ class Experiment:
     budget: int = 0                               # steps
     command: str = ""                             # how the experiment was launched
     deck_path: str = ""                           # the deck it was launched with
+    cores: int = 0                                # cores of rank 0's host (0: unknown)
 
     def group(self, sharding: str, mode: str) -> list[Run]:
         return [r for r in self.runs if r.sharding == sharding and r.mode == mode]
@@ -101,8 +102,9 @@ def load(base: str | Path) -> Experiment:
     text = (base / "experiment.toml").read_text(encoding="utf-8")
     deck = from_toml_text(text, str(base / "experiment.toml"))
     head = dict(re.findall(r"^# (command|resolved semzo deck \(from) ?:? ?(.*?)\)?$", text,
-                           flags=re.M))
+                           flags=re.MULTILINE))
     command = head.get("command", "python -m semzo experiment DECK")
+    cores = re.search(r"^# cores: (\d+)$", text, flags=re.MULTILINE)
     deck_path = head.get("resolved semzo deck (from", str(base / "experiment.toml"))
     e = deck.experiment
     with h5py.File(base / e.shardings[0] / "shards.h5", "r") as f:
@@ -127,7 +129,8 @@ def load(base: str | Path) -> Experiment:
                 runs.append(Run(sharding=s, mode=m, seed=deck.run.seed + i,
                                 wall_s=walls.get((s, m, str(i), "finetune"), math.nan), **d))
     return Experiment(base=base, deck=deck, ranks=ranks, runs=runs, shared=shared, place=place,
-                      budget=deck.train.steps, command=command, deck_path=deck_path)
+                      budget=deck.train.steps, command=command, deck_path=deck_path,
+                      cores=int(cores.group(1)) if cores else 0)
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -194,7 +197,7 @@ def _pm(m: float, sd: float, scale: float = 1.0, fmt: str = "{:.4f}") -> str:
     if not math.isfinite(m):
         return "n/a"
     s = fmt.format(m * scale)
-    return s + (f" ± {fmt.format(sd * scale)}" if math.isfinite(sd) else "")
+    return s + (f" ± {fmt.replace('+', '').format(sd * scale)}" if math.isfinite(sd) else "")
 
 
 def _fp(x: float) -> str:
@@ -213,51 +216,160 @@ def run_time(exp: Experiment, r: Run) -> dict[str, float]:
     return t
 
 
+def holm(p: list[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (nan stays nan, excluded from the family size)."""
+    idx = [i for i, v in enumerate(p) if math.isfinite(v)]
+    m = len(idx)
+    out = [math.nan] * len(p)
+    run = 0.0
+    for rank, i in enumerate(sorted(idx, key=lambda i: p[i])):
+        run = max(run, min(1.0, (m - rank) * p[i]))
+        out[i] = run
+    return out
+
+
+def comparisons(exp: Experiment) -> list[dict]:
+    """Paired comparisons at the full budget of the first sharding against each other one:
+    per ZO mode, and pooled over modes (pairs by mode and seed). Accuracy and loss p-values
+    are Holm-adjusted, each over the whole list."""
+    e = exp.deck.experiment
+    ref, step = e.shardings[0], exp.budget
+    rows = []
+    for other in e.shardings[1:]:
+        per = []
+        for m in e.modes:
+            da, pa = paired(exp, ref, other, m, "acc", step)
+            dl, pl = paired(exp, ref, other, m, "loss", step)
+            per.append((da, dl))
+            rows.append({"other": other, "mode": m, "acc": da, "p_acc": pa, "loss": dl,
+                         "p_loss": pl})
+        if len(e.modes) > 1:
+            da = np.concatenate([a for a, _ in per])
+            dl = np.concatenate([b for _, b in per])
+            rows.append({"other": other, "mode": "all modes", "acc": da,
+                         "p_acc": _ttest(da), "loss": dl, "p_loss": _ttest(dl)})
+    for key in ("p_acc", "p_loss"):
+        for r, h in zip(rows, holm([r[key] for r in rows])):
+            r[key + "_holm"] = h
+    return rows
+
+
+def _ttest(d: np.ndarray) -> float:
+    if d.size < 2:
+        return math.nan
+    from scipy.stats import ttest_1samp
+
+    return float(ttest_1samp(d, 0.0).pvalue)
+
+
+def semantic_cost(exp: Experiment) -> tuple[float, float] | None:
+    """Seconds semantic sharding adds over shuffle (k-means + placement difference) and that as
+    a share of a semantic configuration's mean fine-tuning time; None without both."""
+    if "semantic" not in exp.place or "shuffle" not in exp.place:
+        return None
+    extra = exp.shared["cluster"] + exp.place["semantic"] - exp.place["shuffle"]
+    ft = stats([r.wall_s for r in exp.runs if r.sharding == "semantic"])[0]
+    return extra, extra / ft if ft else math.nan
+
+
 def conclusion(exp: Experiment) -> list[str]:
-    """Plain sentences from the paired comparisons at the full budget (p < 0.05 counts as a
-    difference; with 3 seeds the test is weak, which the text says)."""
+    """Plain sentences from the paired comparisons at the full budget. A difference counts
+    when its Holm-adjusted p (over every comparison of the table) is below 0.05."""
     e = exp.deck.experiment
     ref = e.shardings[0]
+    rows = comparisons(exp)
     lines = []
-    step = exp.budget
     for other in e.shardings[1:]:
-        diffs, sig = [], []
-        for m in e.modes:
-            d, p = paired(exp, ref, other, m, "acc", step)
-            diffs.append((m, float(d.mean()) if d.size else math.nan, p))
-            if math.isfinite(p) and p < 0.05:
-                sig.append(m)
-        txt = "; ".join(f"{m} {100 * v:+.2f} points (p = {p:.2f})" for m, v, p in diffs)
+        mine = [r for r in rows if r["other"] == other]
+        per = "; ".join(f"{r['mode']} {100 * r['acc'].mean():+.2f} points (p = "
+                        f"{r['p_acc']:.2f}, Holm {r['p_acc_holm']:.2f})" for r in mine)
+        sig = [r for r in mine if math.isfinite(r["p_acc_holm"]) and r["p_acc_holm"] < 0.05]
         if not sig:
-            lines.append(f"- **{ref} vs {other}**: no difference beyond the seed-to-seed "
-                         f"spread in final held-out accuracy in any ZO mode ({txt}).")
+            head = (f"no difference in final held-out accuracy that survives the correction "
+                    f"for {len(rows)} comparisons")
         else:
-            better = [m for m, v, p in diffs if m in sig and v > 0]
-            worse = [m for m, v, p in diffs if m in sig and v < 0]
-            parts = []
-            if better:
-                parts.append(f"{ref} is better in {', '.join(better)} mode")
-            if worse:
-                parts.append(f"{ref} is worse in {', '.join(worse)} mode")
-            lines.append(f"- **{ref} vs {other}**: {' and '.join(parts)} (paired p < 0.05); "
-                         f"per mode: {txt}.")
-    # modes at equal forward passes, within the reference sharding
+            head = "; ".join(f"{ref} is {'better' if r['acc'].mean() > 0 else 'worse'} in "
+                             f"{r['mode']} (Holm-adjusted p = {r['p_acc_holm']:.3f})"
+                             for r in sig)
+        signs = [np.sign(r["acc"].mean()) for r in mine if r["mode"] != "all modes"]
+        lsigns = [np.sign(r["loss"].mean()) for r in mine if r["mode"] != "all modes"]
+        lean = ""
+        sizes = [abs(100 * r["acc"].mean()) for r in mine if r["mode"] != "all modes"]
+        sd = 100 * float(np.nanmean([stats([r.acc[-1] for r in exp.group(s, m)])[1]
+                                     for s in (ref, other) for m in e.modes]))
+        for word, lw, sgn in (("higher", "lower", 1), ("lower", "higher", -1)):
+            if signs and all(x == sgn for x in signs) and all(x == -sgn for x in lsigns):
+                lean = (f" In every mode the mean accuracy is {word} and the mean loss {lw} "
+                        f"with {ref} sharding, by {min(sizes):.2f} to {max(sizes):.2f} "
+                        f"points; the seed-to-seed standard deviation of one configuration "
+                        f"is {sd:.2f} points on average.")
+        lsig = [r for r in mine if math.isfinite(r["p_loss_holm"]) and r["p_loss_holm"] < 0.05]
+        start = float(np.mean([r.loss[0] for r in exp.runs]))
+        if lsig:
+            loss_txt = " Held-out loss: " + "; ".join(
+                f"{'lower' if r['loss'].mean() < 0 else 'higher'} with {ref} in {r['mode']} "
+                f"by {abs(r['loss'].mean()):.4f} ({100 * abs(r['loss'].mean()) / start:.2f}% "
+                f"of the starting loss; Holm-adjusted p = {r['p_loss_holm']:.3f})"
+                for r in lsig) + "."
+        else:
+            loss_txt = " No held-out loss difference survives the correction either."
+        lines.append(f"- **{ref} vs {other}**: {head} ({per}).{loss_txt}{lean}")
     finals = {m: stats([r.acc[-1] for r in exp.group(ref, m)]) for m in e.modes}
     order = sorted(e.modes, key=lambda m: -finals[m][0])
-    lines.append("- **ZO modes at the same forward-pass budget** (" + ref + " sharding): " +
+    lines.append("- **ZO modes at the same forward-pass budget** (" + ref + " sharding, final "
+                 "held-out accuracy): " +
                  ", ".join(f"{m} {_pm(finals[m][0], finals[m][1], 100, '{:.2f}')}%"
-                           for m in order) + " final held-out accuracy.")
+                           for m in order) + ".")
     over = []
     for s in e.shardings:
-        runs = [r for r in exp.runs if r.sharding == s]
-        shares = [_overhead(exp, r) for r in runs]
+        shares = [_overhead(exp, r) for r in exp.runs if r.sharding == s]
         over.append(f"{s} {100 * stats(shares)[0]:.1f}%")
+    cost = semantic_cost(exp)
+    extra = ""
+    if cost is not None:
+        extra = (f" What semantic sharding adds over shuffling is k-means plus its placement: "
+                 f"{cost[0]:.2f} s, {100 * cost[1]:.0f}% of one configuration's fine-tuning "
+                 f"time here.")
+    emb = stats([exp.shared["embed"] / sum(run_time(exp, r).values()) for r in exp.runs])[0]
+    if d_head_only(exp):
+        extra = (f" Embedding alone is {100 * emb:.1f}%; its output is also the features the "
+                 f"head trains on, so every sharding needs it in this setup." + extra)
     lines.append("- **Clustering overhead** (embed + k-means + placement as a share of one "
-                 "configuration's run): " + ", ".join(over) + ".")
-    lines.append(f"- With {e.seeds} seeds per configuration a paired t-test detects only "
-                 f"large effects; differences smaller than the spread columns above are not "
-                 f"resolved by this experiment.")
+                 "configuration's run): " + ", ".join(over) + "." + extra)
+    lines.append(f"- With {e.seeds} seeds per configuration the paired tests resolve "
+                 f"differences of about the size of the spread columns below, not smaller.")
     return lines
+
+
+def d_head_only(exp: Experiment) -> bool:
+    t = exp.deck.train
+    return t.params == "head+last" and t.last_layers == 0
+
+
+def scope(exp: Experiment) -> list[str]:
+    """The limits of the run, from its deck and host."""
+    d = exp.deck
+    out = []
+    if d_head_only(exp):
+        out.append("- Only the classification head trains, on the frozen encoder's pooled "
+                   "features (the embed stage's, reused), so a ZO step costs well under a "
+                   "millisecond. Whether semantic sharding matters when ZO perturbs the "
+                   "transformer itself (`train.last_layers` > 0, `params = \"lora\"` or "
+                   "`\"all\"`) is not measured here: at about 1 s per step on this machine "
+                   "that needs a larger machine or a longer job (same command, other deck).")
+    else:
+        out.append(f"- Trainable set: `{d.train.params}` (last_layers = "
+                   f"{d.train.last_layers}).")
+    if d.topology.ranks_per_node > 0:
+        out.append(f"- The hierarchy is simulated on one host ({exp.cores or '?'} cores for "
+                   f"{exp.ranks} ranks): no byte crosses a real switch, so what placement saves "
+                   f"on the network does not show in these times, and the communication share "
+                   f"includes waiting for ranks that share cores.")
+    out.append(f"- One corpus (`{d.corpus.path}`), one model, one learning rate and eps for "
+               f"every configuration (taken from the demo deck, not tuned for this "
+               f"experiment), one budget. Other corpora, budgets or learning rates may rank "
+               f"the configurations differently; rerun with another deck to check.")
+    return out
 
 
 def _overhead(exp: Experiment, r: Run) -> float:
@@ -276,6 +388,7 @@ def write_report(base: str | Path) -> Path:
     plots = plot(exp, tgt)
     save_h5(exp, tgt)
     cmd, deck_path = exp.command, exp.deck_path
+    split = d.train.split_seed if d.train.split_seed >= 0 else d.run.seed
     L = ["# semzo experiment: semantic sharding and ZO fine-tuning", ""]
     L += [f"Run folder `{base}`; {exp.ranks} ranks; corpus `{d.corpus.path}`; model "
           f"`{d.model.path or 'all-MiniLM-L6-v2'}`; trainable "
@@ -285,17 +398,19 @@ def write_report(base: str | Path) -> Path:
           f"{d.train.warmup_steps}), eps {d.zo.eps:g}, z {d.zo.dist}; k-means k = "
           f"{d.cluster.k}; topology ranks_per_node = {d.topology.ranks_per_node}, "
           f"nodes_per_switch = {d.topology.nodes_per_switch}.", "",
-          f"Budget: {exp.budget:,} steps = {_fp(exp.fp(exp.budget))} forward passes of "
+          (f"Budget: {exp.budget:,} steps = {_fp(exp.fp(exp.budget))} forward passes of "
           f"{d.train.batch_size} texts for every configuration (2 per rank per step). Seeds: "
           f"{', '.join(str(d.run.seed + i) for i in range(e.seeds))} (the seed sets the ZO "
-          f"directions, the batch order and the held-out split; the same seed gives the same "
-          f"split and initial model in every configuration, so differences are paired).",
-          "", "Every configuration uses the same deck; only `place.mode`, `zo.mode` and "
-          "`run.seed` change. Nothing was tuned per configuration.", ""]
+          f"directions and the batch order; every run is scored on the same held-out split "
+          f"(split seed {split}) and starts from the same model, so configurations with the "
+          f"same seed are paired)."),
+          "", ("Every configuration uses the same deck; only `place.mode`, `zo.mode` and "
+          "`run.seed` change. Nothing was tuned per configuration."), ""]
     L += ["## Conclusion", ""] + conclusion(exp) + [""]
+    L += ["## What this does and does not show", ""] + scope(exp) + [""]
     L += ["## Held-out accuracy at fixed budgets", "",
-          "Mean ± sample standard deviation over seeds, in percent; [min..max] of the final "
-          "budget. Forward passes in the header.", ""]
+          ("Mean ± sample standard deviation over seeds, in percent; [min..max] of the final "
+          "budget. Forward passes in the header."), ""]
     L += ["| sharding | mode | " + " | ".join(_fp(exp.fp(b)) for b in bud) + " | final "
           "[min..max] |", "|---|---|" + "---:|" * (len(bud) + 1)]
     for s in e.shardings:
@@ -328,25 +443,26 @@ def write_report(base: str | Path) -> Path:
             cell = "not reached" if reach == 0 else _pm(st[0], st[1], 1, "{:,.0f}")
             L.append(f"| {s} | {m} | {cell} | {reach}/{len(g)} |")
     L += ["", "## Paired differences at the full budget", "",
-          f"Per seed, {e.shardings[0]} minus the other sharding; accuracy in points.", "",
-          "| comparison | mode | accuracy diff (mean ± sd) | p | loss diff (mean ± sd) | p |",
-          "|---|---|---:|---:|---:|---:|"]
-    for other in e.shardings[1:]:
-        for m in e.modes:
-            da, pa = paired(exp, e.shardings[0], other, m, "acc", exp.budget)
-            dl, pl = paired(exp, e.shardings[0], other, m, "loss", exp.budget)
-            sa, sl = stats(da), stats(dl)
-            L.append(f"| {e.shardings[0]} - {other} | {m} | "
-                     f"{_pm(sa[0], sa[1], 100, '{:+.2f}')} | {pa:.2f} | "
-                     f"{_pm(sl[0], sl[1], 1, '{:+.4f}')} | {pl:.2f} |")
+          (f"Per seed, {e.shardings[0]} minus the other sharding (same seed, same held-out split, "
+          f"same initial model); accuracy in points. `all modes` pools the pairs of every mode. "
+          f"p: two-sided one-sample t-test of the differences; Holm: p adjusted for all the "
+          f"rows of this table (Holm-Bonferroni)."), "",
+          ("| comparison | mode | accuracy diff (mean ± sd) | p | Holm | loss diff (mean ± sd) "
+          "| p | Holm |"), "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in comparisons(exp):
+        sa, sl = stats(r["acc"]), stats(r["loss"])
+        L.append(f"| {e.shardings[0]} - {r['other']} | {r['mode']} | "
+                 f"{_pm(sa[0], sa[1], 100, '{:+.2f}')} | {r['p_acc']:.3f} | "
+                 f"{r['p_acc_holm']:.3f} | {_pm(sl[0], sl[1], 1, '{:+.4f}')} | "
+                 f"{r['p_loss']:.3f} | {r['p_loss_holm']:.3f} |")
     L += ["", "## Time", "",
-          "Wall time of each stage on rank 0 (s). Topology, embed and k-means run once and are "
+          ("Wall time of each stage on rank 0 (s). Topology, embed and k-means run once and are "
           "shared by every configuration; placement runs once per sharding; fine-tuning is the "
           "mean over seeds. Clustering overhead = (embed + k-means + placement) / the sum of "
           "the row. Communication share = time in the ZO exchange collectives / time in the "
-          "steps (rank 0).", "",
-          "| sharding | mode | topology | embed | k-means | placement | fine-tuning | "
-          "clustering overhead | comm share of step time | skipped steps |",
+          "steps (rank 0)."), "",
+          ("| sharding | mode | topology | embed | k-means | placement | fine-tuning | "
+          "clustering overhead | comm share of step time | skipped steps |"),
           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for s in e.shardings:
         for m in e.modes:
@@ -362,10 +478,10 @@ def write_report(base: str | Path) -> Path:
                      f"{sum(r.skipped for r in g)} |")
     L += ["", "## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     L += ["## How this was made", "", "```", cmd, "```", "",
-          f"The resolved deck is `{base}/experiment.toml`; every configuration's metrics are "
+          (f"The resolved deck is `{base}/experiment.toml`; every configuration's metrics are "
           f"in `{base}/<sharding>/<mode>/seed<N>/metrics.csv`, the curves of all of them in "
           f"`{base}/experiment.h5`. `python -m semzo experiment {deck_path} --report-only` "
-          f"rebuilds this report from those files.", ""]
+          f"rebuilds this report from those files."), ""]
     out = base / "report.md"
     out.write_text("\n".join(L), encoding="utf-8")
     return out
@@ -420,7 +536,7 @@ def plot(exp: Experiment, target: float) -> list[Path]:
             rows.append((f"{s} / {m}", [t["topology"], t["embed"], t["k-means"],
                                         t["placement"], comp, comm,
                                         max(wall - comp - comm, 0.0)]))
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.6), constrained_layout=True)
+    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 2.2), constrained_layout=True)
     left = np.zeros(len(rows))
     for j, name in enumerate(parts):
         w = np.array([r[1][j] for r in rows])
@@ -430,7 +546,7 @@ def plot(exp: Experiment, target: float) -> list[Path]:
     ax.invert_yaxis()
     ax.set_xlabel("wall time of one configuration's run [s] (rank 0)")
     ax.set_title("semzo experiment: time by stage (shared stages counted in every row)")
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.12))
     p = exp.base / "time.png"
     fig.savefig(p, dpi=100)
     plt.close(fig)

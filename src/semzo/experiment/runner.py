@@ -119,8 +119,8 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm) -> Path:
         cmd = f"mpirun -n {topo.size} python -m semzo {shlex.join(sys.argv[1:])}"
         if os.environ.get("SEMZO_COMMAND"):            # set by `make experiment`
             cmd = f"{os.environ['SEMZO_COMMAND']}  # = {cmd}"
-        (base / "experiment.toml").write_text(f"# command: {cmd}\n{deck.to_toml()}",
-                                              encoding="utf-8")
+        (base / "experiment.toml").write_text(
+            f"# command: {cmd}\n# cores: {os.cpu_count()}\n{deck.to_toml()}", encoding="utf-8")
     timings = _Timings(base / TIMINGS, topo.rank == 0)
     timings.add(timer, "topology", "-", "-", "-", "topology")
     # shared stages: the topology stage checks the communicators, embed and cluster run once
