@@ -52,8 +52,8 @@ class RunSection:
     seed: int = key(0, "Seed of every random choice of the run.", min=0)
     device: str = key("cpu", "Array backend: `cpu` (NumPy/numba) or `gpu` (CuPy, one rank "
                       "per GPU, bound by node-local rank).", choices=("cpu", "gpu"))
-    threads: int = key(0, "Threads per rank for BLAS and numba; 0 = cores of the node divided "
-                       "by the ranks on it.", min=0)
+    threads: int = key(0, "Threads per rank for BLAS and numba; 0 = the cores the rank may "
+                       "run on, divided by the ranks of its host that share them.", min=0)
     log_level: str = key("INFO", "Log level of rank 0 (other ranks log warnings and errors).",
                          choices=("DEBUG", "INFO", "WARNING", "ERROR"))
 
