@@ -33,7 +33,7 @@ def mpirun(n: int, args: list[str], *, timeout: float = 120, env: dict | None = 
         full_env.update(env)
     cmd = ["timeout", "-k", "5", str(int(timeout)), MPIEXEC, "-n", str(n),
            sys.executable, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=full_env,
+    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, check=False,
                           cwd=cwd or ROOT, timeout=timeout + 15)
 
 

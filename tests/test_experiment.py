@@ -93,15 +93,17 @@ def experiment(tmp_path_factory):
         subprocess.run([sys.executable, "-m", "semzo", "corpus", "fortunes", str(CORPUS)],
                        check=True, cwd=ROOT)
     out = tmp_path_factory.mktemp("exp")
-    proc = check(mpirun(2, ["-m", "semzo", "experiment", "inputs/experiment.toml",
-                            "--set", f"run.output_dir={out}",
-                            "--set", "corpus.max_records=400", "--set", "cluster.k=8",
-                            "--set", "topology.ranks_per_node=1",
-                            "--set", "topology.nodes_per_switch=1",
-                            "--set", "train.steps=40", "--set", "experiment.seeds=2",
-                            "--set", 'experiment.shardings=["semantic", "shuffle"]'],
-                        timeout=400))
+    proc = check(mpirun(2, _args(out), timeout=400))
     return out, proc
+
+
+def _args(out, *extra):
+    return ["-m", "semzo", "experiment", "inputs/experiment.toml",
+            "--set", f"run.output_dir={out}",
+            "--set", "corpus.max_records=400", "--set", "cluster.k=8",
+            "--set", "topology.ranks_per_node=1", "--set", "topology.nodes_per_switch=1",
+            "--set", "train.steps=40", "--set", "experiment.seeds=2",
+            "--set", 'experiment.shardings=["semantic", "shuffle"]', *extra]
 
 
 def _metrics(path):
@@ -160,3 +162,23 @@ def test_report_only_rebuilds_and_missing_folder_is_exit_2(experiment, tmp_path)
                       "--set", f"run.output_dir={tmp_path / 'nothing'}"], timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("error:") == 1 and "run.output_dir" in proc.stderr
+
+
+def test_resume_reruns_only_what_is_missing(experiment):
+    out, _ = experiment
+    redo = out / "shuffle" / "hybrid" / "seed1" / "metrics.csv"
+    kept = out / "semantic" / "data" / "seed0" / "metrics.csv"
+    before = kept.read_bytes()
+    redo.write_text(redo.read_text().rsplit("\neval,40,", 1)[0] + "\n")   # cut the last eval
+    emb = (out / "embeddings.h5").stat().st_mtime_ns
+    proc = check(mpirun(2, _args(out, "--resume"), timeout=300))
+    assert "11 of 12 configurations and 4 earlier stages are complete" in proc.stderr
+    assert proc.stderr.count("experiment: 12/12 done") == 1       # only the missing one ran
+    assert (out / "embeddings.h5").stat().st_mtime_ns == emb       # not embedded again
+    assert kept.read_bytes() == before
+    assert "eval,40," in redo.read_text()
+    text = (out / "report.md").read_text()
+    assert "| shuffle | hybrid |" in text
+    # another deck in the same folder: refused, exit 2, one line
+    proc = mpirun(2, _args(out, "--resume", "--set", "zo.lr=0.5"), timeout=120)
+    assert proc.returncode == 2 and "holds an experiment of another deck" in proc.stderr

@@ -76,7 +76,7 @@ def test_clusters_independent_of_ranks(runs):
 
 def test_shards_every_sample_once_and_balanced(runs):
     for n, (d, _) in runs.items():
-        ids, clusters, quota, offs, attrs = _read(d / "shards.h5", "ids", "clusters", "quota",
+        ids, clusters, quota, offs, _attrs = _read(d / "shards.h5", "ids", "clusters", "quota",
                                                   "rank_offsets")
         e_ids, _ = _read(d / "embeddings.h5", "ids")
         assert np.array_equal(np.sort(ids), np.sort(e_ids))          # none lost or duplicated

@@ -7,8 +7,13 @@ import pytest
 from mpiutil import check, mpirun
 
 from semzo.deck import DeckError
-from semzo.topology.discover import (group_nodes, number_keys, parse_slurm_topology,
-                                     simulated_layout, slurm_switch_key)
+from semzo.topology.discover import (
+    group_nodes,
+    number_keys,
+    parse_slurm_topology,
+    simulated_layout,
+    slurm_switch_key,
+)
 
 SCRIPT = "tests/mpi/topology_check.py"
 

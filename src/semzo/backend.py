@@ -12,7 +12,7 @@ def get_xp(device: str) -> ModuleType:
     """The array module for ``device`` (``cpu`` -> numpy, ``gpu`` -> cupy)."""
     if device == "cpu":
         return np
-    import cupy  # noqa: PLC0415 - CuPy only when a GPU is asked for
+    import cupy  # only when a GPU is asked for: CPU machines never need CuPy
 
     return cupy
 
@@ -25,7 +25,7 @@ def is_device_array(a: object) -> bool:
 def array_module(a: object) -> ModuleType:
     """numpy or cupy, whichever owns ``a`` (without importing cupy for numpy arrays)."""
     if is_device_array(a):
-        import cupy  # noqa: PLC0415
+        import cupy
 
         return cupy.get_array_module(a)
     return np
@@ -34,7 +34,7 @@ def array_module(a: object) -> ModuleType:
 def synchronize(a: object) -> None:
     """Wait for the current CUDA stream, so a GPU buffer is complete before MPI reads it."""
     if is_device_array(a):
-        import cupy  # noqa: PLC0415
+        import cupy
 
         cupy.cuda.get_current_stream().synchronize()
 
@@ -46,7 +46,7 @@ def cuda_aware_mpi() -> bool:
 
 def bind_gpu(local_rank: int) -> int:
     """Bind this rank to GPU ``local_rank mod n_gpus`` (one rank per GPU); return its id."""
-    import cupy  # noqa: PLC0415
+    import cupy
 
     n = cupy.cuda.runtime.getDeviceCount()
     if n == 0:
@@ -58,11 +58,11 @@ def bind_gpu(local_rank: int) -> int:
 
 def set_threads(n: int) -> int:
     """Limit BLAS/OpenMP and numba to ``n`` threads in this process; return ``n``."""
-    from threadpoolctl import threadpool_limits  # noqa: PLC0415 - scikit-learn dependency
+    from threadpoolctl import threadpool_limits
 
     threadpool_limits(limits=n)
     try:
-        import numba  # noqa: PLC0415
+        import numba
 
         numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     except ImportError:  # pragma: no cover - numba is a dependency

@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("deck")
     x.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a deck key (repeatable)")
+    x.add_argument("--resume", action="store_true",
+                   help="keep the stages and configurations an interrupted run of the same "
+                   "deck completed in run.output_dir, run the rest")
     x.add_argument("--report-only", action="store_true",
                    help="rebuild report.md and the plots from a finished experiment's files")
     c = sub.add_parser("check", help="validate a deck and print it resolved")
@@ -78,7 +81,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     from .pipeline import load_deck_collective
 
     comm = MPI.COMM_WORLD
-    if getattr(args, "resume", False):
+    if getattr(args, "resume", False) and args.cmd == "run":
         args.set = [*args.set, "checkpoint.resume=auto"]
     # `topology` only needs the [topology] section: input files need not exist yet
     report_only = getattr(args, "report_only", False)
@@ -100,18 +103,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         topo.free()
         return 0
     if args.cmd == "experiment":
-        return _experiment(deck, comm, report_only)
+        return _experiment(deck, comm, report_only, args.resume)
     from .pipeline import run
 
     run(deck, comm)
     return 0
 
 
-def _experiment(deck, comm, report_only: bool) -> int:
+def _experiment(deck, comm, report_only: bool, resume: bool) -> int:
     from .experiment import run_experiment, write_report
 
     if not report_only:
-        path = run_experiment(deck, comm)
+        path = run_experiment(deck, comm, resume=resume)
     else:
         err, path = None, None
         if comm.Get_rank() == 0:

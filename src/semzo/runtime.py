@@ -120,9 +120,9 @@ class StageTimer:
 def abort_world(code: int) -> None:
     """Abort every rank of MPI_COMM_WORLD (used after an unhandled error on one rank)."""
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        if mpi.COMM_WORLD.Get_size() > 1:
-            mpi.COMM_WORLD.Abort(code)
+    if (mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
+            and mpi.COMM_WORLD.Get_size() > 1):
+        mpi.COMM_WORLD.Abort(code)
     sys.exit(code)
 
 

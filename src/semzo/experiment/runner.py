@@ -15,7 +15,8 @@ is ignored), i.e. ``2 x ranks x steps`` forward passes of ``train.batch_size`` t
 mode and sharding sees the same number of forward passes. Held-out evaluations are spaced so
 that the report's budgets fall on them. ``timings.csv`` records the wall time of every stage of
 every configuration as it finishes (rank 0); ``--report-only`` rebuilds the report from the
-``metrics.csv`` files and ``timings.csv`` without MPI work.
+``metrics.csv`` files and ``timings.csv`` without MPI work; ``--resume`` skips what an
+earlier, interrupted run of the same deck in the same folder completed.
 """
 
 from __future__ import annotations
@@ -77,13 +78,16 @@ def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int) ->
 
 
 class _Timings:
-    """Rank 0 appends one row per finished stage to ``OUT/timings.csv``."""
+    """Rank 0 appends one row per finished stage to ``OUT/timings.csv``; ``keep`` rows of an
+    earlier run (stages this run skips) are written first."""
 
-    def __init__(self, path: Path, active: bool) -> None:
+    def __init__(self, path: Path, active: bool, keep: list[list[str]] = ()) -> None:
         self.path, self.active = path, active
         if active:
             with open(path, "w", newline="", encoding="utf-8") as f:
-                csv.writer(f).writerow(TIMING_COLUMNS)
+                w = csv.writer(f)
+                w.writerow(TIMING_COLUMNS)
+                w.writerows(keep)
 
     def add(self, timer: StageTimer, label: str, sharding: str, mode: str, seed: int | str,
             stage: str) -> None:
@@ -94,8 +98,63 @@ class _Timings:
                                     repr(timer.comm_time.get(label, 0.0))])
 
 
-def run_experiment(deck: Deck, comm: MPI.Intracomm) -> Path:
-    """The whole experiment. Collective over ``comm``. Returns the report's path."""
+def _strip_comments(toml: str) -> str:
+    return "\n".join(ln for ln in toml.splitlines() if not ln.startswith("#")).strip()
+
+
+def _complete(metrics: Path, steps: int) -> bool:
+    """metrics.csv holds the held-out evaluation after the last step."""
+    try:
+        with open(metrics, newline="", encoding="utf-8") as f:
+            return any(r["kind"] == "eval" and r["step"] == str(steps)
+                       for r in csv.DictReader(f))
+    except (OSError, KeyError, csv.Error):
+        return False
+
+
+def finished_stages(deck: Deck, base: Path) -> tuple[set[tuple], list[list[str]], str | None]:
+    """What an earlier run of the same experiment in ``base`` completed (rank 0, no MPI).
+
+    Returns ``(keys, rows, error)``: keys ``(sharding, mode, seed, stage)`` of timings.csv
+    rows whose outputs are present and complete, in dependency order (a stage counts only if
+    the stages it reads count too); the timings rows to keep; an error when ``base`` holds an
+    experiment of another deck."""
+    stored = base / "experiment.toml"
+    if not stored.is_file() or not (base / TIMINGS).is_file():
+        return set(), [], None
+    if _strip_comments(stored.read_text(encoding="utf-8")) != _strip_comments(deck.to_toml()):
+        return set(), [], (f"{deck.source}: run.output_dir: {base} holds an experiment of "
+                           f"another deck (see {stored}); resume with that deck, or use "
+                           f"another run.output_dir")
+    with open(base / TIMINGS, newline="", encoding="utf-8") as f:
+        rows = [r for r in csv.reader(f)][1:]
+    listed = {tuple(r[:4]) for r in rows if len(r) == len(TIMING_COLUMNS)}
+    keys: set[tuple] = set()
+    e = deck.experiment
+    if ("-", "-", "-", "embed") in listed and (base / "embeddings.h5").is_file():
+        keys.add(("-", "-", "-", "embed"))
+        if ("-", "-", "-", "cluster") in listed and (base / "clusters.h5").is_file():
+            keys.add(("-", "-", "-", "cluster"))
+            for sh in e.shardings:
+                if (sh, "-", "-", "place") not in listed or \
+                        not (base / sh / "shards.h5").is_file():
+                    continue
+                keys.add((sh, "-", "-", "place"))
+                for m in e.modes:
+                    for i in range(e.seeds):
+                        k = (sh, m, str(i), "finetune")
+                        if k in listed and _complete(base / sh / m / f"seed{i}" /
+                                                     "metrics.csv", deck.train.steps):
+                            keys.add(k)
+    return keys, [r for r in rows if tuple(r[:4]) in keys], None
+
+
+def run_experiment(deck: Deck, comm: MPI.Intracomm, resume: bool = False) -> Path:
+    """The whole experiment. Collective over ``comm``. Returns the report's path.
+
+    ``resume``: skip the stages and configurations that an earlier run of the same deck in
+    ``run.output_dir`` completed (see :func:`finished_stages`); the report includes them with
+    their recorded times."""
     from .report import write_report
 
     e = deck.experiment
@@ -115,16 +174,31 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm) -> Path:
              "fine-tuning runs of %d steps (%d forward passes each), output %s",
              topo.size, ", ".join(e.shardings), ", ".join(e.modes), e.seeds, n_cfg,
              deck.train.steps, 2 * topo.size * deck.train.steps, base)
+    done_keys, keep, err = set(), [], None
+    if resume and topo.rank == 0:
+        done_keys, keep, err = finished_stages(deck, base)
+    done_keys, keep, err = topo.world.bcast((done_keys, keep, err), root=0)
+    if err:
+        exc = SemzoError(err)
+        exc.all_ranks = True
+        raise exc
+    if resume:
+        n_ft = sum(1 for k in done_keys if k[3] == "finetune")
+        log.info("experiment: resuming in %s: %d of %d configurations and %d earlier stages "
+                 "are complete and kept", base, n_ft, n_cfg, len(done_keys) - n_ft)
     if topo.rank == 0:
         cmd = f"mpirun -n {topo.size} python -m semzo {shlex.join(sys.argv[1:])}"
         if os.environ.get("SEMZO_COMMAND"):            # set by `make experiment`
             cmd = f"{os.environ['SEMZO_COMMAND']}  # = {cmd}"
         (base / "experiment.toml").write_text(
             f"# command: {cmd}\n# cores: {os.cpu_count()}\n{deck.to_toml()}", encoding="utf-8")
-    timings = _Timings(base / TIMINGS, topo.rank == 0)
+    timings = _Timings(base / TIMINGS, topo.rank == 0, keep)
     timings.add(timer, "topology", "-", "-", "-", "topology")
     # shared stages: the topology stage checks the communicators, embed and cluster run once
     for name in ("topology", "embed", "cluster"):
+        if ("-", "-", "-", name) in done_keys:
+            log.info("experiment: %s kept from the earlier run", name)
+            continue
         label = name if name != "topology" else "topology check"
         run_stage(ctx, name, label)
         timings.add(timer, label, "-", "-", "-", name)
@@ -134,16 +208,19 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm) -> Path:
     for sharding in e.shardings:
         sctx: RunContext = ctx.derive(config_deck(deck, sharding, None, 0), shared)
         label = f"place {sharding}"
-        run_stage(sctx, "place", label)
-        timings.add(timer, label, sharding, "-", "-", "place")
+        if (sharding, "-", "-", "place") not in done_keys:
+            run_stage(sctx, "place", label)
+            timings.add(timer, label, sharding, "-", "-", "place")
         inputs = {**shared, "shards.h5": sctx.path("shards.h5")}
         for mode in e.modes:
             for s in range(e.seeds):
+                done += 1
+                if (sharding, mode, str(s), "finetune") in done_keys:
+                    continue
                 fctx = ctx.derive(config_deck(deck, sharding, mode, s), inputs)
                 label = f"finetune {sharding} {mode} {s}"
                 fig = run_stage(fctx, "finetune", label)
                 timings.add(timer, label, sharding, mode, s, "finetune")
-                done += 1
                 elapsed = time.perf_counter() - t0
                 log.info("experiment: %d/%d done (%s sharding, %s mode, seed %d): held-out "
                          "accuracy %.4f -> %.4f; %.0f s so far", done, n_cfg, sharding, mode,
