@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mpiutil import ROOT, check, mpirun
 
-from semzo.experiment.report import Run, crossing, holm, paired, stats
+from semzo.experiment.analysis import Run, crossing, holm, paired, stats
 from semzo.experiment.runner import config_deck, eval_every
 
 CORPUS = ROOT / "data" / "fortunes.jsonl"

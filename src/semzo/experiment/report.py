@@ -1,195 +1,29 @@
-"""The experiment's report (rank 0, no MPI): ``report.md``, ``accuracy.png``, ``loss.png``,
-``time.png`` and ``experiment.h5`` from the run folder written by :mod:`.runner`.
-
-Definitions (also stated in the report):
-
-* forward passes: ``2 x ranks x step`` (each step every rank evaluates the loss twice on its own
-  batch of ``train.batch_size`` texts); every configuration gets the same budget.
-* held-out accuracy / loss at a budget: the held-out evaluation at that step (linear
-  interpolation between the two nearest evaluations when the budget falls between them);
-  mean, sample standard deviation and min..max over seeds.
-* forward passes to the target loss: first crossing of the held-out loss curve below the target
-  (linear interpolation between evaluations), per seed; "not reached" seeds are counted.
-* paired differences: configurations with the same seed share the held-out split, the initial
-  head and the ZO seeds' schedule, so sharding A - sharding B is taken per seed; a paired
-  t-test (scipy) gives the p-value.
-* clustering overhead: (embed + k-means + placement with redistribution) / the configuration's
-  whole run (topology + those + fine-tuning); communication share: rank 0's time in the ZO
-  exchange collectives over its time in the steps (compute + exchange).
-"""
+"""The experiment's report (rank 0, no MPI): ``report.md``, with the plots and
+``experiment.h5`` of :mod:`.plots`, from a run folder written by :mod:`.runner`; the figures
+come from :mod:`.analysis`."""
 
 from __future__ import annotations
 
-import csv
 import math
-import re
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ..deck import from_toml_text
-from .runner import TIMINGS
-
-SHARDING_COLOR = {"semantic": "C0", "shuffle": "C1", "random": "C2"}
-
-
-@dataclass
-class Run:
-    """One configuration and seed: its held-out curve and step times."""
-
-    sharding: str
-    mode: str
-    seed: int
-    steps: np.ndarray            # evaluation steps
-    loss: np.ndarray             # held-out loss at those steps
-    acc: np.ndarray              # held-out accuracy
-    compute_s: float             # rank 0: sum over steps
-    comm_s: float
-    skipped: int
-    n_steps: int
-    wall_s: float = math.nan     # the finetune stage's wall time
-
-
-@dataclass
-class Experiment:
-    base: Path
-    deck: object
-    ranks: int
-    runs: list[Run]
-    shared: dict[str, float]                      # embed, cluster, topology: wall s
-    place: dict[str, float]                       # sharding -> wall s
-    budget: int = 0                               # steps
-    command: str = ""                             # how the experiment was launched
-    deck_path: str = ""                           # the deck it was launched with
-    cores: int = 0                                # cores of rank 0's host (0: unknown)
-
-    def group(self, sharding: str, mode: str) -> list[Run]:
-        return [r for r in self.runs if r.sharding == sharding and r.mode == mode]
-
-    def fp(self, steps):
-        return 2 * self.ranks * np.asarray(steps)
-
-
-def _float(s: str) -> float:
-    return float(s) if s not in ("", None) else math.nan
-
-
-def read_metrics(path: Path) -> dict:
-    """Eval curve and step-time sums of one metrics.csv (see semzo.finetune.report)."""
-    ev, comp, comm, skipped, n = [], 0.0, 0.0, 0, 0
-    with open(path, newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            if row["kind"] == "eval":
-                ev.append((int(row["step"]), _float(row["heldout_loss"]),
-                           _float(row["heldout_acc"])))
-            elif row["kind"] == "train":
-                comp += _float(row["compute_s"])
-                comm += _float(row["comm_s"])
-                skipped += int(row["skipped"] or 0)
-                n += 1
-    ev.sort()
-    a = np.array(ev, dtype=np.float64).reshape(-1, 3)
-    return {"steps": a[:, 0].astype(np.int64), "loss": a[:, 1], "acc": a[:, 2],
-            "compute_s": comp, "comm_s": comm, "skipped": skipped, "n_steps": n}
-
-
-def load(base: str | Path) -> Experiment:
-    """Read an experiment folder. Raises FileNotFoundError naming a missing file."""
-    import h5py
-
-    base = Path(base)
-    text = (base / "experiment.toml").read_text(encoding="utf-8")
-    deck = from_toml_text(text, str(base / "experiment.toml"))
-    head = dict(re.findall(r"^# (command|resolved semzo deck \(from) ?:? ?(.*?)\)?$", text,
-                           flags=re.MULTILINE))
-    command = head.get("command", "python -m semzo experiment DECK")
-    cores = re.search(r"^# cores: (\d+)$", text, flags=re.MULTILINE)
-    deck_path = head.get("resolved semzo deck (from", str(base / "experiment.toml"))
-    e = deck.experiment
-    with h5py.File(base / e.shardings[0] / "shards.h5", "r") as f:
-        ranks = int(f["rank_offsets"].shape[0]) - 1
-    walls: dict[tuple, float] = {}
-    with open(base / TIMINGS, newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            walls[(row["sharding"], row["mode"], row["seed"], row["stage"])] = \
-                walls.get((row["sharding"], row["mode"], row["seed"], row["stage"]), 0.0) + \
-                float(row["wall_s"])
-    shared = {st: walls.get(("-", "-", "-", st), math.nan)
-              for st in ("topology", "embed", "cluster")}
-    place = {s: walls.get((s, "-", "-", "place"), math.nan) for s in e.shardings}
-    runs = []
-    for s in e.shardings:
-        for m in e.modes:
-            for i in range(e.seeds):
-                p = base / s / m / f"seed{i}" / "metrics.csv"
-                if not p.is_file():
-                    raise FileNotFoundError(f"{p}: missing (did the experiment finish?)")
-                d = read_metrics(p)
-                runs.append(Run(sharding=s, mode=m, seed=deck.run.seed + i,
-                                wall_s=walls.get((s, m, str(i), "finetune"), math.nan), **d))
-    return Experiment(base=base, deck=deck, ranks=ranks, runs=runs, shared=shared, place=place,
-                      budget=deck.train.steps, command=command, deck_path=deck_path,
-                      cores=int(cores.group(1)) if cores else 0)
-
-
-# ----------------------------------------------------------------------------- statistics
-def at_step(run: Run, step: float, what: str) -> float:
-    y = getattr(run, what)
-    return float(np.interp(step, run.steps, y)) if run.steps.size else math.nan
-
-
-def crossing(run: Run, target: float) -> float:
-    """First step at which the held-out loss reaches ``target`` (interpolated); nan if never."""
-    s, y = run.steps.astype(np.float64), run.loss
-    hit = np.flatnonzero(y <= target)
-    if hit.size == 0:
-        return math.nan
-    i = int(hit[0])
-    if i == 0:
-        return float(s[0])
-    y0, y1 = y[i - 1], y[i]
-    return float(s[i - 1] + (s[i] - s[i - 1]) * (y0 - target) / (y0 - y1))
-
-
-def stats(x) -> tuple[float, float, float, float]:
-    """(mean, sample std, min, max) of the finite values; nans when there are none."""
-    a = np.asarray([v for v in x if math.isfinite(v)], np.float64)
-    if a.size == 0:
-        return (math.nan,) * 4
-    sd = float(a.std(ddof=1)) if a.size > 1 else math.nan
-    return float(a.mean()), sd, float(a.min()), float(a.max())
-
-
-def target_loss(exp: Experiment) -> tuple[float, str]:
-    e = exp.deck.experiment
-    if e.target_loss > 0:
-        return e.target_loss, f"{e.target_loss:.4f} (set by experiment.target_loss)"
-    start = float(np.mean([r.loss[0] for r in exp.runs]))
-    finals = [stats([r.loss[-1] for r in exp.group(s, m)])[0]
-              for s in e.shardings for m in e.modes]
-    best = float(np.nanmin(finals))
-    if not best < start:
-        return start, (f"{start:.4f}: the mean starting loss (no configuration lowered the "
-                       f"held-out loss)")
-    t = 0.5 * (start + best)
-    return t, (f"{t:.4f}, halfway from the mean starting loss {start:.4f} to the best final "
-               f"mean loss of any configuration {best:.4f}")
-
-
-def paired(exp: Experiment, a: str, b: str, mode: str, what: str, step: int):
-    """Per-seed differences a - b at ``step`` and the paired t-test p-value."""
-    ra = {r.seed: at_step(r, step, what) for r in exp.group(a, mode)}
-    rb = {r.seed: at_step(r, step, what) for r in exp.group(b, mode)}
-    d = np.array([ra[s] - rb[s] for s in sorted(ra) if s in rb], np.float64)
-    p = math.nan
-    if d.size >= 2 and float(np.ptp(d)) > 1e-9 * max(float(np.abs(d).max()), 1e-300):
-        from scipy.stats import ttest_1samp
-
-        p = float(ttest_1samp(d, 0.0).pvalue)
-    elif d.size >= 2:                     # every seed gives the same difference
-        p = 0.0 if d[0] != 0 else 1.0
-    return d, p
+from .analysis import (
+    Experiment,
+    at_step,
+    budgets,
+    comparisons,
+    crossing,
+    d_head_only,
+    load,
+    overhead,
+    run_time,
+    semantic_cost,
+    stats,
+    target_loss,
+)
+from .plots import plot, save_h5
 
 
 # ----------------------------------------------------------------------------- report
@@ -202,74 +36,6 @@ def _pm(m: float, sd: float, scale: float = 1.0, fmt: str = "{:.4f}") -> str:
 
 def _fp(x: float) -> str:
     return f"{x:,.0f}" if math.isfinite(x) else "n/a"
-
-
-def budgets(exp: Experiment) -> list[int]:
-    n = exp.deck.experiment.report_points
-    return [round(exp.budget * j / n) for j in range(1, n + 1)]
-
-
-def run_time(exp: Experiment, r: Run) -> dict[str, float]:
-    t = {"topology": exp.shared["topology"], "embed": exp.shared["embed"],
-         "k-means": exp.shared["cluster"], "placement": exp.place[r.sharding],
-         "fine-tuning": r.wall_s}
-    return t
-
-
-def holm(p: list[float]) -> list[float]:
-    """Holm-Bonferroni adjusted p-values (nan stays nan, excluded from the family size)."""
-    idx = [i for i, v in enumerate(p) if math.isfinite(v)]
-    m = len(idx)
-    out = [math.nan] * len(p)
-    run = 0.0
-    for rank, i in enumerate(sorted(idx, key=lambda i: p[i])):
-        run = max(run, min(1.0, (m - rank) * p[i]))
-        out[i] = run
-    return out
-
-
-def comparisons(exp: Experiment) -> list[dict]:
-    """Paired comparisons at the full budget of the first sharding against each other one:
-    per ZO mode, and pooled over modes (pairs by mode and seed). Accuracy and loss p-values
-    are Holm-adjusted, each over the whole list."""
-    e = exp.deck.experiment
-    ref, step = e.shardings[0], exp.budget
-    rows = []
-    for other in e.shardings[1:]:
-        per = []
-        for m in e.modes:
-            da, pa = paired(exp, ref, other, m, "acc", step)
-            dl, pl = paired(exp, ref, other, m, "loss", step)
-            per.append((da, dl))
-            rows.append({"other": other, "mode": m, "acc": da, "p_acc": pa, "loss": dl,
-                         "p_loss": pl})
-        if len(e.modes) > 1:
-            da = np.concatenate([a for a, _ in per])
-            dl = np.concatenate([b for _, b in per])
-            rows.append({"other": other, "mode": "all modes", "acc": da,
-                         "p_acc": _ttest(da), "loss": dl, "p_loss": _ttest(dl)})
-    for key in ("p_acc", "p_loss"):
-        for r, h in zip(rows, holm([r[key] for r in rows])):
-            r[key + "_holm"] = h
-    return rows
-
-
-def _ttest(d: np.ndarray) -> float:
-    if d.size < 2:
-        return math.nan
-    from scipy.stats import ttest_1samp
-
-    return float(ttest_1samp(d, 0.0).pvalue)
-
-
-def semantic_cost(exp: Experiment) -> tuple[float, float] | None:
-    """Seconds semantic sharding adds over shuffle (k-means + placement difference) and that as
-    a share of a semantic configuration's mean fine-tuning time; None without both."""
-    if "semantic" not in exp.place or "shuffle" not in exp.place:
-        return None
-    extra = exp.shared["cluster"] + exp.place["semantic"] - exp.place["shuffle"]
-    ft = stats([r.wall_s for r in exp.runs if r.sharding == "semantic"])[0]
-    return extra, extra / ft if ft else math.nan
 
 
 def conclusion(exp: Experiment) -> list[str]:
@@ -322,7 +88,7 @@ def conclusion(exp: Experiment) -> list[str]:
                            for m in order) + ".")
     over = []
     for s in e.shardings:
-        shares = [_overhead(exp, r) for r in exp.runs if r.sharding == s]
+        shares = [overhead(exp, r) for r in exp.runs if r.sharding == s]
         over.append(f"{s} {100 * stats(shares)[0]:.1f}%")
     cost = semantic_cost(exp)
     extra = ""
@@ -339,11 +105,6 @@ def conclusion(exp: Experiment) -> list[str]:
     lines.append(f"- With {e.seeds} seeds per configuration the paired tests resolve "
                  f"differences of about the size of the spread columns below, not smaller.")
     return lines
-
-
-def d_head_only(exp: Experiment) -> bool:
-    t = exp.deck.train
-    return t.params == "head+last" and t.last_layers == 0
 
 
 def scope(exp: Experiment) -> list[str]:
@@ -370,12 +131,6 @@ def scope(exp: Experiment) -> list[str]:
                f"experiment), one budget. Other corpora, budgets or learning rates may rank "
                f"the configurations differently; rerun with another deck to check.")
     return out
-
-
-def _overhead(exp: Experiment, r: Run) -> float:
-    t = run_time(exp, r)
-    total = sum(t.values())
-    return (t["embed"] + t["k-means"] + t["placement"]) / total if total else math.nan
 
 
 def write_report(base: str | Path) -> Path:
@@ -469,7 +224,7 @@ def write_report(base: str | Path) -> Path:
             g = exp.group(s, m)
             t = run_time(exp, g[0])
             ft = stats([r.wall_s for r in g])
-            ov = stats([_overhead(exp, r) for r in g])
+            ov = stats([overhead(exp, r) for r in g])
             cs = stats([r.comm_s / (r.compute_s + r.comm_s) if r.compute_s + r.comm_s else
                         math.nan for r in g])
             L.append(f"| {s} | {m} | {t['topology']:.1f} | {t['embed']:.1f} | "
@@ -485,92 +240,3 @@ def write_report(base: str | Path) -> Path:
     out = base / "report.md"
     out.write_text("\n".join(L), encoding="utf-8")
     return out
-
-
-# ----------------------------------------------------------------------------- outputs
-def plot(exp: Experiment, target: float) -> list[Path]:
-    """accuracy.png and loss.png (one panel per ZO mode, one line per sharding, mean with a
-    min..max band over seeds, against forward passes) and time.png (stacked stage times)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    e = exp.deck.experiment
-    paths = []
-    for what, label in (("acc", "held-out accuracy"), ("loss", "held-out loss")):
-        fig, axes = plt.subplots(1, len(e.modes), figsize=(4.6 * len(e.modes), 3.8),
-                                 sharey=True, constrained_layout=True, squeeze=False)
-        for ax, m in zip(axes[0], e.modes):
-            for i, s in enumerate(e.shardings):
-                g = exp.group(s, m)
-                grid = np.unique(np.concatenate([r.steps for r in g]))
-                ys = np.array([[at_step(r, x, what) for x in grid] for r in g])
-                col = SHARDING_COLOR.get(s, f"C{i}")
-                ax.plot(exp.fp(grid), ys.mean(0), color=col, lw=1.6, label=f"{s} (mean)")
-                ax.fill_between(exp.fp(grid), ys.min(0), ys.max(0), color=col, alpha=0.2,
-                                lw=0, label=f"{s} (min..max, {len(g)} seeds)")
-            if what == "loss":
-                ax.axhline(target, color="0.4", ls=":", lw=1, label="target loss")
-            ax.set_title(f"ZO mode: {m}")
-            ax.set_xlabel("forward passes (all ranks)")
-            ax.grid(alpha=0.3)
-        axes[0][0].set_ylabel(label)
-        axes[0][-1].legend(fontsize=8)
-        fig.suptitle(f"semzo experiment: {label} vs forward passes, {exp.ranks} ranks, batch "
-                     f"{exp.deck.train.batch_size} per rank")
-        p = exp.base / ("accuracy.png" if what == "acc" else "loss.png")
-        fig.savefig(p, dpi=100)
-        plt.close(fig)
-        paths.append(p)
-    # time breakdown
-    rows, parts = [], ("topology", "embed", "k-means", "placement", "fine-tuning: steps",
-                       "fine-tuning: ZO exchange", "fine-tuning: other")
-    for s in e.shardings:
-        for m in e.modes:
-            g = exp.group(s, m)
-            t = run_time(exp, g[0])
-            comp = stats([r.compute_s for r in g])[0]
-            comm = stats([r.comm_s for r in g])[0]
-            wall = stats([r.wall_s for r in g])[0]
-            rows.append((f"{s} / {m}", [t["topology"], t["embed"], t["k-means"],
-                                        t["placement"], comp, comm,
-                                        max(wall - comp - comm, 0.0)]))
-    fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 2.2), constrained_layout=True)
-    left = np.zeros(len(rows))
-    for j, name in enumerate(parts):
-        w = np.array([r[1][j] for r in rows])
-        ax.barh(np.arange(len(rows)), w, left=left, color=f"C{j}", label=name)
-        left += w
-    ax.set_yticks(np.arange(len(rows)), [r[0] for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlabel("wall time of one configuration's run [s] (rank 0)")
-    ax.set_title("semzo experiment: time by stage (shared stages counted in every row)")
-    ax.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.12))
-    p = exp.base / "time.png"
-    fig.savefig(p, dpi=100)
-    plt.close(fig)
-    paths.append(p)
-    return paths
-
-
-def save_h5(exp: Experiment, target: float) -> Path:
-    """experiment.h5: one group per configuration and seed with its held-out curve."""
-    import h5py
-
-    p = exp.base / "experiment.h5"
-    tmp = p.with_suffix(".h5.tmp")
-    with h5py.File(tmp, "w") as f:
-        f.attrs["semzo_deck"] = exp.deck.to_toml()
-        f.attrs["ranks"] = exp.ranks
-        f.attrs["target_loss"] = target
-        for r in exp.runs:
-            g = f.create_group(f"{r.sharding}/{r.mode}/seed{r.seed}")
-            g["step"] = r.steps
-            g["forward_passes"] = exp.fp(r.steps)
-            g["heldout_loss"] = r.loss
-            g["heldout_acc"] = r.acc
-            g.attrs.update({"compute_s": r.compute_s, "comm_s": r.comm_s,
-                            "skipped": r.skipped, "wall_s": r.wall_s})
-    tmp.replace(p)
-    return p

@@ -1,0 +1,269 @@
+"""The experiment's figures (rank 0, no MPI): read a run folder written by :mod:`.runner`
+and compute what the report tabulates.
+
+Definitions (also stated in the report):
+
+* forward passes: ``2 x ranks x step`` (each step every rank evaluates the loss twice on its own
+  batch of ``train.batch_size`` texts); every configuration gets the same budget.
+* held-out accuracy / loss at a budget: the held-out evaluation at that step (linear
+  interpolation between the two nearest evaluations when the budget falls between them);
+  mean, sample standard deviation and min..max over seeds.
+* forward passes to the target loss: first crossing of the held-out loss curve below the target
+  (linear interpolation between evaluations), per seed; "not reached" seeds are counted.
+* paired differences: configurations with the same seed share the held-out split, the initial
+  head and the ZO seeds' schedule, so sharding A - sharding B is taken per seed; a paired
+  t-test (scipy) gives the p-value.
+* clustering overhead: (embed + k-means + placement with redistribution) / the configuration's
+  whole run (topology + those + fine-tuning); communication share: rank 0's time in the ZO
+  exchange collectives over its time in the steps (compute + exchange).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..deck import from_toml_text
+from .runner import TIMINGS
+
+
+@dataclass
+class Run:
+    """One configuration and seed: its held-out curve and step times."""
+
+    sharding: str
+    mode: str
+    seed: int
+    steps: np.ndarray            # evaluation steps
+    loss: np.ndarray             # held-out loss at those steps
+    acc: np.ndarray              # held-out accuracy
+    compute_s: float             # rank 0: sum over steps
+    comm_s: float
+    skipped: int
+    n_steps: int
+    wall_s: float = math.nan     # the finetune stage's wall time
+
+
+@dataclass
+class Experiment:
+    base: Path
+    deck: object
+    ranks: int
+    runs: list[Run]
+    shared: dict[str, float]                      # embed, cluster, topology: wall s
+    place: dict[str, float]                       # sharding -> wall s
+    budget: int = 0                               # steps
+    command: str = ""                             # how the experiment was launched
+    deck_path: str = ""                           # the deck it was launched with
+    cores: int = 0                                # cores of rank 0's host (0: unknown)
+
+    def group(self, sharding: str, mode: str) -> list[Run]:
+        return [r for r in self.runs if r.sharding == sharding and r.mode == mode]
+
+    def fp(self, steps):
+        return 2 * self.ranks * np.asarray(steps)
+
+
+def _float(s: str) -> float:
+    return float(s) if s not in ("", None) else math.nan
+
+
+def read_metrics(path: Path) -> dict:
+    """Eval curve and step-time sums of one metrics.csv (see semzo.finetune.report)."""
+    ev, comp, comm, skipped, n = [], 0.0, 0.0, 0, 0
+    with open(path, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            if row["kind"] == "eval":
+                ev.append((int(row["step"]), _float(row["heldout_loss"]),
+                           _float(row["heldout_acc"])))
+            elif row["kind"] == "train":
+                comp += _float(row["compute_s"])
+                comm += _float(row["comm_s"])
+                skipped += int(row["skipped"] or 0)
+                n += 1
+    ev.sort()
+    a = np.array(ev, dtype=np.float64).reshape(-1, 3)
+    return {"steps": a[:, 0].astype(np.int64), "loss": a[:, 1], "acc": a[:, 2],
+            "compute_s": comp, "comm_s": comm, "skipped": skipped, "n_steps": n}
+
+
+def load(base: str | Path) -> Experiment:
+    """Read an experiment folder. Raises FileNotFoundError naming a missing file."""
+    import h5py
+
+    base = Path(base)
+    text = (base / "experiment.toml").read_text(encoding="utf-8")
+    deck = from_toml_text(text, str(base / "experiment.toml"))
+    head = dict(re.findall(r"^# (command|resolved semzo deck \(from) ?:? ?(.*?)\)?$", text,
+                           flags=re.MULTILINE))
+    command = head.get("command", "python -m semzo experiment DECK")
+    cores = re.search(r"^# cores: (\d+)$", text, flags=re.MULTILINE)
+    deck_path = head.get("resolved semzo deck (from", str(base / "experiment.toml"))
+    e = deck.experiment
+    with h5py.File(base / e.shardings[0] / "shards.h5", "r") as f:
+        ranks = int(f["rank_offsets"].shape[0]) - 1
+    walls: dict[tuple, float] = {}
+    with open(base / TIMINGS, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            walls[(row["sharding"], row["mode"], row["seed"], row["stage"])] = \
+                walls.get((row["sharding"], row["mode"], row["seed"], row["stage"]), 0.0) + \
+                float(row["wall_s"])
+    shared = {st: walls.get(("-", "-", "-", st), math.nan)
+              for st in ("topology", "embed", "cluster")}
+    place = {s: walls.get((s, "-", "-", "place"), math.nan) for s in e.shardings}
+    runs = []
+    for s in e.shardings:
+        for m in e.modes:
+            for i in range(e.seeds):
+                p = base / s / m / f"seed{i}" / "metrics.csv"
+                if not p.is_file():
+                    raise FileNotFoundError(f"{p}: missing (did the experiment finish?)")
+                d = read_metrics(p)
+                runs.append(Run(sharding=s, mode=m, seed=deck.run.seed + i,
+                                wall_s=walls.get((s, m, str(i), "finetune"), math.nan), **d))
+    return Experiment(base=base, deck=deck, ranks=ranks, runs=runs, shared=shared, place=place,
+                      budget=deck.train.steps, command=command, deck_path=deck_path,
+                      cores=int(cores.group(1)) if cores else 0)
+
+
+# ----------------------------------------------------------------------------- statistics
+def at_step(run: Run, step: float, what: str) -> float:
+    y = getattr(run, what)
+    return float(np.interp(step, run.steps, y)) if run.steps.size else math.nan
+
+
+def crossing(run: Run, target: float) -> float:
+    """First step at which the held-out loss reaches ``target`` (interpolated); nan if never."""
+    s, y = run.steps.astype(np.float64), run.loss
+    hit = np.flatnonzero(y <= target)
+    if hit.size == 0:
+        return math.nan
+    i = int(hit[0])
+    if i == 0:
+        return float(s[0])
+    y0, y1 = y[i - 1], y[i]
+    return float(s[i - 1] + (s[i] - s[i - 1]) * (y0 - target) / (y0 - y1))
+
+
+def stats(x) -> tuple[float, float, float, float]:
+    """(mean, sample std, min, max) of the finite values; nans when there are none."""
+    a = np.asarray([v for v in x if math.isfinite(v)], np.float64)
+    if a.size == 0:
+        return (math.nan,) * 4
+    sd = float(a.std(ddof=1)) if a.size > 1 else math.nan
+    return float(a.mean()), sd, float(a.min()), float(a.max())
+
+
+def target_loss(exp: Experiment) -> tuple[float, str]:
+    e = exp.deck.experiment
+    if e.target_loss > 0:
+        return e.target_loss, f"{e.target_loss:.4f} (set by experiment.target_loss)"
+    start = float(np.mean([r.loss[0] for r in exp.runs]))
+    finals = [stats([r.loss[-1] for r in exp.group(s, m)])[0]
+              for s in e.shardings for m in e.modes]
+    best = float(np.nanmin(finals))
+    if not best < start:
+        return start, (f"{start:.4f}: the mean starting loss (no configuration lowered the "
+                       f"held-out loss)")
+    t = 0.5 * (start + best)
+    return t, (f"{t:.4f}, halfway from the mean starting loss {start:.4f} to the best final "
+               f"mean loss of any configuration {best:.4f}")
+
+
+def paired(exp: Experiment, a: str, b: str, mode: str, what: str, step: int):
+    """Per-seed differences a - b at ``step`` and the paired t-test p-value."""
+    ra = {r.seed: at_step(r, step, what) for r in exp.group(a, mode)}
+    rb = {r.seed: at_step(r, step, what) for r in exp.group(b, mode)}
+    d = np.array([ra[s] - rb[s] for s in sorted(ra) if s in rb], np.float64)
+    p = math.nan
+    if d.size >= 2 and float(np.ptp(d)) > 1e-9 * max(float(np.abs(d).max()), 1e-300):
+        from scipy.stats import ttest_1samp
+
+        p = float(ttest_1samp(d, 0.0).pvalue)
+    elif d.size >= 2:                     # every seed gives the same difference
+        p = 0.0 if d[0] != 0 else 1.0
+    return d, p
+
+
+def budgets(exp: Experiment) -> list[int]:
+    n = exp.deck.experiment.report_points
+    return [round(exp.budget * j / n) for j in range(1, n + 1)]
+
+
+def run_time(exp: Experiment, r: Run) -> dict[str, float]:
+    t = {"topology": exp.shared["topology"], "embed": exp.shared["embed"],
+         "k-means": exp.shared["cluster"], "placement": exp.place[r.sharding],
+         "fine-tuning": r.wall_s}
+    return t
+
+
+def holm(p: list[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (nan stays nan, excluded from the family size)."""
+    idx = [i for i, v in enumerate(p) if math.isfinite(v)]
+    m = len(idx)
+    out = [math.nan] * len(p)
+    run = 0.0
+    for rank, i in enumerate(sorted(idx, key=lambda i: p[i])):
+        run = max(run, min(1.0, (m - rank) * p[i]))
+        out[i] = run
+    return out
+
+
+def comparisons(exp: Experiment) -> list[dict]:
+    """Paired comparisons at the full budget of the first sharding against each other one:
+    per ZO mode, and pooled over modes (pairs by mode and seed). Accuracy and loss p-values
+    are Holm-adjusted, each over the whole list."""
+    e = exp.deck.experiment
+    ref, step = e.shardings[0], exp.budget
+    rows = []
+    for other in e.shardings[1:]:
+        per = []
+        for m in e.modes:
+            da, pa = paired(exp, ref, other, m, "acc", step)
+            dl, pl = paired(exp, ref, other, m, "loss", step)
+            per.append((da, dl))
+            rows.append({"other": other, "mode": m, "acc": da, "p_acc": pa, "loss": dl,
+                         "p_loss": pl})
+        if len(e.modes) > 1:
+            da = np.concatenate([a for a, _ in per])
+            dl = np.concatenate([b for _, b in per])
+            rows.append({"other": other, "mode": "all modes", "acc": da,
+                         "p_acc": _ttest(da), "loss": dl, "p_loss": _ttest(dl)})
+    for key in ("p_acc", "p_loss"):
+        for r, h in zip(rows, holm([r[key] for r in rows])):
+            r[key + "_holm"] = h
+    return rows
+
+
+def _ttest(d: np.ndarray) -> float:
+    if d.size < 2:
+        return math.nan
+    from scipy.stats import ttest_1samp
+
+    return float(ttest_1samp(d, 0.0).pvalue)
+
+
+def semantic_cost(exp: Experiment) -> tuple[float, float] | None:
+    """Seconds semantic sharding adds over shuffle (k-means + placement difference) and that as
+    a share of a semantic configuration's mean fine-tuning time; None without both."""
+    if "semantic" not in exp.place or "shuffle" not in exp.place:
+        return None
+    extra = exp.shared["cluster"] + exp.place["semantic"] - exp.place["shuffle"]
+    ft = stats([r.wall_s for r in exp.runs if r.sharding == "semantic"])[0]
+    return extra, extra / ft if ft else math.nan
+
+
+def d_head_only(exp: Experiment) -> bool:
+    t = exp.deck.train
+    return t.params == "head+last" and t.last_layers == 0
+
+
+def overhead(exp: Experiment, r: Run) -> float:
+    t = run_time(exp, r)
+    total = sum(t.values())
+    return (t["embed"] + t["k-means"] + t["placement"]) / total if total else math.nan
