@@ -31,7 +31,8 @@ RUN = timeout -k 10 $(TIMEOUT) $(MPIEXEC) $(NPFLAG) $(NP) $(PY) -m semzo
 help:
 	@echo "make demo    set up if needed, then run the default deck under $(MPIEXEC) -n $(NP)"
 	@echo "make test    set up if needed (test extras too), then the whole test suite"
-	@echo "make experiment  semantic vs random sharding x ZO modes x seeds; report in $(RESULTS)/"
+	@echo "make experiment  semantic vs shuffled vs random sharding x ZO modes x seeds: $(RESULTS)/"
+	@echo "make experiment-debian  the same on the Debian corpus: $(RESULTS)/debian/"
 	@echo "make setup   Debian packages, .venv, mpi4py, h5py (MPI build), model package"
 	@echo "make bench   benchmarks (bench/*.py) against their peers"
 	@echo "make lint    ruff;  make docs  regenerate docs/deck.md;  make clean"
