@@ -209,6 +209,10 @@ class TrainSection:
                          choices=("class_means", "random"))
     head_scale: float = key(20.0, "Logit scale of the class-means head.", min=0.0,
                             min_excl=True)
+    prefix_cache_mb: float = key(4096.0, "`head+last` with an encoder: keep the hidden states "
+                                 "entering the first trained block of every local text (at "
+                                 "most this many MiB per rank) so each step runs only the "
+                                 "trained blocks; 0 = always run the whole model.", min=0.0)
     save: str = key("trainable", "Write model.h5 at the end with the `trainable` tensors, "
                     "`all` tensors, or `none`.", choices=("trainable", "all", "none"))
 

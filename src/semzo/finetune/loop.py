@@ -183,6 +183,70 @@ class FeatureClassifyTask(_Task):
         return out
 
 
+class PrefixCachedClassifyTask(_Task):
+    """Classification when the lower ``layer`` blocks (and the embeddings) are frozen: the
+    residual stream entering block ``layer`` is computed once per row (``model.hidden_at``) and
+    kept, ``sum(len_i) x H`` values in the model dtype; each loss runs blocks ``layer .. L-1``,
+    pooling and the head (``model.hidden_from``) -- the same arithmetic as
+    :class:`ClassifyTask` (equal up to rounding: the cache is computed in other batches, with
+    other padding lengths, so GEMM shapes differ), about ``L / (L - layer)`` times cheaper."""
+
+    kind = "classify"
+
+    def __init__(self, model, seqs: list[np.ndarray], labels: np.ndarray,
+                 train_rows: np.ndarray, heldout_rows: np.ndarray, pad_id: int,
+                 eval_batch_size: int, layer: int) -> None:
+        super().__init__(model, seqs, labels, train_rows, heldout_rows, pad_id, eval_batch_size)
+        xp = model.xp
+        self.layer = layer
+        lens = np.array([len(q) for q in seqs], np.int64)
+        self.offs = np.concatenate(([0], np.cumsum(lens)))
+        self.cache = xp.empty((int(self.offs[-1]), model.config.hidden_size), model.dtype)
+        order = np.argsort(-lens, kind="stable")          # similar lengths share a batch
+        for i in range(0, len(order), eval_batch_size):
+            rows = order[i:i + eval_batch_size]
+            ids, mask = pad_batch([seqs[r] for r in rows], pad_id)
+            x = model.hidden_at(ids, mask, layer)
+            for j, r in enumerate(rows):
+                self.cache[self.offs[r]:self.offs[r + 1]] = x[j, :lens[r]]
+
+    @staticmethod
+    def nbytes(seqs: list[np.ndarray], hidden: int, itemsize: int) -> int:
+        return sum(len(q) for q in seqs) * hidden * itemsize
+
+    def _inputs(self, rows):
+        xp = self.model.xp
+        lens = self.offs[np.asarray(rows) + 1] - self.offs[np.asarray(rows)]
+        t = int(lens.max()) if len(rows) else 0
+        x = xp.zeros((len(rows), t, self.cache.shape[1]), self.cache.dtype)
+        mask = np.zeros((len(rows), t), np.float32)
+        for j, r in enumerate(rows):
+            x[j, :lens[j]] = self.cache[self.offs[r]:self.offs[r + 1]]
+            mask[j, :lens[j]] = 1.0
+        return x, xp.asarray(mask)
+
+    def batch(self, positions: np.ndarray):
+        rows = self.train_rows[positions]
+        x, mask = self._inputs(rows)
+        return x, mask, self.labels[rows], len(rows)
+
+    def _classify(self, x, mask, labels):
+        hs = self.model.hidden_from(x, mask, self.layer)
+        return self.model.classify_hidden(hs, mask, labels)
+
+    def loss(self, batch) -> float:
+        x, mask, labels, n = batch
+        return self._classify(x, mask, labels)[0] if n else 0.0
+
+    def eval_sums(self) -> np.ndarray:
+        out = np.zeros(3)
+        for rows in self.eval_batches:
+            x, mask = self._inputs(rows)
+            loss, acc, _ = self._classify(x, mask, self.labels[rows])
+            out += (loss * len(rows), round(acc * len(rows)), len(rows))
+        return out
+
+
 def evaluate(task: _Task, topo) -> tuple[float, float, int]:
     """Held-out (loss, accuracy, count) over all ranks. Collective over the world."""
     sums = task.eval_sums()

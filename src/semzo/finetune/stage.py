@@ -24,7 +24,16 @@ from ..h5io import create_collective, row_range, write_slab
 from ..runtime import SemzoError, get_logger
 from .data import Batcher, heldout_mask, read_shard
 from .engine import ZOEngine, ztensors
-from .loop import ClassifyTask, FeatureClassifyTask, LMTask, LoopConfig, TrainState, evaluate, train
+from .loop import (
+    ClassifyTask,
+    FeatureClassifyTask,
+    LMTask,
+    LoopConfig,
+    PrefixCachedClassifyTask,
+    TrainState,
+    evaluate,
+    train,
+)
 from .report import Metrics
 
 log = get_logger(__name__)
@@ -65,6 +74,19 @@ def select_trainable(model, params: str, last_layers: int = 1, lora_rank: int = 
         raise _deck_error(f"train.params = {params!r} with last_layers = {last_layers} leaves "
                           f"nothing to train for this model and task")
     return names
+
+
+def _first_trained_block(model, names: list[str], t, task_kind: str) -> int:
+    """The first block that trains when the embeddings and every block below it are frozen
+    (an encoder, a classification task, ``head+last``, no LoRA, a nonzero prefix cache
+    budget); 0 when nothing can be cached."""
+    if (task_kind != "classify" or model.kind != "encoder" or model.lora or
+            t.params != "head+last" or t.prefix_cache_mb <= 0):
+        return 0
+    blocks = [int(m.group(1)) for n in names if (m := _BLOCK.search(n))]
+    if not blocks or any(".embeddings." in f".{n}" for n in names):
+        return 0
+    return min(blocks)
 
 
 def init_head_class_means(model, emb: np.ndarray, labels: np.ndarray, n_classes: int,
@@ -163,9 +185,26 @@ def run_finetune_stage(ctx) -> dict:
     else:
         tok = Tokenizer.from_folder(model_path, max_length=max_len)
         seqs = tok.encode_batch(rows.texts)
-        cls = ClassifyTask if task_kind == "classify" else LMTask
-        task = cls(model, seqs, rows.labels, train_idx, held_idx, tok.pad_id,
-                   t.eval_batch_size)
+        first = _first_trained_block(model, names, t, task_kind)
+        need = PrefixCachedClassifyTask.nbytes(seqs, model.config.hidden_size,
+                                               np.dtype(model.dtype).itemsize)
+        fits = np.array([need <= t.prefix_cache_mb * 2**20], np.int64)
+        topo.allreduce(fits)                       # every rank takes the same path
+        if first > 0 and int(fits[0]) == topo.size:
+            task = PrefixCachedClassifyTask(model, seqs, rows.labels, train_idx, held_idx,
+                                            tok.pad_id, t.eval_batch_size, first)
+            log.info("finetune: blocks 0..%d and the embeddings are frozen: their output is "
+                     "computed once per text and kept (%.0f MiB on rank 0); each step runs "
+                     "blocks %d..%d", first - 1, need / 2**20, first,
+                     model.config.num_layers - 1)
+        else:
+            if first > 0:
+                log.info("finetune: the frozen blocks' output would take more than "
+                         "train.prefix_cache_mb = %g MiB on some rank: every step runs the "
+                         "whole model", t.prefix_cache_mb)
+            cls = ClassifyTask if task_kind == "classify" else LMTask
+            task = cls(model, seqs, rows.labels, train_idx, held_idx, tok.pad_id,
+                       t.eval_batch_size)
 
     counts = np.array([train_idx.size, held_idx.size], np.int64)
     topo.allreduce(counts)

@@ -251,8 +251,17 @@ class TransformerBase:
         """
         if self.head is None:
             raise RuntimeError("no classification head: call add_classifier(n_classes) first")
+        hs = self.hidden_states(input_ids, attention_mask)
+        _, maskf = self._inputs(input_ids, attention_mask)
+        return self.classify_hidden(hs, maskf, labels)
+
+    def classify_hidden(self, hs, maskf, labels):
+        """:meth:`classify` from final hidden states ``hs`` (B, T, H) and the float mask
+        ``maskf`` (B, T): pooling, head, cross-entropy. Returns ``(loss, accuracy, logits)``."""
+        if self.head is None:
+            raise RuntimeError("no classification head: call add_classifier(n_classes) first")
         xp = self.xp
-        pooled = self.pooled(input_ids, attention_mask, normalize=self.head.normalize)
+        pooled = mean_pool(xp, hs, xp.asarray(maskf, dtype=xp.float32), self.head.normalize)
         w = self.params["classifier.weight"].astype(xp.float32, copy=False)
         b = self.params["classifier.bias"].astype(xp.float32, copy=False)
         logits = pooled @ w.T + b

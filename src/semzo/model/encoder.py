@@ -98,22 +98,81 @@ class Encoder(TransformerBase):
         return super().hidden_states(input_ids, attention_mask, token_type_ids=token_type_ids)
 
     def _hidden(self, ids, maskf, token_type_ids=None):
+        bsz, t = ids.shape
+        x = self._embeddings(ids, token_type_ids)
+        self._blocks(x, maskf, bsz, t, 0, self.config.num_layers)
+        return x.reshape(bsz, t, self.config.hidden_size)
+
+    # --- partial forward passes: a frozen prefix of blocks computed once (finetune) ---------
+    def hidden_at(self, input_ids, attention_mask, layer: int):
+        """The residual stream entering block ``layer`` (0 = after the embeddings), (B, T, H)
+        in the model dtype; ``hidden_from(that, mask, layer)`` finishes the forward pass."""
+        self._check_layer(layer)
+        ids, maskf = self._inputs(input_ids, attention_mask)
+
+        def run(sl):
+            i, m = ids[sl], maskf[sl]
+            x = self._embeddings(i)
+            self._blocks(x, m, i.shape[0], i.shape[1], 0, layer)
+            return x.reshape(i.shape[0], i.shape[1], -1)
+        return self._split(run, ids.shape[0], ids.shape[1])
+
+    def hidden_from(self, x, attention_mask, layer: int):
+        """Final hidden states (B, T, H) from ``x`` (B, T, H), the residual stream entering
+        block ``layer``: blocks ``layer .. L-1`` only. ``x`` is not modified. Padded positions
+        of ``x`` may hold anything finite: keys are masked, so they do not reach real tokens."""
+        self._check_layer(layer)
+        xp = self.xp
+        x = xp.asarray(x)
+        bsz, t, h = x.shape
+        maskf = xp.ascontiguousarray(xp.asarray(attention_mask).astype(xp.float32))
+
+        def run(sl):
+            y = xp.array(x[sl].reshape(-1, h), dtype=self.dtype, copy=True)
+            b = y.shape[0] // t
+            self._blocks(y, maskf[sl], b, t, layer, self.config.num_layers)
+            return y.reshape(b, t, h)
+        return self._split(run, bsz, t)
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer <= self.config.num_layers:
+            raise ValueError(f"layer must lie in [0, {self.config.num_layers}], got {layer}")
+
+    def _split(self, run, bsz: int, t: int):
+        import numpy as np
+
+        from semzo.model.kernels import run_split
+
+        if self.xp is not np:
+            return run(slice(0, bsz))
+        parts = run_split(run, bsz, self.split_min_tokens, t)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+    def _embeddings(self, ids, token_type_ids=None):
+        """Embedding sum and LayerNorm: the residual stream (B*T, H) entering block 0."""
         xp, cfg, p, pre = self.xp, self.config, self.params, self.prefix
         bsz, t = ids.shape
-        n, h, nh, d = bsz * t, cfg.hidden_size, cfg.num_heads, cfg.head_dim
-        dt, eps = self.dtype, cfg.layer_norm_eps
         e = f"{pre}embeddings."
         tt = p[f"{e}token_type_embeddings.weight"]
-        x = xp.empty((n, h), dtype=dt)
+        x = xp.empty((bsz * t, cfg.hidden_size), dtype=self.dtype)
         embed_sum(ids, p[f"{e}word_embeddings.weight"], p[f"{e}position_embeddings.weight"],
                   tt[0], x)
         if token_type_ids is not None:
             tti = xp.asarray(token_type_ids).reshape(-1)
             x += tt[tti] - tt[0]
-        layernorm(x, p[f"{e}LayerNorm.weight"], p[f"{e}LayerNorm.bias"], eps, out=x)
+        layernorm(x, p[f"{e}LayerNorm.weight"], p[f"{e}LayerNorm.bias"], cfg.layer_norm_eps,
+                  out=x)
+        return x
 
+    def _blocks(self, x, maskf, bsz: int, t: int, first: int, stop: int) -> None:
+        """Blocks ``first .. stop-1`` on the residual stream x (B*T, H), in place."""
+        if first >= stop:
+            return
+        cfg, p, pre = self.config, self.params, self.prefix
+        n, h, nh, d = bsz * t, cfg.hidden_size, cfg.num_heads, cfg.head_dim
+        eps = cfg.layer_norm_eps
         qkv, scores, ctx, tmp, inter, scale, s4 = self._layer_buffers(bsz, t)
-        for i in range(cfg.num_layers):
+        for i in range(first, stop):
             pl = f"{pre}encoder.layer.{i}."
             self._qkv(x, i, qkv)
             q5 = qkv.reshape(bsz, t, 3, nh, d)
@@ -131,4 +190,3 @@ class Encoder(TransformerBase):
             self._proj(inter, f"{m}dense", tmp)
             bias_residual_layernorm(tmp, p[f"{m}dense.bias"], x, p[f"{m}LayerNorm.weight"],
                                     p[f"{m}LayerNorm.bias"], eps, out=x)
-        return x.reshape(bsz, t, h)
