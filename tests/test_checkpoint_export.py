@@ -26,7 +26,8 @@ def test_export_loads_in_transformers(tmp_path):
     deck_toml = deckmod.load(None).to_toml()           # model.path = "": packaged MiniLM
     with Checkpointer(MPI.COMM_SELF, CheckpointSection(dir=str(tmp_path / "ck")),
                       deck_toml=deck_toml,
-                      model_meta={"head": {"n_classes": 3, "normalize": True}}) as ck:
+                      model_meta={"head": {"n_classes": 3, "normalize": True,
+                                           "label_names": ["art", "love", "work"]}}) as ck:
         path = ck.save(5, params, {"step": 5})
     out = tmp_path / "hf"
     proc = subprocess.run([sys.executable, "-m", "semzo", "export", str(tmp_path / "ck"),
@@ -48,3 +49,12 @@ def test_export_loads_in_transformers(tmp_path):
     assert back.head is not None and back.head.normalize
     assert np.array_equal(back.params["classifier.bias"], params["classifier.bias"])
     assert path.name == "ckpt-000000005.h5"
+    # the label vocabulary travels with the export: config.json and the head's metadata
+    import json
+
+    from safetensors import safe_open
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["id2label"] == {"0": "art", "1": "love", "2": "work"}
+    assert cfg["label2id"] == {"art": 0, "love": 1, "work": 2}
+    with safe_open(str(out / "semzo_head.safetensors"), "np") as f:
+        assert json.loads(f.metadata()["label_names"]) == ["art", "love", "work"]

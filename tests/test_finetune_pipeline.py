@@ -77,6 +77,17 @@ def test_pipeline_with_finetune(run):
     w0 = load_file(str(tmp / "bert" / "model.safetensors"))["encoder.layer.1.output.dense.weight"]
     assert w.shape == w0.shape and not np.array_equal(w, w0)      # trained
     assert np.max(np.abs(w - w0)) < 0.1
+    assert "frozen: their output is computed once per text and kept" in proc.stderr
+
+
+def test_export_of_the_run_carries_the_labels(run, tmp_path):
+    _, out, _ = run
+    check(mpirun(1, ["-m", "semzo", "export", str(out / "checkpoints"), str(tmp_path / "hf")],
+                 timeout=120, env=ENV))
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    with h5py.File(out / "shards.h5") as f:
+        names = [x.decode() if isinstance(x, bytes) else str(x) for x in f.attrs["label_names"]]
+    assert [cfg["id2label"][str(i)] for i in range(len(names))] == names
 
 
 def test_finetune_stage_lm_decoder(run):

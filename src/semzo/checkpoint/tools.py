@@ -155,7 +155,8 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
         try:
             from ..model import export_hf
 
-            model = _rebuild_model(loaded, json.loads(loaded.attrs.get("model_meta") or "{}"))
+            meta = json.loads(loaded.attrs.get("model_meta") or "{}")
+            model = _rebuild_model(loaded, meta)
             missing = [n for n in loaded.params if n not in model.params]
             if missing:
                 raise SemzoError(f"{path}: tensor {missing[0]!r} is not in the model "
@@ -169,7 +170,7 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
             kept = len(model.params) - len(loaded.params)
             if kept:
                 log.info("%d tensors not in the checkpoint keep the base model's values", kept)
-            export_hf(model, out)
+            export_hf(model, out, label_names=(meta.get("head") or {}).get("label_names") or None)
         except (SemzoError, OSError, ValueError) as exc:
             err = str(exc) if isinstance(exc, SemzoError) else f"{out}: {exc}"
     err = comm.bcast(err, root=0)

@@ -215,7 +215,7 @@ def run_finetune_stage(ctx) -> dict:
         per_epoch = counts[0] / (topo.size * t.batch_size)
         steps = min(steps, max(1, math.ceil(t.max_epochs * per_epoch)))
     ck, state, resumed_from = _open_checkpoints(ctx, model, names, task_kind, n_classes,
-                                                train_idx.size)
+                                                train_idx.size, rows.label_names)
     tensors = ztensors([(n, model.params[n]) for n in names])
     engine = ZOEngine(tensors, topo, mode=z.mode, eps=z.eps, weight_decay=z.weight_decay,
                       dist=z.dist, restore=z.restore, run_seed=deck.run.seed)
@@ -271,7 +271,7 @@ def run_finetune_stage(ctx) -> dict:
 
 # ----------------------------------------------------------------------------- checkpoints
 def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: int,
-                      n_train_local: int):
+                      n_train_local: int, label_names: list[str] = ()):
     """The run's :class:`~semzo.checkpoint.Checkpointer` and the starting
     :class:`TrainState`: fresh, or from the newest valid checkpoint (``checkpoint.resume =
     "auto"``), whose trainable tensors are then copied into the model in place. Collective.
@@ -281,7 +281,8 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     deck, topo = ctx.deck, ctx.topo
     meta: dict = {"task": task_kind, "trainable": names}
     if model.head:
-        meta["head"] = {"n_classes": n_classes, "normalize": bool(model.head.normalize)}
+        meta["head"] = {"n_classes": n_classes, "normalize": bool(model.head.normalize),
+                        "label_names": [str(x) for x in label_names]}
     if model.lora:
         meta["lora"] = {"rank": deck.train.lora_rank, "alpha": deck.train.lora_alpha,
                         "targets": sorted(model.lora)}

@@ -50,10 +50,13 @@ def merged_weights(model: TransformerBase) -> dict[str, np.ndarray]:
 
 
 def export_hf(model: TransformerBase, outdir: str | Path,
-              tokenizer_folder: str | Path | None = None) -> Path:
+              tokenizer_folder: str | Path | None = None,
+              label_names: list[str] | None = None) -> Path:
     """Write ``model`` to ``outdir`` as a Hugging Face folder; returns the folder.
 
-    ``tokenizer_folder`` defaults to the folder the model was loaded from.
+    ``tokenizer_folder`` defaults to the folder the model was loaded from. ``label_names``
+    (one per class of the head) go to config.json as ``id2label`` / ``label2id`` and to the
+    head file's metadata as a JSON list.
     """
     from safetensors.numpy import save_file
     out = Path(outdir)
@@ -69,16 +72,25 @@ def export_hf(model: TransformerBase, outdir: str | Path,
     for key in ("torch_dtype", "dtype"):
         if key in cfg or key == "torch_dtype":
             cfg[key] = dname
+    labels = None
+    if model.head is not None and label_names is not None:
+        labels = [str(x) for x in label_names]
+        if len(labels) != model.head.n_classes:
+            raise ValueError(f"{len(labels)} label names for a head of "
+                             f"{model.head.n_classes} classes")
+        cfg["id2label"] = {str(i): n for i, n in enumerate(labels)}
+        cfg["label2id"] = {n: i for i, n in enumerate(labels)}
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n",
                                      encoding="utf-8")
 
     if model.head is not None:
         head = {"classifier.weight": _host(model.params["classifier.weight"]),
                 "classifier.bias": _host(model.params["classifier.bias"])}
-        save_file(head, str(out / HEAD_FILE),
-                  metadata={"format": "semzo", "n_classes": str(model.head.n_classes),
-                            "normalize": "true" if model.head.normalize else "false",
-                            "pooling": "mean"})
+        meta = {"format": "semzo", "n_classes": str(model.head.n_classes),
+                "normalize": "true" if model.head.normalize else "false", "pooling": "mean"}
+        if labels is not None:
+            meta["label_names"] = json.dumps(labels)
+        save_file(head, str(out / HEAD_FILE), metadata=meta)
 
     src = Path(tokenizer_folder) if tokenizer_folder is not None else model.source
     if src is not None and src.resolve() != out.resolve():
