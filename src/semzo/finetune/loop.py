@@ -94,7 +94,16 @@ class _Task:
         raise NotImplementedError
 
     def eval_sums(self) -> np.ndarray:
-        """float64 [sum of losses, sum of hits, count] over the rank's held-out rows."""
+        """float64 [sum of losses, sum of hits, count] over the rank's held-out rows: each
+        evaluation batch's mean loss and accuracy (:meth:`eval_batch`) weighted by its rows."""
+        out = np.zeros(3)
+        for rows in self.eval_batches:
+            loss, acc = self.eval_batch(rows)
+            out += (loss * len(rows), round(acc * len(rows)), len(rows))
+        return out
+
+    def eval_batch(self, rows) -> tuple[float, float]:
+        """Mean loss and accuracy of held-out rows ``rows``."""
         raise NotImplementedError
 
 
@@ -109,13 +118,9 @@ class ClassifyTask(_Task):
             return 0.0
         return self.model.classify(ids, mask, labels)[0]
 
-    def eval_sums(self) -> np.ndarray:
-        out = np.zeros(3)
-        for rows in self.eval_batches:
-            ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
-            loss, acc, _ = self.model.classify(ids, mask, self.labels[rows])
-            out += (loss * len(rows), round(acc * len(rows)), len(rows))
-        return out
+    def eval_batch(self, rows) -> tuple[float, float]:
+        ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
+        return self.model.classify(ids, mask, self.labels[rows])[:2]
 
 
 class LMTask(_Task):
@@ -175,12 +180,8 @@ class FeatureClassifyTask(_Task):
         rows, _, _, n = batch
         return self._loss_acc(rows)[0] if n else 0.0
 
-    def eval_sums(self) -> np.ndarray:
-        out = np.zeros(3)
-        for rows in self.eval_batches:
-            loss, acc = self._loss_acc(rows)
-            out += (loss * len(rows), round(acc * len(rows)), len(rows))
-        return out
+    def eval_batch(self, rows) -> tuple[float, float]:
+        return self._loss_acc(rows)
 
 
 class PrefixCachedClassifyTask(_Task):
@@ -238,13 +239,9 @@ class PrefixCachedClassifyTask(_Task):
         x, mask, labels, n = batch
         return self._classify(x, mask, labels)[0] if n else 0.0
 
-    def eval_sums(self) -> np.ndarray:
-        out = np.zeros(3)
-        for rows in self.eval_batches:
-            x, mask = self._inputs(rows)
-            loss, acc, _ = self._classify(x, mask, self.labels[rows])
-            out += (loss * len(rows), round(acc * len(rows)), len(rows))
-        return out
+    def eval_batch(self, rows) -> tuple[float, float]:
+        x, mask = self._inputs(rows)
+        return self._classify(x, mask, self.labels[rows])[:2]
 
 
 def evaluate(task: _Task, topo) -> tuple[float, float, int]:
