@@ -20,8 +20,7 @@ Semantic mode, top down over the tree root -> switches -> nodes -> ranks (see to
 2. Match: the groups made for children of equal capacity are permuted among those children to
    maximize the samples they already hold (sum over clusters of ``min(quota, held)``), by
    ``scipy.optimize.linear_sum_assignment`` (greedy if scipy is missing). This is what keeps
-   bytes from crossing switches, then nodes, then ranks; a plan applied and re-planned moves
-   nothing.
+   bytes from crossing switches, then nodes, then ranks.
 3. Keep: if the data's current grouping at this level (each piece left on the children
    holding a sizeable part of it, stray samples sent to its main holder) is balanced, moves
    fewer samples, and is nearly as compact (it removes at least ``1 - keep_tol`` of the
@@ -29,6 +28,10 @@ Semantic mode, top down over the tree root -> switches -> nodes -> ranks (see to
    centroid deviations from the group mean), it is kept instead. After a small
    re-clustering the data then mostly stay put; a scattered layout (every child holding a
    bit of everything) removes no spread and is not kept.
+0. Before all this (keep mode), if the current layout under a tree node is itself an acceptable
+   plan (:func:`_current_holds`: at every level below it holds exactly the pieces, is within
+   the balance range and nearly as compact as the fresh partition), it is kept as it is. A
+   plan's own output passes, so a plan applied and re-planned moves nothing.
 
 Random mode (the baseline): clusters in a seeded random order poured into ranks 0..P-1 with
 exact integer targets (``N//P`` or ``N//P + 1``); ``where`` is ignored.
@@ -49,14 +52,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from semzo.place.keep import (
+    SLACK_SHARE,
+    _current,
+    _kept,
+    _spread,
+    _sticky,
+    _worst,
+)
 from semzo.place.topology import TreeNode, build_tree, check_topology
 from semzo.runtime import get_logger
 
 log = get_logger(__name__)
 
-SLACK_SHARE = 0.5   # share of the remaining balance slack one bisection cut may use
-HOME_SHARE = 0.25   # keep mode: a child holding this share of a piece keeps its part,
-HOME_LOAD_SHARE = 0.05   # ... and so does one where it is this share of the child's load
 
 
 @dataclass
@@ -230,96 +238,51 @@ def _assign_greedy(cost: np.ndarray) -> np.ndarray:
     return perm
 
 
-def _spread(groups: list[tuple], centroids: np.ndarray) -> float:
-    """Weighted within-group sum of squared centroid deviations (lower = more compact)."""
-    total = 0.0
-    for pc, pa in groups:
-        if pc.size < 2:
-            continue
-        x = centroids[pc]
-        w = pa.astype(np.float64)
-        mu = (w[:, None] * x).sum(0) / w.sum()
-        total += float((w * ((x - mu) ** 2).sum(1)).sum())
-    return total
-
-
-def _kept(groups: list[tuple], held: np.ndarray) -> int:
-    """Samples that stay in their child if group g goes to child g."""
-    return sum(int(np.minimum(pa, held[g, pc]).sum()) for g, (pc, pa) in enumerate(groups))
-
-
-def _sticky(pc, pa, held, caps, lo, hi, mean, centroids) -> list[tuple] | None:
-    """Groups that keep the data where it is: each piece stays, up to what they hold, on the
-    children that hold a sizeable part of it (a quarter of the piece, or a twentieth of the
-    child's mean load); the rest goes to its main holder (stray samples go home). A child
-    whose load leaves the balance range is rebalanced (:func:`_rebalance`). None if a piece is
-    held nowhere below or rebalancing fails."""
-    n_child = held.shape[0]
-    q = np.zeros((n_child, pc.size), dtype=np.int64)
-    floor = HOME_LOAD_SHARE * np.asarray(caps, dtype=np.float64) * mean
-    for i, (c, a) in enumerate(zip(pc.tolist(), pa.tolist())):
-        h = held[:, c]
-        tot = int(h.sum())
-        if tot == 0:
-            return None
-        left = a
-        for j in np.lexsort((np.arange(n_child), -h)):
-            if left == 0 or (h[j] < HOME_SHARE * min(a, tot) and h[j] < floor[j]):
-                break
-            take = min(int(h[j]), left)
-            q[j, i] += take
-            left -= take
-        q[int(np.argmax(h)), i] += left
-    if mean > 0 and pa.sum() > 0:
-        ratio = q.sum(1) / (np.asarray(caps, dtype=np.float64) * mean)
-        out_of_range = ratio.min() < lo - 1e-12 or ratio.max() > hi + 1e-12   # all slack
-        if out_of_range and not _rebalance(q, pc, pa, caps, lo, hi, mean, centroids):
-            return None
-    return [(pc[q[j] > 0], q[j][q[j] > 0]) for j in range(n_child)]
-
-
-def _rebalance(q, pc, pa, caps, lo, hi, mean, centroids) -> bool:
-    """Move samples (in place in ``q``) from children above their share to children below
-    it until every child is inside the range a bisection cut would allow; each move takes the
-    piece whose centroid is nearest the receiving group's mean. False if that fails."""
-    cap = np.asarray(caps, dtype=np.float64) * mean
-    rho = float(pa.sum()) / cap.sum()
-    lo_n = np.ceil((rho - SLACK_SHARE * max(rho - lo, 0.0)) * cap - 1e-9).astype(np.int64)
-    hi_n = np.floor((rho + SLACK_SHARE * max(hi - rho, 0.0)) * cap + 1e-9).astype(np.int64)
-    if (lo_n > hi_n).any():
+def _current_holds(node: TreeNode, pc, pa, centroids, where, lo, hi, mean, keep_tol) -> bool:
+    """True if the current layout under ``node`` is itself an acceptable plan for the pieces
+    ``(pc, pa)``: at every tree node below, the children hold exactly its pieces, their loads
+    are within ``[lo, hi]`` of the mean (or no less balanced than the fresh partition's), and
+    the grouping removes at least ``1 - keep_tol`` of the centroid spread the fresh partition
+    removes (relative tolerance 1e-9 for rounding). A plan's own output passes by construction
+    (its groups were the fresh partition or a kept grouping that passed the same tests), so a
+    plan applied and re-planned moves nothing. Data relabelled by a new k-means fail where the
+    relabelled samples make a level less compact, and are re-planned (kept where possible)."""
+    if not node.children:
+        return True
+    children = node.children
+    caps = [c.n_ranks for c in children]
+    held = np.stack([where[c.ranks].sum(0) for c in children])
+    current = _current(pc, pa, held)
+    if current is None:
         return False
-    x = centroids[pc]
-    loads = q.sum(1)
-    for _ in range(4 * q.size + 4):
-        over, under = loads - hi_n, lo_n - loads
-        if over.max() <= 0 and under.max() <= 0:
-            return True
-        if over.max() > 0:
-            src = int(np.argmax(over))
-            dst = int(np.argmax(hi_n - loads))
-            need = min(int(over[src]), int(hi_n[dst] - loads[dst]))
-        else:
-            dst = int(np.argmax(under))
-            src = int(np.argmax(loads - lo_n))
-            need = min(int(under[dst]), int(loads[src] - lo_n[src]))
-        if need <= 0:
+    if len(children) > 1:
+        fresh = _bisect(pc, pa, caps, centroids, lo, hi, mean)
+        loads = np.array([int(a.sum()) for _, a in current], dtype=np.float64)
+        if mean > 0:
+            ratio = loads / (np.asarray(caps, dtype=np.float64) * mean)
+            if not ((ratio.min() >= lo - 1e-12 and ratio.max() <= hi + 1e-12)
+                    or _worst(current, caps, mean) <= _worst(fresh, caps, mean) + 1e-12):
+                return False
+        whole = _spread([(pc, pa)], centroids)
+        need = (1.0 - keep_tol) * (whole - _spread(fresh, centroids)) - 1e-9 * abs(whole)
+        if whole - _spread(current, centroids) < need:
             return False
-        cand = np.flatnonzero(q[src])
-        w = q[dst].astype(np.float64)
-        mu = (w @ x) / w.sum() if w.sum() > 0 else (q[src] @ x) / max(loads[src], 1)
-        i = int(cand[np.argmin(((x[cand] - mu) ** 2).sum(1))])
-        m = min(need, int(q[src, i]))
-        q[src, i] -= m
-        q[dst, i] += m
-        loads[src] -= m
-        loads[dst] += m
-    return False
+    return all(_current_holds(child, np.sort(gpc), gpa[np.argsort(gpc, kind="stable")],
+                              centroids, where, lo, hi, mean, keep_tol)
+               for child, (gpc, gpa) in zip(children, current))
 
 
 def _place_under(node: TreeNode, pc, pa, centroids, where, quota, lo, hi, mean,
                  keep_tol) -> None:
     if not node.children:
         np.add.at(quota[:, int(node.ranks[0])], pc, pa)
+        return
+    order = np.argsort(pc, kind="stable")     # canonical: the plan depends on the pieces only,
+    pc, pa = pc[order], pa[order]             # not on the order an upper level produced them in
+    if keep_tol is not None and _current_holds(node, pc, pa, centroids, where, lo, hi, mean,
+                                               keep_tol):
+        ranks = np.asarray(node.ranks, dtype=np.int64)
+        quota[np.ix_(pc, ranks)] += where[np.ix_(ranks, pc)].T     # nothing moves below here
         return
     children = node.children
     caps = [c.n_ranks for c in children]
