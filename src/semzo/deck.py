@@ -315,7 +315,7 @@ class Deck:
 
     def to_toml(self) -> str:
         """The resolved deck as TOML (every key, defaults included), stored in every output."""
-        out = [f"# resolved semzo deck (from {self.source})"]
+        out = [f"# resolved semzo deck (from {_toml_comment(str(self.source))})"]
         for name, values in self.to_dict().items():
             out.append(f"\n[{name}]")
             out.extend(f"{k} = {_toml_value(v)}" for k, v in values.items())
@@ -336,8 +336,32 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    s = str(v).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{s}"'
+    return _toml_string(str(v))
+
+
+_TOML_ESCAPES = {"\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r",
+                 '"': '\\"', "\\": "\\\\"}
+
+
+def _toml_string(s: str) -> str:
+    """A TOML basic string holding ``s`` exactly: ``\\``, ``"`` and every control character
+    (U+0000-U+001F, U+007F) escaped as the TOML spec requires (short forms where it has them,
+    ``\\uXXXX`` otherwise), so any text round-trips through ``tomllib``."""
+    out = []
+    for ch in s:
+        if ch in _TOML_ESCAPES:
+            out.append(_TOML_ESCAPES[ch])
+        elif ch < " " or ch == "\x7f":
+            out.append(f"\\u{ord(ch):04X}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _toml_comment(s: str) -> str:
+    """``s`` safe inside a TOML comment (no control character but tab): escaped as in a
+    string, without the quotes."""
+    return _toml_string(s)[1:-1]
 
 
 def _suggest(name: str, options: Any) -> str:

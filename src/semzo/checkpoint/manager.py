@@ -356,7 +356,7 @@ class Checkpointer:
             try:
                 write_latest(self.dir, path.name)
                 for p in prune(self.dir, self.cfg.keep):
-                    log.info("removed old checkpoint %s", p.name)
+                    log.debug("removed old checkpoint %s", p.name)
             except OSError as exc:
                 err = f"checkpoint dir {self.dir}: cannot update {LATEST}: {exc.strerror}"
         err = comm.bcast(err, root=0)
