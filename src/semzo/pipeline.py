@@ -15,6 +15,7 @@ from mpi4py import MPI
 from . import deck as deckmod
 from .backend import bind_gpu, get_xp, set_threads
 from .deck import Deck, DeckError
+from .outdir import OutputLock, check_writes
 from .runtime import StageTimer, get_logger
 from .topology import Topology, build_topology
 
@@ -32,6 +33,7 @@ class RunContext:
     xp: ModuleType
     threads: int = 1
     inputs: dict[str, Path] = field(default_factory=dict)
+    lock: OutputLock | None = None
 
     def path(self, name: str) -> Path:
         """Where the file ``name`` of this run lives: ``outdir / name``, unless ``inputs``
@@ -106,9 +108,13 @@ def prepare_outdir(outdir: Path, deck: Deck, topo: Topology) -> None:
         raise DeckError(err)
 
 
-def start(deck: Deck, comm: MPI.Intracomm, timer: StageTimer) -> RunContext:
+def start(deck: Deck, comm: MPI.Intracomm, timer: StageTimer, *,
+          experiment: bool = False) -> RunContext:
     """Build the topology (timed as the ``topology`` stage's first part), set threads, bind
-    the GPU, create the output folder. Collective over ``comm``."""
+    the GPU, create the output folder, lock it (:class:`semzo.outdir.OutputLock`, held until
+    ``ctx.lock.release()`` or the process ends) and check every other folder the run will
+    write (:func:`semzo.outdir.check_writes`; ``experiment``: the folders of `semzo
+    experiment`), all before any work. Collective over ``comm``."""
     with timer.stage("topology"):
         topo = build_topology(comm, deck.topology, src=deck.source)
     threads = set_threads(_threads(deck, topo))
@@ -117,8 +123,14 @@ def start(deck: Deck, comm: MPI.Intracomm, timer: StageTimer) -> RunContext:
         log.info("rank %d bound to GPU %d (node-local rank %d)", topo.rank, dev, topo.local_rank)
     outdir = Path(deck.run.output_dir)
     prepare_outdir(outdir, deck, topo)
+    lock = OutputLock.acquire(outdir, deck, topo.world)
+    try:
+        check_writes(deck, topo.world, experiment=experiment)
+    except DeckError:
+        lock.release()
+        raise
     return RunContext(deck=deck, topo=topo, outdir=outdir, timer=timer,
-                      xp=get_xp(deck.run.device), threads=threads)
+                      xp=get_xp(deck.run.device), threads=threads, lock=lock)
 
 
 def run_stage(ctx: RunContext, name: str, label: str | None = None) -> dict:
@@ -136,9 +148,10 @@ def run(deck: Deck, comm: MPI.Intracomm) -> dict[str, float]:
     log.info("semzo run: deck %s, %d ranks, %d threads per rank, device %s, output %s",
              deck.source, topo.size, ctx.threads, deck.run.device, ctx.outdir)
     summary: dict[str, dict] = {}
-    for name in deck.run.stages:
-        summary[name] = run_stage(ctx, name)
-    topo.world.Barrier()
+    with ctx.lock:
+        for name in deck.run.stages:
+            summary[name] = run_stage(ctx, name)
+        topo.world.Barrier()
     log.info("stage times (rank 0), total %.2f s:\n%s", time.perf_counter() - t0, timer.table())
     log.info("summary of %s:\n%s", ctx.outdir, format_summary(summary))
     topo.free()

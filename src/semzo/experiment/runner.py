@@ -154,9 +154,8 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm, resume: bool = False) -> Pat
 
     ``resume``: skip the stages and configurations that an earlier run of the same deck in
     ``run.output_dir`` completed (see :func:`finished_stages`); the report includes them with
-    their recorded times."""
-    from .report import write_report
-
+    their recorded times. The output folder is locked for the whole run (exit 2 at once if
+    another run holds it; see :mod:`semzo.outdir`)."""
     e = deck.experiment
     if deck.train.steps < e.report_points:
         err = SemzoError(f"{deck.source}: train.steps: the experiment needs at least "
@@ -166,7 +165,15 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm, resume: bool = False) -> Pat
         raise err
     timer = StageTimer()
     t0 = time.perf_counter()
-    ctx = start(deck, comm, timer)
+    ctx = start(deck, comm, timer, experiment=True)
+    with ctx.lock:                      # the output folder is this run's until it ends
+        return _run_experiment(deck, ctx, resume, t0)
+
+
+def _run_experiment(deck: Deck, ctx: RunContext, resume: bool, t0: float) -> Path:
+    from .report import write_report
+
+    e, timer = deck.experiment, ctx.timer
     topo = ctx.topo
     base = ctx.outdir
     n_cfg = len(e.shardings) * len(e.modes) * e.seeds
