@@ -153,10 +153,28 @@ def write_texts(f: h5py.File, texts: list[str], off: int, total: int,
     write_rows(f, "text_bytes", data, boff, btotal)
 
 
-def read_texts(f: h5py.File, lo: int, hi: int) -> list[str]:
-    """Rows [lo, hi) of the strings written by :func:`write_texts`. Collective."""
+def read_texts(f: h5py.File, lo: int, hi: int, comm: MPI.Intracomm | None = None,
+               path: str | Path | None = None) -> list[str]:
+    """Rows [lo, hi) of the strings written by :func:`write_texts`. Collective.
+
+    With ``comm``: the offsets are checked (non-decreasing, inside ``text_bytes``) and the
+    bytes decoded as UTF-8 with every rank agreeing on the outcome: a damaged file raises the
+    same one-line :class:`semzo.h5check.InputFileError` on every rank (naming ``path``)."""
     from .corpus.strings import decode_strings
+    from .h5check import DAMAGED, agree, offsets_error
 
     offs = read_slab(f["text_offsets"], lo, hi + 1)
+    if comm is not None:
+        agree(comm, offsets_error(path or f.filename, "text_offsets", offs, 0,
+                                  int(f["text_bytes"].shape[0]), row0=lo))
     raw = read_slab(f["text_bytes"], int(offs[0]), int(offs[-1]))
-    return decode_strings(raw, np.diff(offs))
+    if comm is None:
+        return decode_strings(raw, np.diff(offs))
+    out, err = [], None
+    try:
+        out = decode_strings(raw, np.diff(offs))
+    except UnicodeDecodeError as exc:
+        err = (f"{path or f.filename}: dataset text_bytes: invalid UTF-8 at byte "
+               f"{int(offs[0]) + exc.start}: {DAMAGED}")
+    agree(comm, err)
+    return out

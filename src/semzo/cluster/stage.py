@@ -13,6 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..embed import read_embeddings
+from ..h5check import DAMAGED, agree, range_error, shape_error
 from ..h5io import create_collective, open_collective, read_slab, write_rows
 from ..runtime import SemzoError, get_logger
 from .kmeans import kmeans
@@ -92,10 +93,30 @@ def run_cluster_stage(ctx) -> dict:
     return out
 
 
-def read_clusters(path, comm, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, dict]:
-    """(centers (k, d), labels of rows [lo, hi), attrs) from clusters.h5. Collective."""
+def read_clusters(path, comm, lo: int, hi: int, n_total: int | None = None,
+                  d: int | None = None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """(centers (k, d), labels of rows [lo, hi), attrs) from clusters.h5. Collective.
+
+    Checked before use (one-line :class:`semzo.h5check.InputFileError` on every rank):
+    ``centers`` is (k, d) with k >= 1 (``d`` given: that width) and finite, ``labels`` has
+    ``n_total`` rows (given: the rows of embeddings.h5) and every label read lies in [0, k)."""
     with open_collective(path, comm) as f:
+        err = shape_error(path, f, {"centers": (-1, 2), "labels": (-1 if n_total is None
+                                                                  else n_total, 1)})
+        if err is None:
+            k, width = f["centers"].shape
+            if k < 1 or (d is not None and width != d) or f["labels"].shape[0] < hi:
+                err = (f"{path}: dataset centers/labels: shapes {f['centers'].shape} / "
+                       f"{f['labels'].shape} do not fit {hi} rows of {d}-d embeddings: "
+                       f"{DAMAGED}")
+        agree(comm, err)
         centers = f["centers"][...]
         labels = read_slab(f["labels"], lo, hi)
         attrs = dict(f.attrs)
+    k = centers.shape[0]
+    err = None
+    if centers.dtype.kind != "f" or not np.isfinite(centers).all():
+        err = f"{path}: dataset centers: not finite floats ({centers.dtype}): {DAMAGED}"
+    agree(comm, err or range_error(path, "labels", labels, 0, k, row0=lo,
+                                   what=f"{k} clusters"))
     return centers, labels, attrs

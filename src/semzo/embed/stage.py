@@ -19,6 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..corpus import label_codes, label_vocab, read_jsonl_slice
+from ..h5check import agree, attr_int, range_error, shape_error
 from ..h5io import (
     create_collective,
     offsets,
@@ -119,13 +120,20 @@ def read_embeddings(path, comm, *, lo: int | None = None, hi: int | None = None,
                     with_text: bool = True) -> EmbeddedRows:
     """Read rows [lo, hi) of embeddings.h5 (default: this rank's balanced block). Collective."""
     with open_collective(path, comm) as f:
-        n = int(f.attrs["n_total"])
+        n, err = attr_int(path, f, "n_total")
+        err = err or shape_error(path, f, {"embeddings": (n, 2), "ids": (n, 1), "labels": (n, 1),
+                                           "text_offsets": (n + 1, 1), "text_bytes": (-1, 1)})
+        agree(comm, err)
         if lo is None or hi is None:
             lo, hi = row_range(n, comm)
         emb = read_slab(f["embeddings"], lo, hi)
         ids = read_slab(f["ids"], lo, hi)
         labels = read_slab(f["labels"], lo, hi)
-        texts = read_texts(f, lo, hi) if with_text else []
-        names = [s.decode() if isinstance(s, bytes) else str(s) for s in f.attrs["label_names"]]
+        names = [s.decode() if isinstance(s, bytes) else str(s)
+                 for s in f.attrs.get("label_names", [])]
+        agree(comm, range_error(path, "labels", labels, -1, len(names), row0=lo,
+                                what=f"-1 = no label, {len(names)} label names")
+              or range_error(path, "ids", ids, 0, None, row0=lo))
+        texts = read_texts(f, lo, hi, comm, path) if with_text else []
     return EmbeddedRows(embeddings=np.ascontiguousarray(emb, np.float32), ids=ids,
                         labels=labels, texts=texts, offset=lo, n_total=n, label_names=names)

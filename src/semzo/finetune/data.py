@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from ..h5check import DAMAGED, agree, attr_int, offsets_error, range_error, shape_error
 from ..h5io import open_collective, read_slab, read_texts, row_range
 from ..runtime import get_logger
 from .engine import philox_hash
@@ -44,8 +45,19 @@ class ShardRows:
 def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> ShardRows:
     """Read this rank's shard of ``shards.h5``. Collective over comm."""
     with open_collective(path, comm) as f:
-        n_total = int(f.attrs["n_total"])
-        offs = f["rank_offsets"][...]
+        n_total, err = attr_int(path, f, "n_total")
+        err = err or shape_error(path, f, {
+            "ids": (n_total, 1), "labels": (n_total, 1), "embeddings": (n_total, 2),
+            "text_offsets": (n_total + 1, 1), "text_bytes": (-1, 1), "rank_offsets": (-1, 1)})
+        offs = np.zeros(0, np.int64)
+        if err is None:
+            offs = f["rank_offsets"][...]
+            err = offsets_error(path, "rank_offsets", offs, 0, n_total)
+            if err is None and (offs.size < 2 or offs[0] != 0 or offs[-1] != n_total):
+                err = (f"{path}: dataset rank_offsets: {offs.size} offsets from "
+                       f"{offs[0] if offs.size else '-'} to {offs[-1] if offs.size else '-'}, "
+                       f"expected 0 to n_total = {n_total}: {DAMAGED}")
+        agree(comm, err)
         if len(offs) == comm.Get_size() + 1:
             lo, hi = int(offs[comm.Get_rank()]), int(offs[comm.Get_rank() + 1])
         else:
@@ -58,8 +70,12 @@ def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> Sh
         labels = read_slab(f["labels"], lo, hi).astype(np.int64)
         emb = read_slab(f["embeddings"], lo, hi) if with_embeddings else \
             np.zeros((hi - lo, 0), np.float32)
-        texts = read_texts(f, lo, hi)
-        names = [s.decode() if isinstance(s, bytes) else str(s) for s in f.attrs["label_names"]]
+        names = [s.decode() if isinstance(s, bytes) else str(s)
+                 for s in f.attrs.get("label_names", [])]
+        agree(comm, range_error(path, "labels", labels, -1, len(names), row0=lo,
+                                what=f"-1 = no label, {len(names)} label names")
+              or range_error(path, "ids", ids, 0, None, row0=lo))
+        texts = read_texts(f, lo, hi, comm, path)
         deck = f.attrs.get("semzo_deck", "")
     return ShardRows(ids=ids, labels=labels, embeddings=np.ascontiguousarray(emb, np.float32),
                      texts=texts, label_names=names, offset=lo, n_total=n_total,

@@ -59,7 +59,8 @@ def run_place_stage(ctx) -> dict:
     comm = topo.world
     rows = read_embeddings(ctx.path("embeddings.h5"), comm, with_text=True)
     lo, hi = rows.offset, rows.offset + rows.embeddings.shape[0]
-    centers, labels, _ = read_clusters(ctx.path("clusters.h5"), comm, lo, hi)
+    centers, labels, _ = read_clusters(ctx.path("clusters.h5"), comm, lo, hi, rows.n_total,
+                                       rows.embeddings.shape[1])
     k = centers.shape[0]
     with ctx.timer.comm():
         where = cluster_counts(labels, k, comm)
