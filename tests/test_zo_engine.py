@@ -210,7 +210,7 @@ def test_schedules():
 
 
 def test_seeds_and_data_order():
-    assert step_seed(0, 5, 1) == step_seed(0, 5, 1)
+    assert step_seed(0, 5, 1) == 0xC7789E80E81FFAA1        # recorded; see test_seeds_reference.py
     assert len({step_seed(0, s, g) for s in range(50) for g in range(4)}) == 200
     assert 0 <= step_seed(2**64 - 1, 2**40, 7) < 2**64
     p = epoch_permutation(97, 1, 2, 3)

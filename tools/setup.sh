@@ -61,7 +61,7 @@ if [ "$EXTRAS" = "test" ] && [ ! -f "$VENV/.semzo-test" ]; then
   log "installing the reference stack for tests (torch CPU, transformers, sentence-transformers)"
   # torch first, pinned to the CPU wheel, so later packages do not pull a CUDA build
   pipi torch==2.13.0
-  pipi "transformers" "sentence-transformers" "torch==2.13.0"
+  pipi "transformers" "sentence-transformers" "torch==2.13.0" "xxhash>=4.1,<5"
   touch "$VENV/.semzo-test"
 fi
 
