@@ -12,7 +12,13 @@ Definitions (also stated in the report):
   (linear interpolation between evaluations), per seed; "not reached" seeds are counted.
 * paired differences: configurations with the same seed share the held-out split, the initial
   head and the ZO seeds' schedule, so sharding A - sharding B is taken per seed; a paired
-  t-test (scipy) gives the p-value.
+  t-test (scipy: two-sided one-sample t-test of the differences against 0) gives the p-value,
+  per mode and pooled over modes alike (:func:`paired_p`). Degenerate cases, one definition
+  everywhere: non-finite differences are dropped; the p-value is *not defined* (nan, "n.d."
+  in the report, left out of the Holm family) with fewer than 2 differences (one seed, all
+  nan) or zero sample variance (every difference equal within 1e-9 of the largest, zero
+  included: the t statistic is 0/0 or infinite, and identical differences of a discrete
+  accuracy say nothing about the seed-to-seed noise).
 * clustering overhead: (embed + k-means + placement with redistribution) / the configuration's
   whole run (topology + those + fine-tuning); communication share: rank 0's time in the ZO
   exchange collectives over its time in the steps (compute + exchange).
@@ -160,6 +166,10 @@ def stats(x) -> tuple[float, float, float, float]:
 
 
 def target_loss(exp: Experiment) -> tuple[float, str]:
+    """The held-out loss whose first crossing the report gives: ``experiment.target_loss``
+    when set (> 0), else halfway from the mean starting loss (first evaluation, all runs) to
+    the lowest mean final loss of any (sharding, mode); the mean starting loss itself when no
+    configuration lowered it. Returns (target, a sentence saying how it was chosen)."""
     e = exp.deck.experiment
     if e.target_loss > 0:
         return e.target_loss, f"{e.target_loss:.4f} (set by experiment.target_loss)"
@@ -176,18 +186,12 @@ def target_loss(exp: Experiment) -> tuple[float, str]:
 
 
 def paired(exp: Experiment, a: str, b: str, mode: str, what: str, step: int):
-    """Per-seed differences a - b at ``step`` and the paired t-test p-value."""
+    """Per-seed differences a - b at ``step`` (seeds present in both) and their p-value
+    (:func:`paired_p`, nan where not defined)."""
     ra = {r.seed: at_step(r, step, what) for r in exp.group(a, mode)}
     rb = {r.seed: at_step(r, step, what) for r in exp.group(b, mode)}
     d = np.array([ra[s] - rb[s] for s in sorted(ra) if s in rb], np.float64)
-    p = math.nan
-    if d.size >= 2 and float(np.ptp(d)) > 1e-9 * max(float(np.abs(d).max()), 1e-300):
-        from scipy.stats import ttest_1samp
-
-        p = float(ttest_1samp(d, 0.0).pvalue)
-    elif d.size >= 2:                     # every seed gives the same difference
-        p = 0.0 if d[0] != 0 else 1.0
-    return d, p
+    return d, paired_p(d)
 
 
 def budgets(exp: Experiment) -> list[int]:
@@ -217,7 +221,11 @@ def holm(p: list[float]) -> list[float]:
 def comparisons(exp: Experiment) -> list[dict]:
     """Paired comparisons at the full budget of the first sharding against each other one:
     per ZO mode, and pooled over modes (pairs by mode and seed). Accuracy and loss p-values
-    are Holm-adjusted, each over the whole list."""
+    (:func:`paired_p`) are Holm-adjusted, each over the whole list (undefined p-values stay
+    nan and do not count in the family).
+
+    Rows: ``{"other", "mode", "acc", "p_acc", "p_acc_holm", "loss", "p_loss", "p_loss_holm"}``
+    with ``acc``/``loss`` the per-seed differences (first sharding minus ``other``)."""
     e = exp.deck.experiment
     ref, step = e.shardings[0], exp.budget
     rows = []
@@ -233,19 +241,28 @@ def comparisons(exp: Experiment) -> list[dict]:
             da = np.concatenate([a for a, _ in per])
             dl = np.concatenate([b for _, b in per])
             rows.append({"other": other, "mode": "all modes", "acc": da,
-                         "p_acc": _ttest(da), "loss": dl, "p_loss": _ttest(dl)})
+                         "p_acc": paired_p(da), "loss": dl, "p_loss": paired_p(dl)})
     for key in ("p_acc", "p_loss"):
         for r, h in zip(rows, holm([r[key] for r in rows])):
             r[key + "_holm"] = h
     return rows
 
 
-def _ttest(d: np.ndarray) -> float:
-    if d.size < 2:
+def paired_p(d) -> float:
+    """Two-sided one-sample t-test p-value of the paired differences ``d`` against 0, or nan
+    where it is not defined: fewer than 2 finite differences, or zero sample variance (every
+    finite difference equal within ``1e-9`` of the largest magnitude, all-zero included).
+    Non-finite differences are dropped. The per-mode and the pooled rows both use it."""
+    a = np.asarray(d, np.float64)
+    a = a[np.isfinite(a)]
+    if a.size < 2 or not float(np.ptp(a)) > 1e-9 * float(np.abs(a).max()):
         return math.nan
     from scipy.stats import ttest_1samp
 
-    return float(ttest_1samp(d, 0.0).pvalue)
+    return float(ttest_1samp(a, 0.0).pvalue)
+
+
+_ttest = paired_p        # the old name
 
 
 def semantic_cost(exp: Experiment) -> tuple[float, float] | None:
@@ -264,6 +281,8 @@ def d_head_only(exp: Experiment) -> bool:
 
 
 def overhead(exp: Experiment, r: Run) -> float:
+    """Clustering overhead of run ``r``: (embed + k-means + placement) / (topology + embed +
+    k-means + placement + its fine-tuning) wall seconds; nan when the total is 0."""
     t = run_time(exp, r)
     total = sum(t.values())
     return (t["embed"] + t["k-means"] + t["placement"]) / total if total else math.nan

@@ -34,6 +34,12 @@ def _pm(m: float, sd: float, scale: float = 1.0, fmt: str = "{:.4f}") -> str:
     return s + (f" ± {fmt.replace('+', '').format(sd * scale)}" if math.isfinite(sd) else "")
 
 
+def _p(x: float) -> str:
+    """A p-value for the report: three decimals, or "n.d." where the test is not defined
+    (see :func:`semzo.experiment.analysis.paired_p`)."""
+    return f"{x:.3f}" if math.isfinite(x) else "n.d."
+
+
 def _fp(x: float) -> str:
     return f"{x:,.0f}" if math.isfinite(x) else "n/a"
 
@@ -48,7 +54,7 @@ def conclusion(exp: Experiment) -> list[str]:
     for other in e.shardings[1:]:
         mine = [r for r in rows if r["other"] == other]
         per = "; ".join(f"{r['mode']} {100 * r['acc'].mean():+.2f} points (p = "
-                        f"{r['p_acc']:.2f}, Holm {r['p_acc_holm']:.2f})" for r in mine)
+                        f"{_p(r['p_acc'])}, Holm {_p(r['p_acc_holm'])})" for r in mine)
         sig = [r for r in mine if math.isfinite(r["p_acc_holm"]) and r["p_acc_holm"] < 0.05]
         if not sig:
             head = (f"no difference in final held-out accuracy that survives the correction "
@@ -201,15 +207,17 @@ def write_report(base: str | Path) -> Path:
           (f"Per seed, {e.shardings[0]} minus the other sharding (same seed, same held-out split, "
           f"same initial model); accuracy in points. `all modes` pools the pairs of every mode. "
           f"p: two-sided one-sample t-test of the differences; Holm: p adjusted for all the "
-          f"rows of this table (Holm-Bonferroni)."), "",
+          f"rows of this table (Holm-Bonferroni). n.d.: not defined (fewer than 2 seeds, or "
+          f"every seed gives the same difference: no seed-to-seed variance to test against); "
+          f"such rows are left out of the Holm family."), "",
           ("| comparison | mode | accuracy diff (mean ± sd) | p | Holm | loss diff (mean ± sd) "
           "| p | Holm |"), "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in comparisons(exp):
         sa, sl = stats(r["acc"]), stats(r["loss"])
         L.append(f"| {e.shardings[0]} - {r['other']} | {r['mode']} | "
-                 f"{_pm(sa[0], sa[1], 100, '{:+.2f}')} | {r['p_acc']:.3f} | "
-                 f"{r['p_acc_holm']:.3f} | {_pm(sl[0], sl[1], 1, '{:+.4f}')} | "
-                 f"{r['p_loss']:.3f} | {r['p_loss_holm']:.3f} |")
+                 f"{_pm(sa[0], sa[1], 100, '{:+.2f}')} | {_p(r['p_acc'])} | "
+                 f"{_p(r['p_acc_holm'])} | {_pm(sl[0], sl[1], 1, '{:+.4f}')} | "
+                 f"{_p(r['p_loss'])} | {_p(r['p_loss_holm'])} |")
     L += ["", "## Time", "",
           ("Wall time of each stage on rank 0 (s). Topology, embed and k-means run once and are "
           "shared by every configuration; placement runs once per sharding; fine-tuning is the "
