@@ -180,3 +180,30 @@ def test_two_concurrent_runs(tmp_path):
     assert took < 45, took
     assert first.returncode == 0, se[-3000:]
     assert (out / "embeddings.h5").is_file() and not (out / LOCK_NAME).exists()
+
+
+def test_experiment_into_a_held_folder_stops_at_once(tmp_path):
+    """`semzo experiment` takes the same lock (and checks its configuration folders)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    holder = f"4343@{socket.gethostname()} started 2026-01-01T00:00:00"
+    fd = _hold(out / LOCK_NAME, holder)
+    try:
+        proc = mpirun(2, ["-m", "semzo", "experiment", "inputs/demo.toml", "--set",
+                          f"run.output_dir={out}", *TOPO], timeout=60)
+    finally:
+        os.close(fd)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and f"run.output_dir: {out} is in use by another semzo run, " \
+        f"process {holder}" in errors[0], proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]
+    (out / "semantic").write_text("not a folder")           # a configuration folder blocked
+    proc = mpirun(2, ["-m", "semzo", "experiment", "inputs/demo.toml", "--set",
+                      f"run.output_dir={out}", *TOPO], timeout=60)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    want = f"error: inputs/demo.toml: run.output_dir: {out / 'semantic'}: not a folder"
+    assert errors == [want], proc.stderr[-3000:]
+    assert "stale lock" in proc.stderr                        # the holder above is gone
+    assert sorted(p.name for p in out.iterdir()) == ["semantic"]   # lock released, no output
