@@ -197,7 +197,7 @@ def zvec_kernel(out, e0, t, k0, k1, dist):
 
 
 # ----------------------------------------------------------------------------- fused updates
-PERTURB, RESTORE_UPDATE, MULTI_RESTORE, MULTI, NONE = 0, 1, 2, 3, 4
+PERTURB, RESTORE_UPDATE, MULTI_RESTORE, MULTI, NONE, PLAIN = 0, 1, 2, 3, 4, 5
 _NO_KEYS = np.zeros(0, np.uint64)
 _NO_GS = np.zeros(0, np.float64)
 STORAGE = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.uint16))   # uint16: float16
@@ -229,6 +229,7 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
     mode MULTI_RESTORE:  pr = p + a z;  p <- pr - lr (sum_k gs[k] z_k + wd pr)
     mode MULTI:          pr = p;        p <- pr - lr (sum_k gs[k] z_k + wd pr)
     mode NONE:           p unchanged
+    mode PLAIN:          p <- p + a (no z: the memory-speed baseline of bench/zo_step.py)
     then, if ``post``:   q <- p + pa z(pk0, pk1), q = the array at dsts[j] (p itself when 0),
     reading p as stored (rounded): the same bits as a second pass, in the same memory pass
     (the block-streamed schedule's first pass: the pending update, then the new +eps z).
@@ -255,6 +256,9 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
                 zi = z[i]
                 pr = _load(p, i0 + i) + a * zi
                 _store(p, i0 + i, pr - lr * (g * zi + wd * pr))
+        elif mode == 5:
+            for i in range(m):
+                _store(p, i0 + i, _load(p, i0 + i) + a)
         elif mode != 4:
             acc = np.zeros(m, np.float64)
             for k in range(npert):

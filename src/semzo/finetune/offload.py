@@ -169,7 +169,7 @@ class HostStore:
         self._upload(k)
         if k + 1 < self.n and self.slot_of(k + 1) not in {v[0] for v in self.on_device.values()}:
             self._upload(k + 1)
-        key, arrs, refs = self.on_device[k]
+        _key, arrs, refs = self.on_device[k]
         ev = self.events.pop(("up", k), None)
         if ev is not None:
             self.xp.cuda.get_current_stream().wait_event(ev)
