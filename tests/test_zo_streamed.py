@@ -17,7 +17,6 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 from zo_common import SoloTopo, corpus, make_model
 
-from semzo.model.kernels import set_threads
 from semzo.finetune import kernels
 from semzo.finetune.data import Batcher, heldout_mask, pad_batch
 from semzo.finetune.engine import ZOEngine, ztensors
@@ -34,6 +33,7 @@ from semzo.finetune.offload import HostStore
 from semzo.finetune.perturb import Pending, apply_then_perturb, perturb, restore_update
 from semzo.finetune.stage import select_trainable
 from semzo.model import Tokenizer, load_model
+from semzo.model.kernels import set_threads
 
 EPS, LR, WD = 1e-3, 2e-2, 0.05
 
@@ -140,7 +140,7 @@ TASKS = [("bert", "classify", "all", {}), ("gpt2", "lm", "all", {}),
 @pytest.mark.parametrize("kind,task_kind,params,kw", TASKS,
                          ids=[f"{t[1]}-{t[2]}" for t in TASKS])
 def test_loss_from_state_equals_loss(folders, kind, task_kind, params, kw):
-    m, names, task = _setup(folders, kind, task_kind, params, **kw)
+    _, names, task = _setup(folders, kind, task_kind, params, **kw)
     batch = task.batch(np.arange(12))
     st = task.stage_begin(batch)
     for k in range(task.stage_count()):
@@ -203,7 +203,7 @@ def test_simulated_offload_bit_identical(folders, kind, task_kind):
 def test_pending_update_and_flush(folders):
     """Before flush the parameters hold the - eps state; flush applies exactly the update the
     three-pass step applied; a second flush changes nothing."""
-    ref, pref, _ = _run(folders, "bert", "classify", "all", {}, "three-pass", steps=1)
+    _, pref, _ = _run(folders, "bert", "classify", "all", {}, "three-pass", steps=1)
     m, names, task = _setup(folders, "bert", "classify", "all")
     eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
                    weight_decay=WD, run_seed=3, schedule="streamed")

@@ -13,6 +13,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 from zo_common import corpus
+from zo_modes import check_identical
 
 from semzo.deck import TopologySection
 from semzo.finetune.engine import ZOEngine, ztensors
@@ -21,7 +22,6 @@ from semzo.finetune.offload import HostStore
 from semzo.model import Tokenizer, load_model
 from semzo.runtime import run_spmd
 from semzo.topology import build_topology
-from zo_modes import check_identical
 
 EPS, LR, WD, STEPS, B = 1e-3, 5e-2, 0.05, 3, 6
 
