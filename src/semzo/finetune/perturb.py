@@ -256,11 +256,21 @@ def apply_then_perturb(params: Sequence, op: Pending, post_seed: int | None,
 
 def _gpu_apply_then_perturb(z: ZTensor, d, op: Pending, mode, post, code, k0, k1, k0s, k1s,
                             gsa) -> None:
-    """CuPy: the op's kernel, then a copy into dst, then the perturbation kernel (separate
-    launches, the same bits as the fused CPU pass)."""
+    """CuPy: one fused launch (``kernels_gpu.stream_pass``, the CUDA twin of the CPU pass);
+    with the numba.cuda backend the op's kernel, a copy into dst, then the perturbation
+    (separate launches, the same bits)."""
     g = _gpu()
     p = _flat_cupy(z.array, z.t)
     wdt = float(op.wd) if z.decay else 0.0
+    q = _flat_cupy(d.array, d.t) if d is not None else p
+    if not g._use_numba():
+        if mode != kernels.NONE or post is not None:
+            pk0, pk1, pa = post if post is not None else (0, 0, 0.0)
+            g.stream_pass(p, q, z.offset, z.t, mode, k0, k1, float(op.eps), float(op.lr),
+                          float(op.g), wdt, k0s, k1s, gsa, post is not None, pk0, pk1, pa, code)
+        if post is None and d is not None:
+            q[...] = p
+        return
     if mode == kernels.PERTURB:
         g.perturb(p, z.offset, z.t, k0, k1, code, float(op.eps))
     elif mode == kernels.RESTORE_UPDATE:
@@ -269,9 +279,7 @@ def _gpu_apply_then_perturb(z: ZTensor, d, op: Pending, mode, post, code, k0, k1
     elif mode in (kernels.MULTI, kernels.MULTI_RESTORE):
         g.multi_update(p, z.offset, z.t, k0s, k1s, gsa, float(op.lr), wdt,
                        mode == kernels.MULTI_RESTORE, k0, k1, float(op.eps), code)
-    q = p
     if d is not None:
-        q = _flat_cupy(d.array, d.t)
         q[...] = p
     if post is not None:
         g.perturb(q, z.offset, z.t, post[0], post[1], code, post[2])
