@@ -113,9 +113,18 @@ class StageState:
         return st
 
     def nbytes_live(self) -> int:
-        """Bytes of this state's own arrays (what a second branch adds)."""
-        return sum(int(p[k].nbytes) for p in self.parts for k in ("x", "pend", "out")
-                   if p.get(k) is not None)
+        """Bytes of this state's own arrays (what a second branch adds; views counted once)."""
+        seen, tot = set(), 0
+        for p in self.parts:
+            for k in ("x", "pend", "out"):
+                a = p.get(k)
+                if a is None:
+                    continue
+                base = a if a.base is None else a.base
+                if id(base) not in seen:
+                    seen.add(id(base))
+                    tot += int(base.nbytes)
+        return tot
 
 
 class TransformerBase:
@@ -300,8 +309,10 @@ class TransformerBase:
 
     def _stage_init(self, ids, maskf, **kwargs) -> dict:
         b, t = ids.shape
+        # "bufs": a one-element holder of the scratch buffers, shared by fork(): both
+        # branches of the lockstep use one set (they never run at the same time)
         return {"ids": ids, "maskf": maskf, "b": b, "t": t, "x": None, "out": None,
-                "bufs": None, **kwargs}
+                "bufs": [None], **kwargs}
 
     def _stage_run(self, k: int, part: dict) -> None:
         raise NotImplementedError

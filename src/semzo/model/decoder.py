@@ -92,9 +92,10 @@ class Decoder(TransformerBase):
                                         p[f"{pre}ln_f.bias"], eps, out=out)
             part["out"] = out.reshape(bsz, t, h)
             return
-        if part["bufs"] is None:
-            part["bufs"] = (*self._layer_buffers(bsz, t), xp.empty((n, h), dtype=dt))
-        qkv, scores, ctx, tmp, inter, scale, s4, a = part["bufs"]
+        bufs = part["bufs"]
+        if bufs[0] is None:
+            bufs[0] = (*self._layer_buffers(bsz, t), xp.empty((n, h), dtype=dt))
+        qkv, scores, ctx, tmp, inter, scale, s4, a = bufs[0]
         pl = f"{pre}h.{k - 1}."
         if pend is None:
             layernorm(x, p[f"{pl}ln_1.weight"], p[f"{pl}ln_1.bias"], eps, out=a)

@@ -152,9 +152,10 @@ class Encoder(TransformerBase):
         if k == 0:
             part["x"] = self._embeddings(part["ids"], part.get("token_type_ids"))
         elif k <= self.config.num_layers:
-            if part["bufs"] is None:
-                part["bufs"] = self._layer_buffers(b, t)
-            self._blocks(part["x"], part["maskf"], b, t, k - 1, k, bufs=part["bufs"])
+            bufs = part["bufs"]
+            if bufs[0] is None:
+                bufs[0] = self._layer_buffers(b, t)
+            self._blocks(part["x"], part["maskf"], b, t, k - 1, k, bufs=bufs[0])
         else:
             part["out"] = part["x"].reshape(b, t, self.config.hidden_size)
 
