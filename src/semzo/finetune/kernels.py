@@ -36,6 +36,7 @@ from numba.extending import intrinsic, overload
 from . import rng
 
 CHUNK = 8192        # elements per parallel task (a multiple of 128, the Rademacher block)
+SUB = 1024          # elements per z buffer inside a task (8 KiB of float64: stays in L1)
 
 DEVICE_FUNCTIONS = ("philox4x32_10", "neg2_log_u", "cos_sin_2pi", "box_muller", "gauss4",
                     "gauss_at", "rad_words", "rad_bit", "rad_at")
@@ -240,46 +241,52 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
     for c in prange(cstart[cstart.size - 1]):
         j = np.searchsorted(cstart, c, side="right") - 1
         p = numba.carray(_as_pointer(addrs[j], proto), sizes[j])
-        i0 = (c - cstart[j]) * CHUNK
-        m = min(CHUNK, sizes[j] - i0)
-        e0 = offs[j] + np.uint64(i0)
+        q = p if dsts[j] == 0 else numba.carray(_as_pointer(dsts[j], proto), sizes[j])
+        c0 = (c - cstart[j]) * CHUNK
+        mc = min(CHUNK, sizes[j] - c0)
         t = ts[j]
         wd = wds[j]
-        z = np.empty(m, np.float64)
-        if mode == 0:
-            fill_z(z, e0, t, k0, k1, dist)
-            for i in range(m):
-                _store(p, i0 + i, _load(p, i0 + i) + a * z[i])
-        elif mode == 1:
-            fill_z(z, e0, t, k0, k1, dist)
-            for i in range(m):
-                zi = z[i]
-                pr = _load(p, i0 + i) + a * zi
-                _store(p, i0 + i, pr - lr * (g * zi + wd * pr))
-        elif mode == 5:
-            for i in range(m):
-                _store(p, i0 + i, _load(p, i0 + i) + a)
-        elif mode != 4:
-            acc = np.zeros(m, np.float64)
-            for k in range(npert):
-                fill_z(z, e0, t, k0s[k], k1s[k], dist)
-                gk = gs[k]
-                for i in range(m):
-                    acc[i] = acc[i] + gk * z[i]
-            if mode == 2:
+        zbuf = np.empty(SUB, np.float64)
+        abuf = np.empty(SUB, np.float64)
+        for s0 in range(0, mc, SUB):          # z of SUB elements at a time stays in L1
+            i0 = c0 + s0
+            m = min(SUB, mc - s0)
+            e0 = offs[j] + np.uint64(i0)
+            z = zbuf[:m]
+            if mode == 0:
                 fill_z(z, e0, t, k0, k1, dist)
                 for i in range(m):
-                    pr = _load(p, i0 + i) + a * z[i]
-                    _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
-            else:
+                    _store(p, i0 + i, _load(p, i0 + i) + a * z[i])
+            elif mode == 1:
+                fill_z(z, e0, t, k0, k1, dist)
                 for i in range(m):
-                    pr = _load(p, i0 + i)
-                    _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
-        if post:
-            q = p if dsts[j] == 0 else numba.carray(_as_pointer(dsts[j], proto), sizes[j])
-            fill_z(z, e0, t, pk0, pk1, dist)
-            for i in range(m):
-                _store(q, i0 + i, _load(p, i0 + i) + pa * z[i])
+                    zi = z[i]
+                    pr = _load(p, i0 + i) + a * zi
+                    _store(p, i0 + i, pr - lr * (g * zi + wd * pr))
+            elif mode == 5:
+                for i in range(m):
+                    _store(p, i0 + i, _load(p, i0 + i) + a)
+            elif mode != 4:
+                acc = abuf[:m]
+                acc[:] = 0.0
+                for k in range(npert):
+                    fill_z(z, e0, t, k0s[k], k1s[k], dist)
+                    gk = gs[k]
+                    for i in range(m):
+                        acc[i] = acc[i] + gk * z[i]
+                if mode == 2:
+                    fill_z(z, e0, t, k0, k1, dist)
+                    for i in range(m):
+                        pr = _load(p, i0 + i) + a * z[i]
+                        _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
+                else:
+                    for i in range(m):
+                        pr = _load(p, i0 + i)
+                        _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
+            if post:
+                fill_z(z, e0, t, pk0, pk1, dist)
+                for i in range(m):
+                    _store(q, i0 + i, _load(p, i0 + i) + pa * z[i])
 
 
 def _u(x) -> np.uint64:
