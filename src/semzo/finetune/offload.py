@@ -83,6 +83,15 @@ class HostStore:
                 i = pos.get(tensor_index(nm))
                 if i is not None:
                     self.name_of[i] = nm
+        if self.gpu:                      # the engine's tensors (and references): host arrays
+            import cupyx
+            for i, nm in self.name_of.items():
+                engine.tensors[i] = engine.tensors[i]._replace(array=self.host[nm])
+                if engine.copy:
+                    r = engine.ref[i].array
+                    pinned = cupyx.empty_pinned(r.shape, r.dtype)
+                    pinned[...] = r.get() if hasattr(r, "get") else r
+                    engine.ref[i] = engine.ref[i]._replace(array=pinned)
         self.slots: dict = {}            # slot key -> {name: device array}
         self.on_device: dict = {}        # stage -> (slot key, arrays, ref arrays)
         self.events: dict = {}           # slot key -> event after its last use (GPU)
