@@ -7,7 +7,11 @@ Model: all-MiniLM-L6-v2 (22.7M parameters) with a 16-class head, full-parameter 
 tensor trainable, as in MeZO), a batch of the first ``--batch`` fortunes padded to
 ``--length`` tokens. Printed figures:
 
-1. semzo step time / (2 x semzo forward time) on that batch (goal <= 1.10);
+1. semzo step time / (2 x semzo forward time) on that batch (goal <= 1.10), for the default
+   block-streamed schedule (two parameter passes per step, the update deferred) and for the
+   three-pass schedule, with Gaussian and Rademacher z; one parameter pass: the plain fused
+   read-modify-write (no z) against the perturbation with Gaussian and Rademacher z (goal: a
+   pass that generates z costs <= 1.2x the plain pass);
 2. semzo step time vs the MeZO-style torch step (MeZO's trainer: per tensor an out-of-place
    ``torch.normal`` perturbation +eps, forward, -2 eps, forward, +eps restore, then the update
    with z regenerated from the same seed), same model and batch, same threads;
@@ -15,7 +19,8 @@ tensor trainable, as in MeZO), a batch of the first ``--batch`` fortunes padded 
    <= 1.15x), and vs a backprop fine-tuning step in torch (AdamW, same model and batch): each
    measured in its own process as the peak RSS during the step (VmHWM, reset before it) above
    the RSS before the model is loaded, and for semzo also with tracemalloc (numpy's
-   allocations: the transient peak above the parameters);
+   allocations: the transient peak above the parameters), streamed and three-pass, and what
+   the streamed step's second branch state adds;
 4. ``--comm`` under mpirun: communication time as a share of the step time in data mode (the
    engine's time inside the exchange, which includes waiting for the slowest rank, and the
    exchange collective alone, timed after a barrier).
@@ -61,7 +66,7 @@ class Solo:
         return buf
 
 
-def semzo_setup(threads: int):
+def semzo_setup(threads: int, schedule: str = "streamed"):
     from semzo.backend import set_threads
     from semzo.finetune.engine import ZOEngine, ztensors
     from semzo.model import load_model
@@ -70,7 +75,51 @@ def semzo_setup(threads: int):
     m = load_model(None)
     m.add_classifier(16, normalize=True)
     tensors = ztensors(list(m.named_parameters()))
-    return m, ZOEngine(tensors, Solo(), eps=EPS, threads=threads)
+    return m, ZOEngine(tensors, Solo(), eps=EPS, threads=threads, schedule=schedule)
+
+
+def bench_task(m, ids, mask, labels):
+    """A classification task over one fixed batch (the stage interface for the streamed
+    step) and that batch."""
+    from semzo.finetune.loop import ClassifyTask
+
+    none = np.zeros(0, np.int64)
+    return ClassifyTask(m, [], labels, none, none, 0, 16), (ids, mask, labels, len(labels))
+
+
+def zo_step_fn(m, eng, ids, mask, labels, n):
+    """A function running one ZO step of ``eng``'s schedule per call (fresh step index)."""
+    task, b = bench_task(m, ids, mask, labels)
+    k = [0]
+
+    def zo():
+        k[0] += 1
+        if eng.schedule == "streamed":
+            eng.step_streamed(task, b, k[0], LR, n)
+        else:
+            eng.step(lambda: m.classify(ids, mask, labels)[0], k[0], LR, n)
+    return zo
+
+
+def pass_times(eng, reps: int) -> dict:
+    """One pass over every parameter: the plain fused read-modify-write (p <- p + a, no z,
+    same launch, chunks and bytes), the perturbation with Gaussian and Rademacher z, and the
+    streamed schedule's first pass (restore + update of one z, then + eps of another)."""
+    from semzo.finetune import kernels, rng
+    from semzo.finetune.perturb import _split
+
+    cpu, _ = _split(eng.tensors, 0.0)
+    k0, k1 = rng.split_seed(12345)
+    out = {}
+    with kernels.num_threads(eng.threads):
+        out["plain"] = best(lambda: kernels.run_pass(cpu, kernels.PLAIN, 0, k0, k1, a=0.0),
+                            reps)
+        for name, code in (("gaussian", 0), ("rademacher", 1)):
+            out[name] = best(lambda c=code: kernels.run_pass(cpu, kernels.PERTURB, c, k0, k1,
+                                                             a=0.0), reps)
+            out[name + "_first"] = best(lambda c=code: kernels.run_pass(
+                cpu, kernels.RESTORE_UPDATE, c, k0, k1, a=0.0, post=(k1, k0, 0.0)), reps)
+    return out
 
 
 def torch_setup(threads: int):
@@ -136,24 +185,26 @@ def timings(args) -> dict:
     ids, mask, labels = batch(args.batch, args.length)
     m, eng = semzo_setup(args.threads)
     fwd = best(lambda: m.classify(ids, mask, labels), args.reps)
-    k = [0]
-
-    def zo():
-        k[0] += 1
-        eng.step(lambda: m.classify(ids, mask, labels)[0], k[0], LR, args.batch)
-
-    step = best(zo, args.reps)
-    one_pass = best(lambda: eng._perturb(12345, 0.0), args.reps)
-    eng.dist = "rademacher"
-    step_r = best(zo, args.reps)
-    pass_r = best(lambda: eng._perturb(12345, 0.0), args.reps)
-    eng.dist = "gaussian"
+    out = {"semzo_forward_s": fwd, "trainable": eng.n_trainable}
+    for sched in ("streamed", "three-pass"):
+        eng.flush()
+        eng.schedule = sched
+        zo = zo_step_fn(m, eng, ids, mask, labels, args.batch)
+        for dist in ("gaussian", "rademacher"):
+            eng.flush()
+            eng.dist = dist
+            out[f"step_{sched}_{dist}_s"] = best(zo, args.reps)
+    eng.flush()
+    eng.dist, eng.schedule = "gaussian", "streamed"
+    out["passes"] = pass_times(eng, args.reps)
+    task, b = bench_task(m, ids, mask, labels)
+    st = task.stage_begin(b)
+    for k in range(task.stage_count()):
+        task.stage_run(k, st)
+    out["branch_state_bytes"] = st.nbytes_live()
     t = _child_json("--torch-times", args)
-    tfwd, tzo = t["torch_forward_s"], t["mezo_torch_step_s"]
-    return {"semzo_forward_s": fwd, "semzo_step_s": step, "semzo_param_pass_s": one_pass,
-            "semzo_step_rademacher_s": step_r, "semzo_param_pass_rademacher_s": pass_r,
-            "torch_forward_s": tfwd, "mezo_torch_step_s": tzo,
-            "trainable": eng.n_trainable}
+    out.update(torch_forward_s=t["torch_forward_s"], mezo_torch_step_s=t["mezo_torch_step_s"])
+    return out
 
 
 def torch_times(args) -> None:
@@ -213,11 +264,8 @@ def mem_child(what: str, args) -> None:
             def op():
                 m.classify(ids, mask, labels)
         else:
-            k = [0]
-
-            def op():
-                k[0] += 1
-                eng.step(lambda: m.classify(ids, mask, labels)[0], k[0], LR, args.batch)
+            eng.schedule = "three-pass" if what == "semzo-step-3pass" else "streamed"
+            op = zo_step_fn(m, eng, ids, mask, labels, args.batch)
         op()
         tracemalloc.start()
         t0 = tracemalloc.get_traced_memory()[0]
@@ -273,7 +321,8 @@ def _reset_peak() -> None:
 
 def memory(args) -> dict:
     return {what: _child_json("--mem", args, what)
-            for what in ("semzo-fwd", "semzo-step", "torch-mezo", "torch-backprop")}
+            for what in ("semzo-fwd", "semzo-step", "semzo-step-3pass", "torch-mezo",
+                         "torch-backprop")}
 
 
 def comm_share(args) -> None:
@@ -350,14 +399,26 @@ def main() -> None:
     print(f"ZO step, all-MiniLM-L6-v2 + 16-class head, full-parameter ({t['trainable']:,} "
           f"trainable), batch {args.batch} x {args.length} tokens, {args.threads} threads; "
           f"best of {args.reps}")
-    ratio = t["semzo_step_s"] / (2 * t["semzo_forward_s"])
-    print(f"  semzo forward {t['semzo_forward_s']:.3f} s, step {t['semzo_step_s']:.3f} s: "
-          f"step / (2 x forward) = {ratio:.3f} (goal <= 1.10); one parameter pass "
-          f"{t['semzo_param_pass_s'] * 1e3:.1f} ms")
-    rr = t["semzo_step_rademacher_s"] / (2 * t["semzo_forward_s"])
-    print(f"  with Rademacher z: step {t['semzo_step_rademacher_s']:.3f} s, ratio {rr:.3f}; "
-          f"one parameter pass {t['semzo_param_pass_rademacher_s'] * 1e3:.1f} ms")
-    sp = t["mezo_torch_step_s"] / t["semzo_step_s"]
+    fw = t["semzo_forward_s"]
+    ms = 1e3
+    step = t["step_streamed_gaussian_s"]
+    ratio = step / (2 * fw)
+    print(f"  schedule streamed (the default): semzo forward {fw:.3f} s, step {step:.3f} s: "
+          f"step / (2 x forward) = {ratio:.3f} (goal <= 1.10)")
+    s3 = t["step_three-pass_gaussian_s"]
+    print(f"  schedule three-pass: step {s3:.3f} s, ratio {s3 / (2 * fw):.3f}; streamed / "
+          f"three-pass = {step / s3:.3f}")
+    sr, s3r = t["step_streamed_rademacher_s"], t["step_three-pass_rademacher_s"]
+    print(f"  with Rademacher z: streamed step {sr:.3f} s, ratio {sr / (2 * fw):.3f}; "
+          f"three-pass {s3r:.3f} s, ratio {s3r / (2 * fw):.3f}")
+    ps = t["passes"]
+    print(f"  one pass over the parameters: plain read-modify-write (no z) "
+          f"{ps['plain'] * ms:.1f} ms; perturb Gaussian {ps['gaussian'] * ms:.1f} ms = "
+          f"{ps['gaussian'] / ps['plain']:.2f}x plain, Rademacher {ps['rademacher'] * ms:.1f} "
+          f"ms = {ps['rademacher'] / ps['plain']:.2f}x plain (goal <= 1.2x); streamed first "
+          f"pass (update + perturb, two z) Gaussian {ps['gaussian_first'] * ms:.1f} ms, "
+          f"Rademacher {ps['rademacher_first'] * ms:.1f} ms")
+    sp = t["mezo_torch_step_s"] / step
     print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
           f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
     pb = mem["semzo-step"]["param_bytes"]
@@ -372,6 +433,10 @@ def main() -> None:
           f"{zs / mib:.0f} MiB / forward {zf / mib:.0f} MiB = {zs / zf:.3f}")
     tb = mem["torch-backprop"]["footprint_bytes"]
     tm = mem["torch-mezo"]["footprint_bytes"]
+    s3m = mem["semzo-step-3pass"]["traced_peak_bytes"]
+    print(f"    three-pass step peak {s3m / mib:.1f} MiB; the streamed step's second branch "
+          f"state (lockstep) adds {t['branch_state_bytes'] / mib:.2f} MiB "
+          f"(B x T x H float32)")
     print(f"    RSS footprint: semzo ZO step {zs / mib:.0f} MiB, torch MeZO-style step "
           f"{tm / mib:.0f} MiB, torch backprop + AdamW step {tb / mib:.0f} MiB: semzo / "
           f"backprop = {zs / tb:.3f}, semzo / MeZO-torch = {zs / tm:.3f}")

@@ -37,6 +37,10 @@ BAD_DECKS = [
     ("set unknown key", "", ["cluster.kay=3"], "cluster.kay: unknown key"),
     ("set bad value", "", ["run.threads=-1"], "run.threads: must be >= 0"),
     ("set no section", "", ["threads=2"], "expected section.key=value"),
+    ("zo schedule", "[zo]\nschedule = \"twopass\"\n", [], "zo.schedule: 'twopass' is not one"),
+    ("zo offload", "", ["zo.offload=disk"], "zo.offload: 'disk' is not one"),
+    ("offload needs streamed", "[zo]\noffload = \"host\"\nschedule = \"three-pass\"\n", [],
+     "zo.offload: \"host\" streams stages and needs zo.schedule"),
 ]
 
 

@@ -48,3 +48,17 @@ def test_zo_nan_guard_stops_every_rank_mpi(tiny):
     assert "non-finite loss on rank 3" in proc.stderr
     assert "4 steps had a NaN or Inf loss (train.max_skips = 3)" in proc.stderr
     assert "unreachable" not in proc.stderr
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 4])
+def test_zo_streamed_equals_three_pass_mpi(tiny, nranks):
+    """zo.schedule = "streamed" (resident and simulated host offload) against the three-pass
+    step: losses and parameters bit for bit, every mode and restore, with a skipped step."""
+    proc = check(mpirun(nranks, [str(SCRIPTS / "zo_streamed.py"), str(tiny)], timeout=400,
+                        env=ENV))
+    assert f"ok: zo streamed on {nranks} ranks" in proc.stdout
+    for what in ("data/copy", "perturbation/copy", "perturbation/fused"):
+        for off in ("False", "True"):
+            assert f"ok: streamed {what} offload={off}" in proc.stdout, (what, off)
+    if nranks >= 2:
+        assert "ok: streamed hybrid/copy offload=True" in proc.stdout

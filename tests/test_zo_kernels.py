@@ -497,6 +497,20 @@ def test_cuda_c_source_built_for_cpu_gives_cpu_bits(tmp_path):
                 multi_update([ZTensor(t, b, off)], seeds, gs, 0.05, 0.1, eps=1e-3,
                              restore_seed=seed if restore else None, dist=dist)
                 assert bits_equal(a, b)
+            # the streamed schedule's fused pass (every op kind, then + pa z into q)
+            f = getattr(lib, f"zo_stream_{sfx}")
+            f.argtypes = [P, P, L, U, U, N, U, U, D, D, D, D, P, P, P, N, N, U, U, D, N]
+            pk0, pk1 = (int(k) for k in rng.split_seed(77))
+            for kind, mode in (("perturb", 0), ("restore_update", 1), ("multi_restore", 2),
+                               ("multi", 3), ("none", 4)):
+                op = perturb.Pending(kind, seed, 1e-3, 0.05, 2.5, 0.1, tuple(seeds), tuple(gs))
+                qa, qb = np.empty_like(a), np.empty_like(b)
+                f(a.ctypes.data, qa.ctypes.data, n, off, t, mode, k0, k1, 1e-3, 0.05, 2.5,
+                  0.1, k0s.ctypes.data, k1s.ctypes.data, gsa.ctypes.data, len(gs), 1, pk0,
+                  pk1, -2e-3, code)
+                perturb.apply_then_perturb([ZTensor(t, b, off)], op, 77, -2e-3, dst=[qb],
+                                           dist=dist)
+                assert bits_equal(a, b) and bits_equal(qa, qb), (kind, dtype, dist)
 
 
 SIM_SCRIPT = textwrap.dedent("""

@@ -163,6 +163,20 @@ class ZoSection:
                               "run on every rank. 0 = at the end only.", min=0)
     history: int = key(16, "How many recent (seed, g) pairs the training state keeps.",
                        min=1, max=100000)
+    schedule: str = key("streamed", "`streamed`: ZO2's block-streamed step, the model run "
+                        "stage by stage (embeddings, each block, head) with the + and - "
+                        "branches in lockstep, two parameter passes per step, each step's "
+                        "update applied in the next step's first pass (and before every "
+                        "checksum, evaluation, checkpoint and export); the same parameters "
+                        "as `three-pass` bit for bit. `three-pass`: perturb +eps, loss, "
+                        "perturb -2 eps, loss, restore + update (three passes).",
+                        choices=("streamed", "three-pass"))
+    offload: str = key("none", "`none`: parameters stay in device (or CPU) memory; `host`: "
+                       "they live in host memory and stream to the device one stage at a "
+                       "time, double-buffered (needs `schedule = \"streamed\"`). With "
+                       "run.device = \"cpu\" the device is simulated (separate buffers, "
+                       "explicit copies; for testing: bit-identical to `none`, no memory "
+                       "saved).", choices=("none", "host"))
 
 
 @dataclass(frozen=True)
@@ -437,6 +451,9 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     """Rules that involve several keys."""
     if d.model.dtype == "float16" and d.run.device == "cpu":
         raise DeckError(f"{d.source}: model.dtype: float16 weights need run.device = \"gpu\"")
+    if d.zo.offload == "host" and d.zo.schedule != "streamed":
+        raise DeckError(f"{d.source}: zo.offload: \"host\" streams stages and needs "
+                        f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")
     # inputs are checked only when a stage that reads them runs (so `semzo topology` works
     # without a corpus); defaults are checked too, not only the keys the deck sets
     if check_inputs and "embed" in d.run.stages:

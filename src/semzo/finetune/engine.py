@@ -34,6 +34,10 @@ copy (restore fused into the multi-update, as in one memory pass) and re-synchro
 replicas from rank 0 at every checksum. A NaN/Inf loss on any rank skips the step on every
 rank (the decision comes out of the same collective).
 
+Schedules (``[zo] schedule``): ``three-pass`` (above) or ``streamed`` (:mod:`.streamed`:
+the model runs stage by stage, both branches in lockstep, two passes per step, the update
+deferred into the next step's first pass; :meth:`ZOEngine.flush` applies a deferred update).
+
 Per-step seeds are a counter-based hash of (run seed, step, group), so a resumed run
 regenerates them (:func:`step_seed`).
 """
@@ -52,9 +56,18 @@ from mpi4py import MPI
 from ..backend import synchronize
 from ..runtime import EXIT_FAILURE, SemzoError
 from . import rng
-from .perturb import ZTensor, decays, multi_update, perturb, restore_update
+from .perturb import (
+    Pending,
+    ZTensor,
+    apply_then_perturb,
+    decays,
+    multi_update,
+    perturb,
+    restore_update,
+)
 
 MODES = ("data", "perturbation", "hybrid")
+SCHEDULES = ("three-pass", "streamed")
 _DOMAIN_SEED = np.uint64(0x5EED)
 _M32 = np.uint64(0xFFFFFFFF)
 _U32 = np.uint64(32)
@@ -179,9 +192,12 @@ class ZOEngine:
 
     def __init__(self, tensors: Sequence[ZTensor], topo, *, mode: str = "data",
                  eps: float = 1e-3, weight_decay: float = 0.0, dist: str = "gaussian",
-                 restore: str = "copy", run_seed: int = 0, threads: int | None = None) -> None:
+                 restore: str = "copy", run_seed: int = 0, threads: int | None = None,
+                 schedule: str = "three-pass", store=None) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown ZO mode {mode!r}")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown ZO schedule {schedule!r}")
         if restore not in ("copy", "fused"):
             raise ValueError(f"unknown restore {restore!r}")
         self.tensors = list(tensors)
@@ -204,6 +220,14 @@ class ZOEngine:
         if self.copy:
             self.ref = [z._replace(array=z.array.copy()) for z in self.tensors]
         self.loss_hook: Callable[[int, float], float] | None = None   # tests: inject NaN
+        self.schedule = schedule
+        self.pending: Pending | None = None    # streamed: the update not applied yet
+        self.pending_copy = False              # ... and it runs on the reference copy
+        self._groups: tuple | None = None
+        if store is None:
+            from .offload import ResidentStore
+            store = ResidentStore()
+        self.store = store
 
     # ------------------------------------------------------------------ public
     def seed_for(self, step: int, group: int | None = None) -> int:
@@ -216,12 +240,31 @@ class ZOEngine:
     def step(self, loss_fn: Callable[[], float], step: int, lr: float, n_local: int) -> StepResult:
         """One ZO step on the rank's batch (``loss_fn()`` evaluates it at the current
         parameters; ``n_local`` its size, the weight of this rank). Collective over the world."""
+        if self.pending is not None:
+            self.flush()
         seed = self.seed_for(step)
         t0 = time.perf_counter()
         self._perturb(seed, self.eps)
         lp = float(loss_fn())
         self._perturb(seed, -2.0 * self.eps)
         lm = float(loss_fn())
+        return self._finish(step, seed, lp, lm, n_local, lr, t0, streamed=False)
+
+    def step_streamed(self, task, batch, step: int, lr: float, n_local: float) -> StepResult:
+        """One ZO step with the block-streamed schedule (:mod:`.streamed`): ``task`` gives the
+        stages (``stage_count``, ``stage_params``, ``stage_begin``, ``stage_fork``,
+        ``stage_run``, ``loss_from_state``, ``tied_head``; see ``loop._Task``), ``batch`` its
+        prepared batch. The update is left pending (:meth:`flush`). Collective over the world;
+        the same results as :meth:`step` bit for bit once flushed."""
+        from .streamed import run_branches
+
+        seed = self.seed_for(step)
+        t0 = time.perf_counter()
+        lp, lm = run_branches(self, task, batch, seed)
+        return self._finish(step, seed, lp, lm, n_local, lr, t0, streamed=True)
+
+    def _finish(self, step, seed, lp, lm, n_local, lr, t0, *, streamed: bool) -> StepResult:
+        """Exchange and update (three-pass) or record the update as pending (streamed)."""
         if self.loss_hook is not None:
             lp = self.loss_hook(step, lp)
         g = (lp - lm) / (2.0 * self.eps)
@@ -233,21 +276,61 @@ class ZOEngine:
         t2 = time.perf_counter()
         ok = nbad == 0
         n_tot = float(ns.sum())
-        if ok and n_tot > 0:
-            w = gs * (ns / n_tot)
+        apply = ok and n_tot > 0
+        w = gs * (ns / n_tot) if apply else gs
+        if streamed:
+            from .streamed import pending_after
+
+            self.pending, self.pending_copy = pending_after(self, apply, seeds, w, seed, lr)
+        elif apply:
             self._update(seeds, w, seed, lr)
+        else:
+            self._undo(seed)
+        if apply:
             g_mean = float(w.sum())
             loss = float((losses * ns).sum() / n_tot)
         else:
-            self._undo(seed)
             g_mean, loss = math.nan, math.nan
         t3 = time.perf_counter()
         return StepResult(step, ok, g_mean, loss, seeds, gs, lp, lm,
                           compute_s=(t1 - t0) + (t3 - t2), comm_s=t2 - t1)
 
+    def flush(self) -> None:
+        """Apply the pending (deferred) update to every trainable tensor, so the parameters
+        equal what the three-pass step leaves. Local (no communication); a no-op when nothing
+        is pending. Call before any checksum, evaluation, checkpoint, export or cache build."""
+        if self.pending is None:
+            return
+        self.store.sync()
+        if self.pending_copy:
+            for grp, th in self.split_pairs(self.ref, self.tensors):
+                apply_then_perturb([r for r, _ in grp], self.pending, None,
+                                   dst=[z for _, z in grp], dist=self.dist, threads=th)
+        else:
+            for grp, th in self._split(self.tensors):
+                apply_then_perturb(grp, self.pending, None, dist=self.dist, threads=th)
+        self.pending, self.pending_copy = None, False
+
+    def stage_groups(self, task) -> list[list[int]]:
+        """Indices of ``self.tensors`` per stage of ``task`` (cached per task)."""
+        from .streamed import stage_groups
+
+        if self._groups is None or self._groups[0] is not task:
+            self._groups = (task, stage_groups(self, task))
+        return self._groups[1]
+
+    def split_pairs(self, refs, tens):
+        """:meth:`_split` of (ref, tensor) pairs by the tensor's size."""
+        pairs = list(zip(refs, tens))
+        small = [pr for pr in pairs if pr[1].array.size < SMALL or _xp(pr[1].array) is not np]
+        large = [pr for pr in pairs if not (pr[1].array.size < SMALL
+                                            or _xp(pr[1].array) is not np)]
+        return [(g, th) for g, th in ((small, 1), (large, self.threads)) if g]
+
     def verify(self, step: int) -> None:
         """Check (or, with ``restore = "fused"`` and several groups, re-establish) identical
         replicas. Collective over the world; raises :class:`ReplicaMismatch` on every rank."""
+        self.flush()
         if self.fused_groups:
             for z in self.tensors:
                 synchronize(z.array)

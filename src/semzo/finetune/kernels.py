@@ -36,6 +36,7 @@ from numba.extending import intrinsic, overload
 from . import rng
 
 CHUNK = 8192        # elements per parallel task (a multiple of 128, the Rademacher block)
+SUB = 1024          # elements per z buffer inside a task (8 KiB of float64: stays in L1)
 
 DEVICE_FUNCTIONS = ("philox4x32_10", "neg2_log_u", "cos_sin_2pi", "box_muller", "gauss4",
                     "gauss_at", "rad_words", "rad_bit", "rad_at")
@@ -197,7 +198,7 @@ def zvec_kernel(out, e0, t, k0, k1, dist):
 
 
 # ----------------------------------------------------------------------------- fused updates
-PERTURB, RESTORE_UPDATE, MULTI_RESTORE, MULTI = 0, 1, 2, 3
+PERTURB, RESTORE_UPDATE, MULTI_RESTORE, MULTI, NONE, PLAIN = 0, 1, 2, 3, 4, 5
 _NO_KEYS = np.zeros(0, np.uint64)
 _NO_GS = np.zeros(0, np.float64)
 STORAGE = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.uint16))   # uint16: float16
@@ -217,7 +218,7 @@ def _as_pointer(typingctx, addr, proto):
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr, g, k0s, k1s,
-                 gs, mode):
+                 gs, mode, dsts, post, pk0, pk1, pa):
     """One in-place pass over a list of tensors of proto's dtype, all chunks in one launch.
 
     Tensor j: flat array of sizes[j] elements at address addrs[j]; its element i is element
@@ -228,6 +229,11 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
     mode RESTORE_UPDATE: pr = p + a z;  p <- pr - lr (g z + wd pr)         (z made once)
     mode MULTI_RESTORE:  pr = p + a z;  p <- pr - lr (sum_k gs[k] z_k + wd pr)
     mode MULTI:          pr = p;        p <- pr - lr (sum_k gs[k] z_k + wd pr)
+    mode NONE:           p unchanged
+    mode PLAIN:          p <- p + a (no z: the memory-speed baseline of bench/zo_step.py)
+    then, if ``post``:   q <- p + pa z(pk0, pk1), q = the array at dsts[j] (p itself when 0),
+    reading p as stored (rounded): the same bits as a second pass, in the same memory pass
+    (the block-streamed schedule's first pass: the pending update, then the new +eps z).
     One kernel for every mode and tensor: one compilation per dtype, one thread-pool launch per
     pass (many small tensors cost no more launches than one large one).
     """
@@ -235,38 +241,52 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
     for c in prange(cstart[cstart.size - 1]):
         j = np.searchsorted(cstart, c, side="right") - 1
         p = numba.carray(_as_pointer(addrs[j], proto), sizes[j])
-        i0 = (c - cstart[j]) * CHUNK
-        m = min(CHUNK, sizes[j] - i0)
-        e0 = offs[j] + np.uint64(i0)
+        q = p if dsts[j] == 0 else numba.carray(_as_pointer(dsts[j], proto), sizes[j])
+        c0 = (c - cstart[j]) * CHUNK
+        mc = min(CHUNK, sizes[j] - c0)
         t = ts[j]
         wd = wds[j]
-        z = np.empty(m, np.float64)
-        if mode == 0:
-            fill_z(z, e0, t, k0, k1, dist)
-            for i in range(m):
-                _store(p, i0 + i, _load(p, i0 + i) + a * z[i])
-        elif mode == 1:
-            fill_z(z, e0, t, k0, k1, dist)
-            for i in range(m):
-                zi = z[i]
-                pr = _load(p, i0 + i) + a * zi
-                _store(p, i0 + i, pr - lr * (g * zi + wd * pr))
-        else:
-            acc = np.zeros(m, np.float64)
-            for k in range(npert):
-                fill_z(z, e0, t, k0s[k], k1s[k], dist)
-                gk = gs[k]
-                for i in range(m):
-                    acc[i] = acc[i] + gk * z[i]
-            if mode == 2:
+        zbuf = np.empty(SUB, np.float64)
+        abuf = np.empty(SUB, np.float64)
+        for s0 in range(0, mc, SUB):          # z of SUB elements at a time stays in L1
+            i0 = c0 + s0
+            m = min(SUB, mc - s0)
+            e0 = offs[j] + np.uint64(i0)
+            z = zbuf[:m]
+            if mode == 0:
                 fill_z(z, e0, t, k0, k1, dist)
                 for i in range(m):
-                    pr = _load(p, i0 + i) + a * z[i]
-                    _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
-            else:
+                    _store(p, i0 + i, _load(p, i0 + i) + a * z[i])
+            elif mode == 1:
+                fill_z(z, e0, t, k0, k1, dist)
                 for i in range(m):
-                    pr = _load(p, i0 + i)
-                    _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
+                    zi = z[i]
+                    pr = _load(p, i0 + i) + a * zi
+                    _store(p, i0 + i, pr - lr * (g * zi + wd * pr))
+            elif mode == 5:
+                for i in range(m):
+                    _store(p, i0 + i, _load(p, i0 + i) + a)
+            elif mode != 4:
+                acc = abuf[:m]
+                acc[:] = 0.0
+                for k in range(npert):
+                    fill_z(z, e0, t, k0s[k], k1s[k], dist)
+                    gk = gs[k]
+                    for i in range(m):
+                        acc[i] = acc[i] + gk * z[i]
+                if mode == 2:
+                    fill_z(z, e0, t, k0, k1, dist)
+                    for i in range(m):
+                        pr = _load(p, i0 + i) + a * z[i]
+                        _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
+                else:
+                    for i in range(m):
+                        pr = _load(p, i0 + i)
+                        _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
+            if post:
+                fill_z(z, e0, t, pk0, pk1, dist)
+                for i in range(m):
+                    _store(q, i0 + i, _load(p, i0 + i) + pa * z[i])
 
 
 def _u(x) -> np.uint64:
@@ -275,23 +295,33 @@ def _u(x) -> np.uint64:
 
 def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 0.0,
              g: float = 0.0, k0s: np.ndarray = _NO_KEYS, k1s: np.ndarray = _NO_KEYS,
-             gs: np.ndarray = _NO_GS) -> None:
+             gs: np.ndarray = _NO_GS, post: tuple | None = None) -> None:
     """One fused pass (``mode``, see :func:`fused_kernel`) over ``entries``, in place.
 
-    entries: (p, off, t, wd) with p a flat C-contiguous writeable numpy array of float32,
-    float64 or uint16 (the view of float16 storage). One kernel launch per storage dtype.
+    entries: (p, off, t, wd) or (p, off, t, wd, dst) with p a flat C-contiguous writeable
+    numpy array of float32, float64 or uint16 (the view of float16 storage) and dst None or an
+    array like p. ``post`` = (pk0, pk1, pa): after the mode's operation, dst (or p) <- p +
+    pa z(pk0, pk1) in the same pass. One kernel launch per storage dtype.
     ValueError if two arrays share memory (the chunks run concurrently).
     """
     groups: dict[np.dtype, list] = {}
     spans = []
-    for p, off, t, wd in entries:
-        if p.dtype not in STORAGE or p.ndim != 1 or not p.flags.c_contiguous \
-                or not p.flags.writeable:
-            raise ValueError(f"tensor {t}: need a flat, C-contiguous, writeable array of "
-                             f"float32/float64/uint16, got {p.dtype} {p.shape}")
+    for ent in entries:
+        p, off, t, wd = ent[:4]
+        dst = ent[4] if len(ent) > 4 else None
+        for arr in (p,) if dst is None else (p, dst):
+            if arr.dtype not in STORAGE or arr.ndim != 1 or not arr.flags.c_contiguous \
+                    or not arr.flags.writeable:
+                raise ValueError(f"tensor {t}: need a flat, C-contiguous, writeable array of "
+                                 f"float32/float64/uint16, got {arr.dtype} {arr.shape}")
+        if dst is not None and (dst.dtype != p.dtype or dst.size != p.size):
+            raise ValueError(f"tensor {t}: destination {dst.dtype} {dst.shape} does not match "
+                             f"{p.dtype} {p.shape}")
         if p.size:
-            groups.setdefault(p.dtype, []).append((p, off, t, wd))
+            groups.setdefault(p.dtype, []).append((p, off, t, wd, dst))
             spans.append((p.ctypes.data, p.ctypes.data + p.nbytes, t))
+            if dst is not None:
+                spans.append((dst.ctypes.data, dst.ctypes.data + dst.nbytes, t))
     spans.sort()
     for (_, hi, t0), (lo, _, t1) in itertools.pairwise(spans):
         if lo < hi:
@@ -301,15 +331,18 @@ def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 
     gs = np.ascontiguousarray(gs, np.float64)
     if not k0s.size == k1s.size == gs.size:
         raise ValueError("k0s, k1s and gs must have the same length")
+    pk0, pk1, pa = post if post is not None else (0, 0, 0.0)
     for dt, items in groups.items():
-        sizes = np.array([p.size for p, _, _, _ in items], np.int64)
+        sizes = np.array([it[0].size for it in items], np.int64)
         cstart = np.zeros(len(items) + 1, np.int64)
         np.cumsum((sizes + CHUNK - 1) // CHUNK, out=cstart[1:])
-        fused_kernel(np.empty(0, dt), np.array([p.ctypes.data for p, _, _, _ in items], np.uint64),
-                     sizes, np.array([o for _, o, _, _ in items], np.uint64),
-                     np.array([t for _, _, t, _ in items], np.uint64),
-                     np.array([w for _, _, _, w in items], np.float64), cstart, int(dist),
-                     _u(k0), _u(k1), float(a), float(lr), float(g), k0s, k1s, gs, int(mode))
+        dsts = np.array([0 if it[4] is None else it[4].ctypes.data for it in items], np.uint64)
+        fused_kernel(np.empty(0, dt), np.array([it[0].ctypes.data for it in items], np.uint64),
+                     sizes, np.array([it[1] for it in items], np.uint64),
+                     np.array([it[2] for it in items], np.uint64),
+                     np.array([it[3] for it in items], np.float64), cstart, int(dist),
+                     _u(k0), _u(k1), float(a), float(lr), float(g), k0s, k1s, gs, int(mode),
+                     dsts, post is not None, _u(pk0), _u(pk1), float(pa))
 
 
 def perturb(p: np.ndarray, off: int, t: int, k0, k1, dist: int, scale: float) -> None:

@@ -225,6 +225,28 @@ ZO_GLOBAL zo_multi_update_##S(T* p, long long n, u64 off, u64 t, const u64* k0s,
     if (restore) pr = pr + eps * zo_z(e, t, rk0, rk1, dist);                                  \
     ZO_STORE_##S(p, i, pr - lr * (acc + wd * pr));                                            \
   }                                                                                           \
+}                                                                                             \
+ZO_GLOBAL zo_stream_##S(T* p, T* q, long long n, u64 off, u64 t, int mode, u64 k0, u64 k1,   \
+                        double a, double lr, double g, double wd, const u64* k0s,             \
+                        const u64* k1s, const double* gs, int npert, int post, u64 pk0,       \
+                        u64 pk1, double pa, int dist) {                                       \
+  ZO_FOR(i, n) {                                                                              \
+    u64 e = off + (u64)i;                                                                     \
+    if (mode == 0) {                                                                          \
+      ZO_STORE_##S(p, i, ZO_LOAD_##S(p, i) + a * zo_z(e, t, k0, k1, dist));                   \
+    } else if (mode == 1) {                                                                   \
+      double z = zo_z(e, t, k0, k1, dist);                                                    \
+      double pr = ZO_LOAD_##S(p, i) + a * z;                                                  \
+      ZO_STORE_##S(p, i, pr - lr * (g * z + wd * pr));                                        \
+    } else if (mode == 2 || mode == 3) {                                                      \
+      double acc = 0.0;                                                                       \
+      for (int k = 0; k < npert; ++k) acc = acc + gs[k] * zo_z(e, t, k0s[k], k1s[k], dist);   \
+      double pr = ZO_LOAD_##S(p, i);                                                          \
+      if (mode == 2) pr = pr + a * zo_z(e, t, k0, k1, dist);                                  \
+      ZO_STORE_##S(p, i, pr - lr * (acc + wd * pr));                                          \
+    }                                                                                         \
+    if (post) ZO_STORE_##S(q, i, ZO_LOAD_##S(p, i) + pa * zo_z(e, t, pk0, pk1, dist));        \
+  }                                                                                           \
 }
 
 ZO_DEFINE(f32, float)
@@ -347,6 +369,24 @@ def multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1, eps, dist) 
                  (q, np.int64(n), _u(off), _u(t), dk0, dk1, dgs, np.int32(dgs.size),
                   np.float64(lr), np.float64(wd), np.int32(bool(restore)), _u(rk0), _u(rk1),
                   np.float64(eps), np.int32(dist)))
+
+
+def stream_pass(p, q, off, t, mode, k0, k1, a, lr, g, wd, k0s, k1s, gs, post, pk0, pk1, pa,
+                dist) -> None:
+    """The block-streamed schedule's fused pass (kernels.fused_kernel's modes, then ``post``:
+    q <- p + pa z(pk0, pk1), q may be p), one launch, CuPy only. k0s, k1s, gs: host arrays."""
+    import cupy
+    sfx, pp = _storage(p)
+    _, qq = _storage(q)
+    n = p.size
+    dk0 = cupy.asarray(np.asarray(k0s, np.uint64))
+    dk1 = cupy.asarray(np.asarray(k1s, np.uint64))
+    dgs = cupy.asarray(np.asarray(gs, np.float64))
+    _cupy_launch(f"zo_stream_{sfx}", n,
+                 (pp, qq, np.int64(n), _u(off), _u(t), np.int32(mode), _u(k0), _u(k1),
+                  np.float64(a), np.float64(lr), np.float64(g), np.float64(wd), dk0, dk1, dgs,
+                  np.int32(dgs.size), np.int32(bool(post)), _u(pk0), _u(pk1), np.float64(pa),
+                  np.int32(dist)))
 
 
 # ----------------------------------------------------------------------------- numba.cuda backend

@@ -72,7 +72,33 @@ class TrainState:
 
 # ----------------------------------------------------------------------------- tasks
 class _Task:
-    """Token sequences of the rank's rows, training batches and held-out evaluation."""
+    """Token sequences of the rank's rows, training batches and held-out evaluation.
+
+    What a task gives the loop and the engine (a new task implements these):
+
+    * ``batch(positions) -> batch``: a prepared training batch of ``train_rows[positions]``;
+      ``batch[3]`` (or ``batch_weight(batch)``) its weight n in the n-weighted averages;
+    * ``loss(batch) -> float``: the loss at the current parameters (three-pass schedule);
+    * ``eval_sums()`` / ``eval_batch(rows)``: held-out sums (see :meth:`eval_sums`);
+    * the streamed schedule (``zo.schedule = "streamed"``, :mod:`.streamed`) runs the loss
+      stage by stage, two branches interleaved:
+
+      - ``stage_count() -> int`` and ``stage_params(k) -> list[str]``: the stages and the
+        names of ``model.params`` each reads (every trainable tensor in exactly one stage;
+        by default the model's stages, see :mod:`semzo.model.base`);
+      - ``stage_begin(batch) -> state`` (reads no parameter), ``stage_fork(state) -> state``
+        (an independent copy for the other branch), ``stage_run(k, state) -> state`` (reads
+        only stage k's parameters; stages run in order 0, 1, ...);
+      - ``loss_from_state(state, batch) -> float``: the loss from the state after the last
+        stage; it may read only the last stage's parameters, unless ``tied_head`` is True
+        (it also reads stage 0's: the engine then keeps stage 0 at +eps until L+ is read).
+
+      ``loss_from_state`` after running every stage must equal ``loss(batch)`` bit for bit
+      (tests/test_zo_streamed.py checks this for every task). An empty batch (n = 0) may use
+      ``None`` as its state; its loss is 0.0.
+    """
+
+    tied_head = False
 
     def __init__(self, model, seqs: list[np.ndarray], labels: np.ndarray,
                  train_rows: np.ndarray, heldout_rows: np.ndarray, pad_id: int,
@@ -91,6 +117,26 @@ class _Task:
         return ids, mask, self.labels[rows], len(rows)
 
     def loss(self, batch) -> float:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ stages (streamed)
+    def stage_count(self) -> int:
+        return self.model.n_stages
+
+    def stage_params(self, k: int) -> list[str]:
+        return self.model.stage_names(k)
+
+    def stage_begin(self, batch):
+        ids, mask, _, n = batch
+        return self.model.stage_start(ids, mask) if n else None
+
+    def stage_fork(self, state):
+        return None if state is None else state.fork()
+
+    def stage_run(self, k: int, state):
+        return None if state is None else self.model.stage_forward(k, state)
+
+    def loss_from_state(self, state, batch) -> float:
         raise NotImplementedError
 
     def eval_sums(self) -> np.ndarray:
@@ -118,6 +164,11 @@ class ClassifyTask(_Task):
             return 0.0
         return self.model.classify(ids, mask, labels)[0]
 
+    def loss_from_state(self, state, batch) -> float:
+        if state is None:
+            return 0.0
+        return self.model.classify_hidden(state.hidden, state.maskf, batch[2])[0]
+
     def eval_batch(self, rows) -> tuple[float, float]:
         ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
         return self.model.classify(ids, mask, self.labels[rows])[:2]
@@ -133,6 +184,15 @@ class LMTask(_Task):
         if n == 0:
             return 0.0
         return self.model.next_token_loss(ids, mask)
+
+    @property
+    def tied_head(self) -> bool:
+        return bool(self.model.tied_head)
+
+    def loss_from_state(self, state, batch) -> float:
+        if state is None:
+            return 0.0
+        return self.model.next_token_loss_from_hidden(state.hidden, state.ids, state.maskf)
 
     def eval_sums(self) -> np.ndarray:
         out = np.zeros(3)
@@ -179,6 +239,24 @@ class FeatureClassifyTask(_Task):
     def loss(self, batch) -> float:
         rows, _, _, n = batch
         return self._loss_acc(rows)[0] if n else 0.0
+
+    def stage_count(self) -> int:
+        return 1
+
+    def stage_params(self, k: int) -> list[str]:
+        return ["classifier.weight", "classifier.bias"]
+
+    def stage_begin(self, batch):
+        return batch[0] if batch[3] else None
+
+    def stage_fork(self, state):
+        return state
+
+    def stage_run(self, k: int, state):
+        return state
+
+    def loss_from_state(self, state, batch) -> float:
+        return self._loss_acc(state)[0] if state is not None else 0.0
 
     def eval_batch(self, rows) -> tuple[float, float]:
         return self._loss_acc(rows)
@@ -239,6 +317,24 @@ class PrefixCachedClassifyTask(_Task):
         x, mask, labels, n = batch
         return self._classify(x, mask, labels)[0] if n else 0.0
 
+    def stage_count(self) -> int:
+        return self.model.n_stages - 1 - self.layer
+
+    def stage_params(self, k: int) -> list[str]:
+        return self.model.stage_names(self.layer + 1 + k)
+
+    def stage_begin(self, batch):
+        x, mask, _, n = batch
+        return self.model.stage_start_from(x, mask, self.layer) if n else None
+
+    def stage_run(self, k: int, state):
+        return None if state is None else self.model.stage_forward(self.layer + 1 + k, state)
+
+    def loss_from_state(self, state, batch) -> float:
+        if state is None:
+            return 0.0
+        return self.model.classify_hidden(state.hidden, batch[1], batch[2])[0]
+
     def eval_batch(self, rows) -> tuple[float, float]:
         x, mask = self._inputs(rows)
         return self._classify(x, mask, self.labels[rows])[:2]
@@ -297,7 +393,10 @@ def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
         positions, state.epoch, state.pos = batcher.next(state.epoch, state.pos)
         batch = task.batch(positions)
         weight = task.batch_weight(batch) if hasattr(task, "batch_weight") else batch[3]
-        res = engine.step(lambda b=batch: task.loss(b), step, lr, weight)
+        if engine.schedule == "streamed":
+            res = engine.step_streamed(task, batch, step, lr, weight)
+        else:
+            res = engine.step(lambda b=batch: task.loss(b), step, lr, weight)
         if on_comm is not None:
             on_comm(res.comm_s)
         state.lr = lr
@@ -325,6 +424,7 @@ def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
         if cfg.checksum_every and done % cfg.checksum_every == 0 and done < cfg.steps:
             engine.verify(step)
         if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+            engine.flush()                 # evaluation sees the updated model
             loss, acc, n = evaluate(task, topo)
             if on_row is not None:
                 on_row({"kind": "eval", "step": done, "heldout_loss": loss, "heldout_acc": acc,

@@ -174,6 +174,117 @@ def multi_update(params: Iterable, seeds: Sequence[int], gs: Sequence[float], lr
                             float(wd) if z.decay else 0.0, restore, rk0, rk1, float(eps), code)
 
 
+class Pending(NamedTuple):
+    """A parameter operation deferred to the next pass over the tensors (the block-streamed
+    schedule applies step t's update in step t+1's first pass).
+
+    kind: "none"; "perturb" (p += eps z(seed): undo a skipped step's -eps state);
+    "restore_update" (:func:`restore_update` with seed, eps, lr, g, wd); "multi" or
+    "multi_restore" (:func:`multi_update` with seeds, gs, lr, wd and, for "multi_restore",
+    the restore of ``seed`` scaled by eps).
+    """
+
+    kind: str = "none"
+    seed: int = 0
+    eps: float = 0.0
+    lr: float = 0.0
+    g: float = 0.0
+    wd: float = 0.0
+    seeds: tuple = ()
+    gs: tuple = ()
+
+
+_MODES = {"none": kernels.NONE, "perturb": kernels.PERTURB,
+          "restore_update": kernels.RESTORE_UPDATE, "multi": kernels.MULTI,
+          "multi_restore": kernels.MULTI_RESTORE}
+
+
+def apply_then_perturb(params: Sequence, op: Pending, post_seed: int | None,
+                       post_scale: float = 0.0, *, dst: Sequence | None = None,
+                       dist: str = "gaussian", threads: int | None = None) -> None:
+    """Apply the deferred ``op`` to ``params`` and then ``q <- p + post_scale z(post_seed)``
+    in ONE memory pass (numpy; cupy: the same kernels one after the other, same bits).
+
+    q is ``params`` itself, or ``dst`` (ZTensors or arrays like params, same order): then
+    params keep the op's result (the reference copy of ``zo.restore = "copy"``) and dst gets
+    the perturbed values. ``post_seed`` None: the op alone (a flush), and with ``dst`` the
+    op's result is copied into dst. Every element equals the separate passes bit for bit: the
+    op's result is rounded to the storage type and read back before the perturbation.
+    """
+    if op.kind not in _MODES:
+        raise ValueError(f"unknown pending operation {op.kind!r}")
+    ents = _entries(params)
+    dz = _entries([(z.t, d.array if isinstance(d, ZTensor) else d, z.offset, z.decay)
+                   for z, d in zip(ents, dst)]) if dst is not None else None
+    if dz is not None and len(dz) != len(ents):
+        raise ValueError("dst must have one array per tensor")
+    code = rng.dist_code(dist)
+    k0, k1 = rng.split_seed(op.seed)
+    keys = [rng.split_seed(s) for s in op.seeds]
+    k0s = np.array([k[0] for k in keys], np.uint64)
+    k1s = np.array([k[1] for k in keys], np.uint64)
+    gsa = np.asarray(op.gs, np.float64).reshape(-1)
+    mode = _MODES[op.kind]
+    post = None
+    if post_seed is not None:
+        pk0, pk1 = rng.split_seed(post_seed)
+        post = (pk0, pk1, float(post_scale))
+    cpu, gpu = [], []
+    for i, z in enumerate(ents):
+        d = dz[i] if dz is not None else None
+        if is_cupy(z.array):
+            gpu.append((z, d))
+            continue
+        flat = _flat_numpy(z.array, z.t)
+        fd = _flat_numpy(d.array, d.t) if d is not None else None
+        wdt = float(op.wd) if z.decay else 0.0
+        if post is None and fd is not None:
+            cpu.append((flat, int(z.offset), int(z.t), wdt, None, fd))
+        else:
+            cpu.append((flat, int(z.offset), int(z.t), wdt, fd, None))
+    with kernels.num_threads(threads):
+        if cpu and (mode != kernels.NONE or post is not None):
+            kernels.run_pass([c[:5] if c[4] is not None else c[:4] for c in cpu], mode, code,
+                             k0, k1, a=op.eps, lr=op.lr, g=op.g, k0s=k0s, k1s=k1s, gs=gsa,
+                             post=post)
+        for c in cpu:
+            if c[5] is not None:
+                np.copyto(c[5], c[0])
+    for z, d in gpu:
+        _gpu_apply_then_perturb(z, d, op, mode, post, code, k0, k1, k0s, k1s, gsa)
+
+
+def _gpu_apply_then_perturb(z: ZTensor, d, op: Pending, mode, post, code, k0, k1, k0s, k1s,
+                            gsa) -> None:
+    """CuPy: one fused launch (``kernels_gpu.stream_pass``, the CUDA twin of the CPU pass);
+    with the numba.cuda backend the op's kernel, a copy into dst, then the perturbation
+    (separate launches, the same bits)."""
+    g = _gpu()
+    p = _flat_cupy(z.array, z.t)
+    wdt = float(op.wd) if z.decay else 0.0
+    q = _flat_cupy(d.array, d.t) if d is not None else p
+    if not g._use_numba():
+        if mode != kernels.NONE or post is not None:
+            pk0, pk1, pa = post if post is not None else (0, 0, 0.0)
+            g.stream_pass(p, q, z.offset, z.t, mode, k0, k1, float(op.eps), float(op.lr),
+                          float(op.g), wdt, k0s, k1s, gsa, post is not None, pk0, pk1, pa, code)
+        if post is None and d is not None:
+            q[...] = p
+        return
+    if mode == kernels.PERTURB:
+        g.perturb(p, z.offset, z.t, k0, k1, code, float(op.eps))
+    elif mode == kernels.RESTORE_UPDATE:
+        g.restore_update(p, z.offset, z.t, k0, k1, code, float(op.eps), float(op.lr),
+                         float(op.g), wdt)
+    elif mode in (kernels.MULTI, kernels.MULTI_RESTORE):
+        g.multi_update(p, z.offset, z.t, k0s, k1s, gsa, float(op.lr), wdt,
+                       mode == kernels.MULTI_RESTORE, k0, k1, float(op.eps), code)
+    if d is not None:
+        q[...] = p
+    if post is not None:
+        g.perturb(q, z.offset, z.t, post[0], post[1], code, post[2])
+
+
 def zvec(seed: int, t: int, start: int, count: int, dist: str = "gaussian",
          *, threads: int | None = None) -> np.ndarray:
     """z(seed, t, e) for e in [start, start + count) as a float32 numpy array (reference/tests).
@@ -192,4 +303,4 @@ def zvec(seed: int, t: int, start: int, count: int, dist: str = "gaussian",
     return out
 
 
-__all__ = ["ZTensor", "decays", "is_cupy", "multi_update", "perturb", "restore_update", "zvec"]
+__all__ = ["Pending", "ZTensor", "apply_then_perturb", "decays", "is_cupy", "multi_update", "perturb", "restore_update", "zvec"]

@@ -218,7 +218,16 @@ def run_finetune_stage(ctx) -> dict:
                                                 train_idx.size, rows.label_names)
     tensors = ztensors([(n, model.params[n]) for n in names])
     engine = ZOEngine(tensors, topo, mode=z.mode, eps=z.eps, weight_decay=z.weight_decay,
-                      dist=z.dist, restore=z.restore, run_seed=deck.run.seed)
+                      dist=z.dist, restore=z.restore, run_seed=deck.run.seed,
+                      schedule=z.schedule)
+    if z.offload == "host":
+        from .offload import HostStore
+
+        engine.store = HostStore(model, task, engine, device=deck.run.device)
+        log.info("finetune: zo.offload = \"host\": parameters in host memory, %d stages "
+                 "streamed to the %s one at a time%s", task.stage_count(),
+                 "GPU" if deck.run.device == "gpu" else "simulated device",
+                 "" if deck.run.device == "gpu" else " (testing: no memory saved)")
     n_tr = engine.n_trainable
     n_all = model.num_parameters(include_frozen=True)
     log.info("finetune: task %s, %s model, trainable %s: %d tensors, %d of %d parameters "
@@ -243,7 +252,8 @@ def run_finetune_stage(ctx) -> dict:
     t0, first_step = time.perf_counter(), state.step
     cfg = LoopConfig.from_deck(deck)
     cfg.steps = steps
-    saver = _StepSaver(ck, model, names, train_idx.size, centroids=_centroids(ctx), topo=topo)
+    saver = _StepSaver(ck, model, names, train_idx.size, centroids=_centroids(ctx), topo=topo,
+                       flush=engine.flush)
     state = train(engine, task, batcher, state, cfg,
                   on_row=saver.on_row(metrics.add), on_comm=add_comm, on_step=saver)
     secs = time.perf_counter() - t0
@@ -349,9 +359,10 @@ class _StepSaver:
     passes the same numbers). ``SEMZO_TEST_KILL`` = ``"rank:step"`` SIGKILLs that rank after
     that step (fault tests only)."""
 
-    def __init__(self, ck, model, names, n_local, *, centroids, topo) -> None:
+    def __init__(self, ck, model, names, n_local, *, centroids, topo, flush=None) -> None:
         import os
 
+        self.flush = flush or (lambda: None)     # the streamed step's deferred update
         self.ck, self.model, self.names, self.n_local = ck, model, names, int(n_local)
         self.extras, self.topo = centroids, topo
         self.last: dict = {}
@@ -384,6 +395,7 @@ class _StepSaver:
 
             os.kill(os.getpid(), signal.SIGKILL)
         if self.ck.due(state.step):
+            self.flush()                          # save exactly the updated model
             params, d, per_rank, metrics = self._payload(state)
             self.ck.save(state.step, params, d, per_rank, self.extras, metrics)
         else:
@@ -393,6 +405,7 @@ class _StepSaver:
         """The last checkpoint (a no-op when this step was just saved), then close."""
         try:
             if state.step != self.ck.last_step:
+                self.flush()
                 params, d, per_rank, metrics = self._payload(state)
                 self.ck.save(state.step, params, d, per_rank, self.extras, metrics)
         finally:

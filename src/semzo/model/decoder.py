@@ -45,35 +45,78 @@ class Decoder(TransformerBase):
         return mods
 
     def _hidden(self, ids, maskf):
-        """Final hidden states after ``ln_f`` (B, T, H), model dtype."""
+        """Final hidden states after ``ln_f`` (B, T, H), model dtype: the composition of the
+        stages (one code path, so :meth:`stage_forward` equals it bit for bit)."""
+        part = self._stage_init(ids, maskf)
+        for k in range(self.n_stages):
+            self._stage_run(k, part)
+        return part["out"]
+
+    # --- stages (see semzo.model.base): 0 embeddings, 1 + i block i, L + 1 ln_f and head --
+    @property
+    def tied_head(self) -> bool:
+        """True when the LM head reads ``wte.weight`` (no ``lm_head.weight`` of its own)."""
+        return "lm_head.weight" not in self.params
+
+    def _base_stage(self, name: str) -> int | None:
+        pre = self.prefix
+        if name in (f"{pre}wte.weight", f"{pre}wpe.weight"):
+            return 0
+        if name.startswith(f"{pre}h."):
+            i = name[len(pre) + 2:].split(".", 1)[0]
+            if i.isdigit() and int(i) < self.config.num_layers:
+                return int(i) + 1
+        return None
+
+    def _stage_run(self, k: int, part: dict) -> None:
+        """Stage k on one row block. The residual stream ``x`` and the last sub-block's output
+        with its bias added (``pend``, not yet in ``x``) travel between stages, so the next
+        block's ``ln_1`` (or ``ln_f``) is read by the stage it belongs to."""
         xp, cfg, p, pre = self.xp, self.config, self.params, self.prefix
-        bsz, t = ids.shape
+        bsz, t, ids, maskf = part["b"], part["t"], part["ids"], part["maskf"]
         n, h, nh, d = bsz * t, cfg.hidden_size, cfg.num_heads, cfg.head_dim
         dt, eps = self.dtype, cfg.layer_norm_eps
-        x = xp.empty((n, h), dtype=dt)      # residual stream
-        a = xp.empty((n, h), dtype=dt)      # normalized input of the next sub-block
-        embed_sum(ids, p[f"{pre}wte.weight"], p[f"{pre}wpe.weight"], xp.zeros(h, dtype=dt), x)
-        layernorm(x, p[f"{pre}h.0.ln_1.weight"], p[f"{pre}h.0.ln_1.bias"], eps, out=a)
-        qkv, scores, ctx, tmp, inter, scale, s4 = self._layer_buffers(bsz, t)
-        for i in range(cfg.num_layers):
-            pl = f"{pre}h.{i}."
-            self._proj(a, f"{pl}attn.c_attn", qkv)
-            qkv += p[f"{pl}attn.c_attn.bias"]
-            q5 = qkv.reshape(bsz, t, 3, nh, d)
-            matmul_into(q5[:, :, 0].transpose(0, 2, 1, 3), q5[:, :, 1].transpose(0, 2, 3, 1),
-                        s4)
-            masked_softmax(scores, maskf, scale, nh, causal=True)
-            matmul_into(s4, q5[:, :, 2].transpose(0, 2, 1, 3), ctx.transpose(0, 2, 1, 3))
-            self._proj(ctx.reshape(n, h), f"{pl}attn.c_proj", tmp)
-            bias_residual_layernorm(tmp, p[f"{pl}attn.c_proj.bias"], x, p[f"{pl}ln_2.weight"],
-                                    p[f"{pl}ln_2.bias"], eps, out=a)
-            self._proj(a, f"{pl}mlp.c_fc", inter)
-            bias_act(inter, p[f"{pl}mlp.c_fc.bias"], cfg.hidden_act)
-            self._proj(inter, f"{pl}mlp.c_proj", tmp)
-            nxt = f"{pre}h.{i + 1}.ln_1" if i + 1 < cfg.num_layers else f"{pre}ln_f"
-            bias_residual_layernorm(tmp, p[f"{pl}mlp.c_proj.bias"], x, p[f"{nxt}.weight"],
-                                    p[f"{nxt}.bias"], eps, out=a)
-        return a.reshape(bsz, t, h)
+        zero = xp.zeros(h, dtype=dt)
+        if k == 0:
+            part["x"] = x = xp.empty((n, h), dtype=dt)        # residual stream
+            embed_sum(ids, p[f"{pre}wte.weight"], p[f"{pre}wpe.weight"], zero, x)
+            part["pend"] = None
+            return
+        x, pend = part["x"], part["pend"]
+        if k == cfg.num_layers + 1:
+            out = xp.empty((n, h), dtype=dt)
+            if pend is None:
+                layernorm(x, p[f"{pre}ln_f.weight"], p[f"{pre}ln_f.bias"], eps, out=out)
+            else:
+                bias_residual_layernorm(pend, zero, x, p[f"{pre}ln_f.weight"],
+                                        p[f"{pre}ln_f.bias"], eps, out=out)
+            part["out"] = out.reshape(bsz, t, h)
+            return
+        bufs = part["bufs"]
+        if bufs[0] is None:
+            bufs[0] = (*self._layer_buffers(bsz, t), xp.empty((n, h), dtype=dt))
+        qkv, scores, ctx, tmp, inter, scale, s4, a = bufs[0]
+        pl = f"{pre}h.{k - 1}."
+        if pend is None:
+            layernorm(x, p[f"{pl}ln_1.weight"], p[f"{pl}ln_1.bias"], eps, out=a)
+        else:
+            bias_residual_layernorm(pend, zero, x, p[f"{pl}ln_1.weight"], p[f"{pl}ln_1.bias"],
+                                    eps, out=a)
+        self._proj(a, f"{pl}attn.c_attn", qkv)
+        qkv += p[f"{pl}attn.c_attn.bias"]
+        q5 = qkv.reshape(bsz, t, 3, nh, d)
+        matmul_into(q5[:, :, 0].transpose(0, 2, 1, 3), q5[:, :, 1].transpose(0, 2, 3, 1), s4)
+        masked_softmax(scores, maskf, scale, nh, causal=True)
+        matmul_into(s4, q5[:, :, 2].transpose(0, 2, 1, 3), ctx.transpose(0, 2, 1, 3))
+        self._proj(ctx.reshape(n, h), f"{pl}attn.c_proj", tmp)
+        bias_residual_layernorm(tmp, p[f"{pl}attn.c_proj.bias"], x, p[f"{pl}ln_2.weight"],
+                                p[f"{pl}ln_2.bias"], eps, out=a)
+        self._proj(a, f"{pl}mlp.c_fc", inter)
+        bias_act(inter, p[f"{pl}mlp.c_fc.bias"], cfg.hidden_act)
+        if pend is None:
+            part["pend"] = pend = xp.empty((n, h), dtype=dt)
+        self._proj(inter, f"{pl}mlp.c_proj", pend)
+        pend += p[f"{pl}mlp.c_proj.bias"]
 
     def _lm_weight(self):
         w = self.params.get("lm_head.weight")
@@ -95,10 +138,17 @@ class Decoder(TransformerBase):
         -100 there. The (rows, V) logits are computed ``chunk`` rows at a time.
         With ``return_accuracy``, returns ``(loss, accuracy)``.
         """
-        xp = self.xp
         ids, maskf = self._inputs(input_ids, attention_mask)
+        return self.next_token_loss_from_hidden(self.hidden_states(ids, maskf), ids, maskf,
+                                                chunk, return_accuracy)
+
+    def next_token_loss_from_hidden(self, hidden, ids, maskf, chunk: int = 256,
+                                    return_accuracy: bool = False):
+        """:meth:`next_token_loss` from final hidden states ``hidden`` (B, T, H) of the
+        prepared ids (B, T) and float mask (B, T) (the streamed schedule's last stage)."""
+        xp = self.xp
         bsz, t = ids.shape
-        hs = self.hidden_states(ids, maskf)[:, :-1].reshape(bsz * (t - 1), -1)
+        hs = hidden[:, :-1].reshape(bsz * (t - 1), -1)
         tgt = ids[:, 1:].reshape(-1).astype(xp.int64)
         wt = maskf[:, 1:].reshape(-1)
         w = self._lm_weight()

@@ -64,6 +64,7 @@ class Encoder(TransformerBase):
             for j, q in enumerate(_QKV):
                 p[f"{base}{q}.weight"], p[f"{base}{q}.bias"] = views[j]
             self._fused.append((w, b, views))
+        self._qkv_groups: list[tuple] = list(self._fused)   # every fused layout ever bound
 
     def lora_modules(self) -> list[str]:
         mods = []
@@ -103,6 +104,61 @@ class Encoder(TransformerBase):
         self._blocks(x, maskf, bsz, t, 0, self.config.num_layers)
         return x.reshape(bsz, t, self.config.hidden_size)
 
+    # --- stages (see semzo.model.base): 0 embeddings, 1 + i block i, L + 1 the head ---------
+    def _base_stage(self, name: str) -> int | None:
+        pre = self.prefix
+        if name.startswith(f"{pre}embeddings."):
+            return 0
+        lay = f"{pre}encoder.layer."
+        if name.startswith(lay):
+            i = name[len(lay):].split(".", 1)[0]
+            if i.isdigit() and int(i) < self.config.num_layers:
+                return int(i) + 1
+        return None
+
+    def alloc_stage(self, names: list[str], xp) -> dict:
+        """Like the base method, but Q, K and V of a layer get one (3H, H) buffer (and one
+        (3H,) bias) so the fused QKV GEMM runs on the slot: the same bits as resident."""
+        out = super().alloc_stage(names, xp)
+        h = self.config.hidden_size
+        for i in range(self.config.num_layers):
+            base = f"{self.prefix}encoder.layer.{i}.attention.self."
+            wn = [f"{base}{q}.weight" for q in _QKV]
+            bn = [f"{base}{q}.bias" for q in _QKV]
+            if not all(n in out for n in wn + bn):
+                continue
+            w = xp.empty((3 * h, h), dtype=self.dtype)
+            b = xp.empty((3 * h,), dtype=self.dtype)
+            views = [(w[j * h:(j + 1) * h], b[j * h:(j + 1) * h]) for j in range(3)]
+            for j in range(3):
+                out[wn[j]], out[bn[j]] = views[j]
+            self._qkv_groups.append((w, b, views))
+        return out
+
+    def bind_params(self, arrays: dict) -> None:
+        super().bind_params(arrays)
+        p = self.params
+        for i in range(self.config.num_layers):
+            base = f"{self.prefix}encoder.layer.{i}.attention.self."
+            cur = [(p[f"{base}{q}.weight"], p[f"{base}{q}.bias"]) for q in _QKV]
+            for grp in self._qkv_groups:
+                if all(cur[j][0] is grp[2][j][0] and cur[j][1] is grp[2][j][1]
+                       for j in range(3)):
+                    self._fused[i] = grp
+                    break
+
+    def _stage_run(self, k: int, part: dict) -> None:
+        b, t = part["b"], part["t"]
+        if k == 0:
+            part["x"] = self._embeddings(part["ids"], part.get("token_type_ids"))
+        elif k <= self.config.num_layers:
+            bufs = part["bufs"]
+            if bufs[0] is None:
+                bufs[0] = self._layer_buffers(b, t)
+            self._blocks(part["x"], part["maskf"], b, t, k - 1, k, bufs=bufs[0])
+        else:
+            part["out"] = part["x"].reshape(b, t, self.config.hidden_size)
+
     # --- partial forward passes: a frozen prefix of blocks computed once (finetune) ---------
     def hidden_at(self, input_ids, attention_mask, layer: int):
         """The residual stream entering block ``layer`` (0 = after the embeddings), (B, T, H)
@@ -134,6 +190,31 @@ class Encoder(TransformerBase):
             return y.reshape(b, t, h)
         return self._split(run, bsz, t)
 
+    def stage_start_from(self, x, attention_mask, layer: int):
+        """A :class:`~semzo.model.base.StageState` whose next stage is ``layer + 1`` (block
+        ``layer``), from ``x`` (B, T, H), the residual stream entering that block (copied):
+        running the remaining stages equals :meth:`hidden_from` bit for bit."""
+        import numpy as np
+
+        from semzo.model.base import StageState
+        from semzo.model.kernels import split_slices
+
+        self._check_layer(layer)
+        xp = self.xp
+        x = xp.asarray(x)
+        bsz, t, h = x.shape
+        maskf = xp.ascontiguousarray(xp.asarray(attention_mask).astype(xp.float32))
+        slices = split_slices(bsz, self.split_min_tokens, t) if xp is np else [slice(0, bsz)]
+        parts = []
+        for sl in slices:
+            part = self._stage_init(maskf[sl], maskf[sl])
+            part["ids"] = None
+            part["x"] = xp.array(x[sl].reshape(-1, h), dtype=self.dtype, copy=True)
+            parts.append(part)
+        st = StageState(None, maskf, slices, parts)
+        st.stage = layer + 1
+        return st
+
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer <= self.config.num_layers:
             raise ValueError(f"layer must lie in [0, {self.config.num_layers}], got {layer}")
@@ -164,14 +245,15 @@ class Encoder(TransformerBase):
                   out=x)
         return x
 
-    def _blocks(self, x, maskf, bsz: int, t: int, first: int, stop: int) -> None:
-        """Blocks ``first .. stop-1`` on the residual stream x (B*T, H), in place."""
+    def _blocks(self, x, maskf, bsz: int, t: int, first: int, stop: int, bufs=None) -> None:
+        """Blocks ``first .. stop-1`` on the residual stream x (B*T, H), in place (``bufs``:
+        scratch from :meth:`_layer_buffers` of the same shape, made here when None)."""
         if first >= stop:
             return
         cfg, p, pre = self.config, self.params, self.prefix
         n, h, nh, d = bsz * t, cfg.hidden_size, cfg.num_heads, cfg.head_dim
         eps = cfg.layer_norm_eps
-        qkv, scores, ctx, tmp, inter, scale, s4 = self._layer_buffers(bsz, t)
+        qkv, scores, ctx, tmp, inter, scale, s4 = bufs or self._layer_buffers(bsz, t)
         for i in range(first, stop):
             pl = f"{pre}encoder.layer.{i}."
             self._qkv(x, i, qkv)

@@ -359,15 +359,21 @@ def get_threads() -> int:
     return _threads
 
 
-def run_split(fn, n_rows: int, min_rows_tokens: int, tokens_per_row: int):
-    """Run ``fn(row_slice)`` over ``min(threads, n_rows)`` contiguous row blocks concurrently
-    (BLAS at one thread meanwhile) and return the list of results in row order; a single
-    ``fn(slice(0, n_rows))`` call when threads are 1, the batch has one row, or it has fewer
-    than ``min_rows_tokens`` tokens."""
-    global _pool, _controller
+def split_slices(n_rows: int, min_rows_tokens: int, tokens_per_row: int) -> list[slice]:
+    """The row blocks :func:`run_split` would use now (one block when it would not split)."""
     k = min(_threads, n_rows)
     if k <= 1 or n_rows * tokens_per_row < min_rows_tokens:
-        return [fn(slice(0, n_rows))]
+        return [slice(0, n_rows)]
+    bounds = np.linspace(0, n_rows, k + 1).round().astype(int)
+    return [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
+
+
+def run_slices(fn, slices: list[slice]):
+    """``[fn(sl) for sl in slices]`` run concurrently as :func:`run_split` does (BLAS at one
+    thread meanwhile); one plain call for a single slice."""
+    global _pool, _controller
+    if len(slices) <= 1:
+        return [fn(s) for s in slices]
     from concurrent.futures import ThreadPoolExecutor
 
     from threadpoolctl import ThreadpoolController
@@ -375,9 +381,18 @@ def run_split(fn, n_rows: int, min_rows_tokens: int, tokens_per_row: int):
         _pool = ThreadPoolExecutor(max_workers=_threads - 1, thread_name_prefix="semzo-fwd")
     if _controller is None:
         _controller = ThreadpoolController()
-    bounds = np.linspace(0, n_rows, k + 1).round().astype(int)
-    slices = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
     with _controller.limit(limits=1, user_api="blas"):
         futs = [_pool.submit(fn, sl) for sl in slices[1:]]
         first = fn(slices[0])
         return [first] + [f.result() for f in futs]
+
+
+def run_split(fn, n_rows: int, min_rows_tokens: int, tokens_per_row: int):
+    """Run ``fn(row_slice)`` over ``min(threads, n_rows)`` contiguous row blocks concurrently
+    (BLAS at one thread meanwhile) and return the list of results in row order; a single
+    ``fn(slice(0, n_rows))`` call when threads are 1, the batch has one row, or it has fewer
+    than ``min_rows_tokens`` tokens."""
+    slices = split_slices(n_rows, min_rows_tokens, tokens_per_row)
+    if len(slices) == 1:
+        return [fn(slices[0])]
+    return run_slices(fn, slices)

@@ -1,0 +1,143 @@
+"""The block-streamed ZO step (ZO2's schedule, ``zo.schedule = "streamed"``): two parameter
+passes per step instead of three, the update of step t deferred into step t+1's first pass.
+
+For each stage k of the task (embeddings, each block, final norm + head; see
+:mod:`semzo.model.base`)::
+
+    pass 1 over stage k:  pending update of step t-1 (restore + update, or the P-seed
+                          multi-update, or the undo of a skipped step), then + eps z_t
+    the + branch's state goes through stage k
+    pass 2 over stage k:  - 2 eps z_t
+    the - branch's state goes through stage k
+
+After the last stage each branch's loss is read (the + branch's before pass 2 of the last
+stage: the head belongs to it). The step's update is then only recorded (:class:`Pending`);
+:meth:`ZOEngine.flush` applies it to every tensor, which the loop does before any checksum,
+evaluation, checkpoint, export and at the end, so what is saved is the updated model.
+
+Every element goes through exactly the roundings of the three-pass step (pass 1 rounds the
+update's result to the storage type, reads it back and adds eps z: two roundings in one memory
+pass), so parameters and losses equal the three-pass step's bit for bit, in every mode and at
+every rank count (tests/test_zo_streamed.py, tests/mpi/zo_streamed.py).
+
+Tied LM heads (``task.tied_head``): the loss reads stage 0's embedding matrix, so stage 0 keeps
+its +eps state until L+ is read: the + branch runs through every stage first (pass 2 of stages
+1.. right after it), then stage 0's pass 2, then the - branch through every stage (all at
+-eps). Still two passes per stage; one live branch state instead of two.
+
+Offload (``zo.offload = "host"``, :mod:`.offload`): the store uploads stage k before pass 1,
+prefetches stage k+1, and writes stage k back after the - branch; the passes run on the
+device copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .perturb import Pending, apply_then_perturb
+
+
+def stage_groups(engine, task) -> list[list[int]]:
+    """Indices into ``engine.tensors`` of the trainable tensors of each task stage; every
+    trainable tensor in exactly one stage (ValueError otherwise)."""
+    from .engine import tensor_index
+
+    pos = {z.t: i for i, z in enumerate(engine.tensors)}
+    groups, seen = [], set()
+    for k in range(task.stage_count()):
+        g = []
+        for name in task.stage_params(k):
+            i = pos.get(tensor_index(name))
+            if i is not None:
+                if i in seen:
+                    raise ValueError(f"trainable tensor {name} is in two stages")
+                seen.add(i)
+                g.append(i)
+        groups.append(g)
+    if len(seen) != len(engine.tensors):
+        raise ValueError(f"{len(engine.tensors) - len(seen)} trainable tensors belong to no "
+                         f"stage of the task: the streamed schedule cannot perturb them")
+    return groups
+
+
+def first_pass(engine, idx: list[int], seed: int, dev=None) -> None:
+    """Pass 1 over the tensors ``idx``: the pending operation, then + eps z(seed).
+    ``dev``: (tensors, refs) on the device (offload), else the engine's own."""
+    tens, refs = dev if dev is not None else (
+        [engine.tensors[i] for i in idx], [engine.ref[i] for i in idx] if engine.copy else None)
+    op = engine.pending
+    if op is not None and engine.pending_copy:
+        for grp, th in engine.split_pairs(refs, tens):
+            apply_then_perturb([r for r, _ in grp], op, seed, engine.eps,
+                               dst=[z for _, z in grp], dist=engine.dist, threads=th)
+    else:
+        for grp, th in engine._split(tens):
+            apply_then_perturb(grp, op or Pending(), seed, engine.eps, dist=engine.dist,
+                               threads=th)
+
+
+def second_pass(engine, idx: list[int], seed: int, dev=None) -> None:
+    """Pass 2: - 2 eps z(seed)."""
+    tens = dev[0] if dev is not None else [engine.tensors[i] for i in idx]
+    for grp, th in engine._split(tens):
+        apply_then_perturb(grp, Pending("perturb", seed, -2.0 * engine.eps), None,
+                           dist=engine.dist, threads=th)
+
+
+def run_branches(engine, task, batch, seed: int) -> tuple[float, float]:
+    """Passes 1 and 2 over every stage and both branches' forward passes; returns (L+, L-).
+    The engine's pending operation is consumed (applied to every stage's tensors)."""
+    groups = engine.stage_groups(task)
+    store = engine.store
+    n = len(groups)
+    lp = lm = math.nan
+    tied = bool(task.tied_head)
+    sp = task.stage_begin(batch)
+    sm = None if tied else task.stage_fork(sp)
+    for k in range(n):
+        dev = store.acquire(k, groups[k])
+        first_pass(engine, groups[k], seed, dev)
+        sp = task.stage_run(k, sp)
+        if k == n - 1:
+            lp = float(task.loss_from_state(sp, batch))
+        if tied and k == 0:
+            continue                      # stage 0 stays at +eps until L+ is read
+        second_pass(engine, groups[k], seed, dev)
+        if not tied:
+            sm = task.stage_run(k, sm)
+            if k == n - 1:
+                lm = float(task.loss_from_state(sm, batch))
+        store.release(k, groups[k])
+    engine.pending, engine.pending_copy = None, False
+    if tied:
+        sp = None
+        dev = store.acquire(0, groups[0])
+        second_pass(engine, groups[0], seed, dev)
+        sm = task.stage_begin(batch)
+        for k in range(n):
+            if k:
+                store.acquire(k, groups[k])
+            sm = task.stage_run(k, sm)
+            if k:
+                store.release(k, groups[k], dirty=False)
+        lm = float(task.loss_from_state(sm, batch))
+        store.release(0, groups[0])
+    store.finish()
+    return lp, lm
+
+
+def pending_after(engine, ok: bool, seeds, w, own_seed: int, lr: float) -> tuple[Pending, bool]:
+    """The step's deferred operation (what the three-pass step would apply now) and whether
+    it runs on the reference copy (``zo.restore = "copy"``)."""
+    if not ok:
+        if engine.copy:
+            return Pending("none"), True
+        return Pending("perturb", own_seed, engine.eps), False
+    if engine.n_groups == 1:
+        return Pending("restore_update", own_seed, engine.eps, lr, float(w[0]), engine.wd), False
+    seeds_t = tuple(int(s) for s in seeds)
+    gs_t = tuple(float(x) for x in w)
+    if engine.copy:
+        return Pending("multi", 0, 0.0, lr, 0.0, engine.wd, seeds_t, gs_t), True
+    return Pending("multi_restore", own_seed, engine.eps, lr, 0.0, engine.wd, seeds_t,
+                   gs_t), False

@@ -1,0 +1,286 @@
+"""The stage API (model.base) and the block-streamed ZO step (zo.schedule = "streamed"):
+stage composition equals hidden_states bit for bit, every task's loss_from_state equals its
+loss, the streamed step equals the three-pass step bit for bit for every task (tied LM head
+included, with a skipped step), the deferred update is flushed before checkpoints and
+evaluations (a checkpointed, resumed streamed run equals the uninterrupted three-pass run),
+and the simulated host offload gives the same bits."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+from zo_common import SoloTopo, corpus, make_model
+
+from semzo.finetune import kernels
+from semzo.finetune.data import Batcher, heldout_mask, pad_batch
+from semzo.finetune.engine import ZOEngine, ztensors
+from semzo.finetune.loop import (
+    ClassifyTask,
+    FeatureClassifyTask,
+    LMTask,
+    LoopConfig,
+    PrefixCachedClassifyTask,
+    TrainState,
+    train,
+)
+from semzo.finetune.offload import HostStore
+from semzo.finetune.perturb import Pending, apply_then_perturb, perturb, restore_update
+from semzo.finetune.stage import select_trainable
+from semzo.model import Tokenizer, load_model
+from semzo.model.kernels import set_threads
+
+EPS, LR, WD = 1e-3, 2e-2, 0.05
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("streamed")
+    return {"bert": make_model(tmp / "bert"), "gpt2": make_model(tmp / "gpt2", kind="gpt2")}
+
+
+def _data(folder, n=64):
+    tok = Tokenizer.from_folder(folder, max_length=24)
+    recs = corpus(n)
+    seqs = tok.encode_batch([r["text"] for r in recs])
+    labels = np.array([int(r["label"][-1]) for r in recs])
+    held = heldout_mask(np.arange(n), 0, 0.25)
+    return tok, seqs, labels, np.flatnonzero(~held), np.flatnonzero(held)
+
+
+def _setup(folders, kind, task_kind, params="all", **kw):
+    f = folders["gpt2" if task_kind == "lm" else kind]
+    m = load_model(f)
+    tok, seqs, labels, tr, he = _data(f)
+    if task_kind == "lm":
+        task = LMTask(m, seqs, labels, tr, he, tok.pad_id, 16)
+    else:
+        m.add_classifier(3, normalize=True, std=0.5)
+    names = select_trainable(m, params, **kw)
+    if task_kind == "classify":
+        task = ClassifyTask(m, seqs, labels, tr, he, tok.pad_id, 16)
+    elif task_kind == "features":
+        feats = np.stack([m.pooled(*pad_batch([s], tok.pad_id))[0] for s in seqs])
+        task = FeatureClassifyTask(m, feats, labels, tr, he, 16)
+    elif task_kind == "prefix":
+        task = PrefixCachedClassifyTask(m, seqs, labels, tr, he, tok.pad_id, 16,
+                                        m.config.num_layers - kw.get("last_layers", 1))
+    return m, names, task
+
+
+# ----------------------------------------------------------------------------- stage API
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_stage_composition_equals_hidden_states(folders, kind, threads):
+    m = load_model(folders[kind])
+    m.add_lora(rank=2, seed=1)
+    for spec in m.lora.values():                      # non-zero B: the deltas count
+        m.params[spec.b][...] = 0.01
+    tok, seqs, *_ = _data(folders[kind])
+    ids, mask = pad_batch(seqs[:40], tok.pad_id)      # 40 x T > 256 tokens: rows split
+    set_threads(threads)
+    try:
+        st = m.stage_start(ids, mask)
+        assert len(st.slices) == threads
+        want = m.hidden_states(ids, mask)
+        for k in range(m.n_stages):
+            m.stage_forward(k, st)
+        assert st.hidden.tobytes() == want.tobytes()
+        with pytest.raises(ValueError, match="next stage"):
+            m.stage_forward(1, m.stage_start(ids, mask))
+    finally:
+        set_threads(1)
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_stage_names_partition_the_parameters(folders, kind):
+    m = load_model(folders[kind])
+    m.add_classifier(3)
+    m.add_lora(rank=2)
+    L = m.config.num_layers
+    assert m.n_stages == L + 2
+    seen = [n for k in range(m.n_stages) for n in m.stage_names(k)]
+    assert sorted(seen) == sorted(m.params) and len(seen) == len(set(seen))
+    last = m.stage_names(L + 1)
+    assert "classifier.weight" in last and "classifier.bias" in last
+    for spec_mod, spec in m.lora.items():
+        k = m.stage_of(spec.a)
+        assert 1 <= k <= L and k == m.stage_of(m.weight_name(spec_mod)) == m.stage_of(spec.b)
+    assert m.tied_head == (kind == "gpt2")
+    if kind == "gpt2":
+        assert set(m.stage_names(0)) == {"wte.weight", "wpe.weight"}
+        assert {"ln_f.weight", "ln_f.bias"} <= set(last)
+    else:
+        assert all(n.startswith("embeddings.") for n in m.stage_names(0))
+
+
+def test_prefix_state_equals_hidden_from(folders):
+    m = load_model(folders["bert"])
+    tok, seqs, *_ = _data(folders["bert"])
+    ids, mask = pad_batch(seqs[:20], tok.pad_id)
+    x = m.hidden_at(ids, mask, 1)
+    st = m.stage_start_from(x, mask, 1)
+    for k in range(2, m.n_stages):
+        m.stage_forward(k, st)
+    assert st.hidden.tobytes() == m.hidden_from(x, mask, 1).tobytes()
+
+
+# ----------------------------------------------------------------------------- tasks
+TASKS = [("bert", "classify", "all", {}), ("gpt2", "lm", "all", {}),
+         ("bert", "features", "head+last", {"last_layers": 0}),
+         ("bert", "prefix", "head+last", {"last_layers": 1}),
+         ("bert", "classify", "lora", {"lora_rank": 2})]
+
+
+@pytest.mark.parametrize("kind,task_kind,params,kw", TASKS,
+                         ids=[f"{t[1]}-{t[2]}" for t in TASKS])
+def test_loss_from_state_equals_loss(folders, kind, task_kind, params, kw):
+    _, names, task = _setup(folders, kind, task_kind, params, **kw)
+    batch = task.batch(np.arange(12))
+    st = task.stage_begin(batch)
+    for k in range(task.stage_count()):
+        st = task.stage_run(k, st)
+    assert task.loss_from_state(st, batch) == task.loss(batch)
+    stage_of = {n: k for k in range(task.stage_count()) for n in task.stage_params(k)}
+    assert set(names) <= set(stage_of)
+
+
+def _run(folders, kind, task_kind, params, kw, schedule, *, offload=False, dist="gaussian",
+         steps=4, nan_at=2):
+    m, names, task = _setup(folders, kind, task_kind, params, **kw)
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
+                   weight_decay=WD, dist=dist, run_seed=3, schedule=schedule)
+    if offload:
+        eng.store = HostStore(m, task, eng)
+    eng.loss_hook = lambda s, x: math.nan if s == nan_at else x
+    res = []
+    for s in range(steps):
+        b = task.batch(np.arange(8 * s, 8 * s + 8) % len(task.train_rows))
+        r = (eng.step_streamed(task, b, s, LR, 8) if schedule == "streamed"
+             else eng.step(lambda b=b: task.loss(b), s, LR, 8))
+        res.append((r.lp, r.lm, r.g if r.ok else 0.0, r.ok))
+    eng.flush()
+    return np.array(res, np.float64), {n: a.copy() for n, a in m.params.items()}, eng
+
+
+@pytest.mark.parametrize("kind,task_kind,params,kw", TASKS,
+                         ids=[f"{t[1]}-{t[2]}" for t in TASKS])
+def test_streamed_equals_three_pass(folders, kind, task_kind, params, kw):
+    ref, pref, _ = _run(folders, kind, task_kind, params, kw, "three-pass")
+    got, pgot, eng = _run(folders, kind, task_kind, params, kw, "streamed")
+    assert got.tobytes() == ref.tobytes()
+    assert not ref[2, 3] and ref[3, 3]                # step 2 skipped, step 3 not
+    for n in pref:
+        assert pgot[n].tobytes() == pref[n].tobytes(), n
+    assert eng.pending is None
+
+
+@pytest.mark.parametrize("kind,task_kind", [("bert", "classify"), ("gpt2", "lm")])
+def test_simulated_offload_bit_identical(folders, kind, task_kind):
+    ref, pref, _ = _run(folders, kind, task_kind, "all", {}, "streamed", dist="rademacher")
+    got, pgot, eng = _run(folders, kind, task_kind, "all", {}, "streamed", offload=True,
+                          dist="rademacher")
+    assert got.tobytes() == ref.tobytes()
+    for n in pref:
+        assert pgot[n].tobytes() == pref[n].tobytes(), n
+    st = eng.store
+    n = st.n
+    # untied: one upload per stage and step; tied (gpt2): blocks go up twice (+ then -)
+    want = 4 * n if kind == "bert" else 4 * (1 + 2 * (n - 1))
+    assert st.uploads == want, (st.uploads, want)
+    assert not st.on_device
+    # the model points at the host arrays again, the device slots are separate memory
+    for nm, a in st.host.items():
+        assert eng.store.model.params[nm] is a
+    assert 0 < st.device_bytes() < 2 * sum(a.nbytes for a in st.host.values())
+
+
+def test_pending_update_and_flush(folders):
+    """Before flush the parameters hold the - eps state; flush applies exactly the update the
+    three-pass step applied; a second flush changes nothing."""
+    _, pref, _ = _run(folders, "bert", "classify", "all", {}, "three-pass", steps=1)
+    m, names, task = _setup(folders, "bert", "classify", "all")
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
+                   weight_decay=WD, run_seed=3, schedule="streamed")
+    eng.step_streamed(task, task.batch(np.arange(8)), 0, LR, 8)
+    assert eng.pending is not None and eng.pending.kind == "restore_update"
+    assert m.params["classifier.weight"].tobytes() != pref["classifier.weight"].tobytes()
+    eng.flush()
+    snap = {n: a.copy() for n, a in m.params.items()}
+    eng.flush()
+    for n in names:
+        assert m.params[n].tobytes() == pref[n].tobytes() == snap[n].tobytes(), n
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("kind", ["restore_update", "perturb", "multi_restore", "multi"])
+def test_fused_first_pass_equals_two_passes(dtype, kind):
+    r = np.random.default_rng(0)
+    a = r.normal(0, 0.1, 20000).astype(dtype)
+    op = Pending(kind, 77, 1e-2, 0.1, 0.3, 0.05, (5, 6), (0.2, -0.4))
+    x, y = a.copy(), a.copy()
+    apply_then_perturb([(9, x)], op, 1234, 1e-2)
+    if kind == "restore_update":
+        restore_update([(9, y)], 77, 1e-2, 0.1, 0.3, 0.05)
+    elif kind == "perturb":
+        perturb([(9, y)], 77, 1e-2)
+    else:
+        from semzo.finetune.perturb import multi_update
+        multi_update([(9, y)], (5, 6), (0.2, -0.4), 0.1, 0.05, eps=1e-2,
+                     restore_seed=77 if kind == "multi_restore" else None)
+    perturb([(9, y)], 1234, 1e-2)
+    assert x.tobytes() == y.tobytes()
+    # into a destination (restore = "copy"): the source keeps the op's result
+    s, d = a.copy(), np.empty_like(a)
+    apply_then_perturb([(9, s)], op, 1234, 1e-2, dst=[d])
+    assert d.tobytes() == y.tobytes() and s.tobytes() != d.tobytes()
+
+
+def test_plain_pass_is_an_rmw_without_z():
+    a = np.arange(10000, dtype=np.float32)
+    kernels.run_pass([(a, 0, 1, 0.0)], kernels.PLAIN, 0, 0, 0, a=1.0)
+    assert np.array_equal(a, np.arange(10000, dtype=np.float32) + 1)
+
+
+# ----------------------------------------------------------------------------- the loop
+def _loop(folders, schedule, steps, state=None, params=None, ckpt_at=(), evals=None):
+    m, names, task = _setup(folders, "bert", "classify", "all")
+    if params is not None:
+        for n in names:
+            np.copyto(m.params[n], params[n])
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
+                   weight_decay=WD, run_seed=9, schedule=schedule)
+    saved = {}
+
+    def on_step(st):                      # what finetune's checkpoint hook does
+        if st.step in ckpt_at:
+            eng.flush()
+            saved[st.step] = ({n: m.params[n].copy() for n in names}, st.to_dict())
+    rows = []
+    cfg = LoopConfig(steps=steps, lr=LR, eval_every=2, log_every=100, checksum_every=0)
+    st = train(eng, task, Batcher(len(task.train_rows), 8, 9, 0), state or TrainState(run_seed=9),
+               cfg, on_row=rows.append, on_step=on_step)
+    assert eng.pending is None                      # train() ends flushed (final checksum)
+    return {n: m.params[n].copy() for n in names}, rows, saved, st
+
+
+def test_checkpoint_resume_eval_equal_three_pass(folders):
+    ref, ref_rows, _, _ = _loop(folders, "three-pass", 6)
+    full, rows, saved, _ = _loop(folders, "streamed", 6, ckpt_at=(3,))
+    params3, state3 = saved[3]
+    resumed, rows2, _, _ = _loop(folders, "streamed", 6, state=TrainState.from_dict(state3),
+                                 params=params3)
+    for n in ref:
+        assert full[n].tobytes() == ref[n].tobytes() == resumed[n].tobytes(), n
+    ev = [(r["step"], r["heldout_loss"], r["heldout_acc"]) for r in rows if r["kind"] == "eval"]
+    ev_ref = [(r["step"], r["heldout_loss"], r["heldout_acc"]) for r in ref_rows
+              if r["kind"] == "eval"]
+    assert ev == ev_ref and len(ev) == 2            # evaluations saw the updated model
+    tr = [(r["step"], r["loss"], r["g"]) for r in rows + rows2 if r["kind"] == "train"]
+    tr_ref = [(r["step"], r["loss"], r["g"]) for r in ref_rows if r["kind"] == "train"]
+    assert sorted(set(tr)) == sorted(tr_ref)
