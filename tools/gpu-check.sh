@@ -104,11 +104,12 @@ unpack_mpi() {
   for f in "$KIT"/sysdebs/*.deb; do [ -f "$f" ] && dpkg-deb -x "$f" "$S"; done
   fix_links "$R"; fix_links "$S"
   # system libraries only where this machine lacks the soname (never shadow its own copies)
-  local linked=""
+  local linked="" known="$PREFIX/ldconfig.txt"
+  ldconfig -p 2>/dev/null | awk '{print $1}' > "$known"   # a file: no SIGPIPE under pipefail
   for so in $(find "$S" -name '*.so.*' \( -type f -o -type l \) 2>/dev/null); do
     name=$(basename "$so")
     case "$name" in *.so.[0-9]|*.so.[0-9][0-9]) ;; *) continue ;; esac
-    if ! ldconfig -p 2>/dev/null | grep -q " $name "; then
+    if ! grep -qxF "$name" "$known"; then
       ln -sfn "$so" "$L/$name"; linked="$linked $name"
     fi
   done
@@ -122,7 +123,9 @@ unpack_mpi() {
   export PMIX_INSTALL_PREFIX="$L/pmix2" PMIX_MCA_pcompress_base_silence_warning=1
   export OMPI_MCA_pml=ob1 OMPI_MCA_btl=self,vader OMPI_MCA_osc=pt2pt
   export MPI4PY_LIBMPI=libmpi.so.40 MPI4PY_MPIABI=openmpi
-  if compgen -G "$KIT/wheels/mpi4py-*.whl" >/dev/null; then
+  # the machine's mpi4py 4.x loads any libmpi.so.40; an older or missing one is replaced
+  if ! "$PY" -c "import mpi4py, sys; sys.exit(int(mpi4py.__version__.split('.')[0]) < 4)" \
+       >/dev/null 2>&1 && compgen -G "$KIT/wheels/mpi4py-*.whl" >/dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target "$PREFIX/site" "$KIT"/wheels/mpi4py-*.whl || { log "mpi4py wheel did not install"; return 1; }
   fi
