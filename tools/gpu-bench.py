@@ -71,15 +71,16 @@ def cuda_aware_support() -> str:
     """'yes', 'no' or 'unknown': whether the MPI library says it takes device pointers."""
     from mpi4py import MPI
     q = getattr(MPI, "Query_cuda_support", None)
-    if q is not None:
-        try:
-            return "yes" if q() else "no"
-        except Exception:  # noqa: BLE001 - MPIX_Query_cuda_support absent in the library
-            pass
+    try:
+        ok = bool(q()) if q is not None else None
+    except Exception:  # noqa: BLE001 - MPIX_Query_cuda_support absent in the library
+        ok = None
+    if ok is not None:
+        return "yes" if ok else "no"
     import subprocess
     try:
         out = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True,
-                             text=True, timeout=60).stdout
+                             text=True, timeout=60, check=False).stdout
     except Exception:  # noqa: BLE001
         return "unknown"
     for line in out.splitlines():
@@ -258,7 +259,7 @@ def _zo_setup(args, dev, folder: Path, dtype: str, params: str):
 
 def bench_zo_ratio(args, dev, folder: Path, dtype: str, params: str = "all") -> dict:
     """ZO step time / (2 x the loss's forward time): goal <= 1.10."""
-    m, eng, loss, _, reps, nt = _zo_setup(args, dev, folder, dtype, params)
+    _m, eng, loss, _, reps, nt = _zo_setup(args, dev, folder, dtype, params)
     fwd = dev.median(loss, reps)
     k = [0]
 
@@ -275,9 +276,9 @@ def bench_zo_vs_mezo(args, dev, folder: Path, dtype: str, params: str = "all",
                      causal: bool = False) -> dict:
     """semzo's ZO step against the MeZO-style torch step (bench/zo_step.py's mezo_step)."""
     sys.path.insert(0, str(ROOT / "bench"))
-    import zo_step  # noqa: E402 - the peer as bench/zo_step.py defines it
+    import zo_step
     torch = dev.torch
-    m, eng, loss, (ids, mask, lab), reps, _ = _zo_setup(args, dev, folder, dtype, params)
+    _m, eng, loss, (ids, mask, lab), reps, _ = _zo_setup(args, dev, folder, dtype, params)
     k = [0]
 
     def step():
@@ -343,7 +344,7 @@ def bench_kmeans(args, dev) -> dict:
 
 def _features() -> dict:
     """Which later features this branch has (the SmolLM2 and offload steps need them)."""
-    import semzo.deck as deck
+    from semzo import deck
     src = Path(deck.__file__).read_text()
     mk = (ROOT / "Makefile").read_text() if (ROOT / "Makefile").is_file() else ""
     return {"offload": "offload" in src, "demo_llm": "demo-llm:" in mk}
@@ -370,8 +371,14 @@ def cmd_run(args) -> None:
             ("smollm2_zo_full_vs_mezo",
              lambda: bench_zo_vs_mezo(args, dev, smol, "bfloat16", "all", causal=True), None),
         ]
+    if feats["demo_llm"] and (smol / "config.json").is_file():
+        items.append(("demo_llm_gpu", lambda: bench_demo_llm(args, dev, smol), None))
     only = set(args.only.split(",")) if args.only else None
-    out = open(args.out, "a", encoding="utf-8")
+    with open(args.out, "a", encoding="utf-8") as out:
+        _run_items(items, only, out, args, smol, feats)
+
+
+def _run_items(items, only, out, args, smol: Path, feats: dict) -> None:
     for name, fn, goal in items:
         if only and name not in only:
             continue
@@ -388,12 +395,36 @@ def cmd_run(args) -> None:
         print(json.dumps(rec), flush=True)
         out.write(json.dumps(rec) + "\n")
         out.flush()
-    for name, have in (("smollm2", (smol / "config.json").is_file()),
-                       ("demo_llm_gpu", feats["demo_llm"]), ("offload", feats["offload"])):
-        if not have:
-            rec = {"name": name, "skipped": "not on this branch / not in the kit"}
-            out.write(json.dumps(rec) + "\n")
-    out.close()
+    notes = {"smollm2": None if (smol / "config.json").is_file() else
+             "no SmolLM2 config in the kit (tools/gpu-pack.sh --smollm2 DIR)",
+             "demo_llm_gpu": None if feats["demo_llm"] else "no demo-llm target on this branch",
+             "offload": "the kit has no offload step yet: add one to tools/gpu-bench.py"
+             if feats["offload"] else "no offload on this branch"}
+    for name, why in notes.items():
+        if why and (not only or name in only):
+            out.write(json.dumps({"name": name, "skipped": why}) + "\n")
+
+
+def bench_demo_llm(args, dev, smol: Path) -> dict:
+    """`make demo-llm`'s deck with run.device = "gpu" on the kit's SmolLM2 folder (random
+    weights), 2 ranks sharing the GPU: wall time of the whole run."""
+    import subprocess
+    import tempfile
+    deck = ROOT / "inputs" / "demo-llm.toml"
+    if not deck.is_file():
+        raise FileNotFoundError(f"{deck}: the demo-llm deck is not on this branch")
+    out = Path(tempfile.mkdtemp(prefix="demo-llm-"))
+    cmd = ["timeout", "-k", "10", "300", "mpirun", "-n", "2", sys.executable, "-m", "semzo",
+           "run", str(deck), "--set", f"run.device={'cpu' if dev.cpu else 'gpu'}",
+           "--set", f"run.output_dir={out}", "--set", f"model.path={smol}",
+           "--set", "train.steps=20"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-300:]}")
+    return {"ours_s": wall, "peer_s": wall, "ratio": 1.0, "ratio_is": "wall time only",
+            "note": "demo-llm deck, 20 steps, 2 ranks, random SmolLM2 weights"}
 
 
 # ----------------------------------------------------------------------------- summary
@@ -459,8 +490,8 @@ def cmd_summary(args) -> None:
                              f"{r.get('goal', '')} | {r.get('note', '')} |")
     else:
         lines.append("not run (no bench.jsonl)")
-    lines += ["", "Logs beside this file: env.txt, setup.log, tests.log, tests.xml, bench.log, "
-              "bench.jsonl."]
+    lines += ["", ("Logs beside this file: env.txt, setup.log, tests.log, tests.xml, "
+                   "bench.log, bench.jsonl.")]
     (out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
     print("\n".join(lines))
 

@@ -62,15 +62,15 @@ def mpi_cuda_aware() -> tuple[bool, str]:
     except Exception as exc:  # noqa: BLE001
         return False, f"mpi4py does not load ({exc})"
     q = getattr(MPI, "Query_cuda_support", None)
-    if q is not None:
-        try:
-            ok = bool(q())
-            return ok, f"MPIX_Query_cuda_support() = {int(ok)} ({MPI.Get_library_version()[:40]})"
-        except Exception:  # noqa: BLE001 - the library lacks the MPIX extension
-            pass
+    try:
+        ok = bool(q()) if q is not None else None
+    except Exception:  # noqa: BLE001 - the library lacks the MPIX extension
+        ok = None
+    if ok is not None:
+        return ok, f"MPIX_Query_cuda_support() = {int(ok)} ({MPI.Get_library_version()[:40]})"
     if shutil.which("ompi_info"):
         out = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True,
-                             text=True, timeout=60).stdout
+                             text=True, timeout=60, check=False).stdout
         for line in out.splitlines():
             if "mpi_built_with_cuda_support:value" in line:
                 ok = line.strip().endswith("true")

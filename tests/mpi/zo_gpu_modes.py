@@ -66,6 +66,7 @@ def main() -> None:
     which = sys.argv[2] if len(sys.argv) > 2 else "cupy"
     if which == "cupy":
         import cupy as xp
+
         from semzo.backend import bind_gpu
         bind_gpu(0)                       # every rank on GPU 0: ranks share the GPU
     else:
