@@ -52,16 +52,19 @@ def cmd_env(_args) -> None:
     print(f"numba-cuda: {'yes' if importlib.util.find_spec('numba_cuda') else 'no'}")
     try:
         import h5py
+        import h5py.h5f  # noqa: F401 - loads libhdf5, so the maps below show which one
         print(f"h5py mpi: {h5py.get_config().mpi}; HDF5 {h5py.version.hdf5_version}")
     except Exception as exc:  # noqa: BLE001
         print(f"h5py mpi: ? ({exc})")
     try:
         from mpi4py import MPI
-        print(f"mpi library: {MPI.Get_library_version().splitlines()[0].strip()}")
+        lib = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()
+        print(f"mpi library: {lib}")
         maps = Path("/proc/self/maps")
-        libs = sorted({ln.split()[-1] for ln in maps.read_text().splitlines()
-                       if "libmpi.so" in ln}) if maps.is_file() else []
-        print(f"mpi library file: {', '.join(libs) or '?'}")
+        for what in ("libmpi.so", "libhdf5"):
+            libs = sorted({ln.split()[-1] for ln in maps.read_text().splitlines()
+                           if what in ln}) if maps.is_file() else []
+            print(f"{what} file: {', '.join(libs) or '?'}")
         print(f"mpi cuda-aware: {cuda_aware_support()}")
     except Exception as exc:  # noqa: BLE001
         print(f"mpi library: none ({type(exc).__name__}: {exc})")

@@ -14,6 +14,9 @@
 # the rehearsal that tests/test_gpu_kit.py runs without a GPU. KIT (default .gpu) the packed
 # folder; PREFIX (default a fresh mktemp -d) where it is unpacked; TESTS_TIMEOUT,
 # BENCH_TIMEOUT, SETUP_TIMEOUT, H5PY_TIMEOUT seconds; PYTHON (default python3).
+# SEMZO_GPU_KIT_FORCE_DEBS=1 / SEMZO_GPU_KIT_FORCE_H5PY=1: use the carried Open MPI / build
+# h5py even where the machine's own work (rehearsals). SEMZO_GPU_KIT_PYTEST_ARGS and
+# SEMZO_GPU_KIT_BENCH_ARGS: extra arguments (e.g. -k EXPR, --only NAME,...).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
@@ -142,7 +145,7 @@ setup_mpi() {
     log "MPI: the machine's own ($(command -v mpirun))"
     return 0
   fi
-  log "MPI: none usable here; unpacking Open MPI from $KIT/debs into $PREFIX/root"
+  log "MPI: none usable here (or SEMZO_GPU_KIT_FORCE_DEBS=1); unpacking Open MPI from $KIT/debs into $PREFIX/root"
   unpack_mpi || return 1
   have_mpi || { log "MPI: the unpacked Open MPI does not load (see above)"; return 1; }
   log "MPI: $("$PY" -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])')"
@@ -152,7 +155,7 @@ setup_mpi() {
 h5py_mpi() { "$PY" -c "import h5py, sys; sys.exit(0 if h5py.get_config().mpi else 1)" >/dev/null 2>&1; }
 
 build_h5py() {
-  h5py_mpi && { log "h5py: has MPI already"; return 0; }
+  if [ "${SEMZO_GPU_KIT_FORCE_H5PY:-0}" != 1 ] && h5py_mpi; then log "h5py: has MPI already"; return 0; fi
   local L="$PREFIX/root/usr/lib/x86_64-linux-gnu" sd
   sd=$(compgen -G "$KIT/sdist/h5py-*.tar.gz" | head -1)
   [ -n "$sd" ] || { log "h5py: serial, and no h5py sdist in $KIT/sdist"; return 1; }
