@@ -34,7 +34,8 @@ COMMON = ["--set", "topology.ranks_per_node=1", "--set", "topology.nodes_per_swi
           "--set", "train.schedule=constant", "--set", "train.warmup_steps=0"]
 N = 10
 DEVICES = [pytest.param("gpu", marks=pytest.mark.skipif(
-    GPU_REASON is not None, reason=f"GPU-only: {GPU_REASON}")), "cpu"]
+    GPU_REASON is not None, reason=f"GPU-only: {GPU_REASON}"), id="gpu"),
+    pytest.param("cpu", id="on_cpu")]
 
 
 @pytest.fixture(scope="module", params=DEVICES)

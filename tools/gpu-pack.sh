@@ -74,7 +74,7 @@ budget=$(( BUDGET_MIB * 1048576 ))
 CORE_DEBS="libopenmpi3 openmpi-bin openmpi-common libopenmpi-dev libevent-core-2.1-7
  libevent-pthreads-2.1-7 libfabric1 libhwloc15 libibverbs1 libnl-3-200 libnl-route-3-200
  libpmix2 libpsm-infinipath1 libpsm2-2 libucx0 librdmacm1 libnuma1 libmunge2
- libhdf5-openmpi-103-1 libhdf5-openmpi-dev libsz2 libaec0"
+ libhdf5-openmpi-103-1 libhdf5-openmpi-hl-100 libhdf5-openmpi-dev libsz2 libaec0"
 # Common system libraries: linked on the GPU machine only where its own soname is missing.
 SYS_DEBS="libcurl4 libssl3 libbrotli1 libgssapi-krb5-2 libkrb5-3 libk5crypto3 libkrb5support0
  libkeyutils1 libcom-err2 libidn2-0 libunistring2 libldap-2.5-0 libsasl2-2 libnghttp2-14
