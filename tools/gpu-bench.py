@@ -52,7 +52,7 @@ def cmd_env(_args) -> None:
     print(f"numba-cuda: {'yes' if importlib.util.find_spec('numba_cuda') else 'no'}")
     try:
         import h5py
-        import h5py.h5f  # noqa: F401 - loads libhdf5, so the maps below show which one
+        import h5py.h5f  # loads libhdf5, so the maps below show which one
         print(f"h5py mpi: {h5py.get_config().mpi}; HDF5 {h5py.version.hdf5_version}")
     except Exception as exc:  # noqa: BLE001
         print(f"h5py mpi: ? ({exc})")
