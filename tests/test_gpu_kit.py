@@ -190,11 +190,12 @@ def test_check_on_cpu(tmp_path, kit):
 
 
 def test_check_unpacks_and_goes_on_after_failures(tmp_path, kit):
-    """The carried packages forced (here stand-ins, so MPI does not start from them): the
-    prefix is laid out as on the GPU machine, and the failing phases (MPI, then the tests)
-    are recorded while the later ones still run."""
+    """The carried packages forced (here stand-ins, so MPI does not start from them) and
+    unpacked without dpkg-deb (the Python ar + tar path): the prefix is laid out as on the GPU
+    machine, and the failing phases (MPI, then the tests) are recorded while the later ones
+    still run."""
     out, prefix = tmp_path / "out", tmp_path / "prefix"
-    proc = _check(out, "tests", KIT=str(kit), PREFIX=str(prefix),
+    proc = _check(out, "tests", KIT=str(kit), PREFIX=str(prefix), SEMZO_GPU_KIT_NO_DPKG="1",
                   SEMZO_GPU_KIT_FORCE_DEBS="1", SEMZO_GPU_KIT_PYTEST_ARGS="--no-such-option")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = (out / "summary.md").read_text()

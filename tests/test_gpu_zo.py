@@ -58,9 +58,11 @@ def check_kernels(xp, dtype, dist, exact: bool) -> None:
             assert a.dtype == b.dtype and a.shape == b.shape
             if exact:
                 assert a.tobytes() == b.tobytes(), f"{k} tensor {t} ({dtype}, {dist}) differs"
-            else:   # numba.cuda may contract multiply-adds: about one float32 ulp of z
+            else:   # numba.cuda may contract multiply-adds: about one float32 ulp of z,
+                # which can move a stored float16 by one float16 ulp
+                tol = 1e-3 if np.dtype(dtype) == np.float16 else 1e-5
                 np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64),
-                                           rtol=1e-5, atol=1e-6, err_msg=f"{k} tensor {t}")
+                                           rtol=tol, atol=tol / 10, err_msg=f"{k} tensor {t}")
         assert any(not np.array_equal(x, y) for x, y in zip(ref[k], kernel_case(
             np, dtype, dist, seed=4)[k])), "the inputs must matter"
 

@@ -84,8 +84,9 @@ def main() -> None:
         got, lg = train(folder, xp, tok, recs, topo, mode, rank, size)
         check_identical(comm, got, f"{mode} on {which}")
         ref, lr_ = train(folder, np, tok, recs, topo, mode, rank, size)
+        # float32 loss rounding / (2 eps) * lr moves an update by up to about 1e-5
         for a, b in zip(got, ref):
-            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)
         np.testing.assert_allclose(lg, lr_, rtol=1e-4, atol=1e-5)
         if rank == 0:
             print(f"ok: {mode} on {which}, {size} ranks", flush=True)
