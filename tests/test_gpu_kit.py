@@ -178,6 +178,7 @@ def test_check_on_cpu(tmp_path, kit):
     for phase in ("kit", "mpi", "h5py-mpi", "models", "tests", "bench"):
         assert f"| {phase} | ok |" in summary, (phase, summary)
     assert "CPU rehearsal" in summary and "- mpi library: Open MPI" in summary
+    assert "- model minilm: random weights" in summary
     assert "2 passed, 0 failed" in summary
     bench = [json.loads(ln) for ln in (out / "bench.jsonl").read_text().splitlines()]
     by = {r["name"]: r for r in bench}

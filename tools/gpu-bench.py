@@ -458,7 +458,7 @@ def cmd_summary(args) -> None:
     lines = ["# semzo GPU check: summary", ""]
     env = (out / "env.txt").read_text().splitlines() if (out / "env.txt").is_file() else []
     keep = ("date", "mode", "gpu", "cupy device", "os", "glibc", "python", "cupy:", "torch:",
-            "mpi library", "mpi cuda-aware", "h5py", "git")
+            "mpi library", "mpi cuda-aware", "h5py", "git", "libmpi", "libhdf5", "model ")
     lines += [f"- {ln}" for ln in env if ln.startswith(keep)] or ["- env.txt missing"]
     lines += ["", "## Phases", "", "| phase | status | seconds |", "|---|---|---|"]
     if args.phases and Path(args.phases).is_file():

@@ -240,6 +240,9 @@ report_env() {
     command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
       --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
     "$PY" "$ROOT/tools/gpu-bench.py" env 2>&1
+    for f in "$PREFIX"/models/*/KIT_WEIGHTS.txt; do
+      [ -f "$f" ] && echo "model $(basename "$(dirname "$f")"): $(cat "$f")"
+    done
     command -v ompi_info >/dev/null && echo "ompi cuda: $(ompi_info --parsable --all 2>/dev/null \
       | grep -m1 'mpi_built_with_cuda_support:value' || echo '?')"
   } > "$ENV_TXT" 2>&1
