@@ -1,7 +1,8 @@
 """GPU-only: the CuPy path of semzo.model against the NumPy path (float32 and float16 storage).
 
 Skipped, with the reason, only when cupy cannot be imported or sees no CUDA device; on a GPU
-machine with ``pip install cupy-cuda12x`` these run.
+machine with CuPy these run (tools/gpu-check.sh runs them with the kit's MiniLM stand-in:
+random weights of the model's shapes). tests/test_gpu_model.py covers every family.
 """
 
 from __future__ import annotations

@@ -1,0 +1,199 @@
+"""GPU: the ZO kernels (CuPy RawModule, and numba.cuda) against the CPU kernels bit for bit,
+the ZO engine on CuPy against NumPy (was the manual script tests/mpi/zo_gpu_check.py), and
+the three parallel modes at 1 and 2 ranks sharing the GPU (tests/mpi/zo_gpu_modes.py).
+
+GPU cases are skipped only when CuPy or a GPU is absent. The ``*_on_cpu`` cases run the same
+harnesses with NumPy on both sides, so the test code itself is proven without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mpiutil import ROOT, check, mpirun
+
+sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+from gpu_common import cupy_or_none, gpu_skip, host
+from zo_common import SoloTopo, corpus, make_model
+
+from semzo.finetune import perturb as P
+from semzo.finetune.data import pad_batch
+from semzo.finetune.engine import ZOEngine, param_checksum, ztensors
+from semzo.finetune.loop import FeatureClassifyTask
+from semzo.finetune.stage import select_trainable
+from semzo.model import Tokenizer, load_model
+
+ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+SIZES = (1, 255, 256, 4097, 70_001)          # grid-stride edges and a tail
+
+
+def kernel_case(xp, dtype, dist: str, seed: int = 3) -> dict[str, np.ndarray]:
+    """Every pass of perturb.py on tensors of ``xp`` (several sizes, offsets): host copies."""
+    r = np.random.default_rng(seed)
+    base = [(t, r.normal(0, 1, n).astype(dtype)) for t, n in enumerate(SIZES)]
+    out = {}
+    arrs = [P.ZTensor(t, xp.asarray(a.copy()), offset=17 * t, decay=t % 2 == 0)
+            for t, a in base]
+    P.perturb(arrs, 12345, 1e-3, dist=dist)
+    out["perturb"] = [host(z.array).copy() for z in arrs]
+    P.restore_update(arrs, 12345, 1e-3, 1e-2, 0.7, 0.05, dist=dist)
+    out["restore_update"] = [host(z.array).copy() for z in arrs]
+    P.multi_update(arrs, [7, 8, 2**63 + 5], [0.5, -1.25, 3.0], 1e-2, 0.05, eps=1e-3,
+                   restore_seed=7, dist=dist)
+    out["multi_update"] = [host(z.array).copy() for z in arrs]
+    P.multi_update(arrs, [9], [0.25], 1e-2, 0.0, dist=dist)
+    out["multi_update_norestore"] = [host(z.array).copy() for z in arrs]
+    return out
+
+
+def check_kernels(xp, dtype, dist, exact: bool) -> None:
+    ref = kernel_case(np, dtype, dist)
+    got = kernel_case(xp, dtype, dist)
+    for k in ref:
+        for t, (a, b) in enumerate(zip(got[k], ref[k])):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            if exact:
+                assert a.tobytes() == b.tobytes(), f"{k} tensor {t} ({dtype}, {dist}) differs"
+            else:   # numba.cuda may contract multiply-adds: about one float32 ulp of z,
+                # which can move a stored float16 by one float16 ulp
+                tol = 1e-3 if np.dtype(dtype) == np.float16 else 1e-5
+                np.testing.assert_allclose(a.astype(np.float64), b.astype(np.float64),
+                                           rtol=tol, atol=tol / 10, err_msg=f"{k} tensor {t}")
+        assert any(not np.array_equal(x, y) for x, y in zip(ref[k], kernel_case(
+            np, dtype, dist, seed=4)[k])), "the inputs must matter"
+
+
+@gpu_skip()
+@pytest.mark.parametrize("dist", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_gpu_kernels_cupy_bits_equal_cpu(dtype, dist, monkeypatch):
+    monkeypatch.setenv("SEMZO_ZO_GPU_BACKEND", "cupy")
+    check_kernels(cupy_or_none(), dtype, dist, exact=True)
+
+
+@gpu_skip()
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_gpu_kernels_numba_cuda_close_to_cpu(dtype, monkeypatch):
+    monkeypatch.setenv("SEMZO_ZO_GPU_BACKEND", "numba")
+    check_kernels(cupy_or_none(), dtype, "gaussian", exact=False)
+
+
+@gpu_skip()
+def test_gpu_zvec_equals_cpu():
+    from semzo.finetune import kernels_gpu, rng
+    cp = cupy_or_none()
+    k0, k1 = rng.split_seed(99)
+    for dist in (0, 1):
+        out = cp.empty(100_003, cp.float32)
+        kernels_gpu.zvec(out, 5, 3, k0, k1, dist)
+        name = "gaussian" if dist == 0 else "rademacher"
+        assert host(out).tobytes() == P.zvec(99, 3, 5, 100_003, name).tobytes()
+
+
+def test_kernel_harness_on_cpu():
+    """The harness with NumPy on both sides, exact (and the inputs matter)."""
+    check_kernels(np, np.float32, "gaussian", exact=True)
+
+
+# ----------------------------------------------------------------------------- the engine
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("gpu_zo") / "bert")
+
+
+def run_engine(folder, xp, dtype="float32", params="all", steps=5):
+    m = load_model(folder, xp=xp, dtype=dtype)
+    m.add_classifier(3, normalize=True, std=0.5)
+    names = select_trainable(m, params, lora_rank=2)
+    tok = Tokenizer.from_folder(folder, max_length=24)
+    recs = corpus(64)
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=1e-3,
+                   weight_decay=0.01)
+    losses = []
+    for s in range(steps):
+        rows = recs[8 * s:8 * s + 8]
+        ids, mask = pad_batch(tok.encode_batch([r["text"] for r in rows]), 0)
+        lab = np.array([int(r["label"][-1]) for r in rows])
+        res = eng.step(lambda ids=ids, mask=mask, lab=lab: m.classify(ids, mask, lab)[0], s,
+                       1e-2, 8)
+        assert res.ok, (xp.__name__, dtype, s)
+        losses.append(res.loss)
+    return {n: host(m.params[n]) for n in names}, losses, param_checksum(eng.tensors)
+
+
+def check_engine(xp, folder) -> None:
+    for params in ("all", "lora"):
+        a, la, _ = run_engine(folder, np, params=params)
+        b, lb, _ = run_engine(folder, xp, params=params)
+        assert a.keys() == b.keys()
+        worst = max(float(np.max(np.abs(a[n] - b[n]))) for n in a)
+        assert worst < 1e-4, (params, worst)
+        np.testing.assert_allclose(la, lb, rtol=1e-4, atol=1e-5)
+        start = run_engine(folder, np, params=params, steps=0)[0]
+        assert any(not np.array_equal(a[n], start[n]) for n in a), "the steps must move"
+
+
+@gpu_skip()
+def test_gpu_engine_matches_numpy(tiny):
+    check_engine(cupy_or_none(), tiny)
+
+
+def test_engine_harness_on_cpu(tiny):
+    check_engine(np, tiny)
+
+
+@gpu_skip()
+def test_gpu_engine_float16_and_feature_task(tiny):
+    cp = cupy_or_none()
+    h, losses, _ = run_engine(tiny, cp, dtype="float16")
+    assert all(np.isfinite(losses)) and all(v.dtype == np.float16 for v in h.values())
+    m = load_model(tiny, xp=cp)
+    m.add_classifier(3, normalize=True, std=0.5)
+    names = select_trainable(m, "head+last", last_layers=0)
+    feats = np.random.default_rng(0).normal(size=(40, 32)).astype(np.float32)
+    task = FeatureClassifyTask(m, feats, np.arange(40) % 3, np.arange(30), np.arange(30, 40), 8)
+    before = task.eval_sums()
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=1e-3)
+    for s in range(20):
+        eng.step(lambda s=s: task.loss(task.batch(np.arange(s % 4 * 6, s % 4 * 6 + 6))), s,
+                 1e-2, 6)
+    after = task.eval_sums()
+    assert np.isfinite(after).all() and after[2] == before[2] == 10
+    assert not np.array_equal(before, after)
+
+
+# ----------------------------------------------------------------------------- MPI modes
+@gpu_skip()
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_gpu_zo_modes_mpi(tiny, nranks):
+    proc = check(mpirun(nranks, [str(ROOT / "tests" / "mpi" / "zo_gpu_modes.py"), str(tiny),
+                                 "cupy"], timeout=300, env=ENV))
+    for mode in ("data", "perturbation", "hybrid"):
+        assert f"ok: {mode} on cupy, {nranks} ranks" in proc.stdout
+    assert "ok: collectives on cupy (staged)" in proc.stdout
+
+
+@gpu_skip()
+def test_gpu_cuda_aware_mpi(tiny):
+    from gpu_common import mpi_cuda_aware
+    ok, why = mpi_cuda_aware()
+    if not ok:
+        pytest.skip(f"MPI is not CUDA-aware here: {why}")
+    proc = check(mpirun(2, [str(ROOT / "tests" / "mpi" / "zo_gpu_modes.py"), str(tiny), "cupy"],
+                        timeout=300, env={**ENV, "SEMZO_CUDA_AWARE_MPI": "1"}))
+    assert "ok: collectives on cupy (cuda-aware)" in proc.stdout
+    assert "ok: zo gpu modes on 2 ranks" in proc.stdout
+
+
+@pytest.mark.parametrize("nranks", [1, 2])
+def test_zo_modes_script_on_cpu(tiny, nranks):
+    """tests/mpi/zo_gpu_modes.py with NumPy on both sides."""
+    proc = check(mpirun(nranks, [str(ROOT / "tests" / "mpi" / "zo_gpu_modes.py"), str(tiny),
+                                 "numpy"], timeout=240, env=ENV))
+    assert f"ok: zo gpu modes on {nranks} ranks" in proc.stdout
+    assert "ok: collectives on numpy" in proc.stdout
+    assert os.path.isfile(tiny / "config.json")

