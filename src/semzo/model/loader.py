@@ -17,7 +17,6 @@ from semzo.model import decoder as _dec
 from semzo.model import encoder as _enc
 from semzo.model.base import HeadSpec, TransformerBase
 from semzo.model.config import DecoderConfig, EncoderConfig, read_config
-from semzo.model.zoo import resolve_model_path
 from semzo.runtime import SemzoError, get_logger
 
 log = get_logger(__name__)
@@ -128,6 +127,7 @@ def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32") ->
     storage with cupy. A ``semzo_head.safetensors`` written by :func:`export_hf` restores the
     classification head. Unsupported architectures raise :class:`SemzoError`.
     """
+    from semzo.model.zoo import resolve_model_path  # lazy: `python -m semzo.model.zoo`
     folder = default_model_path() if path is None else resolve_model_path(path)
     if not folder.is_dir():
         raise SemzoError(f"{folder}: model folder not found")
