@@ -18,9 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from semzo.model import Tokenizer, load_model
+from semzo.model import Tokenizer, families, load_model
 from semzo.model import config as mconfig
-from semzo.model import families
 from semzo.model.base import TokenIdError
 from semzo.model.loader import _name_key
 from semzo.model.spec import COMMON_INERT, COMMON_REFUSED
@@ -40,8 +39,8 @@ def save(folder, cls_name: str, **kw):
     return folder
 
 
-LLAMA = dict(vocab_size=V, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+LLAMA = {"vocab_size": V, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32}
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +234,8 @@ def test_truncated_or_foreign_safetensors_file(llama, tmp_path):
 @pytest.mark.parametrize("head", ["BertForMaskedLM", "BertForPreTraining"])
 def test_bert_with_pretraining_heads_loads_and_ignores_them(head, tmp_path, caplog):
     import transformers
-    kw = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-              intermediate_size=64, max_position_embeddings=32)
+    kw = {"vocab_size": V, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "intermediate_size": 64, "max_position_embeddings": 32}
     save(tmp_path, head, **kw)
     with caplog.at_level(logging.INFO):
         model = load_model(tmp_path)

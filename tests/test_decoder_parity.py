@@ -29,12 +29,12 @@ from semzo.model.weights import Checkpoint
 
 RTOL = 1e-4
 V = 97
-SMALL = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+SMALL = {"vocab_size": V, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-OPT = dict(vocab_size=V, hidden_size=64, ffn_dim=96, num_hidden_layers=2,
-           num_attention_heads=4, max_position_embeddings=64)
+OPT = {"vocab_size": V, "hidden_size": 64, "ffn_dim": 96, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "max_position_embeddings": 64}
 
 # name -> (config class, kwargs, save_pretrained kwargs)
 CASES = {
@@ -54,11 +54,11 @@ CASES = {
     "opt_pre": ("OPTConfig", dict(OPT, do_layer_norm_before=True), {}),
     "opt_post_proj": ("OPTConfig", dict(OPT, do_layer_norm_before=False,
                                         word_embed_proj_dim=32), {}),
-    "gpt2_unscaled": ("GPT2Config", dict(vocab_size=V, n_positions=64, n_embd=64, n_layer=2,
-                                         n_head=4, scale_attn_weights=False), {}),
-    "gpt2_inverse_layer": ("GPT2Config", dict(vocab_size=V, n_positions=64, n_embd=64,
-                                              n_layer=3, n_head=4,
-                                              scale_attn_by_inverse_layer_idx=True), {}),
+    "gpt2_unscaled": ("GPT2Config", {"vocab_size": V, "n_positions": 64, "n_embd": 64, "n_layer": 2,
+                                         "n_head": 4, "scale_attn_weights": False}, {}),
+    "gpt2_inverse_layer": ("GPT2Config", {"vocab_size": V, "n_positions": 64, "n_embd": 64,
+                                              "n_layer": 3, "n_head": 4,
+                                              "scale_attn_by_inverse_layer_idx": True}, {}),
 }
 
 
@@ -197,7 +197,7 @@ def test_stage_api_composes_to_hidden_states(name, tmp_path_factory):
 
 
 def test_bf16_checkpoint_loads_as_float32(tmp_path_factory, tmp_path):
-    folder, ref = build("llama_gqa_llama3_untied", tmp_path_factory)
+    _folder, ref = build("llama_gqa_llama3_untied", tmp_path_factory)
     half = copy.deepcopy(ref).to(torch.bfloat16)
     half.save_pretrained(tmp_path)
     assert Checkpoint(tmp_path).dtype("lm_head.weight") == "BF16"
