@@ -219,3 +219,23 @@ def test_sliding_window_is_what_makes_the_match(name, tmp_path_factory):
     with torch.no_grad():
         want = ref(input_ids=torch.from_numpy(ids)).logits.numpy()
     assert rel_err(model.logits(ids), want, np.ones((1, 20), bool)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "qwen2_window", "opt_post_proj"])
+def test_generic_xp_path_matches_numba_path(name, tmp_path_factory, monkeypatch):
+    """The array-module code the GPU runs (CuPy), exercised with NumPy on CPU."""
+    from semzo.model import kernels, kernels_lm
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    ids, mask = padded_batch(np.random.default_rng(2), V, 3, 17)
+    want = model.logits(ids, mask)
+    cache = model.new_cache(3, 20)
+    want_c = model.forward_cached(ids[:, :9], cache)
+    monkeypatch.setattr(kernels_lm, "_is_cpu32", lambda *a: False)
+    monkeypatch.setattr(kernels, "_is_cpu32", lambda *a: False)
+    got = model.logits(ids, mask)
+    valid = mask.astype(bool)
+    assert rel_err(got, want, valid) < 1e-5
+    cache = model.new_cache(3, 20)
+    assert np.max(np.abs(model.forward_cached(ids[:, :9], cache) - want_c)) < \
+        1e-5 * np.max(np.abs(want_c))
