@@ -180,3 +180,76 @@ def test_named_model_alias(smol_dir, tmp_path, monkeypatch):
     assert Tokenizer.from_folder("smollm2").tk.get_vocab_size() == 49152
     np.testing.assert_array_equal(Tokenizer.from_folder("smollm2")(["hi there"])[0],
                                   Tokenizer.from_folder(smol_dir)(["hi there"])[0])
+
+
+# ---- semzo's own forward on the converted folder (decoders from branch dec) -----------------
+def _prompts(tok) -> list[str]:
+    rows = _texts()[:20]
+    chat = tok.apply_chat_template([{"role": "user", "content": "Name a prime number."}],
+                                   tokenize=False, add_generation_prompt=True)
+    return [r[:160] for r in rows] + ["The capital of France is", chat,
+                                      "def fibonacci(n):\n    ", "Once upon a time, in 1999,"]
+
+
+def test_semzo_forward_matches_transformers_on_smollm2(smol_dir, tf_gguf_model):
+    import torch
+    from transformers import AutoTokenizer
+
+    from semzo.model import Tokenizer, load_model
+
+    model = load_model(smol_dir)
+    tok = Tokenizer.from_folder(smol_dir)
+    prompts = _prompts(AutoTokenizer.from_pretrained(smol_dir))
+    assert len(prompts) == 24
+    ids, mask = tok(prompts)                      # right-padded with <|im_end|>
+    assert mask.sum(1).min() < mask.shape[1]      # padding present
+    got = model.logits(ids, mask)
+    with torch.no_grad():
+        want = tf_gguf_model(input_ids=torch.from_numpy(ids),
+                             attention_mask=torch.from_numpy(mask)).logits.numpy()
+    worst = 0.0
+    for i in range(len(prompts)):                 # per prompt, over its real positions
+        v = mask[i].astype(bool)
+        a, b = got[i][v].astype(np.float64), want[i][v].astype(np.float64)
+        worst = max(worst, float(np.abs(a - b).max() / np.abs(b).max()))
+    print(f"SmolLM2 logits: max relative error {worst:.2e} over {len(prompts)} prompts")
+    assert worst < 1e-4
+    valid = mask.astype(bool)
+    assert (got.argmax(-1)[valid] == want.argmax(-1)[valid]).all()
+
+
+def _semzo_greedy(model, prompt_ids: np.ndarray, n: int, eos: int) -> list[int]:
+    cache = model.new_cache(1, len(prompt_ids) + n)
+    z = model.forward_cached(prompt_ids[None, :], cache)
+    out: list[int] = []
+    for _ in range(n):
+        nxt = int(z[0, -1].argmax())
+        out.append(nxt)
+        if nxt == eos:
+            break
+        z = model.forward_cached(np.array([[nxt]]), cache)
+    return out
+
+
+def test_semzo_greedy_generation_matches_transformers(smol_dir, tf_gguf_model):
+    import torch
+    from transformers import AutoTokenizer
+
+    from semzo.model import Tokenizer, load_model
+
+    model = load_model(smol_dir)
+    tok = Tokenizer.from_folder(smol_dir)
+    prompts = _prompts(AutoTokenizer.from_pretrained(smol_dir))[-4:] + _prompts(
+        AutoTokenizer.from_pretrained(smol_dir))[:2]
+    for p in prompts:
+        ids = tok.encode_batch([p])[0]
+        mine = _semzo_greedy(model, ids, 32, eos=2)
+        with torch.no_grad():
+            ref = tf_gguf_model.generate(torch.from_numpy(ids)[None], max_new_tokens=32,
+                                         do_sample=False, attention_mask=torch.ones(1, len(ids),
+                                         dtype=torch.long))[0, len(ids):].tolist()
+        assert mine == ref, p
+        if p == "The capital of France is":
+            assert tok.tk.decode(mine).startswith(" Paris."), tok.tk.decode(mine)
+    assert any(len(_semzo_greedy(model, tok.encode_batch([p])[0], 32, eos=2)) == 32
+               for p in prompts[:1])
