@@ -175,13 +175,15 @@ def test_stage_api_composes_to_hidden_states(name, tmp_path_factory):
         try:
             ref = model.hidden_states(ids, mask)
             st = model.stage_start(ids, mask)
-            states = [st]
+            states = [st.fork()]
             for k in range(model.n_stages):
                 st = model.stage_forward(k, st)
-                states.append(st)
+                states.append(st.fork())
         finally:
             set_threads(1)
         assert np.array_equal(st.hidden, ref)
+        loss = model.next_token_loss(ids, mask)
+        assert model.next_token_loss_from_hidden(st.hidden, st.ids, st.maskf) == loss
     # each stage reads only its own parameters: poison every other one
     saved = {n: a.copy() for n, a in model.params.items()}
     try:
@@ -189,8 +191,9 @@ def test_stage_api_composes_to_hidden_states(name, tmp_path_factory):
             own = set(model.stage_names(k))
             for n, a in model.params.items():
                 a[...] = saved[n] if n in own else np.nan
-            out = model.stage_forward(k, states[k])
+            out = model.stage_forward(k, states[k].fork())
             assert np.array_equal(out.hidden, states[k + 1].hidden), k
+            assert out.stage == k + 1
     finally:
         for n, a in model.params.items():
             a[...] = saved[n]
