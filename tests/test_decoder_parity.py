@@ -242,3 +242,22 @@ def test_generic_xp_path_matches_numba_path(name, tmp_path_factory, monkeypatch)
     cache = model.new_cache(3, 20)
     assert np.max(np.abs(model.forward_cached(ids[:, :9], cache) - want_c)) < \
         1e-5 * np.max(np.abs(want_c))
+
+
+@pytest.mark.parametrize("name", ["llama_tied_sharded", "opt_post_proj"])
+def test_trained_in_place_then_exported_loads_in_transformers(name, tmp_path_factory, tmp_path):
+    import transformers
+
+    from semzo.model import export_hf
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    model.add_lora(rank=2, targets=("v_proj",))
+    rng = np.random.default_rng(7)
+    for _, a in model.named_parameters():                # what a ZO update does: in place
+        a += rng.standard_normal(a.shape).astype(np.float32) * 0.05
+    out = export_hf(model, tmp_path / "out")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids, mask = padded_batch(np.random.default_rng(4), V, 3, 12)
+    with torch.no_grad():
+        want = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+    assert rel_err(model.logits(ids, mask), want.numpy(), mask.astype(bool)) < RTOL
