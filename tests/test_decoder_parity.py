@@ -264,3 +264,34 @@ def test_trained_in_place_then_exported_loads_in_transformers(name, tmp_path_fac
     with torch.no_grad():
         want = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
     assert rel_err(model.logits(ids, mask), want.numpy(), mask.astype(bool)) < RTOL
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "opt_pre", "qwen2"])
+def test_batched_generation_of_right_padded_prompts_equals_each_alone(name, tmp_path_factory):
+    """(Not for sliding windows: a window counts cache slots, padded ones included, as
+    transformers' does.)"""
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    rng = np.random.default_rng(5)
+    ids, mask = padded_batch(rng, V, 3, 7)
+    mask[1, 3:] = 0
+    cache = model.new_cache(3, 16)
+    z = model.forward_cached(ids, cache, mask)
+    last = mask.sum(1) - 1
+    nxt = z[np.arange(3), last].argmax(-1)
+    steps = [nxt]
+    for _ in range(5):
+        z = model.forward_cached(nxt[:, None], cache)
+        nxt = z[:, -1].argmax(-1)
+        steps.append(nxt)
+    got = np.stack(steps, 1)
+    for r in range(3):
+        seq = ids[r:r + 1, :int(mask[r].sum())]
+        c1 = model.new_cache(1, 16)
+        z1 = model.forward_cached(seq, c1)
+        out = []
+        for _ in range(6):
+            n = int(z1[0, -1].argmax())
+            out.append(n)
+            z1 = model.forward_cached(np.array([[n]]), c1)
+        assert out == got[r].tolist(), (name, r)
