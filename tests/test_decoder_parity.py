@@ -46,6 +46,8 @@ CASES = {
                                                num_key_value_heads=3, head_dim=16, mlp_bias=True,
                                                tie_word_embeddings=True),
                            {"max_shard_size": "40KB"}),
+    "llama_linear_rope": ("LlamaConfig", dict(SMALL, rope_parameters={
+        "rope_type": "linear", "rope_theta": 5000.0, "factor": 2.5}), {}),
     "qwen2": ("Qwen2Config", dict(SMALL, tie_word_embeddings=True), {}),
     "qwen2_window": ("Qwen2Config", dict(SMALL, use_sliding_window=True, sliding_window=5,
                                          max_window_layers=1), {}),
@@ -295,3 +297,20 @@ def test_batched_generation_of_right_padded_prompts_equals_each_alone(name, tmp_
             out.append(n)
             z1 = model.forward_cached(np.array([[n]]), c1)
         assert out == got[r].tolist(), (name, r)
+
+
+def test_transformers4_rope_keys_read_like_rope_parameters(tmp_path_factory, tmp_path):
+    """config.json written by transformers 4 (top-level rope_theta, rope_scaling with "type")."""
+    import json
+    folder, _ = build("llama_gqa_llama3_untied", tmp_path_factory)
+    cfg = json.loads((folder / "config.json").read_text())
+    rp = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    rp["type"] = rp.pop("rope_type")
+    cfg["rope_scaling"] = rp
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    a, b = load_model(folder), load_model(tmp_path)
+    assert a.config.rope == b.config.rope and a.config.rope.kind == "llama3"
+    ids = np.arange(30).reshape(2, 15) % V
+    assert np.array_equal(a.logits(ids), b.logits(ids))
