@@ -265,3 +265,14 @@ def test_name_key_orders_any_mixture_of_names():
         assert sorted(ordered, key=_name_key) == ordered
     assert sorted(["a.bias", "a.weight", "a.10.weight", "a.2.weight"], key=_name_key) == \
         ["a.weight", "a.bias", "a.2.weight", "a.10.weight"]
+
+
+def test_class_labels_outside_the_head_raise(llama):
+    model = load_model(llama)
+    model.add_classifier(3)
+    ids = np.ones((2, 4), np.int64)
+    for bad in (-1, 3, 10**9):
+        with pytest.raises(TokenIdError, match=f"label {bad} .*3 classes"):
+            model.classify(ids, np.ones_like(ids), np.array([0, bad]))
+    loss, acc, _ = model.classify(ids, np.ones_like(ids), np.array([0, 2]))
+    assert np.isfinite(loss) and 0 <= acc <= 1
