@@ -137,6 +137,10 @@ def seal(path: str | Path, kind: str, block: int,
     return total
 
 
+class _SizeError(ValueError):
+    pass
+
+
 def _parse(head: bytes, size: int) -> tuple[str, int, list[tuple[int, int]], bytes, str]:
     """(kind, block, ranges, JSON line, digest text) of a record; ValueError when malformed."""
     body = head[len(MAGIC):]
@@ -155,7 +159,7 @@ def _parse(head: bytes, size: int) -> tuple[str, int, list[tuple[int, int]], byt
     if not isinstance(block, int) or not 4096 <= block <= 1 << 30:
         raise ValueError(f"record: block size {block!r}")
     if rsize != size:
-        raise ValueError(f"the file has {size} bytes, its record says {rsize!r} "
+        raise _SizeError(f"the file has {size} bytes, its record says {rsize!r} "
                          f"(truncated or extended)")
     return kind, block, _valid_ranges(rec["data"], size), text, want.decode("ascii")
 
@@ -177,6 +181,8 @@ def check_file(path: str | Path) -> tuple[int, str | None]:
                 return 2, f"truncated: {size} bytes"
             try:
                 kind, block, ranges, text, want = _parse(head, size)
+            except _SizeError as exc:
+                return 2, str(exc)
             except (ValueError, UnicodeDecodeError) as exc:
                 return 2, f"whole-file record unreadable ({exc})"
             seg = np.empty(_n_segments(size, block, ranges), dtype=np.uint64)
