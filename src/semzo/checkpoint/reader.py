@@ -23,8 +23,8 @@ from mpi4py import MPI
 
 from ..h5io import require_mpi_h5py
 from ..runtime import get_logger
-from . import format as fmt
 from . import filesum, legacy, mpio, packed
+from . import format as fmt
 from .format import CheckpointError
 from .reshard import remap_per_rank
 

@@ -40,8 +40,8 @@ from mpi4py import MPI
 from .. import __version__
 from ..h5io import require_mpi_h5py
 from ..runtime import SemzoError, get_logger
-from . import format as fmt
 from . import filesum, mpio, packed
+from . import format as fmt
 
 log = get_logger(__name__)
 
