@@ -183,6 +183,10 @@ def test_format1_file_is_read_with_a_warning(tmp_path, caplog):
     assert same(L.params, params(3)) and same(L.state, state(3))
     assert same(L.extras, extras(3)) and L.metrics == metrics(3)
     assert verify(p, COMM) == (True, "")
+    from semzo.checkpoint import tools
+
+    text, ok = tools.summary(p, COMM, deck=False)
+    assert ok and "no whole-file record (format 1)" in text and "step 3" in text
 
 
 @pytest.mark.parametrize("damage", ["eof", "truncate"])
