@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -183,8 +184,8 @@ def check_file(path: str | Path) -> tuple[int, str | None]:
                 kind, block, ranges, text, want = _parse(head, size)
             except _SizeError as exc:
                 return 2, str(exc)
-            except (ValueError, UnicodeDecodeError) as exc:
-                return 2, f"whole-file record unreadable ({exc})"
+            except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+                return 2, f"whole-file record unreadable ({type(exc).__name__}: {exc})"
             seg = np.empty(_n_segments(size, block, ranges), dtype=np.uint64)
             buf = np.empty(READ_BYTES + block, dtype=np.uint8)
             i, batch = 0, []
@@ -241,6 +242,14 @@ def _legacy_superblock(head: bytes, size: int) -> str | None:
     return None
 
 
+def quiet_barrier(comm: MPI.Intracomm) -> None:
+    """A barrier whose waiting ranks sleep between polls instead of spinning: while rank 0
+    reads the file, the others leave it the CPU (ranks are often oversubscribed)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.002)
+
+
 def check_collective(path: str | Path, comm: MPI.Intracomm) -> int:
     """:func:`check_file` on rank 0, the verdict broadcast: returns the format (1 or 2) on
     every rank, or raises the same :class:`CheckpointError` on every rank. Collective.
@@ -252,6 +261,7 @@ def check_collective(path: str | Path, comm: MPI.Intracomm) -> int:
             _WARNED.add(str(path))
             log.warning("%s: written before whole-file checksums (format 1): accepted, but its "
                         "HDF5 metadata is parsed unverified; a new save replaces it", path)
+    quiet_barrier(comm)
     version, err = comm.bcast(res, root=0)
     if err:
         raise CheckpointError(f"{path}: {err}")

@@ -268,6 +268,7 @@ def write_file(payload: Payload, path: str | Path, comm: MPI.Intracomm) -> Path:
             fsync_dir(path.parent)
         except OSError as exc:
             err = str(_os_error(path, exc))
+    filesum.quiet_barrier(comm)      # the others sleep while rank 0 seals: no spinning
     err = comm.bcast(err, root=0)
     if err:
         raise SemzoError(err)
