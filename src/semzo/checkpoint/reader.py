@@ -13,6 +13,7 @@ same answer or the same :class:`CheckpointError`. Format-1 files go to :mod:`.le
 from __future__ import annotations
 
 import json
+import mmap
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,6 +158,23 @@ def _single_node(comm: MPI.Intracomm) -> bool:
     return bool(comm.allreduce(int(same), op=MPI.MIN))
 
 
+def _empty(n: int, dtype: np.dtype) -> np.ndarray:
+    """An uninitialized 1-D array; large ones on transparent huge pages where the system
+    allows it. Faulting in fresh 4 KiB pages dominated a load on a virtual machine: reading
+    0.45 GiB per rank into np.empty took 18 s, 8 s on huge pages, 1.5 s into touched memory
+    (4 ranks, 2 cores)."""
+    nbytes = int(n) * np.dtype(dtype).itemsize
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if nbytes < (64 << 20) or advice is None:
+        return np.empty(n, dtype=dtype)
+    m = mmap.mmap(-1, nbytes)
+    try:
+        m.madvise(advice)
+    except OSError:
+        pass
+    return np.frombuffer(m, dtype=dtype, count=n)
+
+
 def _open(path: Path, comm: MPI.Intracomm):
     """The whole-file check, then the file opened and scanned. Collective; returns
     (format version, h5py.File or None for format 1, scan result or None)."""
@@ -204,7 +222,7 @@ def _read(path: Path, comm: MPI.Intracomm, keep: bool, verify: bool, transfer: s
         for name, pk in packs.items():
             lo, hi, b_lo, b_hi = pk.rank_range(rank, size, shift)
             d = f["packed"][name]
-            full = np.empty(pk.n, dtype=pk.dtype) if keep else None
+            full = _empty(pk.n, pk.dtype) if keep else None
             if pk.n:
                 if read_all:
                     mpio.read_rows_into(d, 0, full, dxpl)
