@@ -5,6 +5,8 @@
 Measured in one run, on the same parameter set (a transformer-like mix of >= 1 GiB of float32
 tensors, large matrices and many small vectors, replicated on every rank):
 
+- plain MPI-IO: every rank writes its contiguous 1/P of the same bytes with one
+  ``Write_at``, then ``MPI_File_sync`` (the best a parallel writer of these bytes can do);
 - the disk: ``dd`` sequential write (``conv=fdatasync``) and read (``iflag=direct``, after
   dropping the page cache when allowed) of a file of the same size, from one process;
 - semzo: ``Checkpointer.save`` with each ``transfer`` mode (mpio file, 1/P of every tensor
@@ -19,7 +21,9 @@ tensors, large matrices and many small vectors, replicated on every rank):
   allreduce per step) with no checkpoint, a synchronous one, and an asynchronous one (the
   background write must finish before the loop ends: ``close`` is counted).
 
-Prints a table: seconds (max over ranks), GiB/s, and the ratio to the dd figure.
+Prints a table: seconds (max over ranks), GiB/s, and the ratio to the dd figure (the median
+of the rounds; dd's own spread over the rounds and the per-round ratio of semzo's save are
+printed below the table), with ``uptime`` before and after: the machine may be shared.
 """
 
 from __future__ import annotations
@@ -47,10 +51,11 @@ TRANSFERS = ("independent", "individual", "collective")
 W_DD, R_DD = "dd write (conv=fdatasync), 1 process", "dd read (iflag=direct), 1 process"
 W_NP, R_NP = "numpy.save, a file per rank, + fsync", "numpy.load, a file per rank"
 W_TORCH, R_TORCH = "torch.save on rank 0, + fsync", "torch.load on rank 0"
+W_MPIIO = "plain MPI-IO Write_at, 1/P each, + sync"
 R_VERIFY = "semzo verify (each rank 1/P: read + xxh64)"
 R_LOAD = "semzo load, distribute=read (auto, 1 node)"
 R_GATHER = "semzo load, distribute=allgather"
-WRITES = (W_DD, *TRANSFERS, W_NP, W_TORCH)
+WRITES = (W_DD, W_MPIIO, *TRANSFERS, W_NP, W_TORCH)
 ROWS = (*WRITES, R_DD, R_VERIFY, R_LOAD, R_GATHER, R_NP, R_TORCH)
 
 
@@ -103,6 +108,11 @@ def drop_caches(comm) -> str:
     return msg
 
 
+def _uptime() -> str:
+    return subprocess.run(["uptime"], check=False, capture_output=True,
+                          text=True).stdout.strip()
+
+
 def timed(comm, fn):
     comm.Barrier()
     t0 = time.perf_counter()
@@ -149,6 +159,38 @@ def my_slabs(params, comm, block_bytes):
         shift += lay.n_blocks
         out.append(a[lo:hi])
     return out
+
+
+def mpiio_slab(params, comm) -> tuple[int, np.ndarray]:
+    """(byte offset, bytes) of this rank's contiguous 1/P of all parameter bytes, whole
+    MiB (built before timing: the reference is the write alone)."""
+    total = sum(a.nbytes for a in params.values())
+    mib = -(-total // (1 << 20))
+    r, p = comm.Get_rank(), comm.Get_size()
+    lo, hi = min(total, (mib * r // p) << 20), min(total, (mib * (r + 1) // p) << 20)
+    out, pos = np.empty(hi - lo, np.uint8), 0
+    for a in params.values():
+        b = a.reshape(-1).view(np.uint8)
+        s, e = max(lo, pos), min(hi, pos + b.size)
+        if s < e:
+            out[s - lo:e - lo] = b[s - pos:e - pos]
+        pos += b.size
+    return lo, out
+
+
+def mpiio_write(path: Path, slab: tuple[int, np.ndarray], comm) -> float:
+    """Plain MPI-IO: every rank writes its slab with one independent Write_at, then
+    MPI_File_sync (as semzo's flush) and close."""
+    def write():
+        fh = MPI.File.Open(comm, str(path), MPI.MODE_WRONLY | MPI.MODE_CREATE)
+        fh.Write_at(slab[0], slab[1])
+        fh.Sync()
+        fh.Close()
+
+    dt, _ = timed(comm, write)
+    if comm.Get_rank() == 0:
+        path.unlink()
+    return dt
 
 
 def numpy_save(d: Path, slabs, comm) -> tuple[float, float]:
@@ -251,6 +293,7 @@ def main() -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     base = None
     if rank == 0:
+        print("before:", _uptime(), flush=True)
         base = tempfile.mkdtemp(prefix="semzo-bench-ckpt-", dir=args.dir or "/tmp")
         print(subprocess.run(["df", "-h", "/tmp", "/work", base], check=False, capture_output=True,
                              text=True).stdout, flush=True)
@@ -260,6 +303,7 @@ def main() -> None:
     if rank == 0 and shutil.disk_usage(d).free < 3 * nbytes:
         print(f"not enough space in {d} for {3 * nbytes / GIB:.1f} GiB", file=sys.stderr)
         comm.Abort(2)
+    slab = mpiio_slab(params, comm)
     t: dict[str, list[float]] = {}      # label -> seconds per round
     cache = ""
     try:
@@ -267,6 +311,7 @@ def main() -> None:
             dd_w, dd_r, cache = dd(d / "dd.bin", nbytes, comm)      # figure is taken in each
             t.setdefault(W_DD, []).append(dd_w)
             t.setdefault(R_DD, []).append(dd_r)
+            t.setdefault(W_MPIIO, []).append(mpiio_write(d / "mpiio.bin", slab, comm))
             for mode in TRANSFERS:
                 cfg = CheckpointSection(dir=str(d / "ck"), keep=1, transfer=mode)
                 ck = Checkpointer(comm, cfg)
@@ -305,7 +350,7 @@ def main() -> None:
         print(f"checkpoint benchmark: {nbytes / GIB:.2f} GiB in {len(params)} float32 tensors, "
               f"{size} ranks, MPI-IO {io}, page cache before reads: {cache}; "
               f"{args.repeat} rounds, median (min) seconds, max over ranks")
-        print(f"{'':<44}{'median s':>9}{'min s':>7}{'GiB/s':>7}{'vs dd':>7}")
+        print(f"{'':<44}{'median s':>9}{'min s':>7}{'max s':>7}{'GiB/s':>7}{'vs dd':>7}")
         for label in ROWS:
             v = np.array(t[label])
             base = np.median(t[W_DD if label in WRITES else R_DD])
@@ -313,8 +358,14 @@ def main() -> None:
                     "individual": "semzo save, transfer=individual",
                     "collective": "semzo save, transfer=collective"}.get(label, label)
             med = float(np.median(v))
-            print(f"{name:<44}{med:>9.2f}{v.min():>7.2f}{nbytes / GIB / med:>7.2f}"
-                  f"{base / med:>7.0%}")
+            print(f"{name:<44}{med:>9.2f}{v.min():>7.2f}{v.max():>7.2f}"
+                  f"{nbytes / GIB / med:>7.2f}{base / med:>7.0%}")
+        v = np.array(t[W_DD])
+        print(f"dd write spread over {v.size} rounds: min {v.min():.2f} s, median "
+              f"{np.median(v):.2f} s, max {v.max():.2f} s ({nbytes / GIB / v.max():.2f} to "
+              f"{nbytes / GIB / v.min():.2f} GiB/s); semzo save (default) over dd, per round: "
+              + ", ".join(f"{a / b:.0%}" for a, b in zip(t[W_DD], t["independent"])))
+        print("after:", _uptime())
         print(f"\ntraining time lost per checkpoint ({steps} simulated steps of about "
               f"{ref * 1e3:.0f} ms, checkpoint at step {at}; max over ranks):")
         print(f"  {'':<28}{'lost [s]':>9}{'blocked in save+close [s]':>27}")

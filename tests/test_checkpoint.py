@@ -19,7 +19,18 @@ from mpi4py import MPI
 from mpiutil import ROOT
 
 sys.path.insert(0, str(ROOT / "tests" / "mpi"))
-from ckpt_common import BLOCK_KIB, extras, metrics, params, per_rank, same, state
+from ckpt_common import (
+    BLOCK_KIB,
+    extras,
+    flip,
+    locate,
+    metrics,
+    params,
+    per_rank,
+    reseal,
+    same,
+    state,
+)
 
 from semzo import deck as deckmod
 from semzo.checkpoint import (
@@ -47,16 +58,13 @@ def _save(d: Path, steps, keep: int = 5) -> list[Path]:
                 for s in steps]
 
 
-def _flip(path: Path, dataset: str, frac: float = 0.5) -> None:
-    """Flip one byte inside ``dataset``'s data (not its metadata)."""
-    with h5py.File(path, "r") as f:
-        d = f[dataset]
-        off = d.id.get_offset() + int(d.id.get_storage_size() * frac)
-    with open(path, "r+b") as fh:
-        fh.seek(off)
-        b = fh.read(1)
-        fh.seek(off)
-        fh.write(bytes([b[0] ^ 0x10]))
+def _flip(path: Path, tensor: str, frac: float = 0.5, *, sealed: bool = True) -> None:
+    """Flip one byte inside ``tensor``'s data (not the metadata). ``sealed``: recompute the
+    whole-file record afterwards, so that the block digests are what finds the change."""
+    off, n = locate(path, tensor)
+    flip(path, off + int(n * frac))
+    if sealed:
+        reseal(path)
 
 
 # ----------------------------------------------------------------------------- layout
@@ -150,7 +158,8 @@ def test_every_checksum_kind_round_trips_and_catches_a_flip(tmp_path, kind):
     assert fmt.attrs_checksum(h5py.File(p, "r"), kind).startswith(kind + ":")
     assert same(load(p, COMM).params, params(1))
     _flip(p, "params/encoder.layer.0.half")
-    assert "encoder.layer.0.half: data checksum mismatch" in verify(p, COMM)[1]
+    why = verify(p, COMM)[1]
+    assert "packed/float16: data checksum mismatch" in why and "encoder.layer.0.half" in why
 
 
 def test_checkpointer_resume_and_never(tmp_path):
@@ -175,9 +184,15 @@ def test_ranks_must_pass_replicated_structure(tmp_path):
 
 def test_flipped_data_byte_detected_and_previous_used(tmp_path, caplog):
     paths = _save(tmp_path, [1, 2])
-    _flip(paths[1], "params/embeddings.word_embeddings.weight")
+    _flip(paths[1], "params/embeddings.word_embeddings.weight", sealed=False)
     ok, why = verify(paths[1], COMM)
-    assert not ok and "embeddings.word_embeddings.weight: data checksum mismatch in block" in why
+    assert not ok and f"{paths[1]}: whole-file checksum mismatch" in why
+    with pytest.raises(CheckpointError, match="whole-file checksum mismatch"):
+        load(paths[1], COMM)
+    reseal(paths[1])                # as if damaged before sealing: the block digests see it
+    ok, why = verify(paths[1], COMM)
+    assert not ok and "data checksum mismatch in block" in why
+    assert "embeddings.word_embeddings.weight" in why
     with pytest.raises(CheckpointError, match="data checksum mismatch"):
         load(paths[1], COMM)
     assert find_resumable(tmp_path, COMM) == paths[0]
@@ -188,7 +203,8 @@ def test_flipped_data_byte_detected_and_previous_used(tmp_path, caplog):
 def test_flipped_byte_in_a_small_state_dataset_detected(tmp_path):
     paths = _save(tmp_path, [1])
     _flip(paths[0], "state/seeds", 0.0)
-    assert "state/seeds: data checksum mismatch" in verify(paths[0], COMM)[1]
+    why = verify(paths[0], COMM)[1]
+    assert "packed/uint64: data checksum mismatch" in why and "state/seeds" in why
 
 
 def test_altered_metadata_detected(tmp_path):
@@ -196,18 +212,23 @@ def test_altered_metadata_detected(tmp_path):
     with h5py.File(paths[1], "r+") as f:
         f["state"].attrs["skips"] = 3
     ok, why = verify(paths[1], COMM)
-    assert not ok and "metadata checksum mismatch" in why
+    assert not ok and "whole-file checksum mismatch" in why
     assert find_resumable(tmp_path, COMM) == paths[0]
+    reseal(paths[1])
+    ok, why = verify(paths[1], COMM)
+    assert not ok and "metadata checksum mismatch" in why
 
 
 def test_incomplete_and_truncated_files_skipped(tmp_path):
     paths = _save(tmp_path, [1, 2, 3])
     with h5py.File(paths[2], "r+") as f:          # as if killed before the last attribute
         del f.attrs["attrs_checksum"]
+    reseal(paths[2])
     data = paths[1].read_bytes()
     paths[1].write_bytes(data[: len(data) // 2])  # truncated
     assert "incomplete" in verify(paths[2], COMM)[1]
-    assert not verify(paths[1], COMM)[0]
+    ok, why = verify(paths[1], COMM)
+    assert not ok and "truncated" in why
     assert find_resumable(tmp_path, COMM) == paths[0]
     assert find_resumable(tmp_path / "nothing-here", COMM) is None
 
@@ -243,24 +264,48 @@ def test_checkpoint_deck_section(tmp_path):
 
 def test_h5ls_h5dump_and_inspect(tmp_path):
     paths = _save(tmp_path, [1, 2])
-    ls = subprocess.run(["h5ls", "-r", str(paths[1])], check=False, capture_output=True, text=True,
-                        timeout=30)
-    assert ls.returncode == 0
-    assert "/params/embeddings.word_embeddings.weight Dataset {1000, 33}" in ls.stdout
-    assert "/per_rank/cursor         Dataset {1, 2}" in ls.stdout
-    dump = subprocess.run(["h5dump", "-a", "step", str(paths[1])], check=False, capture_output=True,
-                          text=True, timeout=30)
+    ls = subprocess.run(["h5ls", "-r", str(paths[1])], check=False, capture_output=True,
+                        text=True, timeout=30)
+    assert ls.returncode == 0, ls.stderr
+    n32 = sum(a.size for a in params(2).values() if a.dtype == np.float32)
+    assert f"/packed/float32          Dataset {{{n32}}}" in ls.stdout
+    assert "/index                   Dataset {16}" in ls.stdout
+    dump = subprocess.run(["h5dump", "-a", "step", str(paths[1])], check=False,
+                          capture_output=True, text=True, timeout=30)
     assert dump.returncode == 0 and "(0): 2" in dump.stdout
+    idx = subprocess.run(["h5dump", "-d", "/index", str(paths[1])], check=False,
+                         capture_output=True, text=True, timeout=30)
+    assert idx.returncode == 0 and '"params/embeddings.word_embeddings.weight' in idx.stdout
+    assert "[ 1000, 33, 0, 0, 0, 0, 0, 0 ]" in idx.stdout and '"per_rank/cursor' in idx.stdout
+    # one tensor through the index's offset and count: h5dump -s OFFSET -c COUNT
+    w = params(2)["classifier.weight"]          # float64, after the 0-d pooler.scale
+    with h5py.File(paths[1], "r") as f:
+        row = next(r for r in f["index"][()] if r["path"] == b"params/classifier.weight")
+    assert row["packed"] == b"float64" and row["offset"] == 1 and row["count"] == w.size
+    one = subprocess.run(["h5dump", "-d", "/packed/float64", "-s", "1", "-c", "3",
+                          str(paths[1])], check=False, capture_output=True, text=True,
+                         timeout=30)
+    got = [float(x) for x in one.stdout.split("DATA {")[1].split("(1):")[1].split("}")[0]
+           .split(",")]
+    assert np.allclose(got, w.reshape(-1)[:3], rtol=1e-5), one.stdout
     run = [sys.executable, "-m", "semzo", "inspect"]
-    ok = subprocess.run(run + [str(tmp_path)], check=False, capture_output=True, text=True, timeout=60,
-                        cwd=ROOT)
+    ok = subprocess.run(run + [str(tmp_path)], check=False, capture_output=True, text=True,
+                        timeout=60, cwd=ROOT)
     assert ok.returncode == 0, ok.stderr
     assert "step 2" in ok.stdout and "loss = 0.333333" in ok.stdout
-    assert "OK" in ok.stdout and "[checkpoint]" in ok.stdout
-    _flip(paths[1], "params/classifier.weight")
-    bad = subprocess.run(run + ["--no-deck", str(paths[1])], check=False, capture_output=True, text=True,
-                         timeout=60, cwd=ROOT)
-    assert bad.returncode == 1 and "FAILED" in bad.stdout and "classifier.weight" in bad.stdout
-    miss = subprocess.run(run + [str(tmp_path / "nope.h5")], check=False, capture_output=True, text=True,
-                          timeout=60, cwd=ROOT)
+    assert "whole file OK" in ok.stdout and "[checkpoint]" in ok.stdout
+    assert "packed/float32[0:33000]" in ok.stdout        # where the largest tensor lies
+    _flip(paths[1], "params/classifier.weight", sealed=False)
+    bad = subprocess.run(run + ["--no-deck", str(paths[1])], check=False, capture_output=True,
+                         text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and not bad.stdout, bad.stdout
+    assert bad.stderr.strip().splitlines() == [
+        f"error: damaged checkpoint: {paths[1]}: " + bad.stderr.split(f"{paths[1]}: ", 1)[1]
+        .strip()]
+    assert "whole-file checksum mismatch" in bad.stderr
+    folder = subprocess.run(run + ["--no-deck", str(tmp_path)], check=False,
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert folder.returncode == 0 and "INVALID" in folder.stdout and "step 1" in folder.stdout
+    miss = subprocess.run(run + [str(tmp_path / "nope.h5")], check=False, capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
     assert miss.returncode == 2 and "nope.h5" in miss.stderr

@@ -58,3 +58,19 @@ def test_export_loads_in_transformers(tmp_path):
     assert cfg["label2id"] == {"art": 0, "love": 1, "work": 2}
     with safe_open(str(out / "semzo_head.safetensors"), "np") as f:
         assert json.loads(f.metadata()["label_names"]) == ["art", "love", "work"]
+
+
+def test_export_of_a_damaged_file_is_one_line_exit_2(tmp_path):
+    """The whole-file check runs before HDF5 opens the file: one line, exit 2, no folder."""
+    with Checkpointer(MPI.COMM_SELF, CheckpointSection(dir=str(tmp_path / "ck"))) as ck:
+        path = ck.save(1, {"classifier.bias": np.zeros(3, np.float32)}, {"step": 1})
+    with open(path, "r+b") as fh:            # the HDF5 superblock's end-of-file address
+        fh.seek(4096 + 40)
+        fh.write(b"\x7f")
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "semzo", "export", str(path), str(out)],
+                          check=False, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"error: damaged checkpoint: {path}: " + proc.stderr.split(f"{path}: ", 1)[1].strip()]
+    assert "whole-file checksum mismatch" in proc.stderr and not out.exists()

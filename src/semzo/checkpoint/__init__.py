@@ -1,5 +1,6 @@
-"""Checkpoints of fine-tuning: one HDF5 file per save, written collectively and atomically,
-verified block by block on load at any world size (docs/checkpoint.md).
+"""Checkpoints of fine-tuning: one HDF5 file per save (tensors packed into one dataset per
+dtype, with an index), written collectively and atomically, checked whole on one rank before
+HDF5 parses it, and verified block by block on load at any world size (docs/checkpoint.md).
 
 Public API::
 
@@ -10,6 +11,7 @@ Public API::
     loaded = resume(ck.dir, comm, shard_size=n_local)               # newest valid, or None
 """
 
+from .filesum import check_file
 from .format import CheckpointError
 from .manager import (
                       CheckpointDirError,
@@ -23,6 +25,6 @@ from .manager import (
 from .reader import Loaded, load, verify
 from .reshard import remap_cursors
 
-__all__ = ["CheckpointDirError", "CheckpointError", "Checkpointer", "Loaded",
+__all__ = ["CheckpointDirError", "CheckpointError", "Checkpointer", "Loaded", "check_file",
            "find_resumable", "list_checkpoints", "load", "manifest_checksum", "read_latest",
            "remap_cursors", "resume", "verify"]

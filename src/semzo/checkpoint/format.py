@@ -1,25 +1,30 @@
-"""The checkpoint file layout, the fixed block layout of every dataset, and its checksums.
+"""Checkpoint format constants, digests, names, and the block layout of format 1.
 
-A checkpoint is one HDF5 file (``ckpt-000000100.h5``)::
+Format 2 (written now) is one HDF5 file (``ckpt-000000100.h5``) with a user block holding
+the whole-file record (:mod:`.filesum`)::
 
-    /                       attrs: format, format_version, semzo_version, semzo_deck (resolved
-                            TOML), world_size, step, created, topology (JSON), metrics (JSON),
-                            shards_path, shards_manifest, checksum_kind, block_bytes,
-                            n_params, param_bytes; attrs_checksum is written last
-    /params/<hf name>       each parameter in its global shape and dtype (creation order kept)
-    /state/...              the ZO state: scalars as attributes, arrays as datasets (nested dicts
-                            are subgroups); attr semzo_keys lists the keys in their order
-    /per_rank/<name>        (P, ...) one row per rank of the run that wrote it (data cursor ...)
-    /extras/<name>          other arrays (k-means centroids ...)
+    /                       attrs: format, format_version (2), layout ("packed"),
+                            semzo_version, semzo_deck (resolved TOML), world_size, step,
+                            created, topology (JSON), metrics (JSON), shards_path,
+                            shards_manifest, model_meta, checksum_kind, block_bytes,
+                            n_params, param_bytes, index_checksum; attrs_checksum last
+    /index                  one row per tensor (see :mod:`.packed`)
+    /packed/<dtype>         the tensors of that dtype, concatenated (1-D)
+    /digests/<dtype>        one digest per block of block_bytes bytes of /packed/<dtype>
+    /state                  the ZO state's scalars as attributes (nested dicts are subgroups;
+                            attr semzo_keys lists the keys in order); its arrays are tensors
+                            ``state/...`` of the index
+    /params, /per_rank, /extras   (empty groups: their tensors are in the index)
     /metrics                attrs: loss and other figures at this step
 
-Block layout: every dataset is cut along its first axis into blocks of ``block_rows`` rows
-(about ``block_bytes`` bytes, at most :data:`MAX_BLOCKS` blocks). Blocks, not ranks, are the
-unit of checksums: the dataset's attribute ``digests`` holds one digest per block and
-``checksum`` is the digest of those digests, so a file written at P ranks verifies at any
-other rank count. Ranks own contiguous runs of whole blocks (:func:`rank_rows`), both to write
-(each rank writes and hashes its run) and to read (each rank reads and verifies its run).
-0-d arrays are stored as shape ``(1,)`` with attr ``semzo_kind = "scalar"``.
+Tensor paths: ``params/<hf name>`` (global shape), ``state/<key>[/<key>...]``,
+``per_rank/<name>`` ((P, ...) one row per rank of the run that wrote it), ``extras/<name>``.
+
+Format 1 (read only, :mod:`.legacy`) stored every tensor as its own dataset, cut along its
+first axis into blocks of ``block_rows`` rows (:class:`BlockLayout`), its digests in the
+attribute ``digests``. In both formats blocks, not ranks, are the unit of checksums, so a
+file written at P ranks verifies at any other rank count: ranks own contiguous runs of whole
+blocks (:func:`rank_blocks`).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import h5py
 import numpy as np
 
 FORMAT = "semzo-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_BLOCKS = 4096          # keeps the digests attribute under HDF5's 64 KiB compact limit
 ALIGN_BYTES = 4096         # blocks are whole pages where the row size allows
 CHECKSUM_KINDS = ("xxh64", "crc32", "blake2b")

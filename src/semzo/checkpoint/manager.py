@@ -4,7 +4,8 @@ Folder layout: ``ckpt-<step 9 digits>.h5`` (complete files only: they appear by 
 ``ckpt-....h5.tmp`` (a write in progress, or left by a killed job), and ``latest`` (one line:
 the file name of the newest complete checkpoint, replaced atomically after the file is
 complete). :func:`find_resumable` does not trust names alone: it verifies every candidate,
-newest step first, and skips incomplete or corrupt ones with a warning.
+newest step first (the whole file on rank 0 before HDF5 opens it, then every block), and
+skips incomplete or damaged ones with one warning each.
 
 The training loop's use::
 

@@ -1,7 +1,8 @@
 """``semzo inspect CKPT`` and ``semzo export CKPT OUTDIR``.
 
 Both run on any number of ranks (one is enough): reading and verifying is collective, rank 0
-prints or writes. ``inspect`` of a folder lists its checkpoints (verifying each) and then
+prints or writes. Every file is checked whole (rank 0, :mod:`.filesum`) before HDF5 opens
+it: a damaged file is one line and exit 2, never a hang or a crash. ``inspect`` of a folder lists its checkpoints (verifying each) and then
 describes the newest valid one.
 """
 
@@ -31,8 +32,18 @@ def _value(v) -> str:
     return str(v)
 
 
+def _damaged(exc) -> SemzoError:
+    """One line, exit 2, the same on every rank."""
+    e = SemzoError(f"damaged checkpoint: {exc}")
+    e.all_ranks = True
+    return e
+
+
 def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tuple[str, bool]:
-    """(text, all checksums OK) describing a checkpoint file or folder. Collective."""
+    """(text, True) describing a checkpoint file or folder. Collective. A damaged file
+    (its whole-file record or a checksum does not match) raises :class:`SemzoError` on every
+    rank (exit 2, one line); a folder lists every checkpoint with its verdict and describes
+    the newest valid one, or returns (listing, False) when none is valid."""
     path = Path(path)
     if not path.exists():
         raise SemzoError(f"{path}: no such checkpoint file or folder")
@@ -56,8 +67,10 @@ def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tupl
     try:
         meta = describe(path, comm)
     except CheckpointError as exc:
-        return f"checkpoint {path}\n  INVALID: {exc}", False
+        raise _damaged(exc) from None
     ok, why = verify(path, comm)
+    if not ok:
+        raise _damaged(why)
     a = meta.attrs
     topo = json.loads(a.get("topology", "{}") or "{}")
     where = f"{a.get('world_size')} ranks"
@@ -75,7 +88,7 @@ def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tupl
                  f"{_mib(int(a.get('param_bytes', 0)))}; file {_mib(meta.file_bytes)}")
     for g, label in (("state", "state"), ("per_rank", "per-rank (P, ...)"),
                      ("extras", "extras")):
-        items = [f"{p.split('/', 1)[1]} {tuple(s)} {t}" for p, s, t, _, _ in meta.datasets
+        items = [f"{p.split('/', 1)[1]} {tuple(s)} {t}" for p, s, t, _ in meta.datasets
                  if p.startswith(g + "/")]
         if g == "state":
             scalars = []
@@ -92,13 +105,13 @@ def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tupl
         now = manifest_checksum(sp) if sp.is_file() else "missing"
         lines.append(f"  shards: {sp} {a.get('shards_manifest')} "
                      f"({'matches' if now == a.get('shards_manifest') else 'now ' + now})")
-    blocks = sum(d[3] for d in meta.datasets)
-    lines.append(f"  checksums: {a.get('checksum_kind')} of {blocks} blocks in "
-                 f"{len(meta.datasets)} datasets, metadata {a.get('attrs_checksum')}: "
-                 + ("OK" if ok else f"FAILED: {why}"))
+    whole = "whole file OK, " if meta.version >= 2 else "no whole-file record (format 1), "
+    lines.append(f"  checksums: {whole}{a.get('checksum_kind')} of {meta.blocks} blocks"
+                 f"{' in packed datasets' if meta.version >= 2 else ''}, metadata "
+                 f"{a.get('attrs_checksum')}: OK")
     big = sorted(params, key=lambda d: -int(np.prod(d[1])))[:5]
-    for p, s, t, _, c in big:
-        lines.append(f"    {p[7:]:<56} {tuple(s)!s:<14} {t:<4} {c}")
+    for p, s, t, where in big:
+        lines.append(f"    {p[7:]:<56} {tuple(s)!s:<14} {t:<4} {where}")
     if len(params) > len(big):
         lines.append(f"    ... and {len(params) - len(big)} more tensors")
     if deck and a.get("semzo_deck"):
@@ -144,12 +157,12 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
 
         found = find_resumable(path, comm)
         if found is None:
-            raise SemzoError(f"{path}: no valid checkpoint in this folder")
+            raise _damaged(f"{path}: no valid checkpoint in this folder")
         path = found
     try:
         loaded = load(path, comm)
     except CheckpointError as exc:
-        raise SemzoError(str(exc)) from None
+        raise _damaged(exc) from None
     err, out = None, Path(outdir)
     if comm.Get_rank() == 0:
         try:

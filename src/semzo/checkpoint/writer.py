@@ -1,18 +1,20 @@
-"""Collective, atomic checkpoint writes.
+"""Collective, atomic checkpoint writes (format 2: packed datasets, whole-file record).
 
 Two steps, so that the second can run on a background thread:
 
 1. :func:`prepare` (collective over ``comm``, main thread): checks that every rank passes the
    same names, shapes, dtypes and scalar values; gathers the per-rank arrays into (P, ...)
-   tables; cuts every dataset into blocks and keeps, for each one, the rows this rank writes
-   (views of the caller's arrays, or copies with ``copy=True`` for asynchronous saving: only
-   this rank's 1/P of each tensor is copied).
+   tables; lays every tensor out in one flat dataset per dtype (:mod:`.packed`) and keeps
+   the pieces of this rank's run of blocks (views of the caller's arrays, or one copied slab
+   with ``copy=True`` for asynchronous saving: only this rank's 1/P is copied).
 2. :func:`write_file` (collective over the communicator given, which may be a duplicate used
-   by a thread): creates ``NAME.tmp`` with the ``mpio`` driver, writes every dataset under
-   collective I/O (each rank its run of blocks; a rank with none takes part with an empty
-   selection), hashes its blocks, combines the digests with one allreduce, stores them as
-   attributes, writes the attribute checksum last, flushes (``MPI_File_sync``), closes, and
-   renames to ``NAME`` on rank 0 after every rank has closed.
+   by a thread): creates ``NAME.tmp`` with the ``mpio`` driver and a user block, creates
+   the few datasets (collective), writes this rank's slabs (independent by default: a few
+   large H5Dwrite calls; with a collective transfer, one collective call per dataset, an
+   empty selection on a rank with none), hashes its blocks, combines the digests with one
+   allreduce, writes the index and the digests (rank 0), the attributes, the attribute
+   checksum last, flushes (``MPI_File_sync``) and closes. Then rank 0 seals the closed file
+   with its whole-file record (:mod:`.filesum`) and renames it to ``NAME``.
 
 I/O errors during the write raise :class:`~semzo.runtime.SemzoError` naming the file on the
 rank that met them (under :func:`~semzo.runtime.run_spmd` that ends the world with exit 2); the
@@ -38,8 +40,8 @@ from mpi4py import MPI
 from .. import __version__
 from ..h5io import require_mpi_h5py
 from ..runtime import SemzoError, get_logger
+from . import filesum, mpio, packed
 from . import format as fmt
-from . import mpio
 
 log = get_logger(__name__)
 
@@ -75,28 +77,21 @@ class WriteOptions:
 
 
 @dataclass
-class Item:
-    """One dataset: where it goes, its global shape, and the rows this rank writes."""
-
-    path: str
-    shape: tuple          # global shape on disk (0-d arrays are stored as (1,))
-    dtype: np.dtype
-    kind: str             # "array", "scalar" (0-d), "list"
-    layout: fmt.BlockLayout
-    lo: int
-    hi: int
-    rows: np.ndarray      # rows [lo, hi), C-contiguous
-
-
-@dataclass
 class Payload:
-    """What one checkpoint holds, as seen from this rank (see :func:`prepare`)."""
+    """What one checkpoint holds, as seen from this rank (see :func:`prepare`).
+
+    ``parts``: packed dataset name -> this rank's pieces (element offset, 1-D array) that
+    tile its run of blocks [lo, hi) (``ranges``: name -> (lo, hi, block lo, block hi)).
+    """
 
     step: int
-    items: list[Item]
+    entries: list[packed.Entry]
+    packs: list[packed.Packed]
+    parts: dict[str, list[tuple[int, np.ndarray]]]
+    ranges: dict[str, tuple[int, int, int, int]]
     group_attrs: dict[str, dict[str, Any]]      # group path -> scalar attributes
     root_attrs: dict[str, Any]
-    nbytes: int                                 # bytes of all datasets (whole file's data)
+    nbytes: int                                 # bytes of all tensors (whole file's data)
     param_bytes: int = 0
     n_params: int = 0
     opts: WriteOptions = field(default_factory=WriteOptions)
@@ -186,25 +181,35 @@ def prepare(comm: MPI.Intracomm, step: int, params: dict, state: dict | None = N
                        table.view(np.uint8).reshape(size, -1))
         arrays.append((f"per_rank/{k}", table, "array"))
 
-    items, shift, nbytes, pbytes, nparams = [], 0, 0, 0, 0
+    nbytes = pbytes = nparams = 0
+    flat: dict[str, np.ndarray] = {}
+    tensors = []
     for path, a, kind in arrays:
         if a.dtype.kind not in "biuf" or a.dtype.byteorder == ">":
             raise ValueError(f"{path}: unsupported dtype {a.dtype}")
         if a.ndim == 0:
-            a, kind = a.reshape(1), "scalar"
-        layout = fmt.BlockLayout.of(a.shape, a.dtype.itemsize, opts.block_bytes)
-        lo, hi, _, _ = fmt.rank_rows(layout, rank, size, shift)
-        shift += layout.n_blocks
-        rows = a[lo:hi]
-        items.append(Item(path, a.shape, a.dtype, kind, layout, lo, hi,
-                          rows.copy() if copy else rows))
+            kind = "scalar"
+        tensors.append((path, a, kind))
+        flat[path] = a.reshape(-1)
         nbytes += a.nbytes
         if path.startswith("params/"):
             pbytes += a.nbytes
             nparams += a.size
-    root = dict(root_attrs or {})
-    return Payload(step=int(step), items=items, group_attrs=group_attrs, root_attrs=root,
-                   nbytes=nbytes, param_bytes=pbytes, n_params=nparams, opts=opts)
+    entries, packs = packed.plan(tensors, opts.block_bytes)
+    parts, ranges, shift = {}, {}, 0
+    for pk in packs:
+        lo, hi, b_lo, b_hi = pk.rank_range(rank, size, shift)
+        shift += pk.n_blocks
+        mine = packed.pieces([e for e in entries if e.packed == pk.name], flat, lo, hi)
+        if copy or opts.transfer != "independent":
+            # a snapshot (async) or one collective call per dataset: one contiguous slab
+            mine = [(lo, np.concatenate([p for _, p in mine]) if len(mine) != 1
+                     else mine[0][1].copy() if copy else mine[0][1])] if hi > lo else []
+        parts[pk.name] = mine
+        ranges[pk.name] = (lo, hi, b_lo, b_hi)
+    return Payload(step=int(step), entries=entries, packs=packs, parts=parts, ranges=ranges,
+                   group_attrs=group_attrs, root_attrs=dict(root_attrs or {}), nbytes=nbytes,
+                   param_bytes=pbytes, n_params=nparams, opts=opts)
 
 
 # --------------------------------------------------------------------------- write
@@ -224,8 +229,9 @@ def _os_error(path: Path, exc: BaseException) -> SemzoError:
 
 
 def write_file(payload: Payload, path: str | Path, comm: MPI.Intracomm) -> Path:
-    """Write ``payload`` to ``path`` atomically (``path.tmp``, then rename). Collective over
-    ``comm``; returns ``path`` on every rank once the file is complete under its name."""
+    """Write ``payload`` to ``path`` atomically (``path.tmp``, sealed with the whole-file
+    record, then renamed). Collective over ``comm``; returns ``path`` on every rank once the
+    file is complete under its name."""
     require_mpi_h5py()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -234,6 +240,7 @@ def write_file(payload: Payload, path: str | Path, comm: MPI.Intracomm) -> Path:
     info = mpio.info(opts.hints)
     try:
         f = h5py.File(tmp, "w", driver="mpio", comm=comm, info=info,
+                      userblock_size=filesum.USERBLOCK,
                       alignment_threshold=max(1, opts.alignment_threshold),
                       alignment_interval=max(1, opts.alignment_interval))
     except OSError as exc:
@@ -241,7 +248,7 @@ def write_file(payload: Payload, path: str | Path, comm: MPI.Intracomm) -> Path:
     finally:
         info.Free()
     try:
-        _write_contents(f, payload, comm, sleep)
+        data = _write_contents(f, payload, comm, sleep)
         f.flush()          # H5Fflush -> MPI_File_sync on every rank: data on the device
         f.close()
     except OSError as exc:
@@ -255,22 +262,29 @@ def write_file(payload: Payload, path: str | Path, comm: MPI.Intracomm) -> Path:
     err = None
     comm.Barrier()
     if comm.Get_rank() == 0:
-        try:
+        try:        # the record covers the final bytes; the name appears only after it
+            filesum.seal(tmp, opts.checksum, opts.block_bytes, data)
             os.replace(tmp, path)
             fsync_dir(path.parent)
         except OSError as exc:
             err = str(_os_error(path, exc))
+    filesum.quiet_barrier(comm)      # the others sleep while rank 0 seals: no spinning
     err = comm.bcast(err, root=0)
     if err:
         raise SemzoError(err)
     return path
 
 
-def _write_contents(f: h5py.File, p: Payload, comm: MPI.Intracomm, sleep: float) -> None:
+def _write_contents(f: h5py.File, p: Payload, comm: MPI.Intracomm,
+                    sleep: float) -> list[tuple[int, int, np.ndarray]]:
+    """Create, write and describe everything; returns (file offset, bytes, block digests)
+    of every non-empty packed dataset (for :func:`semzo.checkpoint.filesum.seal`)."""
     kind = p.opts.checksum
+    rank = comm.Get_rank()
     a = f.attrs
     a["format"] = fmt.FORMAT
     a["format_version"] = fmt.FORMAT_VERSION
+    a["layout"] = "packed"
     a["semzo_version"] = __version__
     a["world_size"] = comm.Get_size()
     a["step"] = p.step
@@ -280,49 +294,65 @@ def _write_contents(f: h5py.File, p: Payload, comm: MPI.Intracomm, sleep: float)
     a["param_bytes"] = p.param_bytes
     for k, v in p.root_attrs.items():
         a[k] = v
-    for g in fmt.GROUPS:
+    for g in (*fmt.GROUPS, "packed", "digests"):
         f.create_group(g, track_order=True)
     for g in p.group_attrs:
         if g not in f:
             f.create_group(g, track_order=True)
-    local: list[np.ndarray] = []
-    dsets = []
+    index = packed.index_array(p.entries)
+    f.create_dataset("index", data=None, shape=index.shape, dtype=index.dtype,
+                     fill_time="never")
+    dsets, digs = {}, {}
+    for pk in p.packs:
+        dsets[pk.name] = f["packed"].create_dataset(pk.name, shape=(pk.n,), dtype=pk.dtype,
+                                                    fill_time="never")
+        digs[pk.name] = f["digests"].create_dataset(pk.name, shape=(pk.n_blocks,),
+                                                    dtype=np.uint64, fill_time="never")
     dxpl = mpio.transfer_plist(p.opts.transfer)
     independent = p.opts.transfer == "independent"
-    for it in p.items:
-        parent = it.path.rsplit("/", 1)[0]
-        if parent not in f:
-            f.create_group(parent, track_order=True)
-        d = f.create_dataset(it.path, shape=it.shape, dtype=it.dtype, fill_time="never")
-        # collective transfers: the same decision on every rank (all call, or none does);
-        # independent ones: a rank with no rows has nothing to call
-        if it.layout.n_blocks and (independent is False or it.hi > it.lo):
-            mpio.write_rows(d, it.lo, it.rows, dxpl)
-        local.append(fmt.block_digests(kind, it.rows, it.layout.block_rows))
-        dsets.append(d)
+    local: list[np.ndarray] = []
+    for pk in p.packs:
+        d = dsets[pk.name]
+        lo, hi, _, _ = p.ranges[pk.name]
+        parts = p.parts[pk.name]
+        if independent:
+            for off, arr in packed.coalesce(parts, 1 << 20, pk.dtype):
+                mpio.write_rows(d, off, arr, dxpl)
+        elif pk.n:      # collective: every rank calls once (an empty selection if no rows)
+            off, arr = parts[0] if parts else (0, np.zeros(0, pk.dtype))
+            mpio.write_rows(d, off, arr, dxpl)
+        local.append(packed.slab_digests(kind, parts, lo, hi, pk.block_elems, pk.dtype)
+                     if hi > lo else np.zeros(0, np.uint64))
         if sleep:
             time.sleep(sleep)
     # one allreduce combines every rank's block digests: each block has exactly one owner
-    counts = [it.layout.n_blocks for it in p.items]
-    starts = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    starts = np.concatenate(([0], np.cumsum([pk.n_blocks for pk in p.packs]))).astype(np.int64)
     alld = np.zeros(int(starts[-1]), dtype=np.uint64)
-    shift = 0
-    for i, it in enumerate(p.items):
-        _, _, b_lo, b_hi = fmt.rank_rows(it.layout, comm.Get_rank(), comm.Get_size(), shift)
-        shift += it.layout.n_blocks
+    for i, pk in enumerate(p.packs):
+        _, _, b_lo, b_hi = p.ranges[pk.name]
         alld[starts[i] + b_lo:starts[i] + b_hi] = local[i]
     comm.Allreduce(MPI.IN_PLACE, alld, op=MPI.SUM)
-    for i, (it, d) in enumerate(zip(p.items, dsets)):
+    one = mpio.transfer_plist("independent")
+    if rank == 0:       # small datasets: rank 0 writes them (independent transfers)
+        if index.size:
+            mpio.write_rows(f["index"], 0, index, one)
+        for i, pk in enumerate(p.packs):
+            if pk.n_blocks:
+                mpio.write_rows(digs[pk.name], 0, alld[starts[i]:starts[i + 1]], one)
+    data = []
+    for i, pk in enumerate(p.packs):
         dig = alld[starts[i]:starts[i + 1]]
-        d.attrs["block_rows"] = it.layout.block_rows
-        d.attrs["digests"] = dig
+        d = dsets[pk.name]
+        d.attrs["block_elems"] = pk.block_elems
         d.attrs["checksum"] = fmt.combine(kind, dig)
-        if it.kind != "array":
-            d.attrs["semzo_kind"] = it.kind
+        if pk.n:
+            data.append((int(d.id.get_offset()), pk.n * pk.dtype.itemsize, dig))
+    a["index_checksum"] = fmt._hex(kind, fmt.digest(kind, index.tobytes()))
     for g, attrs in p.group_attrs.items():
         for k, v in attrs.items():
             f[g].attrs[k] = v
     a["attrs_checksum"] = fmt.attrs_checksum(f, kind)   # last: its presence marks completion
+    return data
 
 
 def fsync_dir(d: Path) -> None:
