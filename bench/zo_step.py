@@ -9,7 +9,8 @@ tensor trainable, as in MeZO), a batch of the first ``--batch`` fortunes padded 
 
 1. semzo step time / (2 x semzo forward time) on that batch (goal <= 1.10), for the default
    block-streamed schedule (two parameter passes per step, the update deferred) and for the
-   three-pass schedule, with Gaussian and Rademacher z; one parameter pass: the plain fused
+   three-pass schedule, with Gaussian, Rademacher and Gaussian-fast z (a 16-bit inverse-CDF
+   table, ``zo.dist = "gaussian-fast"``); one parameter pass: the plain fused
    read-modify-write (no z) against the perturbation with Gaussian and Rademacher z (goal: a
    pass that generates z costs <= 1.2x the plain pass);
 2. semzo step time vs the MeZO-style torch step (MeZO's trainer: per tensor an out-of-place
@@ -103,7 +104,8 @@ def zo_step_fn(m, eng, ids, mask, labels, n):
 
 def pass_times(eng, reps: int) -> dict:
     """One pass over every parameter: the plain fused read-modify-write (p <- p + a, no z,
-    same launch, chunks and bytes), the perturbation with Gaussian and Rademacher z, and the
+    same launch, chunks and bytes), the perturbation with Gaussian, Rademacher and
+    Gaussian-fast z, and the
     streamed schedule's first pass (restore + update of one z, then + eps of another)."""
     from semzo.finetune import kernels, rng
     from semzo.finetune.perturb import _split
@@ -114,7 +116,7 @@ def pass_times(eng, reps: int) -> dict:
     with kernels.num_threads(eng.threads):
         out["plain"] = best(lambda: kernels.run_pass(cpu, kernels.PLAIN, 0, k0, k1, a=0.0),
                             reps)
-        for name, code in (("gaussian", 0), ("rademacher", 1)):
+        for name, code in (("gaussian", 0), ("rademacher", 1), ("gaussian-fast", 2)):
             out[name] = best(lambda c=code: kernels.run_pass(cpu, kernels.PERTURB, c, k0, k1,
                                                              a=0.0), reps)
             out[name + "_first"] = best(lambda c=code: kernels.run_pass(
@@ -190,7 +192,7 @@ def timings(args) -> dict:
         eng.flush()
         eng.schedule = sched
         zo = zo_step_fn(m, eng, ids, mask, labels, args.batch)
-        for dist in ("gaussian", "rademacher"):
+        for dist in ("gaussian", "rademacher", "gaussian-fast"):
             eng.flush()
             eng.dist = dist
             out[f"step_{sched}_{dist}_s"] = best(zo, args.reps)
@@ -418,6 +420,13 @@ def main() -> None:
           f"ms = {ps['rademacher'] / ps['plain']:.2f}x plain (goal <= 1.2x); streamed first "
           f"pass (update + perturb, two z) Gaussian {ps['gaussian_first'] * ms:.1f} ms, "
           f"Rademacher {ps['rademacher_first'] * ms:.1f} ms")
+    sf, s3f = t["step_streamed_gaussian-fast_s"], t["step_three-pass_gaussian-fast_s"]
+    print(f"  with zo.dist = \"gaussian-fast\" (16-bit inverse-CDF table): pass "
+          f"{ps['gaussian-fast'] * ms:.1f} ms = {ps['gaussian-fast'] / ps['plain']:.2f}x plain "
+          f"(goal <= 1.2x), {ps['gaussian-fast'] / ps['gaussian']:.2f}x the Gaussian pass; "
+          f"streamed first pass {ps['gaussian-fast_first'] * ms:.1f} ms; streamed step "
+          f"{sf:.3f} s, ratio {sf / (2 * fw):.3f}; three-pass {s3f:.3f} s, ratio "
+          f"{s3f / (2 * fw):.3f}")
     sp = t["mezo_torch_step_s"] / step
     print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
           f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")

@@ -37,6 +37,7 @@ BAD_DECKS = [
     ("set unknown key", "", ["cluster.kay=3"], "cluster.kay: unknown key"),
     ("set bad value", "", ["run.threads=-1"], "run.threads: must be >= 0"),
     ("set no section", "", ["threads=2"], "expected section.key=value"),
+    ("zo dist", "[zo]\ndist = \"gaussian_fast\"\n", [], "zo.dist: 'gaussian_fast' is not one"),
     ("zo schedule", "[zo]\nschedule = \"twopass\"\n", [], "zo.schedule: 'twopass' is not one"),
     ("zo offload", "", ["zo.offload=disk"], "zo.offload: 'disk' is not one"),
     ("offload needs streamed", "[zo]\noffload = \"host\"\nschedule = \"three-pass\"\n", [],
@@ -72,6 +73,8 @@ def test_override_types_and_validation(corpus):
                       ["cluster.k=7", "cluster.tol=1", "place.mode=random", "run.seed=3"])
     assert (d.cluster.k, d.cluster.tol, d.place.mode, d.run.seed) == (7, 1.0, "random", 3)
     assert isinstance(d.cluster.tol, float)
+    for dist in ("gaussian", "gaussian-fast", "rademacher"):
+        assert deckmod.build({}, "x.toml", [f"zo.dist={dist}"]).zo.dist == dist
     with pytest.raises(DeckError, match=r"^x.toml: cluster.k: expected an integer"):
         deckmod.build({}, "x.toml", ["cluster.k=1.5"])
 

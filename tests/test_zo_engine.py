@@ -50,7 +50,7 @@ def _snapshot(m):
     return {n: a.copy() for n, a in m.params.items()}
 
 
-@pytest.mark.parametrize("dist", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("dist", ["gaussian", "rademacher", "gaussian-fast"])
 def test_step_equals_numpy_reference(folder, dist):
     m, names, task = _setup(folder)
     batch = task.batch(np.arange(16))

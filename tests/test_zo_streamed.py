@@ -30,7 +30,7 @@ from semzo.finetune.loop import (
     train,
 )
 from semzo.finetune.offload import HostStore
-from semzo.finetune.perturb import Pending, apply_then_perturb, perturb, restore_update
+from semzo.finetune.perturb import Pending, ZTensor, apply_then_perturb, perturb, restore_update
 from semzo.finetune.stage import select_trainable
 from semzo.model import Tokenizer, load_model
 from semzo.model.kernels import set_threads
@@ -180,6 +180,18 @@ def test_streamed_equals_three_pass(folders, kind, task_kind, params, kw):
     assert eng.pending is None
 
 
+def test_streamed_equals_three_pass_gaussian_fast(folders):
+    ref, pref, _ = _run(folders, "bert", "classify", "all", {}, "three-pass",
+                        dist="gaussian-fast")
+    got, pgot, _ = _run(folders, "bert", "classify", "all", {}, "streamed",
+                          dist="gaussian-fast")
+    gau, _, _ = _run(folders, "bert", "classify", "all", {}, "streamed")
+    assert got.tobytes() == ref.tobytes()
+    for n in pref:
+        assert pgot[n].tobytes() == pref[n].tobytes(), n
+    assert got.tobytes() != gau.tobytes()            # a different stream than "gaussian"
+
+
 @pytest.mark.parametrize("kind,task_kind", [("bert", "classify"), ("gpt2", "lm")])
 def test_simulated_offload_bit_identical(folders, kind, task_kind):
     ref, pref, _ = _run(folders, kind, task_kind, "all", {}, "streamed", dist="rademacher")
@@ -239,6 +251,27 @@ def test_fused_first_pass_equals_two_passes(dtype, kind):
     s, d = a.copy(), np.empty_like(a)
     apply_then_perturb([(9, s)], op, 1234, 1e-2, dst=[d])
     assert d.tobytes() == y.tobytes() and s.tobytes() != d.tobytes()
+
+
+@pytest.mark.parametrize("kind", ["restore_update", "perturb", "multi_restore", "multi"])
+def test_fused_first_pass_equals_two_passes_gaussian_fast(kind):
+    from semzo.finetune.perturb import multi_update
+    r = np.random.default_rng(1)
+    a = r.normal(0, 0.1, 5000).astype(np.float32)
+    op = Pending(kind, 77, 1e-2, 0.1, 0.3, 0.05, (5, 6), (0.2, -0.4))
+    x, y = a.copy(), a.copy()
+    ent = [ZTensor(9, x, 700)]                         # an offset inside a super-block
+    apply_then_perturb(ent, op, 1234, 1e-2, dist="gaussian-fast")
+    yy = [ZTensor(9, y, 700)]
+    if kind == "restore_update":
+        restore_update(yy, 77, 1e-2, 0.1, 0.3, 0.05, dist="gaussian-fast")
+    elif kind == "perturb":
+        perturb(yy, 77, 1e-2, dist="gaussian-fast")
+    else:
+        multi_update(yy, (5, 6), (0.2, -0.4), 0.1, 0.05, eps=1e-2, dist="gaussian-fast",
+                     restore_seed=77 if kind == "multi_restore" else None)
+    perturb(yy, 1234, 1e-2, dist="gaussian-fast")
+    assert x.tobytes() == y.tobytes() and x.tobytes() != a.tobytes()
 
 
 def test_plain_pass_is_an_rmw_without_z():

@@ -152,8 +152,10 @@ class ZoSection:
     lr: float = key(1e-4, "Peak learning rate (see train.schedule).", min=0.0)
     weight_decay: float = key(0.0, "Weight decay (not on biases and LayerNorm weights).",
                               min=0.0)
-    dist: str = key("gaussian", "Distribution of the direction z.",
-                    choices=("gaussian", "rademacher"))
+    dist: str = key("gaussian", "Distribution of the direction z: `gaussian` (Box-Muller, "
+                    "the stream of earlier runs), `gaussian-fast` (a 16-bit inverse-CDF table, "
+                    "eight z per Philox call: |z| <= 4.32, a cheaper pass, a different stream), "
+                    "`rademacher` (+-1).", choices=("gaussian", "gaussian-fast", "rademacher"))
     restore: str = key("copy", "`perturbation`/`hybrid` modes: `copy` keeps a reference copy of "
                        "the trainable tensors so every replica stays bit-identical; `fused` "
                        "restores inside the update pass (no copy; replicas drift by rounding "

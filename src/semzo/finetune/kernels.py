@@ -39,7 +39,7 @@ CHUNK = 8192        # elements per parallel task (a multiple of 128, the Rademac
 SUB = 1024          # elements per z buffer inside a task (8 KiB of float64: stays in L1)
 
 DEVICE_FUNCTIONS = ("philox4x32_10", "neg2_log_u", "cos_sin_2pi", "box_muller", "gauss4",
-                    "gauss_at", "rad_words", "rad_bit", "rad_at")
+                    "gauss_at", "rad_words", "rad_bit", "rad_at", "fast_words", "fast_at")
 
 
 def build_device_functions(decorator: Callable, *, cpu: bool = False) -> dict:
@@ -68,8 +68,13 @@ _gauss_at = _dev["gauss_at"]
 _rad_words = _dev["rad_words"]
 _rad_bit = _dev["rad_bit"]
 _rad_at = _dev["rad_at"]
+_fast_words = _dev["fast_words"]
+_fast_at = _dev["fast_at"]
 _U0, _U1, _U2, _U3, _U7 = (np.uint64(v) for v in (0, 1, 2, 3, 7))
-_U127 = np.uint64(127)
+_U10, _U16, _U127, _U1023 = (np.uint64(v) for v in (10, 16, 127, 1023))
+_M16 = np.uint64(0xFFFF)
+FAST_TABLE = rng.fast_table()       # float32[65536], passed to the kernels as an argument
+WS = 512                            # uint64 scratch words per task (one Gaussian-fast block)
 
 
 # ----------------------------------------------------------------------------- half precision
@@ -133,15 +138,60 @@ def _ol_store(p, i, v):
 
 # ----------------------------------------------------------------------------- z generation
 @njit(cache=True, error_model="numpy")
-def fill_z(z, e0, t, k0, k1, dist):
-    """z[i] = z(seed, t, e0 + i) for i < z.size (float64 array of float32-rounded values).
+def fast_block_words(ws, s, t, k0, k1):
+    """ws[k * 128 + j] = word k of Gaussian-fast Philox block 128 s + j (j < 128): the 512
+    words of super-block s side by side (one straight loop over the 128 blocks)."""
+    b0 = s << _U7
+    for j in range(128):
+        x0, x1, x2, x3 = _fast_words(b0 + np.uint64(j), t, k0, k1)
+        ws[j] = x0
+        ws[128 + j] = x1
+        ws[256 + j] = x2
+        ws[384 + j] = x3
 
-    e0, t, k0, k1: uint64; dist: rng.GAUSSIAN or rng.RADEMACHER. Serial.
+
+@njit(cache=True, error_model="numpy")
+def fill_fast(z, e0, t, k0, k1, tab, ws):
+    """z[i] = Gaussian-fast z of element e0 + i (float64), ws: uint64[WS] scratch. Serial.
+
+    Whole aligned super-blocks of 1024 elements: 128 Philox calls, then two table lookups per
+    word; a partial super-block computes its 128 calls and looks up the elements it needs.
     """
     m = z.size
     i = 0
     e = e0
-    if dist == 0:
+    while i < m:
+        s = e >> _U10
+        r0 = np.int64(e & _U1023)
+        cnt = min(1024 - r0, m - i)
+        fast_block_words(ws, s, t, k0, k1)
+        if cnt == 1024:
+            for q in range(512):
+                x = ws[q]
+                z[i + 2 * q] = np.float64(tab[x & _M16])
+                z[i + 2 * q + 1] = np.float64(tab[x >> _U16])
+        else:
+            for r in range(r0, r0 + cnt):
+                x = ws[r >> 1]
+                h = (x >> _U16) if (r & 1) != 0 else (x & _M16)
+                z[i + r - r0] = np.float64(tab[h])
+        i += cnt
+        e += np.uint64(cnt)
+
+
+@njit(cache=True, error_model="numpy")
+def fill_z(z, e0, t, k0, k1, dist, tab, ws):
+    """z[i] = z(seed, t, e0 + i) for i < z.size (float64 array of float32-rounded values).
+
+    e0, t, k0, k1: uint64; dist: rng.GAUSSIAN, rng.RADEMACHER or rng.GAUSSIAN_FAST;
+    tab: FAST_TABLE; ws: uint64[WS] scratch (Gaussian-fast). Serial.
+    """
+    m = z.size
+    i = 0
+    e = e0
+    if dist == 2:
+        fill_fast(z, e0, t, k0, k1, tab, ws)
+    elif dist == 0:
         while i < m and (e & _U3) != _U0:
             z[i] = _gauss_at(e, t, k0, k1)
             i += 1
@@ -185,14 +235,15 @@ def fill_z(z, e0, t, k0, k1, dist):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def zvec_kernel(out, e0, t, k0, k1, dist):
-    """out[i] = z(seed, t, e0 + i), out float32 1-D."""
+def zvec_kernel(out, e0, t, k0, k1, dist, tab):
+    """out[i] = z(seed, t, e0 + i), out float32 1-D; tab: FAST_TABLE."""
     n = out.size
     for c in prange((n + CHUNK - 1) // CHUNK):
         i0 = c * CHUNK
         m = min(CHUNK, n - i0)
         z = np.empty(m, np.float64)
-        fill_z(z, e0 + np.uint64(i0), t, k0, k1, dist)
+        ws = np.empty(WS, np.uint64)
+        fill_z(z, e0 + np.uint64(i0), t, k0, k1, dist, tab, ws)
         for i in range(m):
             out[i0 + i] = z[i]
 
@@ -218,7 +269,7 @@ def _as_pointer(typingctx, addr, proto):
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr, g, k0s, k1s,
-                 gs, mode, dsts, post, pk0, pk1, pa):
+                 gs, mode, dsts, post, pk0, pk1, pa, tab):
     """One in-place pass over a list of tensors of proto's dtype, all chunks in one launch.
 
     Tensor j: flat array of sizes[j] elements at address addrs[j]; its element i is element
@@ -234,6 +285,7 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
     then, if ``post``:   q <- p + pa z(pk0, pk1), q = the array at dsts[j] (p itself when 0),
     reading p as stored (rounded): the same bits as a second pass, in the same memory pass
     (the block-streamed schedule's first pass: the pending update, then the new +eps z).
+    tab: FAST_TABLE (read by dist GAUSSIAN_FAST only).
     One kernel for every mode and tensor: one compilation per dtype, one thread-pool launch per
     pass (many small tensors cost no more launches than one large one).
     """
@@ -248,17 +300,18 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
         wd = wds[j]
         zbuf = np.empty(SUB, np.float64)
         abuf = np.empty(SUB, np.float64)
+        ws = np.empty(WS, np.uint64)
         for s0 in range(0, mc, SUB):          # z of SUB elements at a time stays in L1
             i0 = c0 + s0
             m = min(SUB, mc - s0)
             e0 = offs[j] + np.uint64(i0)
             z = zbuf[:m]
             if mode == 0:
-                fill_z(z, e0, t, k0, k1, dist)
+                fill_z(z, e0, t, k0, k1, dist, tab, ws)
                 for i in range(m):
                     _store(p, i0 + i, _load(p, i0 + i) + a * z[i])
             elif mode == 1:
-                fill_z(z, e0, t, k0, k1, dist)
+                fill_z(z, e0, t, k0, k1, dist, tab, ws)
                 for i in range(m):
                     zi = z[i]
                     pr = _load(p, i0 + i) + a * zi
@@ -270,12 +323,12 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
                 acc = abuf[:m]
                 acc[:] = 0.0
                 for k in range(npert):
-                    fill_z(z, e0, t, k0s[k], k1s[k], dist)
+                    fill_z(z, e0, t, k0s[k], k1s[k], dist, tab, ws)
                     gk = gs[k]
                     for i in range(m):
                         acc[i] = acc[i] + gk * z[i]
                 if mode == 2:
-                    fill_z(z, e0, t, k0, k1, dist)
+                    fill_z(z, e0, t, k0, k1, dist, tab, ws)
                     for i in range(m):
                         pr = _load(p, i0 + i) + a * z[i]
                         _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
@@ -284,7 +337,7 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
                         pr = _load(p, i0 + i)
                         _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
             if post:
-                fill_z(z, e0, t, pk0, pk1, dist)
+                fill_z(z, e0, t, pk0, pk1, dist, tab, ws)
                 for i in range(m):
                     _store(q, i0 + i, _load(p, i0 + i) + pa * z[i])
 
@@ -342,7 +395,7 @@ def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 
                      np.array([it[2] for it in items], np.uint64),
                      np.array([it[3] for it in items], np.float64), cstart, int(dist),
                      _u(k0), _u(k1), float(a), float(lr), float(g), k0s, k1s, gs, int(mode),
-                     dsts, post is not None, _u(pk0), _u(pk1), float(pa))
+                     dsts, post is not None, _u(pk0), _u(pk1), float(pa), FAST_TABLE)
 
 
 def perturb(p: np.ndarray, off: int, t: int, k0, k1, dist: int, scale: float) -> None:
@@ -369,7 +422,7 @@ def multi_update(p: np.ndarray, off: int, t: int, k0s: np.ndarray, k1s: np.ndarr
 
 def zvec(out: np.ndarray, e0: int, t: int, k0, k1, dist: int) -> None:
     """out[i] = z(seed, t, e0 + i) into a float32 array."""
-    zvec_kernel(out, _u(e0), _u(t), _u(k0), _u(k1), int(dist))
+    zvec_kernel(out, _u(e0), _u(t), _u(k0), _u(k1), int(dist), FAST_TABLE)
 
 
 # ----------------------------------------------------------------------------- threads

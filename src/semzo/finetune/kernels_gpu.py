@@ -42,6 +42,7 @@ _SOURCE_TEMPLATE = r"""
 // z(seed, t, e): Philox-4x32-10, key (seed lo, seed hi), counter (block lo, block hi, t, domain).
 #ifdef __CUDACC__
 #define ZO_DEV static __device__ __forceinline__
+#define ZO_CONST static __device__ const
 #define ZO_GLOBAL extern "C" __global__ void
 #define ZO_FOR(i, n) for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; \
                           i < (n); i += (long long)blockDim.x * gridDim.x)
@@ -51,6 +52,7 @@ _SOURCE_TEMPLATE = r"""
 #include <math.h>
 #include <string.h>
 #define ZO_DEV static inline
+#define ZO_CONST static const
 #define ZO_GLOBAL void
 #define ZO_FOR(i, n) for (long long i = 0; i < (n); ++i)
 static inline unsigned int ZO_F2U(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
@@ -151,8 +153,29 @@ ZO_DEV double zo_rad_at(u64 e, u64 t, u64 k0, u64 k1) {
   return 1.0 - 2.0 * (double)((w >> (e & 31ULL)) & 1ULL);
 }
 
+// Gaussian-fast (domain 2): 16-bit value h of word q >> 7 of Philox block (S << 7) | (q & 127),
+// S = e >> 10, r = e & 1023, q = r >> 1, half r & 1; z = FAST_TABLE[h] (float32 bit patterns).
+ZO_CONST u32 zo_fast_tab[65536] = {
+@FAST_TABLE@
+};
+
+ZO_DEV double zo_fast_at(u64 e, u64 t, u64 k0, u64 k1) {
+  u64 r = e & 1023ULL;
+  u64 q = r >> 1;
+  u64 blk = ((e >> 10) << 7) | (q & 127ULL);
+  u64 c[4] = {blk & ZO_M32, blk >> 32, t, 2ULL};
+  zo_philox(c, k0, k1);
+  u64 k = q >> 7;
+  u64 lo = k == 1ULL ? c[1] : c[0];
+  u64 hi = k == 3ULL ? c[3] : c[2];
+  u64 x = k >= 2ULL ? hi : lo;
+  u64 h = (r & 1ULL) != 0ULL ? (x >> 16) : (x & 0xFFFFULL);
+  return (double)ZO_U2F(zo_fast_tab[h]);
+}
+
 ZO_DEV double zo_z(u64 e, u64 t, u64 k0, u64 k1, int dist) {
-  return dist == 0 ? zo_gauss_at(e, t, k0, k1) : zo_rad_at(e, t, k0, k1);
+  return dist == 0 ? zo_gauss_at(e, t, k0, k1)
+                   : (dist == 1 ? zo_rad_at(e, t, k0, k1) : zo_fast_at(e, t, k0, k1));
 }
 
 ZO_DEV double zo_half_to_double(u16 h) {
@@ -272,6 +295,10 @@ def cuda_source() -> str:
         "LN2": _c_double(rng.LN2), "PI_2_M31": _c_double(rng.PI_2_M31),
         "PI_4": _c_double(rng.PI_4),
     }
+    bits = rng.fast_table().view(np.uint32)
+    subs["FAST_TABLE"] = "\n".join(
+        ",".join(f"0x{int(v):08x}u" for v in bits[i:i + 8]) + ","
+        for i in range(0, bits.size, 8))
     for name in ("LOG_C", "SIN_C", "COS_C"):
         for i, c in enumerate(getattr(rng, name)):
             subs[f"{name}{i}"] = _c_double(c)
@@ -401,12 +428,16 @@ class _NumbaCuda:
         dev = build_device_functions(lambda f: cuda.jit(device=True)(f))
         gauss_at = dev["gauss_at"]
         rad_at = dev["rad_at"]
+        fast_at = dev["fast_at"]
+        self._tab = None
 
         @cuda.jit(device=True)
-        def z_at(e, t, k0, k1, dist):
+        def z_at(e, t, k0, k1, dist, tab):
             if dist == 0:
                 return gauss_at(e, t, k0, k1)
-            return rad_at(e, t, k0, k1)
+            if dist == 1:
+                return rad_at(e, t, k0, k1)
+            return fast_at(e, t, k0, k1, tab)
 
         @cuda.jit(device=True)
         def rounded(v, rnd32):
@@ -414,38 +445,44 @@ class _NumbaCuda:
             return np.float64(np.float32(v)) if rnd32 else v
 
         @cuda.jit
-        def k_zvec(out, e0, t, k0, k1, dist):
+        def k_zvec(out, e0, t, k0, k1, dist, tab):
             for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-                out[i] = np.float32(z_at(e0 + np.uint64(i), t, k0, k1, dist))
+                out[i] = np.float32(z_at(e0 + np.uint64(i), t, k0, k1, dist, tab))
 
         @cuda.jit
-        def k_perturb(p, off, t, k0, k1, dist, scale, rnd32):
+        def k_perturb(p, off, t, k0, k1, dist, scale, rnd32, tab):
             for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
-                z = z_at(off + np.uint64(i), t, k0, k1, dist)
+                z = z_at(off + np.uint64(i), t, k0, k1, dist, tab)
                 p[i] = rounded(np.float64(p[i]) + scale * z, rnd32)
 
         @cuda.jit
-        def k_restore_update(p, off, t, k0, k1, dist, eps, lr, g, wd, rnd32):
+        def k_restore_update(p, off, t, k0, k1, dist, eps, lr, g, wd, rnd32, tab):
             for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
-                z = z_at(off + np.uint64(i), t, k0, k1, dist)
+                z = z_at(off + np.uint64(i), t, k0, k1, dist, tab)
                 pr = np.float64(p[i]) + eps * z
                 p[i] = rounded(pr - lr * (g * z + wd * pr), rnd32)
 
         @cuda.jit
         def k_multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1, eps, dist,
-                           rnd32):
+                           rnd32, tab):
             for i in range(cuda.grid(1), p.size, cuda.gridsize(1)):
                 e = off + np.uint64(i)
                 acc = 0.0
                 for k in range(gs.size):
-                    acc = acc + gs[k] * z_at(e, t, k0s[k], k1s[k], dist)
+                    acc = acc + gs[k] * z_at(e, t, k0s[k], k1s[k], dist, tab)
                 pr = np.float64(p[i])
                 if restore:
-                    pr = pr + eps * z_at(e, t, rk0, rk1, dist)
+                    pr = pr + eps * z_at(e, t, rk0, rk1, dist, tab)
                 p[i] = rounded(pr - lr * (acc + wd * pr), rnd32)
 
         self.k_zvec, self.k_perturb = k_zvec, k_perturb
         self.k_restore_update, self.k_multi_update = k_restore_update, k_multi_update
+
+    def tab(self):
+        """FAST_TABLE on the device (copied once)."""
+        if self._tab is None:
+            self._tab = self.cuda.to_device(rng.fast_table())
+        return self._tab
 
     def _cfg(self, n: int):
         blocks = max(1, min(MAX_BLOCKS, -(-n // self.tpb)))
@@ -464,25 +501,26 @@ class _NumbaCuda:
 
     def zvec(self, out, e0, t, k0, k1, dist):
         b, tpb = self._cfg(out.size)
-        self.k_zvec[b, tpb, self._stream(out)](out, _u(e0), _u(t), _u(k0), _u(k1), int(dist))
+        self.k_zvec[b, tpb, self._stream(out)](out, _u(e0), _u(t), _u(k0), _u(k1), int(dist),
+                                                self.tab())
 
     def perturb(self, p, off, t, k0, k1, dist, scale):
         b, tpb = self._cfg(p.size)
         self.k_perturb[b, tpb, self._stream(p)](p, _u(off), _u(t), _u(k0), _u(k1), int(dist),
-                                                float(scale), self._rnd32(p))
+                                                float(scale), self._rnd32(p), self.tab())
 
     def restore_update(self, p, off, t, k0, k1, dist, eps, lr, g, wd):
         b, tpb = self._cfg(p.size)
         self.k_restore_update[b, tpb, self._stream(p)](
             p, _u(off), _u(t), _u(k0), _u(k1), int(dist), float(eps), float(lr), float(g),
-            float(wd), self._rnd32(p))
+            float(wd), self._rnd32(p), self.tab())
 
     def multi_update(self, p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1, eps, dist):
         b, tpb = self._cfg(p.size)
         self.k_multi_update[b, tpb, self._stream(p)](
             p, _u(off), _u(t), np.asarray(k0s, np.uint64), np.asarray(k1s, np.uint64),
             np.asarray(gs, np.float64), float(lr), float(wd), bool(restore), _u(rk0), _u(rk1),
-            float(eps), int(dist), self._rnd32(p))
+            float(eps), int(dist), self._rnd32(p), self.tab())
 
 
 @functools.cache

@@ -114,8 +114,8 @@ def perturb(params: Iterable, seed: int, scale: float, *, dist: str = "gaussian"
     """p <- p + scale * z(seed) for every tensor, in place, one pass.
 
     params: (t, array) pairs or ZTensor (no array twice: ValueError if two share memory);
-    seed: int in [0, 2**64); dist: 'gaussian' or 'rademacher'; threads: numba threads for
-    numpy arrays (None: numba's setting). All numpy tensors go in one parallel launch.
+    seed: int in [0, 2**64); dist: 'gaussian', 'gaussian-fast' or 'rademacher'; threads: numba
+    threads for numpy arrays (None: numba's setting). All numpy tensors go in one parallel launch.
     """
     k0, k1 = rng.split_seed(seed)
     code = rng.dist_code(dist)
