@@ -65,9 +65,11 @@ base_ok=0; test_ok=1
 groups="runtime dev"; [ "$EXTRAS" != test ] || groups="$groups test"
 
 if [ "$base_ok" = 0 ]; then
-  # a. what building h5py needs; pip itself is not upgraded (the venv's pip reads -c fine)
-  step "pip: build tools, numpy"
-  pipi setuptools wheel numpy cython pkgconfig
+  # a. what building h5py needs; pip itself is not upgraded (the venv's pip reads -c fine).
+  #    mpi4py: the PyPI wheel carries Open MPI and MPICH variants and loads the system libmpi
+  #    (pinned to Open MPI below); h5py's build reads its headers.
+  step "pip: build tools, numpy, mpi4py"
+  pipi --only-binary=mpi4py setuptools wheel numpy cython pkgconfig mpi4py
 
   # b. h5py with MPI from source, in the background while c. installs the binary wheels.
   #    pip's wheel cache does not key on HDF5_MPI, so never trust it (--no-cache-dir).
@@ -79,17 +81,16 @@ if [ "$base_ok" = 0 ]; then
     "$VPY" -m pip uninstall -q -y h5py 2>/dev/null || true
     cfg="$(mktemp)"; printf '[build_ext]\nparallel = %s\n' "$JOBS" > "$cfg"
     ( s=$(date +%s)
+      rc=0
       CC=mpicc HDF5_MPI=ON HDF5_PKGCONFIG_NAME=hdf5-openmpi DIST_EXTRA_CONFIG="$cfg" \
         pipi --no-binary=h5py --no-build-isolation --no-cache-dir --no-deps "h5py==$h5ver" \
-        > "$VENV/.h5py-build.log" 2>&1
-      echo "$? $(( $(date +%s) - s ))" > "$VENV/.h5py-build.rc" ) &
+        > "$VENV/.h5py-build.log" 2>&1 || rc=$?
+      echo "$rc $(( $(date +%s) - s ))" > "$VENV/.h5py-build.rc" ) &
     h5pid=$!
   fi
 
   # c. one resolve for every binary wheel: runtime and dev (and the test stack, EXTRAS=test),
-  #    straight from pyproject.toml. mpi4py: the PyPI wheel carries Open MPI and MPICH
-  #    variants and loads the system libmpi (pinned below). torch: the CPU build that
-  #    constraints.txt names.
+  #    straight from pyproject.toml. torch: the CPU build that constraints.txt names.
   step "pip: binary wheels ($groups)"
   mapfile -t reqs < <(deps $groups)
   pipi --only-binary=mpi4py "${reqs[@]}"
