@@ -1,16 +1,27 @@
 """Benchmark: embedding real documents with semzo (NumPy/Numba, CPU) against sentence-transformers
-(torch CPU), same model (all-MiniLM-L6-v2), same documents, same threads, same run.
+(torch CPU) and ONNX Runtime (CPU), same model (all-MiniLM-L6-v2), same documents, same threads,
+same run.
 
 Documents: the Debian fortunes corpus (/usr/share/games/fortunes, quotes separated by lines
 holding only "%"), a fixed random sample of N quotes. Prints documents per second of each (best
 of --repeat timed passes, runs interleaved, plus the range), their ratio, semzo's achieved
 GFLOP/s (multiply-adds of the padded batches it ran) against a measured NumPy float32 sgemm of
-a similar shape, the smallest cosine between the two sets of embeddings, and the best time of
-a fixed 16 x 64 forward of each.
+a similar shape, the smallest cosine between semzo's and each peer's embeddings, and the best
+time of a fixed 16 x 64 forward of each.
+
+ONNX Runtime: the transformers BertModel of the same folder (eager attention by default,
+``--ort-attention sdpa`` for the other export) exported by
+``torch.onnx.export(..., dynamo=False, opset_version=17)`` (dynamic batch and length; inputs
+input_ids and attention_mask, output last_hidden_state) into a temporary folder, run by an
+``InferenceSession`` on the CPU provider with all graph optimizations. Its documents go through
+the same tokenizer and the same length bucketing as semzo's (``semzo.model.length_batches``,
+each batch padded to its longest row), then mean pooling over the mask and L2 normalization
+in NumPy, as semzo does; tokenization is inside the timing for all three.
 
 Threads: torch.set_num_threads(--threads); semzo.model.set_threads(--threads) (batches split
-into row blocks on that many threads, BLAS at one thread inside them); BLAS/OpenMP env and
-threadpoolctl limits set to --threads for both.
+into row blocks on that many threads, BLAS at one thread inside them); ONNX Runtime
+intra_op_num_threads=--threads, inter_op_num_threads=1; BLAS/OpenMP env and threadpoolctl
+limits set to --threads for all.
 
     .venv/bin/python bench/embed.py --n 2000 --threads 2
 """
@@ -31,7 +42,11 @@ def parse() -> argparse.Namespace:
                     help="batch size for both (default 32, sentence-transformers' default)")
     ap.add_argument("--repeat", type=int, default=3, help="timed passes of each (default 3)")
     ap.add_argument("--fortunes", default="/usr/share/games/fortunes")
-    ap.add_argument("--no-torch", action="store_true", help="semzo only")
+    ap.add_argument("--no-torch", action="store_true", help="no sentence-transformers")
+    ap.add_argument("--no-ort", action="store_true", help="no ONNX Runtime")
+    ap.add_argument("--ort-attention", default="eager", choices=["eager", "sdpa"],
+                    help="transformers attention used for the ONNX export (default eager: it "
+                         "ran faster in ONNX Runtime here than sdpa)")
     ap.add_argument("--forward-reps", type=int, default=10,
                     help="timed 16x64 forward passes of each, same batch (default 10; 0: skip)")
     return ap.parse_args()
@@ -108,28 +123,105 @@ def sgemm_rate(m: int, k: int, n: int, reps: int = 20) -> float:
 SWITCH_PAUSE = 0.3
 
 
-def fixed_batch_forward(model, st, nt: int, reps: int) -> tuple[float, float | None]:
-    """Best time of one forward pass on the same 16 x 64 batch (no padding, no tokenizer):
-    semzo ``hidden_states`` against the transformers module inside sentence-transformers."""
+def ort_session(path, nt: int, folder: str):
+    """Export the model folder's BertModel to ONNX (legacy exporter, opset 17) under ``folder``
+    and open it with ONNX Runtime at ``nt`` intra-op threads. Returns (session, export s)."""
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModel
+
+    class Hidden(torch.nn.Module):
+        """(input_ids, attention_mask) -> last_hidden_state, positional for the exporter."""
+
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, input_ids, attention_mask):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    t0 = time.perf_counter()
+    wrap = Hidden(AutoModel.from_pretrained(str(path),
+                                            attn_implementation=ARGS.ort_attention)).eval()
+    ids = torch.randint(1000, 20000, (2, 16))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0                    # a padded row, so the mask path is traced
+    out = os.path.join(folder, "model.onnx")
+    dyn = {0: "batch", 1: "tokens"}
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(wrap, (ids, mask), out, dynamo=False, opset_version=17,
+                          input_names=["input_ids", "attention_mask"],
+                          output_names=["last_hidden_state"],
+                          dynamic_axes={"input_ids": dyn, "attention_mask": dyn,
+                                        "last_hidden_state": dyn})
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = nt
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    sess = ort.InferenceSession(out, so, providers=["CPUExecutionProvider"])
+    return sess, time.perf_counter() - t0
+
+
+def ort_embed(sess, tok, texts, batch_size: int) -> np.ndarray:
+    """Sentence embeddings (N, H) with ONNX Runtime, bucketed and pooled as semzo does."""
+    from semzo.model import length_batches
+    seqs = tok.encode_batch(list(texts))
+    lengths = [len(s) for s in seqs]
+    out = None
+    for idx in length_batches(lengths, batch_size):
+        t = max(lengths[j] for j in idx)
+        ids = np.full((len(idx), t), tok.pad_id, dtype=np.int64)
+        mask = np.zeros((len(idx), t), dtype=np.int64)
+        for r, j in enumerate(idx):
+            ids[r, :lengths[j]] = seqs[j]
+            mask[r, :lengths[j]] = 1
+        hs = sess.run(None, {"input_ids": ids, "attention_mask": mask})[0]
+        m = mask[:, :, None].astype(np.float32)
+        e = (hs * m).sum(1) / np.maximum(m.sum(1), 1e-9)
+        e /= np.maximum(np.linalg.norm(e, axis=1, keepdims=True), 1e-12)
+        if out is None:
+            out = np.empty((len(seqs), e.shape[1]), dtype=np.float32)
+        out[idx] = e
+    return out
+
+
+def fixed_batch_forward(model, st, sess, reps: int) -> tuple[dict, dict]:
+    """Best wall time and best process CPU time of one forward pass on the same 16 x 64 batch
+    (no padding, no tokenizer): semzo ``hidden_states``, the transformers module inside
+    sentence-transformers, and the ONNX Runtime session, interleaved. The CPU time (all
+    threads of the process) moves much less than the wall time when other processes load the
+    machine; a spinning thread pool (torch, ONNX Runtime) counts its spinning in it."""
     rng = np.random.default_rng(1)
     ids = rng.integers(1000, model.config.vocab_size, size=(16, 64))
     mask = np.ones_like(ids)
-    t_sz, t_st = [], []
+    wall: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        c0, t0 = time.process_time(), time.perf_counter()
+        fn()
+        wall.setdefault(name, []).append(time.perf_counter() - t0)
+        cpu.setdefault(name, []).append(time.process_time() - c0)
+
     hf = st[0].auto_model if st is not None else None
-    for r in range(reps + 1):
-        t0 = time.perf_counter()
-        model.hidden_states(ids, mask)
-        t_sz.append(time.perf_counter() - t0)
+    feed = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
+    if hf is not None:
+        import torch
+        ti, tm = torch.from_numpy(ids), torch.from_numpy(mask)
+    for _ in range(reps + 1):
+        timed("semzo", lambda: model.hidden_states(ids, mask))
         if hf is not None:
-            import torch
             time.sleep(SWITCH_PAUSE)
-            ti, tm = torch.from_numpy(ids), torch.from_numpy(mask)
             with torch.inference_mode():
-                t0 = time.perf_counter()
-                hf(input_ids=ti, attention_mask=tm)
-                t_st.append(time.perf_counter() - t0)
+                timed("torch", lambda: hf(input_ids=ti, attention_mask=tm))
             time.sleep(SWITCH_PAUSE)
-    return min(t_sz[1:]), (min(t_st[1:]) if t_st else None)
+        if sess is not None:
+            timed("onnxruntime", lambda: sess.run(None, feed))
+            time.sleep(SWITCH_PAUSE)
+    return ({k: min(v[1:]) for k, v in wall.items()}, {k: min(v[1:]) for k, v in cpu.items()})
 
 
 def main() -> int:
@@ -153,13 +245,26 @@ def main() -> int:
         st = SentenceTransformer(str(path), device="cpu")
         st.max_seq_length = tok.max_length
 
+    sess = None
+    if not ARGS.no_ort:
+        import tempfile
+
+        import onnxruntime
+        tmp = tempfile.TemporaryDirectory(prefix="semzo-bench-onnx-")
+        sess, t_exp = ort_session(path, nt, tmp.name)
+        print(f"ONNX Runtime {onnxruntime.__version__}: exported (opset 17) and loaded in "
+              f"{t_exp:.1f} s")
+
     with threadpool_limits(limits=nt):
         embed_texts(model, tok, docs[:64], batch_size=ARGS.batch_size)      # compile / warm up
         if st is not None:
             st.encode(docs[:64], batch_size=ARGS.batch_size)
             time.sleep(SWITCH_PAUSE)
-        t_sz, t_st = [], []
-        e_sz = e_st = None
+        if sess is not None:
+            ort_embed(sess, tok, docs[:64], ARGS.batch_size)
+            time.sleep(SWITCH_PAUSE)
+        t_sz, t_st, t_ort = [], [], []
+        e_sz = e_st = e_ort = None
         for _ in range(ARGS.repeat):
             t0 = time.perf_counter()
             e_sz = embed_texts(model, tok, docs, batch_size=ARGS.batch_size)
@@ -170,7 +275,13 @@ def main() -> int:
                 e_st = st.encode(docs, batch_size=ARGS.batch_size, convert_to_numpy=True)
                 t_st.append(time.perf_counter() - t0)
                 time.sleep(SWITCH_PAUSE)
-        fw = fixed_batch_forward(model, st, nt, ARGS.forward_reps) if ARGS.forward_reps else None
+            if sess is not None:
+                t0 = time.perf_counter()
+                e_ort = ort_embed(sess, tok, docs, ARGS.batch_size)
+                t_ort.append(time.perf_counter() - t0)
+                time.sleep(SWITCH_PAUSE)
+        fw = fixed_batch_forward(model, st, sess, ARGS.forward_reps) if ARGS.forward_reps \
+            else None
         gemm = sgemm_rate(ARGS.batch_size * 64, model.config.hidden_size,
                           model.config.intermediate_size)
 
@@ -186,7 +297,15 @@ def main() -> int:
         print(f"ratio semzo / torch   {best_st / best_sz:9.2f}x  (best vs best; "
               f"median vs median {np.median(t_st) / np.median(t_sz):.2f}x)")
         cos = (e_sz * e_st).sum(1) / np.linalg.norm(e_sz, axis=1) / np.linalg.norm(e_st, axis=1)
-        print(f"embeddings agree: min cosine {cos.min():.8f}")
+        print(f"embeddings agree: min cosine {cos.min():.8f} (semzo vs sentence-transformers)")
+    if sess is not None:
+        best_ort = min(t_ort)
+        print(f"onnxruntime           {n / best_ort:9.1f} docs/s   (range {n / max(t_ort):.1f} .. "
+              f"{n / min(t_ort):.1f} over {len(t_ort)} passes)")
+        print(f"ratio semzo / ORT     {best_ort / best_sz:9.2f}x  (best vs best; "
+              f"median vs median {np.median(t_ort) / np.median(t_sz):.2f}x; goal >= 1.0x)")
+        cos = (e_sz * e_ort).sum(1) / np.linalg.norm(e_sz, axis=1) / np.linalg.norm(e_ort, axis=1)
+        print(f"embeddings agree: min cosine {cos.min():.8f} (semzo vs ONNX Runtime)")
     print(f"semzo achieved        {flops / best_sz / 1e9:9.1f} GFLOP/s  "
           f"(numpy sgemm {ARGS.batch_size * 64}x{model.config.hidden_size}x"
           f"{model.config.intermediate_size}: {gemm:.1f} GFLOP/s, "
@@ -196,12 +315,15 @@ def main() -> int:
             2 * (4 * model.config.hidden_size ** 2 +
                  2 * model.config.hidden_size * model.config.intermediate_size) +
             4 * 64 * model.config.hidden_size)
-        line = f"forward 16x64 (best of {ARGS.forward_reps}): semzo {fw[0] * 1e3:.1f} ms " \
-               f"({f16 / fw[0] / 1e9:.1f} GFLOP/s)"
-        if fw[1] is not None:
-            line += f", torch {fw[1] * 1e3:.1f} ms ({f16 / fw[1] / 1e9:.1f} GFLOP/s), " \
-                    f"ratio {fw[1] / fw[0]:.2f}x"
-        print(line)
+        fw, fc = fw
+        parts = [f"{k} {v * 1e3:.1f} ms ({f16 / v / 1e9:.1f} GFLOP/s)" for k, v in fw.items()]
+        print(f"forward 16x64 (best of {ARGS.forward_reps}): " + ", ".join(parts))
+        print("forward 16x64 process CPU time (best): " +
+              ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in fc.items()))
+        for k, v in fw.items():
+            if k != "semzo":
+                print(f"forward ratio semzo / {k}: {v / fw['semzo']:.2f}x wall "
+                      f"(goal >= 1.0x), {fc[k] / fc['semzo']:.2f}x CPU time")
     print("note: the machine is shared; timings are noisy, compare within one run")
     return 0
 

@@ -1,8 +1,13 @@
-"""semzo parallel k-means vs scikit-learn's Lloyd, same data, same initial centres, same run.
+"""semzo parallel k-means vs scikit-learn's Lloyd and faiss, same data, same initial centres,
+same run.
 
     timeout 600 mpirun -n 2 .venv/bin/python bench/kmeans.py [--threads 1] [--sk-threads 2]
         [--n 200000] [--d 384] [--k 256] [--iters 20] [--algorithms lloyd,pruned]
-        [--embeddings file.h5]   (HDF5 with a dataset ``embeddings`` (n, d))
+        [--embeddings file.h5]   (HDF5 with a dataset ``embeddings`` (n, d); default: the
+                                  demo's runs/demo/embeddings.h5, else the fortunes corpus
+                                  data/fortunes.jsonl embedded once by this script and cached
+                                  in runs/bench/fortunes-embeddings.h5; ``none`` skips the case)
+        [--skip-sklearn] [--skip-faiss]
 
 The script is the MPI program. Every rank generates its slice of the planted data set (rows
 around k random centres, overlapping, unequal sizes; chunk-seeded so the split does not matter),
@@ -13,10 +18,20 @@ semzo's k-means|| gives the initial centres, then:
 - scikit-learn (the peer): rank 0 alone runs ``KMeans(algorithm="lloyd", n_init=1, init=C0,
   max_iter=iters, tol=0)`` on all rows with ``--sk-threads`` threads, while the other ranks wait
   WITHOUT spinning (polled Ibarrier), so neither competes with the other for cores;
+- faiss-cpu (the second peer, test extras): rank 0 alone runs ``faiss.Kmeans(d, k,
+  niter=iters, max_points_per_centroid=10**9)`` (every row, no subsampling) trained from the
+  same ``C0`` with ``faiss.omp_set_num_threads(--sk-threads)``, then one ``index.search`` for
+  the final labels and inertia (semzo and scikit-learn time that label pass too). Like them it
+  stops early only when an iteration no longer lowers the objective (``early_stop_threshold``
+  0); its seconds per iteration divide by the iterations it ran;
 - the sgemm reference: rank 0 times numpy ``X @ C.T`` of the full shape at ``--sk-threads``.
 
+The "speed-up" column is relative to scikit-learn; the last lines give semzo's best algorithm
+against the best peer of the same run.
+
 Seconds per iteration = wall time of the whole fit (including the final label pass and the
-exact inertia) / iterations run, the same for both; best of ``--repeat`` runs (sgemm: best of 5). GFLOP/s counts 2*n*k*d per iteration; for
+exact inertia) / iterations run, the same for all; best of ``--repeat`` runs (sgemm: best of
+5). GFLOP/s counts 2*n*k*d per iteration; for
 the pruned algorithm that is an *effective* rate (it computes fewer distances; the share of
 rows whose distances it did compute is printed). Other people's processes on the machine make
 timings noisy: run it when the machine is quiet and say so when it was not.
@@ -82,6 +97,51 @@ def load_embeddings(path: str, comm) -> tuple[np.ndarray, np.ndarray | None, int
     return np.ascontiguousarray(local), full, lo
 
 
+def embed_corpus(corpus: str, cache: str, comm) -> None:
+    """Collective. Embed every record of a JSONL corpus (all-MiniLM-L6-v2, L2-normalized, as the
+    embed stage does), each rank a contiguous slice; rank 0 writes ``cache`` (dataset
+    ``embeddings`` (n, 384) float32) through a temporary name."""
+    import json
+
+    from semzo.model import Tokenizer, default_model_path, embed_texts, load_model
+    size, rank = comm.Get_size(), comm.Get_rank()
+    with open(corpus, encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line in f if line.strip()]
+    lo, hi = rank * len(texts) // size, (rank + 1) * len(texts) // size
+    path = default_model_path()
+    model, tok = load_model(path), Tokenizer.from_folder(path)
+    t0 = time.perf_counter()
+    emb = embed_texts(model, tok, texts[lo:hi], batch_size=64).astype(np.float32)
+    emb /= np.maximum(np.linalg.norm(emb, axis=1, keepdims=True), 1e-12)
+    parts = comm.gather(emb, root=0)
+    if rank == 0:
+        import h5py
+        os.makedirs(os.path.dirname(cache) or ".", exist_ok=True)
+        with h5py.File(cache + ".tmp", "w") as f:
+            f["embeddings"] = np.concatenate(parts)
+        os.replace(cache + ".tmp", cache)
+        print(f"embedded {len(texts)} records of {corpus} in {time.perf_counter() - t0:.0f} s "
+              f"on {size} ranks: cached in {cache}")
+    comm.Barrier()
+
+
+def resolve_embeddings(arg: str | None, comm) -> str | None:
+    """The embeddings file to use (see the module docstring), embedding the corpus if needed."""
+    if arg == "none":
+        return None
+    if arg:
+        return arg
+    demo, cache, corpus = ("runs/demo/embeddings.h5", "runs/bench/fortunes-embeddings.h5",
+                           "data/fortunes.jsonl")
+    for cand in (demo, cache):
+        if os.path.exists(cand):
+            return cand
+    if not os.path.exists(corpus):
+        return None
+    embed_corpus(corpus, cache, comm)
+    return cache
+
+
 def sgemm_rate(x: np.ndarray, c: np.ndarray, threads: int, reps: int = 3) -> float:
     """Best seconds of numpy X @ C.T at ``threads`` BLAS threads."""
     from threadpoolctl import threadpool_limits
@@ -93,6 +153,22 @@ def sgemm_rate(x: np.ndarray, c: np.ndarray, threads: int, reps: int = 3) -> flo
             np.matmul(x, c.T, out=out)
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+def faiss_fit(x: np.ndarray, c0: np.ndarray, iters: int, threads: int):
+    """faiss k-means from ``c0`` on every row, then the final label pass.
+    Returns (seconds, iterations run, labels (n,) int64, inertia float64)."""
+    import faiss
+    faiss.omp_set_num_threads(threads)
+    d = x.shape[1]
+    t0 = time.perf_counter()
+    km = faiss.Kmeans(d, c0.shape[0], niter=iters, max_points_per_centroid=10**9,
+                      min_points_per_centroid=1, seed=0, verbose=False,
+                      check_input_data_for_NaNs=False)
+    km.train(x, init_centroids=np.ascontiguousarray(c0, dtype=np.float32))
+    dist, lab = km.index.search(x, 1)
+    wall = time.perf_counter() - t0
+    return wall, len(km.obj), lab[:, 0], float(dist[:, 0].astype(np.float64).sum())
 
 
 def run_case(name, comm, x_local, x_full, offset, args, rows):
@@ -110,6 +186,7 @@ def run_case(name, comm, x_local, x_full, offset, args, rows):
     results = {alg: [float("inf"), None, None] for alg in args.algorithms}
     sk = None
     t_sk = gemm = float("inf")
+    fz = None                     # faiss: [best seconds, labels, inertia]
     counts = comm.allgather(x_local.shape[0])
     # interleaved repetitions (semzo, scikit-learn, sgemm, again): each keeps its best time,
     # so a burst of load from other users hits all of them alike
@@ -134,6 +211,10 @@ def run_case(name, comm, x_local, x_full, offset, args, rows):
                             algorithm="lloyd").fit(x_full)
                 t_sk = min(t_sk, time.perf_counter() - t0)
             gemm = min(gemm, sgemm_rate(x_full, c0, args.sk_threads, reps=3))
+        if rank == 0 and not args.skip_faiss:
+            fit = faiss_fit(x_full, c0, args.iters, args.sk_threads)
+            if fz is None or fit[0] < fz[0]:
+                fz = list(fit)
     if sk is None:
         gemm = None
     quiet_barrier(comm)
@@ -153,6 +234,17 @@ def run_case(name, comm, x_local, x_full, offset, args, rows):
         print(f"{'scikit-learn lloyd (' + str(args.sk_threads) + ' thr)':<28}{sk.n_iter_:>6}"
               f"{per:>9.4f}{1.0:>9.2f}x{flop_iter / per / 1e9:>9.1f}"
               f"{flop_iter / per / (flop_iter / gemm):>9.0%}{1.0:>10.0%}  -")
+    if fz is not None:
+        per = fz[0] / fz[1]
+        sp = (t_sk / sk.n_iter_) / per if sk is not None else float("nan")
+        agree = ""
+        if sk is not None:
+            agree = (f"labels {np.mean(fz[2] == sk.labels_):.4%}, inertia rel "
+                     f"{abs(fz[3] / sk.inertia_ - 1):.1e}")
+        of_gemm = f"{flop_iter / per / (flop_iter / gemm):>9.0%}" if gemm else f"{'-':>9}"
+        rows.append((name, "faiss", per, sp))
+        print(f"{'faiss (' + str(args.sk_threads) + ' thr)':<28}{fz[1]:>6}{per:>9.4f}"
+              f"{sp:>9.2f}x{flop_iter / per / 1e9:>9.1f}{of_gemm}{1.0:>10.0%}  {agree}")
     for alg, (wall, res, labels) in results.items():
         per = wall / res.n_iter
         sp = (t_sk / sk.n_iter_) / per if sk is not None else float("nan")
@@ -166,6 +258,15 @@ def run_case(name, comm, x_local, x_full, offset, args, rows):
         print(f"{label:<28}{res.n_iter:>6}{per:>9.4f}{sp:>9.2f}x{flop_iter / per / 1e9:>8.1f}"
               f"{eff}{of_gemm} {res.stats['distance_fraction']:>9.1%}  {agree}")
         rows.append((name, f"semzo {alg}", per, sp))
+    peers = {m: per for (nm, m, per, _) in rows if nm == name and not m.startswith("semzo")}
+    ours = {m: per for (nm, m, per, _) in rows if nm == name and m.startswith("semzo")}
+    if peers and ours:
+        bp, bo = min(peers, key=peers.get), min(ours, key=ours.get)
+        for m, per in peers.items():
+            print(f"ratio {bo} / {m}: {per / ours[bo]:.2f}x (s/iter {ours[bo]:.4f} vs {per:.4f})")
+        verdict = "ahead of" if ours[bo] < peers[bp] else "BEHIND"
+        print(f"best semzo ({bo}) is {verdict} the best peer ({bp}): "
+              f"{peers[bp] / ours[bo]:.2f}x")
     if any(a != "lloyd" for a in results):
         print("* effective rate: 2*n*k*d per iteration although only the 'dist rows' share of "
               "rows had their distances computed")
@@ -188,8 +289,10 @@ def main() -> int:
     ap.add_argument("--planted", default="",
                     help="comma list of planted cluster counts, one case each (default: k)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--embeddings", default=None, help="HDF5 file with dataset 'embeddings'")
+    ap.add_argument("--embeddings", default=None,
+                    help="HDF5 file with dataset 'embeddings' (default: see above; none: skip)")
     ap.add_argument("--skip-sklearn", action="store_true")
+    ap.add_argument("--skip-faiss", action="store_true")
     args = ap.parse_args()
     args.algorithms = [a for a in args.algorithms.split(",") if a]
     os.environ.setdefault("SEMZO_LOG", "WARNING")
@@ -214,23 +317,27 @@ def main() -> int:
               f"{_openmp_effective_n_threads()} CPUs) while the others sleep; {args.iters} "
               f"iterations, tol=0; load average {os.getloadavg()[0]:.1f} on "
               f"{os.cpu_count()} CPUs")
+        if not args.skip_faiss:
+            import faiss
+            print(f"faiss {faiss.__version__} on rank 0 with {args.sk_threads} thread(s) "
+                  f"(omp_set_num_threads), every row (max_points_per_centroid=1e9)")
     rows = []
     lo, hi = rank * args.n // size, (rank + 1) * args.n // size
     for kp in [int(v) for v in args.planted.split(",") if v] or [args.k]:
         x_local = planted_rows(lo, hi, args.d, kp, args.seed, args.spread)
         x_full = None
-        if rank == 0 and not args.skip_sklearn:
+        if rank == 0 and not (args.skip_sklearn and args.skip_faiss):
             x_full = planted_rows(0, args.n, args.d, kp, args.seed, args.spread)
             x_local = x_full[lo:hi]
         run_case(f"planted, {kp} clusters", comm, x_local, x_full, lo, args, rows)
         del x_local, x_full
-    if args.embeddings:
-        x_local, x_full, lo = load_embeddings(args.embeddings, comm)
-        run_case(f"embeddings {os.path.basename(args.embeddings)}", comm, x_local, x_full, lo,
-                 args, rows)
+    emb = resolve_embeddings(args.embeddings, comm)
+    if emb:
+        x_local, x_full, lo = load_embeddings(emb, comm)
+        run_case(f"embeddings {emb}", comm, x_local, x_full, lo, args, rows)
     elif rank == 0:
-        print("\n[embeddings] skipped: pass --embeddings FILE.h5 (dataset 'embeddings') to run "
-              "the real-embedding case")
+        print("\n[embeddings] skipped: no runs/demo/embeddings.h5 and no data/fortunes.jsonl "
+              "(make corpus), or --embeddings none")
     return 0
 
 

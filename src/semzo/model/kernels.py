@@ -50,7 +50,7 @@ def _bits_to_f32(typingctx, x):
     return types.float32(x), codegen
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=True, cache=True, error_model="numpy")
 def _fexp(x):
     """exp(x) for float32, relative error < 1e-7 on [-87, 88]; clamps outside that range."""
     x = min(max(x, F32(-87.0)), F32(88.0))
@@ -77,7 +77,7 @@ _ERF_B = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
           -7.37332916720468e-03, -1.42647390514189e-02)
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=True, cache=True, error_model="numpy")
 def _ferf(x):
     x = min(max(x, F32(-4.0)), F32(4.0))
     x2 = x * x
@@ -96,7 +96,7 @@ def _ferf(x):
     return x * p / q
 
 
-@njit(inline="always", fastmath=True, cache=True)
+@njit(inline="always", fastmath=True, cache=True, error_model="numpy")
 def _ftanh(x):
     """tanh via the polynomial exp: (1 - e) / (1 + e) with e = exp(-2|x|)."""
     e = _fexp(F32(-2.0) * abs(x))
@@ -106,7 +106,7 @@ def _ftanh(x):
 
 # --------------------------------------------------------------------------- numba kernels
 
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def _nb_layernorm(x, gamma, beta, eps, out):
     n, h = x.shape
     inv_h = F32(1.0) / F32(h)
@@ -124,7 +124,7 @@ def _nb_layernorm(x, gamma, beta, eps, out):
             out[i, j] = (x[i, j] - mean) * rstd * gamma[j] + beta[j]
 
 
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def _nb_bias_residual_layernorm(x, bias, resid, gamma, beta, eps, out):
     n, h = x.shape
     inv_h = F32(1.0) / F32(h)
@@ -144,7 +144,7 @@ def _nb_bias_residual_layernorm(x, bias, resid, gamma, beta, eps, out):
             out[i, j] = (resid[i, j] - mean) * rstd * gamma[j] + beta[j]
 
 
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def _nb_bias_act(x, bias, kind):
     n, h = x.shape
     for i in range(n):
@@ -166,7 +166,7 @@ def _nb_bias_act(x, bias, kind):
                 x[i, j] = x[i, j] + bias[j]
 
 
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def _nb_masked_softmax(s, maskf, scale, heads, causal):
     g, tq, tk = s.shape
     for gi in range(g):

@@ -19,8 +19,9 @@ Semantic mode, top down over the tree root -> switches -> nodes -> ranks (see to
    integers allow).
 2. Match: the groups made for children of equal capacity are permuted among those children to
    maximize the samples they already hold (sum over clusters of ``min(quota, held)``), by
-   ``scipy.optimize.linear_sum_assignment`` (greedy if scipy is missing). This is what keeps
-   bytes from crossing switches, then nodes, then ranks.
+   ``scipy.optimize.linear_sum_assignment`` (scipy is required). This is what keeps
+   bytes from crossing switches, then nodes, then ranks; a plan applied and re-planned moves
+   nothing.
 3. Keep: if the data's current grouping at this level (each piece left on the children
    holding a sizeable part of it, stray samples sent to its main holder) is balanced, moves
    fewer samples, and is nearly as compact (it removes at least ``1 - keep_tol`` of the
@@ -51,6 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from scipy.optimize import linear_sum_assignment
 
 from semzo.place.keep import (
     SLACK_SHARE,
@@ -215,26 +217,9 @@ def _assign(score: np.ndarray) -> np.ndarray:
     """Permutation ``perm[g] = child`` maximizing ``sum score[g, perm[g]]`` (ties: identity)."""
     n = score.shape[0]
     cost = -((n + 1) * score.astype(np.float64) + np.eye(n))   # identity only breaks ties
-    try:
-        from scipy.optimize import linear_sum_assignment
-    except ImportError:
-        return _assign_greedy(cost)
     rows, cols = linear_sum_assignment(cost)
     perm = np.empty(n, dtype=np.int64)
     perm[rows] = cols
-    return perm
-
-
-def _assign_greedy(cost: np.ndarray) -> np.ndarray:
-    """Greedy assignment: cheapest remaining (row, col) pair first (ties by row, then col)."""
-    n = cost.shape[0]
-    flat = np.lexsort((np.tile(np.arange(n), n), np.repeat(np.arange(n), n), cost.ravel()))
-    perm = np.full(n, -1, dtype=np.int64)
-    used = np.zeros(n, dtype=bool)
-    for f in flat:
-        r, c = divmod(int(f), n)
-        if perm[r] < 0 and not used[c]:
-            perm[r], used[c] = c, True
     return perm
 
 
