@@ -206,12 +206,13 @@ def test_gpt2_trained_in_place_then_exported(gpt2_folder, tmp_path):
 
 
 def test_unsupported_real_architecture(tmp_path):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+    cfg = GPTNeoXConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                        num_hidden_layers=1, num_attention_heads=2)
+    GPTNeoXForCausalLM(cfg).save_pretrained(tmp_path / "neox")
     with pytest.raises(SemzoError) as ei:
-        load_model(tmp_path / "llama")
+        load_model(tmp_path / "neox")
     msg = str(ei.value)
-    assert "llama" in msg and "LlamaForCausalLM" in msg and "config.json" in msg
+    assert "gpt_neox" in msg and "GPTNeoXForCausalLM" in msg and "config.json" in msg
+    assert "LlamaForCausalLM" in msg and "OPTForCausalLM" in msg      # the supported list
     assert "\n" not in msg

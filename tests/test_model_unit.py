@@ -372,14 +372,14 @@ def test_decoder_loss_matches_logits_and_prefix(tmp_path):
 # ----------------------------------------------------------------------------- errors
 
 def test_unsupported_architecture_and_bad_inputs(tmp_path):
-    d = tmp_path / "llama"
+    d = tmp_path / "falcon"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64}))
+        "architectures": ["FalconForCausalLM"], "model_type": "falcon", "hidden_size": 64}))
     with pytest.raises(SemzoError) as ei:
         load_model(d)
     msg = str(ei.value)
-    assert "config.json" in msg and "LlamaForCausalLM" in msg and "\n" not in msg
+    assert "config.json" in msg and "FalconForCausalLM" in msg and "\n" not in msg
     with pytest.raises(SemzoError, match="not found"):
         load_model(tmp_path / "missing")
     g = tiny_gpt2(tmp_path / "nost")

@@ -37,6 +37,7 @@ import numpy as np
 
 from semzo.model.config import DecoderConfig, EncoderConfig
 from semzo.model.kernels import matmul_into, run_split
+from semzo.runtime import SemzoError
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,8 @@ class HeadSpec:
 def is_no_decay(name: str) -> bool:
     """True for tensors that MeZO-style updates exclude from weight decay (biases, norms)."""
     return name.endswith(".bias") or "LayerNorm" in name or ".ln_" in name or \
-        name.startswith(("ln_", "transformer.ln_"))
+        name.startswith(("ln_", "transformer.ln_", "norm.")) or "layernorm" in name or \
+        "layer_norm" in name or ".norm." in name
 
 
 class TransformerBase:
@@ -198,6 +200,7 @@ class TransformerBase:
         ids = xp.ascontiguousarray(xp.asarray(input_ids))
         if ids.ndim != 2 or ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be a 2-D integer array, got {ids.shape} {ids.dtype}")
+        check_ids(xp, ids, self.config.vocab_size)
         if ids.shape[1] > self.config.max_positions:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's "
                              f"{self.config.max_positions} positions")
@@ -268,6 +271,24 @@ class TransformerBase:
         lab = xp.asarray(labels).astype(xp.int64).reshape(-1)
         loss, acc = cross_entropy(xp, logits, lab)
         return loss, acc, logits
+
+
+class TokenIdError(SemzoError, ValueError):
+    """A token id outside the model's vocabulary (a ValueError; exit 2 from the command line,
+    since the ids come from the user's tokenizer and data)."""
+
+
+def check_ids(xp, ids, vocab_size: int) -> None:
+    """Raise :class:`TokenIdError` naming the first token id outside [0, vocab_size) (padded positions
+    included): the embedding kernels index with them. One reduction (a device sync on GPU)."""
+    if ids.size == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab_size:
+        bad = lo if lo < 0 else hi
+        where = tuple(int(i) for i in xp.argwhere(ids == bad)[0])
+        raise TokenIdError(f"token id {bad} at position {where} is outside the vocabulary "
+                         f"of {vocab_size} ids")
 
 
 def mean_pool(xp, hs, maskf, normalize: bool):

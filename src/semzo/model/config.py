@@ -67,8 +67,8 @@ def _arch(raw: dict[str, Any]) -> str:
     return f"{archs[0]} (model_type {mt!r})" if archs else f"model_type {mt!r}"
 
 
-def read_config(folder: str | Path) -> EncoderConfig | DecoderConfig:
-    """Parse ``folder/config.json`` into an :class:`EncoderConfig` or :class:`DecoderConfig`."""
+def read_raw(folder: str | Path) -> dict[str, Any]:
+    """``folder/config.json`` as a dict (SemzoError naming the file if it is not one)."""
     path = Path(folder) / "config.json"
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
@@ -78,9 +78,18 @@ def read_config(folder: str | Path) -> EncoderConfig | DecoderConfig:
         raise SemzoError(f"{path}: cannot read: {exc}") from None
     if not isinstance(raw, dict):
         raise SemzoError(f"{path}: not a JSON object")
+    return raw
+
+
+def read_config(folder: str | Path) -> EncoderConfig | DecoderConfig:
+    """Parse ``folder/config.json`` into an :class:`EncoderConfig` or :class:`DecoderConfig`
+    (BERT and GPT-2; the decoder families of :mod:`semzo.model.families` have their own)."""
+    path = Path(folder) / "config.json"
+    raw = read_raw(folder)
     mt = raw.get("model_type")
     if mt not in SUPPORTED:
-        sup = ", ".join(f"{k} ({v})" for k, v in SUPPORTED.items())
+        from semzo.model.families import SUPPORTED_ARCHS
+        sup = ", ".join([f"{k} ({v})" for k, v in SUPPORTED.items()] + list(SUPPORTED_ARCHS))
         raise SemzoError(f"{path}: unsupported architecture {_arch(raw)}; supported: {sup}")
     try:
         cfg = _build(mt, raw, path)

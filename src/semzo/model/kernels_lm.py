@@ -1,0 +1,288 @@
+"""Kernels of the spec-driven decoder (:mod:`semzo.model.causal`): RMSNorm, residual updates,
+rotary embeddings with the Q/K/V split, grouped-query causal softmax, gated MLP activations.
+
+Same discipline as :mod:`semzo.model.kernels`: float32 NumPy arrays go to single-threaded
+``nogil`` Numba kernels (``fastmath``: row sums re-associated; deterministic on one machine),
+anything else (CuPy, float16 storage) to a generic ``xp`` version computing in float32 and
+storing in the array's dtype. Threads come from splitting the batch (``kernels.run_split``).
+Indices these kernels read (positions) are computed by the model, never read from a file.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from semzo.model.kernels import _ferf, _fexp, _ftanh, _is_cpu32, get_xp
+
+F32 = np.float32
+#: activation codes of the gated MLP kernel
+GATED_ACTS = {"silu": 0, "swish": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tanh": 2,
+              "relu": 3}
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def _nb_rmsnorm(x, gamma, eps, out):
+    n, h = x.shape
+    for i in range(n):
+        s = F32(0.0)
+        for j in range(h):
+            s += x[i, j] * x[i, j]
+        r = F32(1.0) / math.sqrt(s / F32(h) + eps)
+        for j in range(h):
+            out[i, j] = gamma[j] * (x[i, j] * r)
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def _nb_residual_rmsnorm(x, bias, resid, gamma, eps, out):
+    n, h = x.shape
+    hb = bias.shape[0] > 0
+    for i in range(n):
+        s = F32(0.0)
+        for j in range(h):
+            t = resid[i, j] + x[i, j]
+            if hb:
+                t += bias[j]
+            resid[i, j] = t
+            s += t * t
+        r = F32(1.0) / math.sqrt(s / F32(h) + eps)
+        for j in range(h):
+            out[i, j] = gamma[j] * (resid[i, j] * r)
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def _nb_residual_add(x, bias, resid):
+    n, h = x.shape
+    hb = bias.shape[0] > 0
+    for i in range(n):
+        for j in range(h):
+            t = resid[i, j] + x[i, j]
+            if hb:
+                t += bias[j]
+            resid[i, j] = t
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def _nb_rope_split(qkv, bq, bk, bv, pos, cos, sin, nh, nkv, d, rot, q, k, v, past):
+    b_, t_ = pos.shape
+    half = d // 2
+    hb = bq.shape[0] > 0
+    for b in range(b_):
+        for t in range(t_):
+            r = b * t_ + t
+            p = pos[b, t]
+            for hh in range(nh + nkv):
+                col = hh * d
+                for j in range(half):
+                    x1 = qkv[r, col + j]
+                    x2 = qkv[r, col + j + half]
+                    if hb:
+                        if hh < nh:
+                            x1 += bq[col + j]
+                            x2 += bq[col + j + half]
+                        else:
+                            x1 += bk[col - nh * d + j]
+                            x2 += bk[col - nh * d + j + half]
+                    if rot:
+                        c = cos[p, j]
+                        s = sin[p, j]
+                        y1 = x1 * c - x2 * s
+                        y2 = x2 * c + x1 * s
+                    else:
+                        y1 = x1
+                        y2 = x2
+                    if hh < nh:
+                        q[b, hh, t, j] = y1
+                        q[b, hh, t, j + half] = y2
+                    else:
+                        k[b, hh - nh, past + t, j] = y1
+                        k[b, hh - nh, past + t, j + half] = y2
+            for hh in range(nkv):
+                col = (nh + nkv + hh) * d
+                for j in range(d):
+                    y = qkv[r, col + j]
+                    if hb:
+                        y += bv[hh * d + j]
+                    v[b, hh, past + t, j] = y
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def _nb_attn_softmax(s, maskf, scale, nkv, past, window):
+    g_, grp, tq, tk = s.shape
+    for gi in range(g_):
+        b = gi // nkv
+        for hq in range(grp):
+            for i in range(tq):
+                qi = past + i
+                hi = min(qi + 1, tk)
+                lo = max(0, qi - window + 1) if window > 0 else 0
+                m = F32(-3.0e38)
+                for j in range(lo, hi):
+                    if maskf[b, j] > 0:
+                        m = max(m, s[gi, hq, i, j])
+                tot = F32(0.0)
+                for j in range(lo, hi):
+                    e = _fexp((s[gi, hq, i, j] - m) * scale) * maskf[b, j]
+                    s[gi, hq, i, j] = e
+                    tot += e
+                inv = F32(1.0) / tot if tot > 0 else F32(0.0)
+                for j in range(lo, hi):
+                    s[gi, hq, i, j] *= inv
+                for j in range(lo):
+                    s[gi, hq, i, j] = F32(0.0)
+                for j in range(hi, tk):
+                    s[gi, hq, i, j] = F32(0.0)
+
+
+@njit(inline="always", fastmath=True, cache=True)
+def _act(x, kind):
+    if kind == 0:
+        return x / (F32(1.0) + _fexp(-x))
+    if kind == 1:
+        return F32(0.5) * x * (F32(1.0) + _ferf(x * F32(0.7071067811865476)))
+    if kind == 2:
+        return F32(0.5) * x * (F32(1.0) + _ftanh(F32(0.7978845608028654) *
+                                                 (x + F32(0.044715) * x * x * x)))
+    return x if x > 0 else F32(0.0)
+
+
+@njit(fastmath=True, cache=True, nogil=True)
+def _nb_gated(gu, bg, bu, kind, out):
+    n, i2 = gu.shape
+    m = i2 // 2
+    hb = bg.shape[0] > 0
+    for r in range(n):
+        for j in range(m):
+            g = gu[r, j]
+            u = gu[r, m + j]
+            if hb:
+                g += bg[j]
+                u += bu[j]
+            out[r, j] = _act(g, kind) * u
+
+
+# --------------------------------------------------------------------------- dispatch
+
+def _empty_like_bias(x, bias):
+    return bias if bias is not None else np.empty(0, F32)
+
+
+def rmsnorm(x, gamma, eps: float, out):
+    """``out = gamma * x / sqrt(mean(x**2) + eps)`` over the last axis of x (N, H)."""
+    if _is_cpu32(x, gamma, out):
+        _nb_rmsnorm(x, gamma, F32(eps), out)
+        return out
+    xp = get_xp(x)
+    t = x.astype(xp.float32)
+    t *= 1.0 / xp.sqrt((t * t).mean(axis=-1, keepdims=True) + xp.float32(eps))
+    out[...] = (gamma.astype(xp.float32) * t).astype(out.dtype, copy=False)
+    return out
+
+
+def residual_rmsnorm(x, bias, resid, gamma, eps: float, out):
+    """``resid += x (+ bias)`` in place, then ``out = rmsnorm(resid)``."""
+    if _is_cpu32(x, resid, gamma, out) and (bias is None or _is_cpu32(bias)):
+        _nb_residual_rmsnorm(x, _empty_like_bias(x, bias), resid, gamma, F32(eps), out)
+        return out
+    residual_add(x, bias, resid)
+    return rmsnorm(resid, gamma, eps, out)
+
+
+def residual_add(x, bias, resid):
+    """``resid += x (+ bias)`` in place; x, resid (N, H), bias (H,) or None."""
+    if _is_cpu32(x, resid) and (bias is None or _is_cpu32(bias)):
+        _nb_residual_add(x, _empty_like_bias(x, bias), resid)
+        return resid
+    resid += x
+    if bias is not None:
+        resid += bias
+    return resid
+
+
+def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, k, v, past: int):
+    """Split ``qkv`` (B*T, (nh + 2 nkv) d) = [q | k | v] columns into ``q`` (B, nh, T, d) and
+    ``k``, ``v`` (B, nkv, Tc, d) at rows ``past .. past+T-1``, adding the biases
+    ``(bq, bk, bv)`` (or None) and rotating q and k by the angles of ``pos`` (B, T) (row
+    indices into ``cos``/``sin`` (P, d/2); ``cos`` None: no rotation)."""
+    bq, bk, bv = biases if biases is not None else (None, None, None)
+    rot = cos is not None
+    arrays = [qkv, q, k, v] + ([bq, bk, bv] if bq is not None else [])
+    if _is_cpu32(*arrays) and isinstance(pos, np.ndarray):
+        e = np.empty(0, F32)
+        c = cos if rot else np.zeros((1, 1), F32)
+        s = sin if rot else np.zeros((1, 1), F32)
+        _nb_rope_split(qkv, bq if bq is not None else e, bk if bk is not None else e,
+                       bv if bv is not None else e, pos, c, s, nh, nkv, d, rot, q, k, v, past)
+        return
+    xp = get_xp(qkv)
+    b, t = pos.shape
+    x = qkv.astype(xp.float32).reshape(b, t, nh + 2 * nkv, d)
+    if bq is not None:
+        x = x + xp.concatenate([bq, bk, bv]).astype(xp.float32).reshape(nh + 2 * nkv, d)
+    qk = x[:, :, :nh + nkv]
+    if rot:
+        c = xp.asarray(cos)[pos][:, :, None, :]          # (B, T, 1, d/2)
+        s = xp.asarray(sin)[pos][:, :, None, :]
+        x1, x2 = qk[..., :d // 2], qk[..., d // 2:]
+        qk = xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    q[...] = qk[:, :, :nh].transpose(0, 2, 1, 3).astype(q.dtype, copy=False)
+    k[:, :, past:past + t] = qk[:, :, nh:].transpose(0, 2, 1, 3).astype(k.dtype, copy=False)
+    v[:, :, past:past + t] = x[:, :, nh + nkv:].transpose(0, 2, 1, 3).astype(v.dtype, copy=False)
+
+
+def attn_softmax(s, maskf, scale: float, nkv: int, past: int, window: int | None):
+    """In place softmax of ``scale * s`` over the last axis, ``s`` (B*nkv, g, Tq, Tk) holding
+    the scores of query ``past + i`` against keys 0..Tk-1: keys after the query (causal),
+    keys at or before ``query - window`` (sliding window) and keys with ``maskf`` (B, Tk) 0 get
+    exact zeros; a row with no key left becomes zeros."""
+    w = int(window or 0)
+    if _is_cpu32(s, maskf):
+        _nb_attn_softmax(s, maskf, F32(scale), nkv, past, w)
+        return s
+    xp = get_xp(s)
+    g, grp, tq, tk = s.shape
+    b = g // nkv
+    qi = xp.arange(tq)[:, None] + past
+    kj = xp.arange(tk)[None, :]
+    keep = kj <= qi
+    if w > 0:
+        keep &= kj > qi - w
+    keep = keep[None, None, None] & (maskf > 0)[:, None, None, None, :]
+    t = s.astype(xp.float32).reshape(b, nkv, grp, tq, tk) * xp.float32(scale)
+    t = xp.where(keep, t, xp.float32(-3.0e38))
+    t -= t.max(axis=-1, keepdims=True)
+    e = xp.exp(t) * keep
+    tot = e.sum(axis=-1, keepdims=True)
+    e /= xp.where(tot > 0, tot, 1.0)
+    s[...] = e.reshape(g, grp, tq, tk).astype(s.dtype, copy=False)
+    return s
+
+
+def gated_act(gu, bg, bu, act: str, out):
+    """``out = act(gate) * up`` with ``gu`` (N, 2I) = [gate | up] (+ biases ``bg``, ``bu`` or
+    None); out (N, I)."""
+    kind = GATED_ACTS[act]
+    if _is_cpu32(gu, out) and (bg is None or _is_cpu32(bg, bu)):
+        e = np.empty(0, F32)
+        _nb_gated(gu, e if bg is None else bg, e if bu is None else bu, kind, out)
+        return out
+    xp = get_xp(gu)
+    m = gu.shape[1] // 2
+    g = gu[:, :m].astype(xp.float32)
+    u = gu[:, m:].astype(xp.float32)
+    if bg is not None:
+        g += bg.astype(xp.float32)
+        u += bu.astype(xp.float32)
+    if kind == 0:
+        g = g / (1.0 + xp.exp(-g))
+    elif kind == 1:
+        from semzo.model.kernels import _xp_erf
+        g = 0.5 * g * (1.0 + _xp_erf(xp, g * xp.float32(0.7071067811865476)))
+    elif kind == 2:
+        g = 0.5 * g * (1.0 + xp.tanh(xp.float32(0.7978845608028654) * (g + 0.044715 * g ** 3)))
+    else:
+        g = xp.maximum(g, 0)
+    out[...] = (g * u).astype(out.dtype, copy=False)
+    return out

@@ -1,0 +1,254 @@
+"""What a decoder block computes, as data: :class:`DecoderSpec` (one per model), filled in by a
+family file (``semzo.model.families.*``) from ``config.json``.
+
+The spec-driven decoder (:mod:`semzo.model.causal`) reads only the spec, so a family differs
+from another by the values below and by its weight names (:class:`Names`), nothing else:
+
+- ``norm``: "rmsnorm" (x / rms(x) * g) or "layernorm" (with or without affine parameters);
+- ``pre_norm``: pre-LN (x + f(norm(x))) or post-LN (norm(x + f(x)), OPT-350m);
+- ``positions``: "rotary" (``rope``: theta and scaling) or "learned" (a table indexed by
+  position + ``pos_offset``; ``pos_from_mask``: positions from the cumulative sum of the
+  attention mask, as OPT computes them);
+- ``act`` and ``gated``: MLP ``down(act(gate(x)) * up(x))`` (SwiGLU when act is "silu") or
+  ``fc2(act(fc1(x)))``;
+- ``num_heads`` / ``num_kv_heads`` (grouped-query attention), ``head_dim``;
+- biases: ``qkv_bias``, ``o_bias``, ``mlp_bias``;
+- ``sliding_window`` per layer (None: full causal attention);
+- ``tied``: the LM head reads the token embedding matrix;
+- ``proj_dim``: width of the token embeddings when it differs from ``hidden_size`` (OPT's
+  ``project_in`` / ``project_out``).
+
+:class:`Fields` reads ``config.json`` for a family: every key the family's transformers config
+class has is honoured (read into the spec), declared inert (it does not change the forward
+computation) or refused by name; a refusal raises :class:`SemzoError` in one line.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from semzo.runtime import SemzoError, get_logger
+
+log = get_logger(__name__)
+
+#: keys of transformers' PretrainedConfig (every family has them) that do not change the
+#: forward computation of a causal LM in eval mode, or that semzo handles elsewhere
+COMMON_INERT = frozenset({
+    "return_dict", "output_hidden_states", "output_attentions", "torchscript", "torch_dtype",
+    "dtype", "use_bfloat16", "tf_legacy_loss", "architectures", "finetuning_task", "id2label",
+    "label2id", "num_labels", "tokenizer_class", "prefix", "bos_token_id", "pad_token_id",
+    "eos_token_id", "sep_token_id", "decoder_start_token_id", "task_specific_params",
+    "problem_type", "_name_or_path", "transformers_version", "model_type", "is_encoder_decoder",
+    "tie_encoder_decoder", "chunk_size_feed_forward", "cross_attention_hidden_size",
+    "_attn_implementation_autoset", "_attn_implementation", "use_cache", "initializer_range",
+    "init_std", "max_length", "min_length", "do_sample", "early_stopping", "num_beams",
+    "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p", "typical_p",
+    "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences",
+    "output_scores", "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id",
+    "remove_invalid_values", "exponential_decay_length_penalty", "suppress_tokens",
+    "begin_suppress_tokens", "_commit_hash", "quantization_config", "keys_to_ignore_at_inference",
+    "output_router_logits", "attention_dropout", "dropout", "hidden_dropout",
+    "attention_probs_dropout_prob", "hidden_dropout_prob", "classifier_dropout",
+    "embd_pdrop", "resid_pdrop", "attn_pdrop", "layerdrop", "embedding_dropout",
+    "is_decoder", "add_cross_attention",
+})
+#: keys of PretrainedConfig refused unless they have their default (they change the model)
+COMMON_REFUSED = {"pruned_heads": ({}, None)}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embeddings (non-interleaved halves, as transformers' ``rotate_half``)."""
+
+    theta: float
+    kind: str = "default"            # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """(head_dim // 2,) float32, computed in float32 as transformers does."""
+        exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+        inv = (np.float32(1.0) / (np.float32(self.theta) ** exps)).astype(np.float32)
+        if self.kind == "linear":
+            inv = (inv / np.float32(self.factor)).astype(np.float32)
+        elif self.kind == "llama3":
+            f, lo, hi = (np.float32(v) for v in (self.factor, self.low_freq_factor,
+                                                  self.high_freq_factor))
+            old = np.float32(self.original_max_positions)
+            wavelen = np.float32(2 * math.pi) / inv
+            scaled = np.where(wavelen > old / lo, inv / f, inv).astype(np.float32)
+            smooth = (old / wavelen - lo) / (hi - lo)
+            smoothed = (1 - smooth) * scaled / f + smooth * scaled
+            medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+            inv = np.where(medium, smoothed, scaled).astype(np.float32)
+        return inv
+
+    def tables(self, head_dim: int, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin (n_pos, head_dim // 2) float32 of positions 0..n_pos-1."""
+        ang = np.arange(n_pos, dtype=np.float32)[:, None] * self.inv_freq(head_dim)[None, :]
+        return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class Names:
+    """Weight names relative to the checkpoint prefix; ``{i}`` is the layer index. A role the
+    family lacks is None. Order of ``layer`` = module order of the family's decoder layer."""
+
+    embed: str
+    layer_prefix: str                      # e.g. "layers.{i}."
+    layer: tuple[tuple[str, str], ...]     # (role, module name) of one layer, module order
+    final_norm: str | None
+    pos: str | None = None
+    project_in: str | None = None
+    project_out: str | None = None
+    lm_head: str = "lm_head.weight"        # never prefixed
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """One decoder model, block by block (see the module docstring)."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    max_positions: int
+    norm: str
+    norm_eps: float
+    norm_affine: bool
+    norm_bias: bool
+    pre_norm: bool
+    final_norm: bool
+    positions: str
+    act: str
+    gated: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tied: bool
+    names: Names
+    rope: RopeSpec | None = None
+    pos_offset: int = 0
+    pos_from_mask: bool = False
+    sliding_window: tuple[int | None, ...] = ()
+    proj_dim: int = 0
+    model_type: str = ""
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    # names the base class and the finetune stage read
+    @property
+    def layer_norm_eps(self) -> float:
+        return self.norm_eps
+
+    @property
+    def hidden_act(self) -> str:
+        return self.act
+
+    @property
+    def tie_word_embeddings(self) -> bool:
+        return self.tied
+
+    @property
+    def embed_dim(self) -> int:
+        return self.proj_dim or self.hidden_size
+
+    def window(self, layer: int) -> int | None:
+        return self.sliding_window[layer] if self.sliding_window else None
+
+
+class Fields:
+    """``config.json`` of one family, read key by key.
+
+    ``honoured``: keys read into the spec; ``inert``: keys that do not change the forward
+    computation; ``refused``: key -> accepted values (anything else is refused by name).
+    :meth:`finish` checks the refusals and logs keys no list knows (they are ignored, as
+    transformers ignores them).
+    """
+
+    def __init__(self, raw: dict[str, Any], path: Path, arch: str, honoured: frozenset,
+                 inert: frozenset, refused: dict[str, tuple]) -> None:
+        self.raw, self.path, self.arch = raw, path, arch
+        self.honoured, self.inert = honoured, inert
+        self.refused = {**COMMON_REFUSED, **refused}
+
+    def __call__(self, key: str, default: Any = None, req: bool = False) -> Any:
+        assert key in self.honoured, key
+        if key not in self.raw or self.raw[key] is None:
+            if req:
+                raise SemzoError(f"{self.path}: missing key {key!r} for {self.arch}")
+            return default
+        return self.raw[key]
+
+    def maybe(self, key: str, default: Any = None) -> Any:
+        """``self(key, default)`` for a key this family honours, else ``default``."""
+        return self(key, default) if key in self.honoured else default
+
+    def refuse(self, key: str, why: str) -> None:
+        raise SemzoError(f"{self.path}: unsupported {key}={self.raw.get(key)!r} in {self.arch} "
+                         f"({why})")
+
+    def finish(self) -> None:
+        for key, ok in self.refused.items():
+            if key in self.raw and self.raw[key] not in ok and not (
+                    self.raw[key] in (None, [], {}) and None in ok):
+                self.refuse(key, "semzo does not implement it; accepted: "
+                            + ", ".join(repr(v) for v in ok))
+        known = self.honoured | self.inert | COMMON_INERT | set(self.refused)
+        unknown = sorted(k for k in self.raw if k not in known)
+        if unknown:
+            log.info("%s: keys unknown to semzo's %s reader, ignored as transformers ignores "
+                     "them: %s", self.path, self.arch, ", ".join(unknown))
+
+
+def int_field(f: Fields, key: str, default: Any = None, req: bool = False) -> int:
+    v = f(key, default, req)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise SemzoError(f"{f.path}: {key} must be a non-negative integer, got {v!r}")
+    return int(v)
+
+
+#: config keys that describe rotary embeddings (transformers 5 ``rope_parameters``; older files
+#: ``rope_theta`` and ``rope_scaling``)
+ROPE_KEYS = frozenset({"rope_parameters", "rope_theta", "rope_scaling"})
+_ROPE_PARAM_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor",
+                    "high_freq_factor", "original_max_position_embeddings"}
+
+
+def rope_from(f: Fields, max_positions: int) -> RopeSpec:
+    """The :class:`RopeSpec` of a config: types "default", "linear" and "llama3" are honoured;
+    any other type, ``partial_rotary_factor`` != 1 or per-layer parameters are refused."""
+    p = dict(f("rope_parameters", None) or f("rope_scaling", None) or {})
+    if not isinstance(p, dict):
+        f.refuse("rope_parameters", "not an object")
+    key = "rope_parameters" if "rope_parameters" in f.raw else "rope_scaling"
+    theta = float(p.get("rope_theta") or f("rope_theta", 10000.0))
+    kind = p.get("rope_type", p.get("type", "default")) or "default"
+    if kind not in ("default", "linear", "llama3"):
+        f.refuse(key, f"rope type {kind!r}; semzo implements default, linear, llama3")
+    if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+        f.refuse(key, "partial_rotary_factor != 1")
+    other = sorted(set(p) - _ROPE_PARAM_KEYS - {"partial_rotary_factor"})
+    if other and kind != "default" or any(isinstance(v, dict) for v in p.values()):
+        f.refuse(key, f"parameters {', '.join(other)} unknown to semzo's {kind!r} rope")
+    if kind == "default":
+        return RopeSpec(theta)
+    if kind == "linear":
+        return RopeSpec(theta, "linear", factor=float(p["factor"]))
+    try:
+        return RopeSpec(theta, "llama3", float(p["factor"]), float(p["low_freq_factor"]),
+                        float(p["high_freq_factor"]),
+                        int(p.get("original_max_position_embeddings") or max_positions))
+    except KeyError as exc:
+        raise SemzoError(f"{f.path}: {key} of type llama3 lacks {exc.args[0]!r}") from None
