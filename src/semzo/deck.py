@@ -189,6 +189,10 @@ class TrainSection:
     lora_rank: int = key(8, "LoRA rank r.", min=1, max=4096)
     lora_alpha: float = key(16.0, "LoRA scale numerator: the delta is (alpha / r) B A.",
                             min=0.0, min_excl=True)
+    lora_layers: int = key(0, "`lora`: adapters only in the last this many blocks (0 = every "
+                           "block); with a decoder and the `prompt` task the frozen blocks "
+                           "below are then computed once per text (see prefix_cache_mb).",
+                           min=0)
     lora_targets: tuple = key([], "Projections that get LoRA adapters, matched as suffixes of "
                               "module names (`q_proj`, `v_proj`, `query`, `c_attn`, ...); "
                               "empty = the model's default: q and v for Llama/Qwen2/Mistral/"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -64,9 +63,10 @@ def embed_model_path(deck) -> tuple[str | None, str]:
         return deck.embed.model, "embed.model"
     if deck.model.path:
         from ..model.config import EncoderConfig, read_config
+        from ..model.zoo import resolve_model_path
 
         try:
-            if isinstance(read_config(Path(deck.model.path)), EncoderConfig):
+            if isinstance(read_config(resolve_model_path(deck.model.path)), EncoderConfig):
                 return deck.model.path, "model.path"
         except Exception:  # noqa: BLE001 - an unsupported [model] is not the embedder
             pass

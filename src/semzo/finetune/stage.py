@@ -70,16 +70,22 @@ def _final_norm_names(model) -> set[str]:
 
 def select_trainable(model, params: str, last_layers: int = 1, lora_rank: int = 8,
                      lora_alpha: float = 16.0, seed: int = 0, targets: tuple = (),
-                     src: str = "<deck>") -> list[str]:
+                     src: str = "<deck>", lora_layers: int = 0) -> list[str]:
     """Freeze everything but the chosen subset; return the trainable names (model order).
 
     ``all``: every tensor the forward pass uses (and the head); ``head+last``: the head
     (``classifier.*``) plus blocks ``L - last_layers .. L - 1`` (and a decoder's final norm);
     ``lora``: LoRA adapters of rank ``lora_rank`` on the projections named by ``targets``
-    (suffixes; empty = :func:`default_lora_targets`) plus the head.
+    (suffixes; empty = :func:`default_lora_targets`) in the last ``lora_layers`` blocks (0 =
+    all) plus the head.
     """
     if params == "lora":
         tg = tuple(targets) or default_lora_targets(model)
+        if lora_layers > 0:
+            first = model.config.num_layers - min(lora_layers, model.config.num_layers)
+            tg = tuple(m for m in model.lora_modules()
+                       if (tg is None or m.endswith(tg)) and
+                       (b := _BLOCK.search(m + ".")) and int(b.group(1)) >= first)
         try:
             model.add_lora(rank=lora_rank, alpha=lora_alpha, seed=seed, targets=tg)
         except ValueError:
@@ -201,7 +207,8 @@ def run_finetune_stage(ctx) -> dict:
         model.add_classifier(n_classes, init="zeros" if use_emb else "normal",
                              seed=deck.run.seed, normalize=True)
     names = select_trainable(model, t.params, t.last_layers, t.lora_rank, t.lora_alpha,
-                             deck.run.seed, targets=t.lora_targets, src=deck.source)
+                             deck.run.seed, targets=t.lora_targets, src=deck.source,
+                             lora_layers=t.lora_layers)
     if task_kind == "classify" and use_emb:
         train_rows = ~held
         init_head_class_means(model, rows.embeddings[train_rows], rows.labels[train_rows],
