@@ -403,6 +403,8 @@ def _check_value(src: str, path: str, f: dataclasses.Field, value: Any) -> Any:
           "tuple": isinstance(value, list) and all(isinstance(x, str) for x in value)}[want]
     if not ok:
         raise bad(f"expected {_type_name(want)}, got {type(value).__name__} {value!r}")
+    if want == "tuple":
+        value = tuple(value)
     if want == "float" and math.isnan(value):
         raise bad("must be a number, got nan")
     lo, hi = meta["min"], meta["max"]

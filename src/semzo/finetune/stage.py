@@ -17,6 +17,7 @@ import json
 import math
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -325,6 +326,12 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
 
     deck, topo = ctx.deck, ctx.topo
     meta: dict = {"task": task_kind, "trainable": names}
+    if model.source is not None:               # what `semzo generate CKPT` checks
+        from ..generate import folder_checksum
+
+        digest = folder_checksum(model.source) if topo.rank == 0 else None
+        meta["model_folder"] = str(Path(model.source).resolve())
+        meta["model_checksum"] = topo.world.bcast(digest, root=0)
     if model.head:
         meta["head"] = {"n_classes": n_classes, "normalize": bool(model.head.normalize),
                         "label_names": [str(x) for x in label_names]}
