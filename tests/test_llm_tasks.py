@@ -85,7 +85,7 @@ def test_prompt_loss_and_accuracy_match_hand_computation(llama):
 
     texts, labels = synthetic(12)
     texts[3] = "a much longer text about the green tree and the red sun and the moon, good"
-    m, task = _task(llama, texts, labels)
+    _, task = _task(llama, texts, labels)
     hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(llama / "tokenizer.json"))
     for t, seq in zip(texts, task.seqs):        # the prompt is the template's text, tokenized
         assert list(seq) == hf_tok(TPL.replace("{text}", t))["input_ids"]

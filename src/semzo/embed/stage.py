@@ -68,7 +68,7 @@ def embed_model_path(deck) -> tuple[str | None, str]:
         try:
             if isinstance(read_config(resolve_model_path(deck.model.path)), EncoderConfig):
                 return deck.model.path, "model.path"
-        except Exception:  # noqa: BLE001 - an unsupported [model] is not the embedder
+        except Exception:  # noqa: BLE001, S110 - an unsupported [model] is not the embedder
             pass
     return None, "embed.model"
 

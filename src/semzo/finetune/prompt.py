@@ -190,7 +190,7 @@ class PromptTask(_Task):
         return self._run(st, self.layer + 1, self.model.n_stages).hidden
 
     def _loss_acc(self, hidden, batch) -> tuple[float, float]:
-        ids, mask, labels, _, _ = batch
+        _, mask, labels, _, _ = batch
         z = prompt_scores(self.model, hidden, mask, self.word_ids)
         xp = self.model.xp
         return cross_entropy(xp, z, xp.asarray(labels).astype(xp.int64))
