@@ -269,6 +269,7 @@ class TransformerBase:
         b = self.params["classifier.bias"].astype(xp.float32, copy=False)
         logits = pooled @ w.T + b
         lab = xp.asarray(labels).astype(xp.int64).reshape(-1)
+        check_labels(lab, self.head.n_classes)
         loss, acc = cross_entropy(xp, logits, lab)
         return loss, acc, logits
 
@@ -289,6 +290,14 @@ def check_ids(xp, ids, vocab_size: int) -> None:
         where = tuple(int(i) for i in xp.argwhere(ids == bad)[0])
         raise TokenIdError(f"token id {bad} at position {where} is outside the vocabulary "
                          f"of {vocab_size} ids")
+
+
+def check_labels(labels, n_classes: int) -> None:
+    """Raise :class:`TokenIdError` for a class label outside [0, n_classes): NumPy would wrap
+    a negative one silently, CuPy any (labels are read from the data files)."""
+    if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= n_classes):
+        bad = int(labels.min()) if int(labels.min()) < 0 else int(labels.max())
+        raise TokenIdError(f"label {bad} is outside the {n_classes} classes of the head")
 
 
 def mean_pool(xp, hs, maskf, normalize: bool):

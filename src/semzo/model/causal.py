@@ -82,6 +82,14 @@ class DecoderState:
     hidden: object = None
     stage: int = 0
 
+    def fork(self) -> DecoderState:
+        """An independent copy (its own residual stream) for another branch."""
+        return replace(self, hidden=None if self.hidden is None else self.hidden.copy())
+
+    def nbytes_live(self) -> int:
+        """Bytes of the state's own array (the residual stream)."""
+        return 0 if self.hidden is None else int(self.hidden.nbytes)
+
 
 @dataclass
 class KVCache:
@@ -129,9 +137,14 @@ class CausalLM(TransformerBase):
         """Names of ``params`` that stage ``k`` reads, in collection order."""
         if not 0 <= k < self.n_stages:
             raise ValueError(f"stage must lie in [0, {self.n_stages}), got {k}")
-        return [n for n in self.params if self._stage(n) == k]
+        return [n for n in self.params if self.stage_of(n) == k]
 
-    def _stage(self, name: str) -> int:
+    def _base_stage(self, name: str) -> int | None:
+        return self._stage_of.get(name)
+
+    def stage_of(self, name: str) -> int:
+        """The stage that reads ``name`` (LoRA A/B: their projection's block; classifier and
+        anything else: the last stage)."""
         st = self._stage_of.get(name)
         if st is None and name.endswith((".lora_A.weight", ".lora_B.weight")):
             st = self._stage_of.get(name.rsplit(".", 2)[0] + ".weight")
@@ -172,30 +185,31 @@ class CausalLM(TransformerBase):
                                                     (b, t)))
 
     def stage_forward(self, k: int, state: DecoderState) -> DecoderState:
-        """Run stage ``k`` on ``state`` (which is not modified); reads only stage k's
-        parameters. Returns the next state; after the last stage ``hidden`` holds the final
-        hidden states (B, T, E) (E = ``embed_dim``)."""
+        """Run stage ``k`` on ``state`` in place and return it (``state.fork()`` first to keep
+        the input); reads only stage k's parameters. After the last stage ``hidden`` holds
+        the final hidden states (B, T, E) (E = ``embed_dim``). The residual stream of a block
+        is updated in place; the embedding and final stages make new arrays."""
         if k != state.stage:
             raise ValueError(f"stage {k} run on a state waiting for stage {state.stage}")
         ids, maskf, pos = state.ids, state.maskf, state.pos
         b, t = ids.shape
         if k == 0:
-            return replace(state, hidden=self._split(
-                lambda sl: self._embed(ids[sl], pos[sl]), b, t), stage=1)
-        if k <= self.config.num_layers:
-            x = state.hidden.copy()
+            state.hidden = self._split(lambda sl: self._embed(ids[sl], pos[sl]), b, t)
+        elif k <= self.config.num_layers:
+            x = state.hidden
 
             def run(sl):
                 xs = x[sl].reshape(-1, x.shape[-1])
                 self._block(k - 1, xs, maskf[sl], pos[sl], None, None, 0)
             self._split(run, b, t, collect=False)
-            return replace(state, hidden=x, stage=k + 1)
-        if k == self.n_stages - 1:
+        elif k == self.n_stages - 1:
             h = state.hidden
-            return replace(state, hidden=self._split(
-                lambda sl: self._final(h[sl].reshape(-1, h.shape[-1])).reshape(
-                    h[sl].shape[0], t, -1), b, t), stage=k + 1)
-        raise ValueError(f"stage must lie in [0, {self.n_stages}), got {k}")
+            state.hidden = self._split(lambda sl: self._final(
+                h[sl].reshape(-1, h.shape[-1])).reshape(h[sl].shape[0], t, -1), b, t)
+        else:
+            raise ValueError(f"stage must lie in [0, {self.n_stages}), got {k}")
+        state.stage = k + 1
+        return state
 
     def _split(self, fn, b: int, t: int, collect: bool = True):
         if self.xp is not np:
@@ -341,10 +355,17 @@ class CausalLM(TransformerBase):
         """Mean cross-entropy of token t+1 given tokens <= t over real targets (mask 1), as
         transformers' loss with labels -100 at padding; logits ``chunk`` rows at a time.
         With ``return_accuracy``, ``(loss, accuracy)``."""
-        xp = self.xp
         ids, maskf = self._inputs(input_ids, attention_mask)
+        return self.next_token_loss_from_hidden(self.hidden_states(ids, maskf), ids, maskf,
+                                                chunk, return_accuracy)
+
+    def next_token_loss_from_hidden(self, hidden, ids, maskf, chunk: int = 256,
+                                    return_accuracy: bool = False):
+        """:meth:`next_token_loss` from final hidden states ``hidden`` (B, T, E) of the
+        checked ids (B, T) and float mask (B, T) (a streamed schedule's last stage)."""
+        xp = self.xp
         b, t = ids.shape
-        hs = self.hidden_states(ids, maskf)[:, :-1].reshape(b * (t - 1), -1)
+        hs = hidden[:, :-1].reshape(b * (t - 1), -1)
         tgt = ids[:, 1:].reshape(-1).astype(xp.int64)
         wt = maskf[:, 1:].reshape(-1)
         tot_l = tot_a = 0.0

@@ -53,6 +53,8 @@ class DecoderConfig:
     layer_norm_eps: float
     hidden_act: str
     tie_word_embeddings: bool
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
     model_type: str = "gpt2"
     raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
@@ -104,29 +106,58 @@ def read_config(folder: str | Path) -> EncoderConfig | DecoderConfig:
     return cfg
 
 
+#: BertConfig keys read into :class:`EncoderConfig` (with the common keys of
+#: :data:`semzo.model.spec.COMMON_INERT` and the refusals below, every key of the class)
+BERT_HONOURED = frozenset({
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+    "intermediate_size", "hidden_act", "max_position_embeddings", "type_vocab_size",
+    "layer_norm_eps", "pad_token_id", "position_embedding_type"})
+#: an encoder has no LM head to tie
+BERT_INERT = frozenset({"tie_word_embeddings"})
+#: is_decoder makes BERT's self-attention causal: not implemented
+BERT_REFUSED = {"is_decoder": (False,)}
+GPT2_HONOURED = frozenset({
+    "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
+    "activation_function", "layer_norm_epsilon", "scale_attn_weights",
+    "scale_attn_by_inverse_layer_idx", "tie_word_embeddings"})
+#: summary_*: the multiple-choice head of GPT2DoubleHeadsModel (not the LM);
+#: reorder_and_upcast_attn: computes attention scores in float32, which semzo always does
+#: (float32 accumulation on every path); add_cross_attention: used only with encoder states
+GPT2_INERT = frozenset({
+    "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
+    "summary_first_dropout", "reorder_and_upcast_attn", "add_cross_attention"})
+GPT2_REFUSED: dict = {}
+
+
 def _build(mt: str, raw: dict[str, Any], path: Path) -> EncoderConfig | DecoderConfig:
+    from semzo.model.spec import Fields
     if mt == "bert":
-        pe = raw.get("position_embedding_type", "absolute")
-        if pe != "absolute":
-            raise SemzoError(f"{path}: unsupported position_embedding_type {pe!r} "
-                             f"in {_arch(raw)}")
-        return EncoderConfig(
-            vocab_size=int(raw["vocab_size"]), hidden_size=int(raw["hidden_size"]),
-            num_layers=int(raw["num_hidden_layers"]), num_heads=int(raw["num_attention_heads"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            max_positions=int(raw["max_position_embeddings"]),
-            type_vocab_size=int(raw.get("type_vocab_size", 2)),
-            layer_norm_eps=float(raw.get("layer_norm_eps", 1e-12)),
-            hidden_act=str(raw.get("hidden_act", "gelu")),
-            pad_token_id=int(raw.get("pad_token_id") or 0), raw=raw)
-    h = int(raw["n_embd"])
-    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
-        if raw.get(flag):
-            raise SemzoError(f"{path}: unsupported option {flag}=true in {_arch(raw)}")
-    return DecoderConfig(
-        vocab_size=int(raw["vocab_size"]), hidden_size=h, num_layers=int(raw["n_layer"]),
-        num_heads=int(raw["n_head"]), intermediate_size=int(raw.get("n_inner") or 4 * h),
-        max_positions=int(raw["n_positions"]),
-        layer_norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
-        hidden_act=str(raw.get("activation_function", "gelu_new")),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), raw=raw)
+        f = Fields(raw, path, _arch(raw), BERT_HONOURED, BERT_INERT, BERT_REFUSED)
+        if f("position_embedding_type", "absolute") != "absolute":
+            f.refuse("position_embedding_type", "semzo implements absolute positions")
+        cfg = EncoderConfig(
+            vocab_size=int(f("vocab_size", req=True)), hidden_size=int(f("hidden_size", req=True)),
+            num_layers=int(f("num_hidden_layers", req=True)),
+            num_heads=int(f("num_attention_heads", req=True)),
+            intermediate_size=int(f("intermediate_size", req=True)),
+            max_positions=int(f("max_position_embeddings", req=True)),
+            type_vocab_size=int(f("type_vocab_size", 2)),
+            layer_norm_eps=float(f("layer_norm_eps", 1e-12)),
+            hidden_act=str(f("hidden_act", "gelu")),
+            pad_token_id=int(f("pad_token_id", 0)), raw=raw)
+        f.finish()
+        return cfg
+    f = Fields(raw, path, _arch(raw), GPT2_HONOURED, GPT2_INERT, GPT2_REFUSED)
+    h = int(f("n_embd", req=True))
+    cfg = DecoderConfig(
+        vocab_size=int(f("vocab_size", req=True)), hidden_size=h,
+        num_layers=int(f("n_layer", req=True)), num_heads=int(f("n_head", req=True)),
+        intermediate_size=int(f("n_inner", 4 * h)), max_positions=int(f("n_positions", req=True)),
+        layer_norm_eps=float(f("layer_norm_epsilon", 1e-5)),
+        hidden_act=str(f("activation_function", "gelu_new")),
+        tie_word_embeddings=bool(f("tie_word_embeddings", True)),
+        scale_attn_weights=bool(f("scale_attn_weights", True)),
+        scale_attn_by_inverse_layer_idx=bool(f("scale_attn_by_inverse_layer_idx", False)),
+        raw=raw)
+    f.finish()
+    return cfg

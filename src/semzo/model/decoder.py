@@ -62,7 +62,7 @@ class Decoder(TransformerBase):
             q5 = qkv.reshape(bsz, t, 3, nh, d)
             matmul_into(q5[:, :, 0].transpose(0, 2, 1, 3), q5[:, :, 1].transpose(0, 2, 3, 1),
                         s4)
-            masked_softmax(scores, maskf, scale, nh, causal=True)
+            masked_softmax(scores, maskf, self.attn_scale(i, scale), nh, causal=True)
             matmul_into(s4, q5[:, :, 2].transpose(0, 2, 1, 3), ctx.transpose(0, 2, 1, 3))
             self._proj(ctx.reshape(n, h), f"{pl}attn.c_proj", tmp)
             bias_residual_layernorm(tmp, p[f"{pl}attn.c_proj.bias"], x, p[f"{pl}ln_2.weight"],
@@ -74,6 +74,14 @@ class Decoder(TransformerBase):
             bias_residual_layernorm(tmp, p[f"{pl}mlp.c_proj.bias"], x, p[f"{nxt}.weight"],
                                     p[f"{nxt}.bias"], eps, out=a)
         return a.reshape(bsz, t, h)
+
+    def attn_scale(self, layer: int, default: float) -> float:
+        """Score scale of block ``layer``: 1/sqrt(d) (``default``), or 1 when
+        ``scale_attn_weights`` is false, divided by layer + 1 with
+        ``scale_attn_by_inverse_layer_idx`` (as GPT2Attention)."""
+        cfg = self.config
+        s = default if cfg.scale_attn_weights else 1.0
+        return s / (layer + 1) if cfg.scale_attn_by_inverse_layer_idx else s
 
     def _lm_weight(self):
         w = self.params.get("lm_head.weight")

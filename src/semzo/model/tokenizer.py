@@ -63,14 +63,9 @@ class Tokenizer:
             raise SemzoError(f"{f}: cannot read tokenizer: {exc}") from None
         if max_length is None:
             max_length = _default_max_length(folder, tk)
-        pad_id = 0
         pad = tk.padding
-        if pad and pad.get("pad_id") is not None:
-            pad_id = int(pad["pad_id"])
-        else:
-            cfg = _json(folder / "config.json")
-            pad_id = int(cfg.get("pad_token_id") or cfg.get("eos_token_id") or 0)
-        return cls(tk, max_length, pad_id)
+        return cls(tk, max_length, pad_id_for(_json(folder / "config.json"),
+                                              pad.get("pad_id") if pad else None))
 
     def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         """Token ids (with special tokens, truncated) of each text, as int64 arrays."""
@@ -90,6 +85,23 @@ class Tokenizer:
     def __call__(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Tokenize and pad a batch: (ids, mask)."""
         return self.pad(self.encode_batch(texts))
+
+
+def pad_id_for(cfg: dict, tokenizer_pad: int | None = None) -> int:
+    """The id written at padded positions: the first of the tokenizer's own pad id, the
+    config's ``pad_token_id`` (0 counts as set), its ``eos_token_id`` (the first if a list)
+    that lies inside the vocabulary (``vocab_size``), else 0. Padded positions are masked, so
+    any valid id gives the same results, but an id outside the vocabulary is an error at
+    the model's entry (a small-vocabulary GPT-2 keeps GPT2Config's eos 50256)."""
+    vocab = cfg.get("vocab_size")
+    eos = cfg.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    for cand in (tokenizer_pad, cfg.get("pad_token_id"), eos):
+        if isinstance(cand, int) and not isinstance(cand, bool) and cand >= 0 and (
+                not isinstance(vocab, int) or cand < vocab):
+            return int(cand)
+    return 0
 
 
 def _default_max_length(folder: Path, tk) -> int | None:

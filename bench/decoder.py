@@ -1,0 +1,100 @@
+"""SmolLM2-135M forward (batch 8 x 128, logits included) of semzo's CausalLM against torch
+(transformers LlamaForCausalLM, float32) at the same thread count, in the same run.
+
+    python bench/decoder.py [--model PATH] [--threads 2] [--batch 8] [--seq 128] [--repeat 3]
+
+``--model`` defaults to the named model ``smollm2`` (the folder ``make setup`` converts, via
+``semzo.model.zoo``); any Llama/Qwen2/Mistral/OPT folder works. Runs alternate between the two
+libraries with a short pause at each switch (so one's idle workers stop spinning before the
+other runs). Prints both times (best and median), the ratio torch/semzo (> 1: semzo faster),
+load times, and the largest relative logits difference on the batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+
+
+def resolve(path: str | None) -> str:
+    if path is not None and os.path.isdir(path):
+        return path
+    try:
+        from semzo.model.zoo import resolve_model_path
+    except ImportError:
+        raise SystemExit("bench/decoder.py: give --model PATH (no semzo.model.zoo here)") from None
+    return str(resolve_model_path(path or "smollm2"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    folder = resolve(args.model)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from semzo.model import load_model, set_threads
+
+    t0 = time.perf_counter()
+    ours = load_model(folder)
+    t_ours = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    t_ref = time.perf_counter() - t0
+    set_threads(args.threads)
+    torch.set_num_threads(args.threads)
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, ours.config.vocab_size, size=(args.batch, args.seq))
+    mask = np.ones_like(ids)
+    tids, tmask = torch.from_numpy(ids), torch.from_numpy(mask)
+
+    def run_ours():
+        return ours.logits(ids, mask)
+
+    def run_ref():
+        with torch.inference_mode():
+            return ref(input_ids=tids, attention_mask=tmask).logits
+
+    z = run_ours()
+    zr = run_ref().numpy()
+    err = float(np.max(np.abs(z - zr)) / np.max(np.abs(zr)))
+    del z, zr
+    times: dict[str, list[float]] = {"semzo": [], "torch": []}
+    for _ in range(args.repeat):
+        for name, fn in (("semzo", run_ours), ("torch", run_ref)):
+            time.sleep(0.3)
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    n_par = ours.num_parameters(include_frozen=True)
+    tokens = args.batch * args.seq
+    best = {k: min(v) for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"model {folder}: {ours.config.family} {n_par / 1e6:.1f}M parameters, "
+          f"{ours.config.num_layers} layers; batch {args.batch} x {args.seq}, "
+          f"{args.threads} threads")
+    print(f"load: semzo {t_ours:.2f} s, transformers {t_ref:.2f} s")
+    for k in ("semzo", "torch"):
+        print(f"{k:6s} forward+logits: best {best[k] * 1e3:8.1f} ms, median {med[k] * 1e3:8.1f} "
+              f"ms ({tokens / best[k]:.0f} tokens/s)")
+    print(f"ratio torch/semzo: best {best['torch'] / best['semzo']:.2f}x, "
+          f"median {med['torch'] / med['semzo']:.2f}x (goal >= 1.0x)")
+    print(f"logits max relative difference semzo vs transformers: {err:.2e}")
+
+
+if __name__ == "__main__":
+    main()

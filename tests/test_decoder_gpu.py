@@ -1,0 +1,59 @@
+"""GPU-only: the CuPy path of the decoder families against the NumPy path (float32 and
+float16 storage). Skipped, with the reason, only when cupy cannot be imported or sees no
+CUDA device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+try:
+    import cupy as cp
+    if cp.cuda.runtime.getDeviceCount() < 1:
+        raise RuntimeError("no CUDA device")
+except Exception as exc:  # noqa: BLE001 - any failure to reach a GPU means: skip
+    pytest.skip(f"GPU-only tests: cupy with a CUDA device is not available ({exc})",
+                allow_module_level=True)
+
+from safetensors.numpy import save_file
+
+from semzo.model import load_model
+
+CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 101,
+       "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64,
+       "tie_word_embeddings": False, "rms_norm_eps": 1e-5}
+
+
+def tiny_llama(folder):
+    import json
+
+    from semzo.model.causal import expected_tensors
+    from semzo.model.families import llama, read_spec
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(CFG))
+    spec = read_spec(llama, CFG, folder / "config.json")
+    rng = np.random.default_rng(0)
+    t = {n: (rng.standard_normal(s) * (0.1 if len(s) > 1 else 0.05) + (len(s) == 1))
+         .astype(np.float32) for n, s, _ in expected_tensors(spec, "model.")}
+    save_file(t, str(folder / "model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("float16", 3e-2)])
+def test_cupy_decoder_matches_numpy(tmp_path, dtype, tol):
+    folder = tiny_llama(tmp_path / "m")
+    cpu, gpu = load_model(folder), load_model(folder, xp="cupy", dtype=dtype)
+    ids = np.random.default_rng(1).integers(0, 101, size=(3, 20))
+    mask = np.ones_like(ids)
+    mask[1, 12:] = 0
+    ref = cpu.logits(ids, mask)
+    got = cp.asnumpy(gpu.logits(ids, mask))
+    valid = mask.astype(bool)
+    assert np.max(np.abs(got - ref)[valid]) / np.max(np.abs(ref[valid])) < tol
+    assert abs(cpu.next_token_loss(ids, mask) - gpu.next_token_loss(ids, mask)) < 10 * tol
+    cache = gpu.new_cache(3, 24)
+    z = cp.asnumpy(gpu.forward_cached(ids[:, :8], cache))
+    assert np.max(np.abs(z - ref[:, :8])) / np.max(np.abs(ref[:, :8])) < tol
+    with pytest.raises(ValueError, match="1000000000"):
+        gpu.logits(np.array([[1, 10**9]]), np.array([[1, 0]]))

@@ -1,0 +1,263 @@
+"""Parity of the decoder families with transformers (torch CPU, float32), on tiny random models
+saved with ``save_pretrained``: Llama (GQA, llama3 rope scaling, tied and untied, biases, a
+head_dim that is not hidden/heads, sharded), Qwen2 (q/k/v biases, sliding window on some
+layers), Mistral (with and without sliding window), OPT (pre-LN; post-LN with
+project_in/project_out, as OPT-350m) and GPT-2 with ``scale_attn_weights: false`` and
+``scale_attn_by_inverse_layer_idx``.
+
+Right-padded batches of random shapes and seeds: logits within 1e-4 relative on real tokens,
+next-token loss equal to transformers' (labels -100 at padding) within 1e-5 relative. Also:
+the KV cache (incremental logits equal the full forward's), the stage API (composition
+bit-identical to ``hidden_states``, each stage reads only its own parameters), bf16 files.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+
+from semzo.model import load_model, set_threads
+from semzo.model.causal import CausalLM
+from semzo.model.weights import Checkpoint
+
+RTOL = 1e-4
+V = 97
+SMALL = {"vocab_size": V, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+LLAMA3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+          "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+OPT = {"vocab_size": V, "hidden_size": 64, "ffn_dim": 96, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "max_position_embeddings": 64}
+
+# name -> (config class, kwargs, save_pretrained kwargs)
+CASES = {
+    "llama_gqa_llama3_untied": ("LlamaConfig", dict(SMALL, tie_word_embeddings=False,
+                                                    attention_bias=True,
+                                                    rope_parameters=LLAMA3), {}),
+    "llama_tied_sharded": ("LlamaConfig", dict(SMALL, hidden_size=48, num_hidden_layers=3,
+                                               num_attention_heads=6,
+                                               num_key_value_heads=3, head_dim=16, mlp_bias=True,
+                                               tie_word_embeddings=True),
+                           {"max_shard_size": "40KB"}),
+    "qwen2": ("Qwen2Config", dict(SMALL, tie_word_embeddings=True), {}),
+    "qwen2_window": ("Qwen2Config", dict(SMALL, use_sliding_window=True, sliding_window=5,
+                                         max_window_layers=1), {}),
+    "mistral": ("MistralConfig", dict(SMALL, sliding_window=None), {}),
+    "mistral_window": ("MistralConfig", dict(SMALL, sliding_window=4), {}),
+    "opt_pre": ("OPTConfig", dict(OPT, do_layer_norm_before=True), {}),
+    "opt_post_proj": ("OPTConfig", dict(OPT, do_layer_norm_before=False,
+                                        word_embed_proj_dim=32), {}),
+    "gpt2_unscaled": ("GPT2Config", {"vocab_size": V, "n_positions": 64, "n_embd": 64, "n_layer": 2,
+                                         "n_head": 4, "scale_attn_weights": False}, {}),
+    "gpt2_inverse_layer": ("GPT2Config", {"vocab_size": V, "n_positions": 64, "n_embd": 64,
+                                              "n_layer": 3, "n_head": 4,
+                                              "scale_attn_by_inverse_layer_idx": True}, {}),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    from threadpoolctl import threadpool_limits
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with threadpool_limits(limits=1):
+        yield
+    torch.set_num_threads(old)
+
+
+_BUILT: dict = {}
+
+
+def build(name: str, tmp_path_factory):
+    """(folder, transformers model) of case ``name``, made once per module."""
+    if name in _BUILT:
+        return _BUILT[name]
+    import transformers
+    cls_name, kw, save_kw = CASES[name]
+    cfg = getattr(transformers, cls_name)(**kw)
+    torch.manual_seed(sum(map(ord, name)))
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():                 # biases and norms start at 0 / 1: move them
+        for _, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(torch.randn_like(p) * 0.2)
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder, **save_kw)
+    _BUILT[name] = (folder, model)
+    return folder, model
+
+
+def padded_batch(rng, vocab: int, b: int, t: int):
+    ids = rng.integers(0, vocab, size=(b, t))
+    lengths = rng.integers(1, t + 1, size=b)
+    lengths[0] = t
+    mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.int64)
+    return ids, mask
+
+
+def rel_err(a, b, valid) -> float:
+    a, b = np.asarray(a, np.float64)[valid], np.asarray(b, np.float64)[valid]
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_and_loss_match_transformers(name, tmp_path_factory):
+    folder, ref = build(name, tmp_path_factory)
+    model = load_model(folder)
+    if name.startswith("llama_tied"):
+        assert (folder / "model.safetensors.index.json").is_file()
+        assert len({Checkpoint(folder).file(n) for n in Checkpoint(folder)}) > 1
+    rng = np.random.default_rng(len(name))
+    worst = 0.0
+    for _ in range(3):                     # random shapes: sequences longer than the windows
+        ids, mask = padded_batch(rng, V, int(rng.integers(1, 5)), int(rng.integers(6, 24)))
+        with torch.no_grad():
+            out = ref(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                      labels=torch.from_numpy(np.where(mask > 0, ids, -100)))
+        valid = mask.astype(bool)
+        worst = max(worst, rel_err(model.logits(ids, mask), out.logits.numpy(), valid))
+        if mask[:, 1:].sum():
+            loss = model.next_token_loss(ids, mask)
+            assert abs(loss - out.loss.item()) <= 1e-5 * abs(out.loss.item()), (name, loss)
+    print(f"{name}: logits max rel {worst:.2e}")
+    assert worst < RTOL, name
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "mistral_window", "opt_post_proj",
+                                  "qwen2_window"])
+def test_kv_cache_matches_full_forward(name, tmp_path_factory):
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    assert isinstance(model, CausalLM)
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, V, size=(2, 5))
+    cache = model.new_cache(2, 16)
+    z = model.forward_cached(ids[:, :3], cache)          # a prompt in two pieces
+    z = np.concatenate([z, model.forward_cached(ids[:, 3:], cache)], axis=1)
+    assert cache.length == 5 and z.shape == (2, 5, V)
+    full = model.logits(ids, np.ones_like(ids))
+    assert np.max(np.abs(z - full)) <= 1e-5 * np.max(np.abs(full))
+    seq = ids
+    for _ in range(8):                                    # greedy, one token at a time
+        nxt = z[:, -1].argmax(-1)[:, None]
+        seq = np.concatenate([seq, nxt], axis=1)
+        z = model.forward_cached(nxt, cache)
+        full = model.logits(seq, np.ones_like(seq))[:, -1:]
+        assert np.max(np.abs(z - full)) <= 1e-5 * np.max(np.abs(full)), name
+    with pytest.raises(ValueError, match="do not fit"):
+        model.forward_cached(seq[:, :4], cache)
+
+
+@pytest.mark.parametrize("name", ["llama_tied_sharded", "opt_post_proj"])
+def test_stage_api_composes_to_hidden_states(name, tmp_path_factory):
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    model.add_lora(rank=2, targets=("q_proj", "v_proj"), freeze_base=False)
+    model.add_classifier(3)
+    for spec in model.lora.values():                     # make the deltas count
+        model.params[spec.b][...] = 0.05
+    names = [n for k in range(model.n_stages) for n in model.stage_names(k)]
+    assert sorted(names) == sorted(model.params) and len(names) == len(set(names))
+    last = model.stage_names(model.n_stages - 1)
+    assert "classifier.weight" in last and model.tied_head == model.config.tied
+    assert any(n.endswith("q_proj.lora_A.weight") for n in model.stage_names(1))
+    rng = np.random.default_rng(1)
+    ids, mask = padded_batch(rng, V, 5, 60)               # 300 tokens: split over threads
+    for threads in (1, 2):
+        set_threads(threads)
+        try:
+            ref = model.hidden_states(ids, mask)
+            st = model.stage_start(ids, mask)
+            states = [st.fork()]
+            for k in range(model.n_stages):
+                st = model.stage_forward(k, st)
+                states.append(st.fork())
+        finally:
+            set_threads(1)
+        assert np.array_equal(st.hidden, ref)
+        loss = model.next_token_loss(ids, mask)
+        assert model.next_token_loss_from_hidden(st.hidden, st.ids, st.maskf) == loss
+    # each stage reads only its own parameters: poison every other one
+    saved = {n: a.copy() for n, a in model.params.items()}
+    try:
+        for k in range(model.n_stages):
+            own = set(model.stage_names(k))
+            for n, a in model.params.items():
+                a[...] = saved[n] if n in own else np.nan
+            out = model.stage_forward(k, states[k].fork())
+            assert np.array_equal(out.hidden, states[k + 1].hidden), k
+            assert out.stage == k + 1
+    finally:
+        for n, a in model.params.items():
+            a[...] = saved[n]
+
+
+def test_bf16_checkpoint_loads_as_float32(tmp_path_factory, tmp_path):
+    _folder, ref = build("llama_gqa_llama3_untied", tmp_path_factory)
+    half = copy.deepcopy(ref).to(torch.bfloat16)
+    half.save_pretrained(tmp_path)
+    assert Checkpoint(tmp_path).dtype("lm_head.weight") == "BF16"
+    model = load_model(tmp_path)
+    sd = half.state_dict()
+    for name, a in model.params.items():
+        assert np.array_equal(a, sd[name].float().numpy()), name
+
+
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window"])
+def test_sliding_window_is_what_makes_the_match(name, tmp_path_factory):
+    """Without its window the model no longer matches: the parity above exercises it."""
+    from dataclasses import replace
+    folder, ref = build(name, tmp_path_factory)
+    model = load_model(folder)
+    assert any(w is not None for w in model.config.sliding_window)
+    model.config = replace(model.config, sliding_window=())
+    ids = np.random.default_rng(0).integers(0, V, size=(1, 20))
+    with torch.no_grad():
+        want = ref(input_ids=torch.from_numpy(ids)).logits.numpy()
+    assert rel_err(model.logits(ids), want, np.ones((1, 20), bool)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "qwen2_window", "opt_post_proj"])
+def test_generic_xp_path_matches_numba_path(name, tmp_path_factory, monkeypatch):
+    """The array-module code the GPU runs (CuPy), exercised with NumPy on CPU."""
+    from semzo.model import kernels, kernels_lm
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    ids, mask = padded_batch(np.random.default_rng(2), V, 3, 17)
+    want = model.logits(ids, mask)
+    cache = model.new_cache(3, 20)
+    want_c = model.forward_cached(ids[:, :9], cache)
+    monkeypatch.setattr(kernels_lm, "_is_cpu32", lambda *a: False)
+    monkeypatch.setattr(kernels, "_is_cpu32", lambda *a: False)
+    got = model.logits(ids, mask)
+    valid = mask.astype(bool)
+    assert rel_err(got, want, valid) < 1e-5
+    cache = model.new_cache(3, 20)
+    assert np.max(np.abs(model.forward_cached(ids[:, :9], cache) - want_c)) < \
+        1e-5 * np.max(np.abs(want_c))
+
+
+@pytest.mark.parametrize("name", ["llama_tied_sharded", "opt_post_proj"])
+def test_trained_in_place_then_exported_loads_in_transformers(name, tmp_path_factory, tmp_path):
+    import transformers
+
+    from semzo.model import export_hf
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    model.add_lora(rank=2, targets=("v_proj",))
+    rng = np.random.default_rng(7)
+    for _, a in model.named_parameters():                # what a ZO update does: in place
+        a += rng.standard_normal(a.shape).astype(np.float32) * 0.05
+    out = export_hf(model, tmp_path / "out")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids, mask = padded_batch(np.random.default_rng(4), V, 3, 12)
+    with torch.no_grad():
+        want = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+    assert rel_err(model.logits(ids, mask), want.numpy(), mask.astype(bool)) < RTOL
