@@ -1,0 +1,280 @@
+"""GGUF reading and `semzo convert gguf` on small synthetic files (SmolLM2: test_gguf_smollm2.py).
+
+Each tensor type is checked against an independent expectation: the float input within the
+type's rounding step (types the gguf package can quantize), or ggml's C decoding re-written in
+tests/ggufutil.py (K-quants, which the package cannot quantize).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import gguf
+import numpy as np
+import pytest
+from ggufutil import (
+    hf_meta,
+    hf_to_gguf,
+    random_k_blocks,
+    ref_q4_k,
+    ref_q5_k,
+    ref_q6_k,
+    tiny_vocab,
+    write_gguf,
+)
+
+from semzo.model.convert import convert_gguf, to_bfloat16_bits
+from semzo.model.gguf import SUPPORTED_TYPES, GGUFModel, permute_qk, unpermute_qk
+from semzo.runtime import SemzoError
+
+Q = gguf.GGMLQuantizationType
+N_VOCAB = len(tiny_vocab()[0])
+META = {"block_count": 1, "context_length": 64, "embedding_length": 64,
+        "feed_forward_length": 96, "attention.head_count": 4, "attention.head_count_kv": 2,
+        "rope.freq_base": 10000.0, "attention.layer_norm_rms_epsilon": 1e-5}
+
+
+def _block_tensors(rng, h=64, f=96, heads=4, kv=2, vocab=N_VOCAB, tie=True) -> dict:
+    hd = h // heads
+    t = {"token_embd.weight": rng.standard_normal((vocab, h)),
+         "output_norm.weight": rng.standard_normal(h),
+         "blk.0.attn_norm.weight": rng.standard_normal(h),
+         "blk.0.ffn_norm.weight": rng.standard_normal(h),
+         "blk.0.attn_q.weight": rng.standard_normal((heads * hd, h)),
+         "blk.0.attn_k.weight": rng.standard_normal((kv * hd, h)),
+         "blk.0.attn_v.weight": rng.standard_normal((kv * hd, h)),
+         "blk.0.attn_output.weight": rng.standard_normal((h, heads * hd)),
+         "blk.0.ffn_gate.weight": rng.standard_normal((f, h)),
+         "blk.0.ffn_up.weight": rng.standard_normal((f, h)),
+         "blk.0.ffn_down.weight": rng.standard_normal((h, f))}
+    if not tie:
+        t["output.weight"] = rng.standard_normal((vocab, h))
+    return {k: v.astype(np.float32) for k, v in t.items()}
+
+
+# ---- dequantization, type by type ----------------------------------------------------------
+# step of each block type relative to the block's range: max|x| for the symmetric types,
+# (max - min) for the ones with a minimum
+_STEP = {Q.Q8_0: ("amax", 127), Q.Q4_0: ("amax", 8), Q.Q5_0: ("amax", 16),
+         Q.Q4_1: ("range", 15), Q.Q5_1: ("range", 31)}
+
+
+@pytest.mark.parametrize("qtype", list(_STEP), ids=lambda q: q.name)
+def test_dequantize_block_types_within_half_a_step(tmp_path, qtype):
+    rng = np.random.default_rng(int(qtype))
+    x = rng.standard_normal((8, 256)).astype(np.float32)
+    q = gguf.quants.quantize(x, qtype)
+    p = write_gguf(tmp_path / "q.gguf", "llama", META, {"t.weight": (q, qtype)}, tokenizer=False)
+    got = GGUFModel(p).dequantize("t.weight")
+    assert got.shape == x.shape and got.dtype == np.float32
+    blocks = x.reshape(-1, 32)
+    kind, div = _STEP[qtype]
+    rng_ = np.abs(blocks).max(1) if kind == "amax" else blocks.max(1) - blocks.min(1)
+    step = (rng_ / div)[:, None]
+    err = np.abs(got.reshape(-1, 32) - blocks)
+    # half a step (a full step where Q4_0/Q5_0 clip the end opposite the block's largest
+    # magnitude: their codes span -div..div-1 steps), plus the float16 rounding of the
+    # block scale (and minimum)
+    half = np.where(np.abs(blocks) <= (div - 1) * step, step / 2, step)
+    bound = half + (np.abs(blocks) + rng_[:, None]) * 2.0 ** -10
+    assert (err <= bound).all(), float((err - bound).max())
+    assert err.max() > 0  # a quantized type: the check above is not vacuous
+
+
+@pytest.mark.parametrize("qtype,ref", [(Q.Q4_K, ref_q4_k), (Q.Q5_K, ref_q5_k),
+                                       (Q.Q6_K, ref_q6_k)], ids=["Q4_K", "Q5_K", "Q6_K"])
+def test_dequantize_k_quants_match_ggml_reference(tmp_path, qtype, ref):
+    rng = np.random.default_rng(int(qtype))
+    b = random_k_blocks(qtype, 6, rng)  # 6 blocks of 256 = 3 rows of 512
+    p = write_gguf(tmp_path / "k.gguf", "llama", META,
+                   {"t.weight": (b.reshape(3, -1), qtype)}, tokenizer=False)
+    got = GGUFModel(p).dequantize("t.weight")
+    assert got.shape == (3, 512)
+    want = np.concatenate([ref(blk) for blk in b]).reshape(3, 512)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_dequantize_float_types_exact(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    bf = gguf.quants.quantize(x, Q.BF16)
+    p = write_gguf(tmp_path / "f.gguf", "llama", META,
+                   {"a.weight": x, "b.weight": x.astype(np.float16), "c.weight": (bf, Q.BF16)},
+                   tokenizer=False)
+    g = GGUFModel(p)
+    assert {t.tensor_type.name for t in g.tensors.values()} == {"F32", "F16", "BF16"}
+    np.testing.assert_array_equal(g.dequantize("a.weight"), x)
+    np.testing.assert_array_equal(g.dequantize("b.weight"), x.astype(np.float16).astype(np.float32))
+    want_bf = (to_bfloat16_bits(x).astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_array_equal(g.dequantize("c.weight"), want_bf)
+    assert np.abs(want_bf - x).max() <= np.abs(x).max() * 2.0 ** -8
+
+
+def test_supported_types_listed():
+    assert set(SUPPORTED_TYPES) >= {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K"}
+
+
+# ---- q/k permutation --------------------------------------------------------------------------
+@pytest.mark.parametrize("heads,rows_per_head", [(4, 16), (9, 64), (3, 64), (1, 2)])
+def test_qk_permutation_round_trip(heads, rows_per_head):
+    w = np.random.default_rng(heads).standard_normal((heads * rows_per_head, 7))
+    p = permute_qk(w, heads)
+    np.testing.assert_array_equal(unpermute_qk(p, heads), w)
+    np.testing.assert_array_equal(permute_qk(unpermute_qk(w, heads), heads), w)
+    if rows_per_head > 2:
+        assert not np.array_equal(p, w)
+    b = w[:, 0].copy()  # biases (1-D) permute the same way
+    np.testing.assert_array_equal(unpermute_qk(permute_qk(b, heads), heads), b)
+
+
+# ---- tiny transformers models through GGUF and back ---------------------------------------------
+def _tiny_hf(tmp_path, family: str, tie: bool):
+    import torch
+    import transformers as tf
+    common = {"vocab_size": N_VOCAB, "hidden_size": 64, "intermediate_size": 96,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+              "tie_word_embeddings": tie, "bos_token_id": 1, "eos_token_id": 2,
+              "pad_token_id": 2}
+    torch.manual_seed(0)
+    if family == "llama":
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    else:
+        model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
+    model.eval()
+    with torch.no_grad():  # random norms and biases, so a wrong mapping cannot hide
+        for n, p in model.named_parameters():
+            if n.endswith(("norm.weight", ".bias")):
+                p.copy_(torch.randn_like(p))
+    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    cfg = {**common, "rope_theta": 10000.0}
+    return model, state, cfg
+
+
+@pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("qwen2", False)])
+def test_tiny_model_gguf_round_trip(tmp_path, family, tie):
+    import torch
+    from safetensors.numpy import load_file
+    from transformers import AutoModelForCausalLM
+
+    model, state, cfg = _tiny_hf(tmp_path, family, tie)
+    src = write_gguf(tmp_path / "tiny.gguf", family, hf_meta(cfg), hf_to_gguf(state, cfg, family))
+    out = tmp_path / "out"
+    s = convert_gguf(src, out)
+    assert s["tensors"] == len(state) - (1 if tie else 0)
+    got = load_file(str(out / "model.safetensors"))
+    want = {k: v for k, v in state.items() if not (tie and k == "lm_head.weight")}
+    assert set(got) == set(want)
+    for k, w in want.items():
+        np.testing.assert_array_equal(got[k], w, err_msg=k)
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == [type(model).__name__]
+    assert conf["tie_word_embeddings"] is tie
+    assert (conf["num_key_value_heads"], conf["head_dim"]) == (2, 16)
+    # transformers reads the converted folder and the GGUF itself to the same weights
+    ours = AutoModelForCausalLM.from_pretrained(out)
+    ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf",
+                                               dtype=torch.float32)
+    ids = torch.tensor([[5, 70, 200, 9, 33, 3]])
+    with torch.no_grad():
+        want_logits = model(ids).logits
+        np.testing.assert_array_equal(ours(ids).logits.numpy(), want_logits.numpy())
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, ours.state_dict()[k]), k
+
+
+def test_convert_dtypes(tmp_path):
+    from safetensors import safe_open
+    rng = np.random.default_rng(1)
+    src = write_gguf(tmp_path / "m.gguf", "llama", META, _block_tensors(rng))
+    x = GGUFModel(src).hf_tensor("blk.0.ffn_up.weight", GGUFModel(src).hf_config())
+    for dtype, st in (("float16", "F16"), ("bfloat16", "BF16")):
+        out = tmp_path / dtype
+        convert_gguf(src, out, dtype=dtype)
+        assert json.loads((out / "config.json").read_text())["torch_dtype"] == dtype
+        with safe_open(str(out / "model.safetensors"), "pt") as f:
+            t = f.get_tensor("model.layers.0.mlp.up_proj.weight")
+        assert str(t.dtype).endswith(dtype)
+        np.testing.assert_allclose(t.float().numpy(), x, rtol=2.0 ** -7 if st == "BF16" else 1e-3)
+
+
+# ---- bad input: one line naming the file, exit 2, nothing written ------------------------------
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "semzo", "convert", "gguf", *map(str, args)],
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def _bad_files(tmp_path) -> dict:
+    rng = np.random.default_rng(2)
+    good = _block_tensors(rng)
+    (tmp_path / "text.gguf").write_text("this is not a model\n")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    full = write_gguf(tmp_path / "full.gguf", "llama", META, good).read_bytes()
+    (tmp_path / "trunc.gguf").write_bytes(full[: len(full) - 100])
+    iq = dict(good)
+    nbytes = 64 // 32 * gguf.GGML_QUANT_SIZES[Q.IQ4_NL][1]
+    iq["blk.0.ffn_up.weight"] = (np.zeros((96, nbytes), dtype=np.uint8), Q.IQ4_NL)
+    write_gguf(tmp_path / "iq4.gguf", "llama", META, iq)
+    write_gguf(tmp_path / "mamba.gguf", "mamba", META, good)
+    write_gguf(tmp_path / "moe.gguf", "llama", {**META, "expert_count": 8}, good)
+    return {"text.gguf": "not a GGUF file", "empty.gguf": "not a GGUF file",
+            "trunc.gguf": "truncated", "iq4.gguf": "IQ4_NL",
+            "mamba.gguf": "architecture 'mamba'", "moe.gguf": "llama.expert_count"}
+
+
+def test_bad_files_cli_exit_2_one_line(tmp_path):
+    for name, phrase in _bad_files(tmp_path).items():
+        out = tmp_path / f"out-{name}"
+        r = _cli(tmp_path / name, out)
+        assert r.returncode == 2, (name, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(tmp_path / name) in lines[0] and phrase in lines[0], lines
+        assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_truncated_everywhere_is_one_error(tmp_path):
+    rng = np.random.default_rng(3)
+    full = write_gguf(tmp_path / "full.gguf", "llama", META, _block_tensors(rng)).read_bytes()
+    cuts = sorted({*range(0, 64, 3), *np.linspace(64, len(full) - 1, 60).astype(int).tolist()})
+    for cut in cuts:
+        p = tmp_path / "cut.gguf"
+        p.write_bytes(full[:cut])
+        with pytest.raises(SemzoError) as e:
+            convert_gguf(p, tmp_path / "out")
+        msg = str(e.value)
+        assert "\n" not in msg and msg.startswith(str(p)), (cut, msg)
+        assert ("truncated" in msg or "not a GGUF" in msg), (cut, msg)
+        assert not (tmp_path / "out").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf", "full.gguf"]
+
+
+def test_existing_outdir_needs_force(tmp_path):
+    rng = np.random.default_rng(4)
+    src = write_gguf(tmp_path / "m.gguf", "llama", META, _block_tensors(rng))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("x")
+    r = _cli(src, out)
+    assert r.returncode == 2 and "already exists" in r.stderr
+    assert (out / "keep.txt").is_file()
+    r = _cli(src, out, "--force")
+    assert r.returncode == 0, r.stderr
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_shape_and_missing_tensor_refused(tmp_path):
+    rng = np.random.default_rng(5)
+    t = _block_tensors(rng)
+    del t["blk.0.ffn_gate.weight"]
+    p = write_gguf(tmp_path / "miss.gguf", "llama", META, t)
+    with pytest.raises(SemzoError, match="missing tensor 'blk.0.ffn_gate.weight'"):
+        convert_gguf(p, tmp_path / "o")
+    t = _block_tensors(rng)
+    t["blk.0.ffn_up.weight"] = t["blk.0.ffn_up.weight"][:, :32]
+    p = write_gguf(tmp_path / "shape.gguf", "llama", META, t)
+    with pytest.raises(SemzoError, match="blk.0.ffn_up.weight' has shape"):
+        convert_gguf(p, tmp_path / "o")
+    assert not (tmp_path / "o").exists()
