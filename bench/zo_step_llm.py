@@ -4,7 +4,7 @@
 
 Loss: the next-token loss of a batch of the first ``--batch`` fortunes (SmolLM2's tokenizer,
 padded to ``--length``; padding excluded). Trainable sets: LoRA rank 8 on q_proj and v_proj of
-every block (MeZO's choice, 921,600 parameters) and every parameter (134.5M). Printed, each for
+every block (MeZO's choice, 460,800 parameters) and every parameter (134.5M). Printed, each for
 both sets:
 
 1. semzo step time / (2 x semzo forward time) on that batch;

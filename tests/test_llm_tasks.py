@@ -302,3 +302,31 @@ def test_zo_learns_on_a_tiny_decoder(llama):
     assert falls.min() > 0.05, (start, ends)
     assert ends.max() - ends.min() < falls.mean(), ends
     assert min(r[1][1] for r in runs) > 0.6                     # chance is 0.5
+
+
+def test_generate_from_gguf_in_memory(tmp_path):
+    """A tiny Llama written as GGUF (gguf's test helpers): `generate` converts it in memory
+    (nothing written next to it) and decodes as transformers does on the original."""
+    from ggufutil import hf_meta, hf_to_gguf, tiny_vocab, write_gguf
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from semzo.generate import generate_ids, load_for_generation
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tiny_vocab()[0]), hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=64, tie_word_embeddings=True)
+    ref = LlamaForCausalLM(cfg).eval()
+    state = {k: v.detach().numpy() for k, v in ref.state_dict().items()}
+    cd = {**cfg.to_dict(), "rope_theta": 10000.0, "rms_norm_eps": float(cfg.rms_norm_eps)}
+    path = write_gguf(tmp_path / "t.gguf", "llama", hf_meta(cd), hf_to_gguf(state, cd, "llama"),
+                      template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    g = load_for_generation(str(path))
+    assert "GGUF" in g.what and sorted(p.name for p in tmp_path.iterdir()) == ["t.gguf"]
+    prompt = [5, 40, 77, 120]
+    ours = generate_ids(g.model, prompt, 8)
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, 4:].tolist()
+    assert ours == want
+    assert g.eos_ids == {2}
