@@ -157,6 +157,10 @@ def test_deck_keys_validated():
                "embed": {"model": ""}, "corpus": {"labels": ["a", "b"]}}, "d.toml",
               check_inputs=False)
     assert d.prompt.label_words == (" yes", " no") and d.train.lora_targets == ("q_proj",)
+    from semzo.deck import from_toml_text
+    tpl = build({"prompt": {"template": "{text}\n\tIt was \"\\\" \x01"}}, "d.toml",
+                check_inputs=False)
+    assert from_toml_text(tpl.to_toml()).prompt.template == tpl.prompt.template   # escaped
     for raw, msg in [({"prompt": {"template": "no slot"}}, "prompt.template"),
                      ({"prompt": {"label_words": [" a", " a"]}}, "prompt.label_words"),
                      ({"corpus": {"labels": ["a", "a"]}}, "corpus.labels"),

@@ -374,6 +374,7 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     s = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    s = "".join(f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c for c in s)
     return f'"{s}"'
 
 
