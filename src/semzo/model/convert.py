@@ -8,7 +8,7 @@ stamp ``make setup`` compares to skip a second conversion).
 
 Everything is validated before anything is written; the folder is written under a temporary
 name next to ``OUTDIR`` and renamed into place at the end, so an error leaves nothing behind.
-Tensors are dequantized and written one at a time (memory: about the largest tensor).
+Tensors are dequantized and written one at a time (memory does not grow with the model).
 Runs on one process (no MPI).
 """
 

@@ -1,8 +1,8 @@
 """Read GGUF files (llama.cpp's format) as Hugging Face tensors and config, without torch.
 
 The file is memory-mapped with ``gguf.GGUFReader``; nothing is dequantized until a tensor is
-asked for, one at a time (:meth:`GGUFModel.hf_tensor`), so converting a model needs about the
-memory of its largest tensor, not of the model.
+asked for, one at a time (:meth:`GGUFModel.hf_tensor`), so converting a model needs the parsed
+metadata plus the temporaries of its largest tensor, not the memory of the model.
 
 What is supported, and refused by name otherwise (:class:`SemzoError`, one line, exit 2):
 
