@@ -46,6 +46,8 @@ CASES = {
                                                num_key_value_heads=3, head_dim=16, mlp_bias=True,
                                                tie_word_embeddings=True),
                            {"max_shard_size": "40KB"}),
+    "llama_linear_rope": ("LlamaConfig", dict(SMALL, rope_parameters={
+        "rope_type": "linear", "rope_theta": 5000.0, "factor": 2.5}), {}),
     "qwen2": ("Qwen2Config", dict(SMALL, tie_word_embeddings=True), {}),
     "qwen2_window": ("Qwen2Config", dict(SMALL, use_sliding_window=True, sliding_window=5,
                                          max_window_layers=1), {}),
@@ -54,6 +56,9 @@ CASES = {
     "opt_pre": ("OPTConfig", dict(OPT, do_layer_norm_before=True), {}),
     "opt_post_proj": ("OPTConfig", dict(OPT, do_layer_norm_before=False,
                                         word_embed_proj_dim=32), {}),
+    "opt_nobias_noaffine": ("OPTConfig", dict(OPT, enable_bias=False,
+                                              layer_norm_elementwise_affine=False,
+                                              activation_function="gelu"), {}),
     "gpt2_unscaled": ("GPT2Config", {"vocab_size": V, "n_positions": 64, "n_embd": 64, "n_layer": 2,
                                          "n_head": 4, "scale_attn_weights": False}, {}),
     "gpt2_inverse_layer": ("GPT2Config", {"vocab_size": V, "n_positions": 64, "n_embd": 64,
@@ -261,3 +266,51 @@ def test_trained_in_place_then_exported_loads_in_transformers(name, tmp_path_fac
     with torch.no_grad():
         want = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
     assert rel_err(model.logits(ids, mask), want.numpy(), mask.astype(bool)) < RTOL
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "opt_pre", "qwen2"])
+def test_batched_generation_of_right_padded_prompts_equals_each_alone(name, tmp_path_factory):
+    """(Not for sliding windows: a window counts cache slots, padded ones included, as
+    transformers' does.)"""
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    rng = np.random.default_rng(5)
+    ids, mask = padded_batch(rng, V, 3, 7)
+    mask[1, 3:] = 0
+    cache = model.new_cache(3, 16)
+    z = model.forward_cached(ids, cache, mask)
+    last = mask.sum(1) - 1
+    nxt = z[np.arange(3), last].argmax(-1)
+    steps = [nxt]
+    for _ in range(5):
+        z = model.forward_cached(nxt[:, None], cache)
+        nxt = z[:, -1].argmax(-1)
+        steps.append(nxt)
+    got = np.stack(steps, 1)
+    for r in range(3):
+        seq = ids[r:r + 1, :int(mask[r].sum())]
+        c1 = model.new_cache(1, 16)
+        z1 = model.forward_cached(seq, c1)
+        out = []
+        for _ in range(6):
+            n = int(z1[0, -1].argmax())
+            out.append(n)
+            z1 = model.forward_cached(np.array([[n]]), c1)
+        assert out == got[r].tolist(), (name, r)
+
+
+def test_transformers4_rope_keys_read_like_rope_parameters(tmp_path_factory, tmp_path):
+    """config.json written by transformers 4 (top-level rope_theta, rope_scaling with "type")."""
+    import json
+    folder, _ = build("llama_gqa_llama3_untied", tmp_path_factory)
+    cfg = json.loads((folder / "config.json").read_text())
+    rp = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rp.pop("rope_theta")
+    rp["type"] = rp.pop("rope_type")
+    cfg["rope_scaling"] = rp
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    a, b = load_model(folder), load_model(tmp_path)
+    assert a.config.rope == b.config.rope and a.config.rope.kind == "llama3"
+    ids = np.arange(30).reshape(2, 15) % V
+    assert np.array_equal(a.logits(ids), b.logits(ids))

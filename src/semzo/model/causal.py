@@ -175,12 +175,19 @@ class CausalLM(TransformerBase):
         return DecoderState(ids, maskf, self._positions(maskf, 0, None))
 
     def _positions(self, maskf, past: int, seen):
+        """Positions (B, T) int64: full forward: ``0..T-1`` (rotary; transformers without
+        position ids) or ``cumsum(mask) * mask - 1 + offset`` (OPT). Cached (``seen``: real
+        tokens per row so far): a new real token's position is the row's count of real tokens
+        before it, as transformers' ``generate`` computes position ids from the mask, so a
+        right-padded prompt continues without a gap; padded new tokens get position 0 (rotary)
+        or ``offset - 1`` (OPT), never read by a real token."""
         xp, s = self.xp, self.config
         b, t = maskf.shape
-        if s.pos_from_mask:
+        if s.pos_from_mask or seen is not None:
             m = (maskf > 0).astype(xp.int64)
             base = 0 if seen is None else seen[:, None]
-            return (base + xp.cumsum(m, axis=1)) * m - 1 + s.pos_offset
+            pos = (base + xp.cumsum(m, axis=1)) * m - 1
+            return pos + s.pos_offset if s.pos_from_mask else xp.maximum(pos, 0)
         return xp.ascontiguousarray(xp.broadcast_to(xp.arange(past, past + t, dtype=xp.int64),
                                                     (b, t)))
 
@@ -394,8 +401,11 @@ class CausalLM(TransformerBase):
 
     def forward_cached(self, ids_new, cache: KVCache, attention_mask=None):
         """Logits (B, t, V) float32 of ``ids_new`` (B, t), attending to the cached tokens and
-        each other; appends their keys and values (positions continue from
-        ``cache.length``). ``attention_mask`` (B, t) marks new padding (default all 1)."""
+        each other; appends their keys and values. ``attention_mask`` (B, t) marks new
+        padding (default all 1). Positions continue from ``cache.length`` when nothing is
+        padded; in general from each row's count of real tokens (see :meth:`_positions`), so
+        a batch of right-padded prompts of different lengths generates, row by row, what each
+        prompt alone generates."""
         ids, maskf = self._inputs(ids_new, attention_mask)
         b, t = ids.shape
         past = cache.length

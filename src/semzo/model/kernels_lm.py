@@ -120,8 +120,8 @@ def _nb_attn_softmax(s, maskf, scale, nkv, past, window):
                 lo = max(0, qi - window + 1) if window > 0 else 0
                 m = F32(-3.0e38)
                 for j in range(lo, hi):
-                    if maskf[b, j] > 0:
-                        m = max(m, s[gi, hq, i, j])
+                    v = s[gi, hq, i, j] if maskf[b, j] > 0 else F32(-3.0e38)
+                    m = max(m, v)
                 tot = F32(0.0)
                 for j in range(lo, hi):
                     e = _fexp((s[gi, hq, i, j] - m) * scale) * maskf[b, j]
@@ -152,15 +152,21 @@ def _act(x, kind):
 def _nb_gated(gu, bg, bu, kind, out):
     n, i2 = gu.shape
     m = i2 // 2
-    hb = bg.shape[0] > 0
-    for r in range(n):
-        for j in range(m):
-            g = gu[r, j]
-            u = gu[r, m + j]
-            if hb:
-                g += bg[j]
-                u += bu[j]
-            out[r, j] = _act(g, kind) * u
+    if bg.shape[0] > 0:                  # biases: add them in place first (rare: mlp_bias)
+        for r in range(n):
+            for j in range(m):
+                gu[r, j] += bg[j]
+                gu[r, m + j] += bu[j]
+    for r in range(n):                   # one branch-free loop per kind, so LLVM vectorizes
+        if kind == 0:                    # exp in its own loop: both loops vectorize
+            o = out[r]
+            for j in range(m):
+                o[j] = _fexp(-gu[r, j])
+            for j in range(m):
+                o[j] = gu[r, j] / (F32(1.0) + o[j]) * gu[r, m + j]
+        else:
+            for j in range(m):
+                out[r, j] = _act(gu[r, j], kind) * gu[r, m + j]
 
 
 # --------------------------------------------------------------------------- dispatch
