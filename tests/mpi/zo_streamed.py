@@ -89,8 +89,10 @@ def main() -> None:
             if not (restore == "fused" and eng.n_groups > 1):
                 check_identical(comm, theta, what)
             if offload:
-                n = len(eng.stage_groups(eng.store.task))
-                per_step = 1 + 2 * (n - 1) if eng.store.task.tied_head else n  # tied: blocks twice
+                groups = eng.stage_groups(eng.store.task)
+                n = len(groups)
+                tied = eng.store.task.tied_head and groups[0]   # tied: blocks go up twice
+                per_step = 1 + 2 * (n - 1) if tied else n
                 assert eng.store.uploads == STEPS * per_step, (eng.store.uploads, per_step)
             if comm.Get_rank() == 0:
                 print(f"ok: streamed {what}", flush=True)
