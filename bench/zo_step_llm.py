@@ -1,7 +1,8 @@
 """The ZO step on SmolLM2-135M-Instruct (``bench/zo_step.py --model smollm2``), LoRA and full
 (issue 15's SmolLM2 figures; issue 14's LoRA figures).
 
-    .venv/bin/python bench/zo_step.py --model smollm2 [--threads 2] [--batch 4] [--length 32]
+    .venv/bin/python bench/zo_step.py --model smollm2 [--threads 2] [--batch 16] [--length 64]
+                                      [--reps 3] [--sets lora,all]
 
 Loss: the next-token loss of a batch of the first ``--batch`` fortunes (SmolLM2's tokenizer,
 padded to ``--length``; padding excluded). Trainable sets: LoRA rank 8 on q_proj and v_proj of
@@ -11,7 +12,8 @@ by stage, tied head) with Gaussian z; the three-pass step is timed too. Printed,
 sets:
 
 1. semzo step time / (2 x semzo forward time) on that batch (issue 15's goal: <= 1.10 for the
-   full model), streamed and three-pass;
+   full model), streamed and three-pass; forward, streamed step and three-pass step run
+   interleaved, ``--reps`` rounds after a warm-up round, best of each;
 2. semzo step vs a MeZO-style torch step (MeZO's trainer order, out of place like MeZO's
    trainer: perturb +eps with ``torch.normal`` per tensor, loss, -2 eps, loss, +eps restore,
    update with z regenerated from the seed), same model (transformers' LlamaForCausalLM from
@@ -128,17 +130,29 @@ def torch_loss_fn(torch, model, ids, mask):
 
 
 def llm_timings(args, which: str) -> dict:
-    from zo_step import best
-
     ids, mask = llm_batch(args.batch, args.length)
     m, eng = semzo_llm(which, args.threads)
 
-    fwd = best(lambda: m.next_token_loss(ids, mask), args.reps)
     zo, task, b = llm_step_fn(m, eng, ids, mask)
-    step = best(zo, args.reps)
+
+    def streamed():
+        eng.schedule = "streamed"
+        zo()
+
+    def three_pass():
+        eng.flush()                       # outside the timing: the streamed step's update
+        eng.schedule = "three-pass"
+        return zo
+    # interleaved (forward, streamed step, three-pass step) x reps, best of each: a machine
+    # whose load drifts during the run biases the three figures alike
+    fwd = step = step3 = float("inf")
+    for r in range(args.reps + 1):        # round 0: warm-up
+        tf = best_once(lambda: m.next_token_loss(ids, mask))
+        ts = best_once(streamed)
+        t3 = best_once(three_pass())
+        if r:
+            fwd, step, step3 = min(fwd, tf), min(step, ts), min(step3, t3)
     eng.flush()
-    eng.schedule = "three-pass"
-    step3 = best(zo, args.reps)
     st = task.stage_begin(b)
     for k in range(task.stage_count()):
         st = task.stage_run(k, st)
@@ -146,6 +160,15 @@ def llm_timings(args, which: str) -> dict:
     t = _child(args, "--llm-torch", which)
     return {"semzo_forward_s": fwd, "semzo_step_s": step, "semzo_step_3pass_s": step3,
             "trainable": n, "branch_state_bytes": st.nbytes_live(), **t}
+
+
+def best_once(f) -> float:
+    """Seconds of one call of ``f``."""
+    import time
+
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
 
 
 def llm_torch_times(args, which: str) -> None:
@@ -214,8 +237,12 @@ def llm_main(args) -> None:
         llm_mem_child(args, args.llm_mem)
         return
     mib = 2.0 ** 20
+    bad = set(args.sets.split(",")) - {"lora", "all"}
+    if bad:
+        raise SystemExit(f"--sets: unknown trainable set(s) {', '.join(sorted(bad))} "
+                         f"(lora, all)")
     branch = {}
-    for which in ("lora", "all"):
+    for which in args.sets.split(","):
         t = llm_timings(args, which)
         branch[which] = t["branch_state_bytes"]
         fw, step, s3 = t["semzo_forward_s"], t["semzo_step_s"], t["semzo_step_3pass_s"]
@@ -230,7 +257,7 @@ def llm_main(args) -> None:
               f"three-pass = {step / s3:.3f}")
         print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
               f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
-    for which in ("lora", "all"):
+    for which in args.sets.split(","):
         f = _child(args, "--llm-mem", f"fwd-{which}")
         s = _child(args, "--llm-mem", f"step-{which}")
         pb, fa, sa = s["param_bytes"], f["traced_peak_bytes"], s["traced_peak_bytes"]
@@ -247,5 +274,7 @@ def llm_main(args) -> None:
 def add_args(ap) -> None:
     ap.add_argument("--model", default="minilm", choices=("minilm", "smollm2"),
                     help="smollm2: the SmolLM2 benchmark (bench/zo_step_llm.py)")
+    ap.add_argument("--sets", default="lora,all",
+                    help="smollm2: trainable sets to measure (comma-separated: lora, all)")
     ap.add_argument("--llm-torch", default=None, help=__import__("argparse").SUPPRESS)
     ap.add_argument("--llm-mem", default=None, help=__import__("argparse").SUPPRESS)
