@@ -26,10 +26,11 @@ export TRANSFORMERS_OFFLINE := 1
 
 RUN = timeout -k 10 $(TIMEOUT) $(MPIEXEC) $(NPFLAG) $(NP) $(PY) -m semzo
 
-.PHONY: help setup setup-test demo experiment experiment-debian test test-mpi bench lint docs corpus clean
+.PHONY: help setup setup-test demo demo-llm experiment experiment-debian test test-mpi bench lint docs corpus clean
 
 help:
 	@echo "make demo    set up if needed, then run the default deck under $(MPIEXEC) -n $(NP)"
+	@echo "make demo-llm  SmolLM2 prompt classification fine-tuned by ZO (inputs/llm.toml)"
 	@echo "make test    set up if needed (test extras too), then the whole test suite"
 	@echo "make experiment  semantic vs shuffled vs random sharding x ZO modes x seeds: $(RESULTS)/"
 	@echo "make experiment-debian  the same on the Debian corpus: $(RESULTS)/debian/"
@@ -55,6 +56,10 @@ corpus: data/fortunes.jsonl data/debian.jsonl
 
 demo: setup data/fortunes.jsonl
 	$(RUN) run $(DECK)
+
+# MeZO-style prompt classification with SmolLM2 (converted by setup), zero-shot vs trained
+demo-llm: setup data/fortunes.jsonl
+	$(RUN) run inputs/llm.toml
 
 # the sharding experiment (docs/results/experiment.md): about 7 min on 2 cores
 experiment: setup data/fortunes.jsonl

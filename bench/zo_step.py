@@ -385,7 +385,12 @@ def main() -> None:
     ap.add_argument("--comm", action="store_true")
     ap.add_argument("--mem", default=None)
     ap.add_argument("--torch-times", action="store_true")
+    from zo_step_llm import add_args, llm_main  # --model smollm2: bench/zo_step_llm.py
+    add_args(ap)
     args = ap.parse_args()
+    if args.model == "smollm2":
+        llm_main(args)
+        return
     if args.torch_times:
         torch_times(args)
         return

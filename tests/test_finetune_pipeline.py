@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
@@ -124,3 +125,27 @@ def test_finetune_stage_head_only_uses_cached_features(run):
     assert len([r for r in rows if r["kind"] == "train"]) == 200
     with h5py.File(out / "model.h5") as f:
         assert set(json.loads(f.attrs["trainable"])) == {"classifier.weight", "classifier.bias"}
+
+
+def test_finetune_stage_lm_llama_streamed_offload(run):
+    """A tied-head CausalLM (tiny Llama) through the finetune stage with the streamed schedule
+    and the simulated host offload: runs, loss finite, the updated model is saved."""
+    tmp, shared, _ = run
+    out = tmp / "out_llama"                   # the placed shards of the module's run
+    out.mkdir()
+    shutil.copy(shared / "shards.h5", out / "shards.h5")
+    llama = make_model(tmp / "llama", kind="llama_tied")
+    check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
+                     "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
+                     "--set", f"corpus.path={tmp / 'corpus.jsonl'}",
+                     "--set", f"model.path={llama}", "--set", "train.task=lm",
+                     "--set", "train.params=all", "--set", "train.steps=4",
+                     "--set", "train.eval_every=0", "--set", "zo.schedule=streamed",
+                     "--set", "zo.offload=host", "--set", "zo.mode=hybrid",
+                     "--set", "zo.lr=1e-3", *COMMON], timeout=180, env=ENV))
+    rows = _metrics(out / "metrics.csv")
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert len(train_rows) == 4 and all(math.isfinite(float(r["loss"])) for r in train_rows)
+    with h5py.File(out / "model.h5") as f:
+        assert f.attrs["task"] == "lm"
+        assert "model.embed_tokens.weight" in json.loads(f.attrs["trainable"])

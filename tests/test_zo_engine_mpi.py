@@ -62,3 +62,17 @@ def test_zo_streamed_equals_three_pass_mpi(tiny, nranks):
             assert f"ok: streamed {what} offload={off}" in proc.stdout, (what, off)
     if nranks >= 2:
         assert "ok: streamed hybrid/copy offload=True" in proc.stdout
+
+
+@pytest.mark.parametrize("kind", ["llama_tied", "opt"])
+def test_zo_streamed_causal_lm_mpi(tmp_path, kind):
+    """The same at 2 ranks for CausalLM decoders with tied heads (next-token loss):
+    perturbation and hybrid modes, resident and simulated host offload."""
+    folder = make_model(tmp_path / kind, kind=kind)
+    proc = check(mpirun(2, [str(SCRIPTS / "zo_streamed.py"), str(folder), "perturbation,hybrid"],
+                        timeout=400, env=ENV))
+    assert "ok: zo streamed on 2 ranks" in proc.stdout
+    for what in ("perturbation/copy", "perturbation/fused", "hybrid/copy", "hybrid/fused"):
+        for off in ("False", "True"):
+            assert f"ok: streamed {what} offload={off}" in proc.stdout, (what, off)
+    assert "data/copy" not in proc.stdout

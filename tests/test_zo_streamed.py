@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
-from zo_common import SoloTopo, corpus, make_model
+from zo_common import CAUSAL, SoloTopo, corpus, make_model
 
 from semzo.finetune import kernels
 from semzo.finetune.data import Batcher, heldout_mask, pad_batch
@@ -41,7 +41,7 @@ EPS, LR, WD = 1e-3, 2e-2, 0.05
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("streamed")
-    return {"bert": make_model(tmp / "bert"), "gpt2": make_model(tmp / "gpt2", kind="gpt2")}
+    return {k: make_model(tmp / k, kind=k) for k in ("bert", "gpt2", *CAUSAL)}
 
 
 def _data(folder, n=64):
@@ -54,7 +54,7 @@ def _data(folder, n=64):
 
 
 def _setup(folders, kind, task_kind, params="all", **kw):
-    f = folders["gpt2" if task_kind == "lm" else kind]
+    f = folders["gpt2" if task_kind == "lm" and kind not in CAUSAL else kind]
     m = load_model(f)
     tok, seqs, labels, tr, he = _data(f)
     if task_kind == "lm":
@@ -134,11 +134,15 @@ def test_prefix_state_equals_hidden_from(folders):
 TASKS = [("bert", "classify", "all", {}), ("gpt2", "lm", "all", {}),
          ("bert", "features", "head+last", {"last_layers": 0}),
          ("bert", "prefix", "head+last", {"last_layers": 1}),
-         ("bert", "classify", "lora", {"lora_rank": 2})]
+         ("bert", "classify", "lora", {"lora_rank": 2}),
+         # CausalLM decoders (Llama with GQA, untied and tied heads; OPT, tied)
+         ("llama", "lm", "all", {}), ("llama_tied", "lm", "all", {}), ("opt", "lm", "all", {}),
+         ("llama_tied", "lm", "lora", {"lora_rank": 2})]
+_IDS = [f"{t[0]}-{t[1]}-{t[2]}" if t[0] in CAUSAL else f"{t[1]}-{t[2]}" for t in TASKS]
 
 
 @pytest.mark.parametrize("kind,task_kind,params,kw", TASKS,
-                         ids=[f"{t[1]}-{t[2]}" for t in TASKS])
+                         ids=_IDS)
 def test_loss_from_state_equals_loss(folders, kind, task_kind, params, kw):
     _, names, task = _setup(folders, kind, task_kind, params, **kw)
     batch = task.batch(np.arange(12))
@@ -169,7 +173,7 @@ def _run(folders, kind, task_kind, params, kw, schedule, *, offload=False, dist=
 
 
 @pytest.mark.parametrize("kind,task_kind,params,kw", TASKS,
-                         ids=[f"{t[1]}-{t[2]}" for t in TASKS])
+                         ids=_IDS)
 def test_streamed_equals_three_pass(folders, kind, task_kind, params, kw):
     ref, pref, _ = _run(folders, kind, task_kind, params, kw, "three-pass")
     got, pgot, eng = _run(folders, kind, task_kind, params, kw, "streamed")
@@ -192,18 +196,24 @@ def test_streamed_equals_three_pass_gaussian_fast(folders):
     assert got.tobytes() != gau.tobytes()            # a different stream than "gaussian"
 
 
-@pytest.mark.parametrize("kind,task_kind", [("bert", "classify"), ("gpt2", "lm")])
-def test_simulated_offload_bit_identical(folders, kind, task_kind):
-    ref, pref, _ = _run(folders, kind, task_kind, "all", {}, "streamed", dist="rademacher")
-    got, pgot, eng = _run(folders, kind, task_kind, "all", {}, "streamed", offload=True,
+@pytest.mark.parametrize("kind,task_kind,params", [
+    ("bert", "classify", "all"), ("gpt2", "lm", "all"), ("llama", "lm", "all"),
+    ("llama_tied", "lm", "all"), ("llama_tied", "lm", "lora")])
+def test_simulated_offload_bit_identical(folders, kind, task_kind, params):
+    kw = {"lora_rank": 2} if params == "lora" else {}
+    ref, pref, _ = _run(folders, kind, task_kind, params, kw, "streamed", dist="rademacher")
+    got, pgot, eng = _run(folders, kind, task_kind, params, kw, "streamed", offload=True,
                           dist="rademacher")
     assert got.tobytes() == ref.tobytes()
     for n in pref:
         assert pgot[n].tobytes() == pref[n].tobytes(), n
     st = eng.store
     n = st.n
-    # untied: one upload per stage and step; tied (gpt2): blocks go up twice (+ then -)
-    want = 4 * n if kind == "bert" else 4 * (1 + 2 * (n - 1))
+    # untied: one upload per stage and step; tied (gpt2): blocks go up twice (+ then -);
+    # a tied head whose embedding matrix does not train (LoRA) takes the untied path
+    tied = st.task.tied_head and params == "all"
+    want = 4 * (1 + 2 * (n - 1)) if tied else 4 * n
+    assert st.task.tied_head == (kind in ("gpt2", "llama_tied"))
     assert st.uploads == want, (st.uploads, want)
     assert not st.on_device
     # the model points at the host arrays again, the device slots are separate memory

@@ -1,5 +1,5 @@
 """Command line: ``python -m semzo {run,experiment,check,topology,corpus,inspect,export,
-convert,deck-doc} ...``.
+convert,generate,deck-doc} ...``.
 
 Every command is SPMD-safe: launched under ``mpirun -n N`` each rank runs it, rank 0 prints,
 and an error on any rank ends every rank (see :func:`semzo.runtime.run_spmd`).
@@ -64,6 +64,16 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32",
                    help="weight dtype in model.safetensors (default float32)")
     v.add_argument("--force", action="store_true", help="replace an existing outdir")
+    g = sub.add_parser("generate", help="generate text with a decoder: a Hugging Face folder, "
+                       "a named model (smollm2), a GGUF file or a semzo checkpoint")
+    g.add_argument("model", metavar="MODEL_OR_CHECKPOINT")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--chat", action="store_true",
+                   help="render the prompt as a user message with the model's chat template")
     sub.add_parser("deck-doc", help="print the deck reference (docs/deck.md)")
     return p
 
@@ -83,6 +93,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _corpus(args)
     if args.cmd == "convert":
         return _convert(args)
+    if args.cmd == "generate":
+        from .generate import run_generate
+
+        print(run_generate(args))
+        return 0
     if args.cmd in ("inspect", "export"):
         return _checkpoint_tool(args)
 

@@ -83,6 +83,8 @@ class CorpusSection:
                     kind="file")
     max_records: int = key(0, "Use an evenly spaced subset of this many records (0 = all): "
                            "for quick trials.", min=0)
+    labels: tuple = key([], "Keep only the records whose label is one of these (empty = all); "
+                        "applied before `max_records`.")
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,10 @@ class EmbedSection:
 
     batch_size: int = key(64, "Texts per forward pass (batches are bucketed by length).",
                           min=1, max=65536)
+    model: str = key("", "Encoder folder that embeds the corpus for the sharding stages "
+                     "(embed, cluster, place); empty = `model.path` when that is an encoder, "
+                     "else all-MiniLM-L6-v2 (so a deck that fine-tunes a decoder still shards "
+                     "with MiniLM).", kind="dir_or_empty")
 
 
 @dataclass(frozen=True)
@@ -187,8 +193,11 @@ class TrainSection:
     """[train]: the fine-tuning task, data, schedule, evaluation and outputs."""
 
     task: str = key("auto", "`classify` (encoder + classification head on the shard labels), "
-                    "`lm` (next-token loss of a decoder on the shard texts), `auto` (by model).",
-                    choices=("auto", "classify", "lm"))
+                    "`lm` (next-token loss of a decoder on the shard texts, padding excluded), "
+                    "`prompt` (a decoder scores one label word per class after a template "
+                    "around each text, MeZO's prompt-based classification: see [prompt]), "
+                    "`auto` (by model: classify for encoders, lm for decoders).",
+                    choices=("auto", "classify", "lm", "prompt"))
     params: str = key("head+last", "Trainable tensors: `all`, `head+last` (the classification "
                       "head plus the last `last_layers` blocks; 0 = head only), `lora` "
                       "(adapters of rank `lora_rank` on the attention projections, plus the "
@@ -197,6 +206,15 @@ class TrainSection:
     lora_rank: int = key(8, "LoRA rank r.", min=1, max=4096)
     lora_alpha: float = key(16.0, "LoRA scale numerator: the delta is (alpha / r) B A.",
                             min=0.0, min_excl=True)
+    lora_layers: int = key(0, "`lora`: adapters only in the last this many blocks (0 = every "
+                           "block); with a decoder and the `prompt` task the frozen blocks "
+                           "below are then computed once per text (see prefix_cache_mb).",
+                           min=0)
+    lora_targets: tuple = key([], "Projections that get LoRA adapters, matched as suffixes of "
+                              "module names (`q_proj`, `v_proj`, `query`, `c_attn`, ...); "
+                              "empty = the model's default: q and v for Llama/Qwen2/Mistral/"
+                              "OPT decoders (MeZO's choice), `c_attn` for GPT-2, every "
+                              "attention projection for encoders.")
     steps: int = key(200, "ZO steps (each: two forward passes per rank).", min=0)
     max_epochs: float = key(0.0, "Stop sooner than `steps` after this many passes over the "
                             "training data (steps of the global batch, ranks x batch_size); "
@@ -227,12 +245,29 @@ class TrainSection:
                          choices=("class_means", "random"))
     head_scale: float = key(20.0, "Logit scale of the class-means head.", min=0.0,
                             min_excl=True)
-    prefix_cache_mb: float = key(4096.0, "`head+last` with an encoder: keep the hidden states "
+    prefix_cache_mb: float = key(4096.0, "`head+last` (an encoder, or a decoder with the "
+                                 "`prompt` task): keep the hidden states "
                                  "entering the first trained block of every local text (at "
                                  "most this many MiB per rank) so each step runs only the "
                                  "trained blocks; 0 = always run the whole model.", min=0.0)
     save: str = key("trainable", "Write model.h5 at the end with the `trainable` tensors, "
                     "`all` tensors, or `none`.", choices=("trainable", "all", "none"))
+
+
+@dataclass(frozen=True)
+class PromptSection:
+    """[prompt]: the `prompt` task (train.task = "prompt"): a template and one label word per
+    class."""
+
+    template: str = key("{text} It was", "Prompt around each text; `{text}` marks where the "
+                        "text goes (required). The model scores the label words as the next "
+                        "token after the prompt.")
+    label_words: tuple = key([], "One word per class, in the order of the sorted label names "
+                             "(`semzo check` does not know them: the finetune log lists them); "
+                             "each must be ONE token of the model's tokenizer, written with "
+                             "the leading space the template implies (\" good\"). Empty = "
+                             "the label names themselves (with a leading space unless the "
+                             "template ends in whitespace).")
 
 
 @dataclass(frozen=True)
@@ -306,7 +341,7 @@ SECTIONS: dict[str, type] = {
     "run": RunSection, "topology": TopologySection, "corpus": CorpusSection,
     "model": ModelSection, "embed": EmbedSection, "cluster": ClusterSection,
     "place": PlaceSection, "zo": ZoSection, "train": TrainSection,
-    "checkpoint": CheckpointSection, "experiment": ExperimentSection,
+    "prompt": PromptSection, "checkpoint": CheckpointSection, "experiment": ExperimentSection,
 }
 
 
@@ -325,6 +360,7 @@ class Deck:
     zo: ZoSection
     train: TrainSection
     checkpoint: CheckpointSection
+    prompt: PromptSection = field(default_factory=PromptSection)
     experiment: ExperimentSection = field(default_factory=ExperimentSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -373,6 +409,8 @@ def _check_value(src: str, path: str, f: dataclasses.Field, value: Any) -> Any:
           "tuple": isinstance(value, list) and all(isinstance(x, str) for x in value)}[want]
     if not ok:
         raise bad(f"expected {_type_name(want)}, got {type(value).__name__} {value!r}")
+    if want == "tuple":
+        value = tuple(value)
     if want == "float" and math.isnan(value):
         raise bad("must be a number, got nan")
     lo, hi = meta["min"], meta["max"]
@@ -463,17 +501,26 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
         if not Path(d.corpus.path).is_file():
             raise DeckError(f"{d.source}: corpus.path: file not found: {d.corpus.path}")
         if d.model.path:
-            _check_model_path(d)
+            _check_model_path(d, d.model.path, "model.path")
+        if d.embed.model:
+            _check_model_path(d, d.embed.model, "embed.model")
+    if "{text}" not in d.prompt.template:
+        raise DeckError(f"{d.source}: prompt.template: must contain {{text}} (where each text "
+                        f"goes), got {d.prompt.template!r}")
+    if len(set(d.prompt.label_words)) != len(d.prompt.label_words):
+        raise DeckError(f"{d.source}: prompt.label_words: a word is listed twice")
+    if len(set(d.corpus.labels)) != len(d.corpus.labels):
+        raise DeckError(f"{d.source}: corpus.labels: a label is listed twice")
 
 
-def _check_model_path(d: Deck) -> None:
+def _check_model_path(d: Deck, path: str, key: str) -> None:
     from .model.zoo import resolve_model_path
     try:
-        folder = resolve_model_path(d.model.path)
+        folder = resolve_model_path(path)
     except SemzoError as exc:
-        raise DeckError(f"{d.source}: {exc}") from None
+        raise DeckError(f"{d.source}: {key}: {exc}") from None
     if not (folder / "config.json").is_file():
-        raise DeckError(f"{d.source}: model.path: no config.json in folder {d.model.path}")
+        raise DeckError(f"{d.source}: {key}: no config.json in folder {path}")
 
 
 def check_world(d: Deck, size: int) -> None:

@@ -47,7 +47,8 @@ def _tokenizer_json(folder: Path, vocab: list[str]) -> None:
 
 def make_model(folder: Path, kind: str = "bert", layers: int = 2, hidden: int = 32,
                heads: int = 2, seed: int = 0) -> Path:
-    """A random BERT (``kind="bert"``) or GPT-2 (``"gpt2"``) folder the semzo loader reads."""
+    """A random BERT (``kind="bert"``), GPT-2 (``"gpt2"``) or CausalLM (``"llama"`` untied,
+    ``"llama_tied"``, ``"opt"``: see :func:`_causal`) folder the semzo loader reads."""
     from safetensors.numpy import save_file
 
     folder = Path(folder)
@@ -61,7 +62,9 @@ def make_model(folder: Path, kind: str = "bert", layers: int = 2, hidden: int = 
         return (r.normal(0.0, 0.2, size=shape)).astype(np.float32)
 
     t: dict[str, np.ndarray] = {}
-    if kind == "bert":
+    if kind in CAUSAL:
+        cfg, t = _causal(kind, v, layers, hidden, heads, w)
+    elif kind == "bert":
         cfg = {"model_type": "bert", "architectures": ["BertModel"], "vocab_size": v,
                "hidden_size": hidden, "num_hidden_layers": layers,
                "num_attention_heads": heads, "intermediate_size": inter,
@@ -114,6 +117,36 @@ def make_model(folder: Path, kind: str = "bert", layers: int = 2, hidden: int = 
     save_file(t, str(folder / "model.safetensors"))
     _tokenizer_json(folder, vocab)
     return folder
+
+
+CAUSAL = ("llama", "llama_tied", "opt")
+
+
+def _causal(kind: str, v: int, layers: int, hidden: int, heads: int, w):
+    """config.json and tensors of a tiny Llama (GQA: kv heads = heads / 2, untied or tied
+    head) or OPT (pre-LN, learned positions, tied) for the CausalLM loader."""
+    from semzo.model import families
+    from semzo.model.causal import expected_tensors
+
+    if kind == "opt":
+        cfg = {"model_type": "opt", "architectures": ["OPTForCausalLM"], "vocab_size": v,
+               "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+               "ffn_dim": 2 * hidden, "max_position_embeddings": 64,
+               "do_layer_norm_before": True, "pad_token_id": 0}
+    else:
+        cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": v,
+               "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": heads,
+               "num_key_value_heads": max(heads // 2, 1), "intermediate_size": 2 * hidden,
+               "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+               "tie_word_embeddings": kind == "llama_tied", "pad_token_id": 0}
+    spec = families.read_spec(families.find(cfg), cfg, Path("config.json"))
+    pre = "model."
+    t = {}
+    for name, shape, _ in expected_tensors(spec, pre):
+        t[name] = (1.0 + w(*shape)).astype(np.float32) if len(shape) == 1 and \
+            name.endswith(("norm.weight", "layernorm.weight", "layer_norm.weight")) \
+            else w(*shape)
+    return cfg, t
 
 
 class SoloComm:

@@ -2,7 +2,11 @@
 under MPI, in every mode and restore, with a skipped (NaN) step in the middle; replicas stay
 identical; the simulated host offload gives the same bits.
 
-usage: mpirun -n P python zo_streamed.py MODEL_FOLDER
+usage: mpirun -n P python zo_streamed.py MODEL_FOLDER [MODES]
+
+An encoder trains a classification head (ClassifyTask), a decoder (GPT-2 or CausalLM:
+Llama, OPT, tied heads included) the next-token loss (LMTask). MODES: comma-separated modes
+to run (default: all of data, perturbation, hybrid).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from zo_modes import check_identical
 
 from semzo.deck import TopologySection
 from semzo.finetune.engine import ZOEngine, ztensors
-from semzo.finetune.loop import ClassifyTask
+from semzo.finetune.loop import ClassifyTask, LMTask
 from semzo.finetune.offload import HostStore
 from semzo.model import Tokenizer, load_model
 from semzo.runtime import run_spmd
@@ -28,10 +32,12 @@ EPS, LR, WD, STEPS, B = 1e-3, 5e-2, 0.05, 3, 6
 
 def run(folder, topo, mode, restore, schedule, offload, seqs, labels, pad_id):
     m = load_model(folder)
-    m.add_classifier(3, normalize=True, std=0.5)
+    if m.kind != "decoder":
+        m.add_classifier(3, normalize=True, std=0.5)
     names = [n for n, _ in m.named_parameters()]
     rows = np.arange(len(seqs))
-    task = ClassifyTask(m, seqs, labels, rows, rows[:0], pad_id, 8)
+    cls = LMTask if m.kind == "decoder" else ClassifyTask
+    task = cls(m, seqs, labels, rows, rows[:0], pad_id, 8)
     eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), topo, mode=mode, eps=EPS,
                    weight_decay=WD, restore=restore, run_seed=5, schedule=schedule)
     if offload:
@@ -65,6 +71,9 @@ def main() -> None:
                ("perturbation", 1, 0, "fused")]
     if P >= 2:
         configs += [("hybrid", 2, 0, "copy"), ("hybrid", 2, 0, "fused")]
+    if len(sys.argv) > 2:
+        modes = set(sys.argv[2].split(","))
+        configs = [c for c in configs if c[0] in modes]
     for mode, rpn, nps, restore in configs:
         topo = build_topology(comm, TopologySection(ranks_per_node=rpn, nodes_per_switch=nps))
         ref, theta_ref, _ = run(folder, topo, mode, restore, "three-pass", False, seqs,
@@ -80,7 +89,11 @@ def main() -> None:
             if not (restore == "fused" and eng.n_groups > 1):
                 check_identical(comm, theta, what)
             if offload:
-                assert eng.store.uploads == STEPS * eng.stage_groups(eng.store.task).__len__()
+                groups = eng.stage_groups(eng.store.task)
+                n = len(groups)
+                tied = eng.store.task.tied_head and groups[0]   # tied: blocks go up twice
+                per_step = 1 + 2 * (n - 1) if tied else n
+                assert eng.store.uploads == STEPS * per_step, (eng.store.uploads, per_step)
             if comm.Get_rank() == 0:
                 print(f"ok: streamed {what}", flush=True)
     if comm.Get_rank() == 0:

@@ -56,6 +56,55 @@ def subset_mask(first: int, n_local: int, n_total: int, m: int) -> np.ndarray:
     return (i * m) // n_total != ((i - 1) * m) // n_total
 
 
+def embed_model_path(deck) -> tuple[str | None, str]:
+    """(folder of the encoder that embeds the corpus, the deck key that named it): ``embed.model``
+    if set, else ``model.path`` when that folder holds an encoder, else None (the packaged
+    all-MiniLM-L6-v2). A decoder in ``[model]`` therefore still shards with MiniLM."""
+    if deck.embed.model:
+        return deck.embed.model, "embed.model"
+    if deck.model.path:
+        from ..model.config import EncoderConfig, read_config
+        from ..model.zoo import resolve_model_path
+
+        try:
+            if isinstance(read_config(resolve_model_path(deck.model.path)), EncoderConfig):
+                return deck.model.path, "model.path"
+        except Exception:  # noqa: BLE001, S110 - an unsupported [model] is not the embedder
+            pass
+    return None, "embed.model"
+
+
+def filter_labels(deck, comm, texts, ids, labels_s):
+    """Keep the records whose label is in ``corpus.labels``. Returns ``(texts, ids, labels,
+    first, n_total)`` with ``first`` the global index of this rank's first kept record among
+    all kept records (so ``max_records`` subsets stay independent of the rank count).
+    Collective over comm (one exscan, one allreduce); a label never seen anywhere is an error
+    on every rank."""
+    from ..runtime import SemzoError
+
+    want = set(deck.corpus.labels)
+    if labels_s is None:
+        err = SemzoError(f"{deck.source}: corpus.labels: the corpus {deck.corpus.path} has no "
+                         f"labels")
+        err.all_ranks = True
+        raise err
+    keep = np.array([x in want for x in labels_s], bool)
+    seen = sorted(want & set(labels_s))
+    n_kept = int(keep.sum())
+    first = comm.exscan(n_kept) or 0
+    n_total = comm.allreduce(n_kept)
+    found = set().union(*comm.allgather(seen))
+    missing = sorted(want - found)
+    if missing:
+        err = SemzoError(f"{deck.source}: corpus.labels: no record of {deck.corpus.path} has "
+                         f"label {missing[0]!r}")
+        err.all_ranks = True
+        raise err
+    texts = [t for t, k in zip(texts, keep) if k]
+    labels_s = [x for x, k in zip(labels_s, keep) if k]
+    return texts, ids[keep], labels_s, int(first), int(n_total)
+
+
 def run_embed_stage(ctx) -> dict:
     """Collective. Reads the corpus slice, embeds it, writes embeddings.h5."""
     from ..model import Tokenizer, embed_texts, load_model, set_threads
@@ -64,21 +113,24 @@ def run_embed_stage(ctx) -> dict:
     comm = topo.world
     part = read_jsonl_slice(deck.corpus.path, comm)
     texts, ids, labels_s = part.texts, part.ids, part.labels
-    first = part.first_record
-    if deck.corpus.max_records and deck.corpus.max_records < part.n_total:
-        keep = subset_mask(first, len(texts), part.n_total, deck.corpus.max_records)
+    first, n_total = part.first_record, part.n_total
+    if deck.corpus.labels:
+        texts, ids, labels_s, first, n_total = filter_labels(
+            deck, comm, texts, ids, labels_s)
+    if deck.corpus.max_records and deck.corpus.max_records < n_total:
+        keep = subset_mask(first, len(texts), n_total, deck.corpus.max_records)
         texts = [t for t, k in zip(texts, keep) if k]
         ids = ids[keep]
         labels_s = [x for x, k in zip(labels_s, keep) if k] if labels_s is not None else None
     vocab = label_vocab(labels_s, comm)
     labels = (label_codes(labels_s, vocab) if labels_s is not None
               else np.full(len(texts), -1, np.int64))
-    model_path = deck.model.path or None
+    model_path, key = embed_model_path(deck)
     model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype)
     if model.kind != "encoder":
         from ..runtime import SemzoError
 
-        err = SemzoError(f"{deck.source}: model.path: the embed stage needs an encoder, "
+        err = SemzoError(f"{deck.source}: {key}: the embed stage needs an encoder, "
                          f"got a {model.kind}")
         err.all_ranks = True
         raise err

@@ -17,6 +17,7 @@ import json
 import math
 import re
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -38,7 +39,7 @@ from .report import Metrics
 
 log = get_logger(__name__)
 
-_BLOCK = re.compile(r"(?:^|\.)(?:layer|h)\.(\d+)\.")
+_BLOCK = re.compile(r"(?:^|\.)(?:layers?|h)\.(\d+)\.")
 
 
 def _deck_error(msg: str) -> SemzoError:
@@ -47,24 +48,60 @@ def _deck_error(msg: str) -> SemzoError:
     return err
 
 
+def default_lora_targets(model) -> tuple[str, ...] | None:
+    """MeZO's choice on decoders: q and v (``q_proj``/``v_proj``; GPT-2's fused ``c_attn``);
+    None (every attention projection) for encoders."""
+    if model.kind != "decoder":
+        return None
+    mods = model.lora_modules()
+    if any(m.endswith("q_proj") for m in mods):
+        return ("q_proj", "v_proj")
+    return ("c_attn",) if any(m.endswith("c_attn") for m in mods) else None
+
+
+def _final_norm_names(model) -> set[str]:
+    """A decoder's final norm (+ OPT's project_out): the last stage's tensors but the LM head
+    and the classifier; GPT-2 without the stage API: ``ln_f``."""
+    if hasattr(model, "stage_names") and hasattr(model, "n_stages"):
+        return {n for n in model.stage_names(model.n_stages - 1)
+                if n != "lm_head.weight" and not n.startswith("classifier.") and
+                n not in model.frozen}
+    return {n for n in model.params if re.search(r"(?:^|\.)ln_f\.", n)}
+
+
 def select_trainable(model, params: str, last_layers: int = 1, lora_rank: int = 8,
-                     lora_alpha: float = 16.0, seed: int = 0) -> list[str]:
+                     lora_alpha: float = 16.0, seed: int = 0, targets: tuple = (),
+                     src: str = "<deck>", lora_layers: int = 0) -> list[str]:
     """Freeze everything but the chosen subset; return the trainable names (model order).
 
     ``all``: every tensor the forward pass uses (and the head); ``head+last``: the head
     (``classifier.*``) plus blocks ``L - last_layers .. L - 1`` (and a decoder's final norm);
-    ``lora``: LoRA adapters of rank ``lora_rank`` on the attention projections plus the head.
+    ``lora``: LoRA adapters of rank ``lora_rank`` on the projections named by ``targets``
+    (suffixes; empty = :func:`default_lora_targets`) in the last ``lora_layers`` blocks (0 =
+    all) plus the head.
     """
     if params == "lora":
-        model.add_lora(rank=lora_rank, alpha=lora_alpha, seed=seed)
+        tg = tuple(targets) or default_lora_targets(model)
+        if lora_layers > 0:
+            first = model.config.num_layers - min(lora_layers, model.config.num_layers)
+            tg = tuple(m for m in model.lora_modules()
+                       if (tg is None or m.endswith(tg)) and
+                       (b := _BLOCK.search(m + ".")) and int(b.group(1)) >= first)
+        try:
+            model.add_lora(rank=lora_rank, alpha=lora_alpha, seed=seed, targets=tg)
+        except ValueError:
+            have = sorted({m.rsplit(".", 1)[-1] for m in model.lora_modules()})
+            raise _deck_error(f"{src}: train.lora_targets: no projection of this model ends "
+                              f"with {', '.join(tg or ())} (its projections end with "
+                              f"{', '.join(have)})") from None
     elif params == "head+last":
         n_layers = model.config.num_layers
         first = n_layers - min(last_layers, n_layers)
-        keep = set()
+        keep = _final_norm_names(model) if last_layers > 0 else set()
         for name in model.params:
             m = _BLOCK.search(name)
-            if name.startswith("classifier.") or (m and int(m.group(1)) >= first) or \
-                    (last_layers > 0 and re.search(r"(?:^|\.)ln_f\.", name)):
+            if name.startswith("classifier.") or (m and int(m.group(1)) >= first and
+                                                 name not in model.frozen):
                 keep.add(name)
         model.frozen |= set(model.params) - keep
     elif params != "all":
@@ -120,10 +157,12 @@ def head_features(ctx, model, rows, max_len: int, batch_size: int) -> tuple[np.n
     encoder: the embeddings of shards.h5 when they were made by the same model at the same
     max_length (the embed stage computes exactly this), else one forward pass per row."""
     from ..deck import from_toml_text
+    from ..embed.stage import embed_model_path
     from ..model import Tokenizer, embed_texts
 
     src = from_toml_text(rows.deck_toml)
-    same = (src.model.path == ctx.deck.model.path and src.model.max_length == max_len and
+    same = ((embed_model_path(src)[0] or "") == (ctx.deck.model.path or "") and
+            src.model.max_length == max_len and
             src.model.dtype == ctx.deck.model.dtype and
             rows.embeddings.shape[1] == model.config.hidden_size)
     if same:
@@ -149,26 +188,28 @@ def run_finetune_stage(ctx) -> dict:
     model_path = deck.model.path or None
     model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype)
     task_kind = t.task if t.task != "auto" else ("lm" if model.kind == "decoder" else "classify")
-    if task_kind == "lm" and model.kind != "decoder":
-        raise _deck_error(f"{deck.source}: train.task: next-token fine-tuning needs a decoder "
-                          f"(GPT-2 family) in model.path, got an {model.kind}")
+    if task_kind in ("lm", "prompt") and model.kind != "decoder":
+        raise _deck_error(f"{deck.source}: train.task: {task_kind} fine-tuning needs a decoder "
+                          f"in model.path, got an {model.kind}")
     use_emb = task_kind == "classify" and t.head_init == "class_means"
     rows = read_shard(shards, comm, with_embeddings=task_kind == "classify")
     split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
     held = heldout_mask(rows.ids, split_seed, t.heldout_fraction)
     n_classes = len(rows.label_names)
-    if task_kind == "classify":
+    if task_kind in ("classify", "prompt"):
         unlabeled = np.array([int((rows.labels < 0).sum())], np.int64)
         topo.allreduce(unlabeled)
         if unlabeled[0] or n_classes < 2:
-            raise _deck_error(f"{deck.corpus.path}: train.task = classify needs a label on "
+            raise _deck_error(f"{deck.corpus.path}: train.task = {task_kind} needs a label on "
                               f"every record and at least 2 classes ({int(unlabeled[0])} "
                               f"unlabeled, {n_classes} classes); use a labelled corpus or "
                               f"task = \"lm\" with a decoder")
+    if task_kind == "classify":
         model.add_classifier(n_classes, init="zeros" if use_emb else "normal",
                              seed=deck.run.seed, normalize=True)
     names = select_trainable(model, t.params, t.last_layers, t.lora_rank, t.lora_alpha,
-                             deck.run.seed)
+                             deck.run.seed, targets=t.lora_targets, src=deck.source,
+                             lora_layers=t.lora_layers)
     if task_kind == "classify" and use_emb:
         train_rows = ~held
         init_head_class_means(model, rows.embeddings[train_rows], rows.labels[train_rows],
@@ -176,7 +217,11 @@ def run_finetune_stage(ctx) -> dict:
     max_len = t.max_length or deck.model.max_length
     train_idx, held_idx = np.flatnonzero(~held), np.flatnonzero(held)
     head_only = task_kind == "classify" and all(n.startswith("classifier.") for n in names)
-    if head_only:
+    if task_kind == "prompt":
+        from .prompt import build_prompt_task
+
+        task = build_prompt_task(ctx, model, names, rows, train_idx, held_idx, max_len)
+    elif head_only:
         feats, how = head_features(ctx, model, rows, max_len, t.eval_batch_size)
         log.info("finetune: only the head trains: the frozen encoder's pooled features are "
                  "computed once (%s) and every ZO step evaluates the head on them", how)
@@ -243,7 +288,8 @@ def run_finetune_stage(ctx) -> dict:
     before = evaluate(task, topo)
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": before[0],
                  "heldout_acc": before[1], "heldout_n": before[2]})
-    log.info("held-out before fine-tuning: loss %.4f, accuracy %.4f (%d samples)", *before)
+    log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d samples)",
+             " (ZERO-SHOT, the prompt alone)" if task_kind == "prompt" else "", *before)
     batcher = Batcher(train_idx.size, t.batch_size, deck.run.seed, topo.rank)
 
     def add_comm(s: float) -> None:
@@ -264,7 +310,7 @@ def run_finetune_stage(ctx) -> dict:
     metrics.plot(f"({task_kind}, {z.mode}, {topo.size} ranks)")
     if t.save != "none":
         save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after)
-    what = "accuracy" if task_kind == "classify" else "next-token accuracy"
+    what = "next-token accuracy" if task_kind == "lm" else "accuracy"
     ran = state.step - first_step
     log.info("finetune: %d steps in %.1f s (%.2f steps/s), %d skipped", ran, secs,
              ran / max(secs, 1e-9), state.skips)
@@ -290,6 +336,12 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
 
     deck, topo = ctx.deck, ctx.topo
     meta: dict = {"task": task_kind, "trainable": names}
+    if model.source is not None:               # what `semzo generate CKPT` checks
+        from ..generate import folder_checksum
+
+        digest = folder_checksum(model.source) if topo.rank == 0 else None
+        meta["model_folder"] = str(Path(model.source).resolve())
+        meta["model_checksum"] = topo.world.bcast(digest, root=0)
     if model.head:
         meta["head"] = {"n_classes": n_classes, "normalize": bool(model.head.normalize),
                         "label_names": [str(x) for x in label_names]}

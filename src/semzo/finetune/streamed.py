@@ -23,7 +23,9 @@ every rank count (tests/test_zo_streamed.py, tests/mpi/zo_streamed.py).
 Tied LM heads (``task.tied_head``): the loss reads stage 0's embedding matrix, so stage 0 keeps
 its +eps state until L+ is read: the + branch runs through every stage first (pass 2 of stages
 1.. right after it), then stage 0's pass 2, then the - branch through every stage (all at
--eps). Still two passes per stage; one live branch state instead of two.
+-eps). Still two passes per stage; one live branch state instead of two. When stage 0 has no
+trainable tensor (LoRA, ``head+last``) the embedding matrix is never perturbed and the two
+branches run in lockstep as for an untied head.
 
 Offload (``zo.offload = "host"``, :mod:`.offload`): the store uploads stage k before pass 1,
 prefetches stage k+1, and writes stage k back after the - branch; the passes run on the
@@ -91,7 +93,9 @@ def run_branches(engine, task, batch, seed: int) -> tuple[float, float]:
     store = engine.store
     n = len(groups)
     lp = lm = math.nan
-    tied = bool(task.tied_head)
+    # a tied head matters only when stage 0 trains: a frozen embedding matrix never carries
+    # a perturbation, so LoRA on a tied model runs both branches in lockstep
+    tied = bool(task.tied_head) and bool(groups[0])
     sp = task.stage_begin(batch)
     sm = None if tied else task.stage_fork(sp)
     for k in range(n):

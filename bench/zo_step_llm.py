@@ -1,0 +1,280 @@
+"""The ZO step on SmolLM2-135M-Instruct (``bench/zo_step.py --model smollm2``), LoRA and full
+(issue 15's SmolLM2 figures; issue 14's LoRA figures).
+
+    .venv/bin/python bench/zo_step.py --model smollm2 [--threads 2] [--batch 16] [--length 64]
+                                      [--reps 3] [--sets lora,all]
+
+Loss: the next-token loss of a batch of the first ``--batch`` fortunes (SmolLM2's tokenizer,
+padded to ``--length``; padding excluded). Trainable sets: LoRA rank 8 on q_proj and v_proj of
+every block (MeZO's choice, 460,800 parameters) and every parameter (134.5M). The semzo step is
+the default block-streamed schedule (``zo.schedule = "streamed"``: the next-token task run stage
+by stage, tied head) with Gaussian z; the three-pass step is timed too. Printed, each for both
+sets:
+
+1. semzo step time / (2 x semzo forward time) on that batch (issue 15's goal: <= 1.10 for the
+   full model), streamed and three-pass; forward, streamed step and three-pass step run
+   interleaved, ``--reps`` rounds after a warm-up round, best of each;
+2. semzo step vs a MeZO-style torch step (MeZO's trainer order, out of place like MeZO's
+   trainer: perturb +eps with ``torch.normal`` per tensor, loss, -2 eps, loss, +eps restore,
+   update with z regenerated from the seed), same model (transformers' LlamaForCausalLM from
+   the same folder; LoRA by a small wrapper, B @ A added to q/v as PEFT does), same batch and
+   threads;
+3. memory, each in a fresh process: the transient peak above the parameters (tracemalloc:
+   numpy's allocations) of a forward and of a streamed ZO step, (parameters + step peak) /
+   (parameters + forward peak) (issue 15's goal: <= 1.15), what the lockstep's second branch
+   state adds, and the RSS footprints (peak RSS during the operation minus the RSS before the
+   model is loaded).
+
+torch runs in processes of its own (its and numba's thread pools slow each other down).
+Timings on a shared machine are noisy: say so when reporting.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EPS, LR = 1e-3, 1e-7
+RANK, ALPHA = 8, 16.0
+
+
+def llm_batch(n: int, length: int):
+    from semzo.model import Tokenizer
+
+    with open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8") as f:
+        texts = [json.loads(line)["text"] for line, _ in zip(f, range(n))]
+    tok = Tokenizer.from_folder("smollm2", max_length=length)
+    return tok.pad(tok.encode_batch(texts), length)
+
+
+def semzo_llm(which: str, threads: int, schedule: str = "streamed"):
+    from zo_step import Solo
+
+    from semzo.backend import set_threads
+    from semzo.finetune.engine import ZOEngine, ztensors
+    from semzo.finetune.stage import select_trainable
+    from semzo.model import load_model
+
+    set_threads(threads)
+    m = load_model("smollm2")
+    names = select_trainable(m, "lora" if which == "lora" else "all", lora_rank=RANK,
+                             lora_alpha=ALPHA)
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), Solo(), eps=EPS,
+                   threads=threads, dist="gaussian", schedule=schedule)
+    return m, eng
+
+
+def llm_step_fn(m, eng, ids, mask):
+    """One ZO step of ``eng``'s schedule per call (fresh step index): the next-token task
+    (stage interface for the streamed step) on the fixed batch. Also returns the task and
+    batch."""
+    import numpy as np
+
+    from semzo.finetune.loop import LMTask
+
+    none = np.zeros(0, np.int64)
+    task = LMTask(m, [], none, none, none, 0, 16)
+    b = (ids, mask, None, len(ids))
+    n = task.batch_weight(b)
+    k = [0]
+
+    def zo():
+        k[0] += 1
+        if eng.schedule == "streamed":
+            eng.step_streamed(task, b, k[0], LR, n)
+        else:
+            eng.step(lambda: task.loss(b), k[0], LR, n)
+    return zo, task, b
+
+
+def torch_llm(which: str, threads: int):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from semzo.model.zoo import resolve_model_path
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path("smollm2")),
+                                                 dtype=torch.float32).eval()
+    if which != "lora":
+        return torch, model, [(n, p) for n, p in model.named_parameters()]
+
+    class LoraLinear(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+            self.lora_A = torch.nn.Parameter(torch.empty(RANK, base.in_features).uniform_(
+                -base.in_features ** -0.5, base.in_features ** -0.5))
+            self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, RANK))
+
+        def forward(self, x):
+            return self.base(x) + (x @ self.lora_A.T) @ self.lora_B.T * (ALPHA / RANK)
+
+    params = []
+    for i, layer in enumerate(model.model.layers):
+        for p in ("q_proj", "v_proj"):
+            w = LoraLinear(getattr(layer.self_attn, p))
+            setattr(layer.self_attn, p, w)
+            params += [(f"{i}.{p}.lora_A", w.lora_A), (f"{i}.{p}.lora_B", w.lora_B)]
+    return torch, model, params
+
+
+def torch_loss_fn(torch, model, ids, mask):
+    tids, tmask = torch.from_numpy(ids), torch.from_numpy(mask)
+    labels = tids.masked_fill(tmask == 0, -100)
+    return lambda: model(input_ids=tids, attention_mask=tmask, labels=labels).loss
+
+
+def llm_timings(args, which: str) -> dict:
+    ids, mask = llm_batch(args.batch, args.length)
+    m, eng = semzo_llm(which, args.threads)
+
+    zo, task, b = llm_step_fn(m, eng, ids, mask)
+
+    def streamed():
+        eng.schedule = "streamed"
+        zo()
+
+    def three_pass():
+        eng.flush()                       # outside the timing: the streamed step's update
+        eng.schedule = "three-pass"
+        return zo
+    # interleaved (forward, streamed step, three-pass step) x reps, best of each: a machine
+    # whose load drifts during the run biases the three figures alike
+    fwd = step = step3 = float("inf")
+    for r in range(args.reps + 1):        # round 0: warm-up
+        tf = best_once(lambda: m.next_token_loss(ids, mask))
+        ts = best_once(streamed)
+        t3 = best_once(three_pass())
+        if r:
+            fwd, step, step3 = min(fwd, tf), min(step, ts), min(step3, t3)
+    eng.flush()
+    st = task.stage_begin(b)
+    for k in range(task.stage_count()):
+        st = task.stage_run(k, st)
+    n = eng.n_trainable
+    t = _child(args, "--llm-torch", which)
+    return {"semzo_forward_s": fwd, "semzo_step_s": step, "semzo_step_3pass_s": step3,
+            "trainable": n, "branch_state_bytes": st.nbytes_live(), **t}
+
+
+def best_once(f) -> float:
+    """Seconds of one call of ``f``."""
+    import time
+
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+def llm_torch_times(args, which: str) -> None:
+    from zo_step import best, mezo_step
+
+    ids, mask = llm_batch(args.batch, args.length)
+    torch, model, params = torch_llm(which, args.threads)
+    loss = torch_loss_fn(torch, model, ids, mask)
+    with torch.no_grad():
+        fwd = best(loss, args.reps)
+    j = [0]
+
+    def step():
+        j[0] += 1
+        mezo_step(torch, params, loss, j[0])
+    print("JSON " + json.dumps({"torch_forward_s": fwd, "mezo_torch_step_s": best(step,
+                                                                                   args.reps)}))
+
+
+def llm_mem_child(args, what: str) -> None:
+    import tracemalloc
+
+    import numba  # noqa: F401 - imported before the baseline
+    from zo_step import _reset_peak, _status
+
+    ids, mask = llm_batch(args.batch, args.length)
+    rss0 = _status("VmRSS")
+    which = "lora" if what.endswith("lora") else "all"
+    m, eng = semzo_llm(which, args.threads)
+    pb = sum(a.nbytes for a in m.params.values())
+    if what.startswith("fwd"):
+        def op():
+            m.next_token_loss(ids, mask)
+    else:
+        op = llm_step_fn(m, eng, ids, mask)[0]
+    op()
+    tracemalloc.start()
+    t0 = tracemalloc.get_traced_memory()[0]
+    _reset_peak()
+    op()
+    peak = _status("VmHWM")
+    traced = tracemalloc.get_traced_memory()[1] - t0
+    tracemalloc.stop()
+    print("JSON " + json.dumps({"param_bytes": pb, "footprint_bytes": peak - rss0,
+                                "traced_peak_bytes": traced}))
+
+
+def _child(args, flag: str, value: str) -> dict:
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "zo_step.py"), "--model",
+                        "smollm2", flag, value, "--threads", str(args.threads), "--batch",
+                        str(args.batch), "--length", str(args.length), "--reps",
+                        str(args.reps)], capture_output=True, text=True, timeout=1800,
+                       check=False)
+    line = [x for x in p.stdout.splitlines() if x.startswith("JSON ")]
+    if not line:
+        raise RuntimeError(f"{flag} {value} failed:\n{p.stderr[-3000:]}")
+    return json.loads(line[0][5:])
+
+
+def llm_main(args) -> None:
+    """``--model smollm2``: both trainable sets, then the memory figures."""
+    if args.llm_torch:
+        llm_torch_times(args, args.llm_torch)
+        return
+    if args.llm_mem:
+        llm_mem_child(args, args.llm_mem)
+        return
+    mib = 2.0 ** 20
+    bad = set(args.sets.split(",")) - {"lora", "all"}
+    if bad:
+        raise SystemExit(f"--sets: unknown trainable set(s) {', '.join(sorted(bad))} "
+                         f"(lora, all)")
+    branch = {}
+    for which in args.sets.split(","):
+        t = llm_timings(args, which)
+        branch[which] = t["branch_state_bytes"]
+        fw, step, s3 = t["semzo_forward_s"], t["semzo_step_s"], t["semzo_step_3pass_s"]
+        r = step / (2 * fw)
+        sp = t["mezo_torch_step_s"] / step
+        print(f"ZO step, SmolLM2-135M-Instruct, {which} ({t['trainable']:,} trainable), "
+              f"batch {args.batch} x {args.length} tokens, {args.threads} threads, Gaussian z, "
+              f"best of {args.reps}")
+        print(f"  schedule streamed (the default): semzo forward {fw:.3f} s, step {step:.3f} s: "
+              f"step / (2 x forward) = {r:.3f}" + (" (goal <= 1.10)" if which == "all" else ""))
+        print(f"  schedule three-pass: step {s3:.3f} s, ratio {s3 / (2 * fw):.3f}; streamed / "
+              f"three-pass = {step / s3:.3f}")
+        print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
+              f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
+    for which in args.sets.split(","):
+        f = _child(args, "--llm-mem", f"fwd-{which}")
+        s = _child(args, "--llm-mem", f"step-{which}")
+        pb, fa, sa = s["param_bytes"], f["traced_peak_bytes"], s["traced_peak_bytes"]
+        print(f"  memory ({which}, streamed step): parameters {pb / mib:.0f} MiB; transient "
+              f"peak above the parameters (tracemalloc): forward {fa / mib:.1f} MiB, ZO step "
+              f"{sa / mib:.1f} MiB; (parameters + ZO step peak) / (parameters + forward peak) "
+              f"= {(pb + sa) / (pb + fa):.3f} (goal <= 1.15); the second branch state adds "
+              f"{branch[which] / mib:.2f} MiB")
+        print(f"    RSS footprint (peak RSS minus RSS before the model): forward "
+              f"{f['footprint_bytes'] / mib:.0f} MiB, ZO step {s['footprint_bytes'] / mib:.0f} "
+              f"MiB: ratio {s['footprint_bytes'] / f['footprint_bytes']:.3f}")
+
+
+def add_args(ap) -> None:
+    ap.add_argument("--model", default="minilm", choices=("minilm", "smollm2"),
+                    help="smollm2: the SmolLM2 benchmark (bench/zo_step_llm.py)")
+    ap.add_argument("--sets", default="lora,all",
+                    help="smollm2: trainable sets to measure (comma-separated: lora, all)")
+    ap.add_argument("--llm-torch", default=None, help=__import__("argparse").SUPPRESS)
+    ap.add_argument("--llm-mem", default=None, help=__import__("argparse").SUPPRESS)

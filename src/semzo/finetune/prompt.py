@@ -1,0 +1,299 @@
+"""Prompt-based classification with a decoder (MeZO's tasks): a template around each text and
+one label word per class; the loss is the cross-entropy over the label words' next-token logits
+at the last real position of the prompt, and the accuracy is the share of rows whose label word
+scores highest among the label words.
+
+* :func:`label_word_ids` checks ``prompt.label_words`` (each ONE token of the tokenizer; the
+  default is each label name with the leading space the template implies).
+* :func:`encode_prompts` builds the token ids of every prompt: the text is truncated so that the
+  whole template (its end included) fits ``max_len`` tokens.
+* :class:`PromptTask`: the task (loss, evaluation, and the stage interface of the block-streamed
+  schedule); with ``layer > 0`` the residual stream entering block ``layer`` is computed once per
+  prompt and kept (the frozen-prefix cache of ``head+last`` on decoders), so that each loss runs
+  only blocks ``layer .. L-1``, the final norm and the label-word rows of the LM head.
+
+Every function here runs on one rank and is not collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from ..model.base import cross_entropy
+from ..runtime import SemzoError
+from .data import pad_batch
+from .loop import _Task
+
+
+def _deck_error(msg: str) -> SemzoError:
+    err = SemzoError(msg)
+    err.all_ranks = True
+    return err
+
+
+def lm_head_weight(model):
+    """The LM head matrix (V, E) of a decoder (the embedding matrix when tied)."""
+    for name in ("_head_weight", "_lm_weight"):
+        fn = getattr(model, name, None)
+        if fn is not None:
+            return fn()
+    return model.params["lm_head.weight"]
+
+
+def _encode(tok, text: str, special: bool) -> list[int]:
+    return list(tok.tk.encode(text, add_special_tokens=special).ids)
+
+
+def default_label_words(label_names: list[str], template: str) -> list[str]:
+    """Each label name, with a leading space unless the template ends in whitespace."""
+    sep = "" if template[-1:].isspace() else " "
+    return [sep + str(n) for n in label_names]
+
+
+def label_word_ids(tok, label_names: list[str], words: tuple | list, template: str,
+                   src: str) -> np.ndarray:
+    """Token id (C,) int64 of each class's label word; errors (every rank) name
+    ``prompt.label_words``: a count that differs from the classes, a word that is not exactly
+    one token, two classes on the same token."""
+    words = list(words) if words else default_label_words(label_names, template)
+    given = "" if words else " (default: the label names)"
+    if len(words) != len(label_names):
+        raise _deck_error(f"{src}: prompt.label_words: {len(words)} words for "
+                          f"{len(label_names)} classes (labels in order: "
+                          f"{', '.join(label_names)})")
+    out = []
+    for w, name in zip(words, label_names):
+        ids = _encode(tok, w, False)
+        if len(ids) != 1:
+            pieces = [tok.tk.id_to_token(i) for i in ids]
+            raise _deck_error(f"{src}: prompt.label_words: {w!r} (label {name!r}){given} is "
+                              f"{len(ids)} tokens {pieces}, not one; choose a word that is "
+                              f"one token (with its leading space)")
+        out.append(ids[0])
+    if len(set(out)) != len(out):
+        raise _deck_error(f"{src}: prompt.label_words: two classes share a token ({words})")
+    return np.array(out, np.int64)
+
+
+def encode_prompts(tok, texts: list[str], template: str, max_len: int, context: int,
+                   src: str) -> list[np.ndarray]:
+    """Token ids (int64) of ``template`` with each text in place of ``{text}``: the tokens of
+    the part up to and including the text (special tokens added as the tokenizer does) cut to
+    leave room for the tokens of the rest, which are always kept whole. Errors name
+    ``prompt.template`` (no ``{text}``, or a template that leaves no room for a text within
+    ``max_len`` tokens) or ``train.max_length`` (beyond the model's ``context`` positions)."""
+    if "{text}" not in template:
+        raise _deck_error(f"{src}: prompt.template: must contain {{text}}, got {template!r}")
+    if max_len > context:
+        raise _deck_error(f"{src}: train.max_length: {max_len} tokens exceed the model's "
+                          f"context of {context} positions")
+    head, tail = template.split("{text}", 1)
+    tail = tail.replace("{text}", "")
+    tail_ids = _encode(tok, tail, False) if tail else []
+    fixed = len(_encode(tok, head, True)) + len(tail_ids)
+    if fixed + 1 > max_len:
+        raise _deck_error(f"{src}: prompt.template: the template alone is {fixed} tokens, "
+                          f"longer than the prompt length of {max_len} tokens "
+                          f"(train.max_length, model context {context}) minus one for the "
+                          f"text")
+    budget = max_len - len(tail_ids)
+    encs = tok.tk.encode_batch([head + t for t in texts])
+    tail_a = np.asarray(tail_ids, np.int64)
+    return [np.concatenate([np.asarray(e.ids[:budget], np.int64), tail_a]) for e in encs]
+
+
+def prompt_scores(model, hidden, maskf, word_ids):
+    """float32 logits (B, C) of the label words at each row's last real position, from final
+    hidden states ``hidden`` (B, T, E) and the mask (B, T)."""
+    xp = model.xp
+    m = xp.asarray(maskf)
+    last = xp.maximum(m.sum(axis=1).astype(xp.int64) - 1, 0)
+    h = hidden[xp.arange(hidden.shape[0]), last]                    # (B, E)
+    w = lm_head_weight(model)[xp.asarray(word_ids)]                 # (C, E)
+    return (h @ w.T).astype(xp.float32, copy=False)
+
+
+def _supports_cache(model) -> bool:
+    """True when the model's stage states are dataclasses with a ``hidden`` field that can be
+    replaced (the decoders of semzo.model.causal)."""
+    if not hasattr(model, "stage_start"):
+        return False
+    st = model.stage_start(np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
+    return dataclasses.is_dataclass(st) and hasattr(st, "hidden") and hasattr(st, "stage")
+
+
+class PromptTask(_Task):
+    """MeZO-style prompt classification. ``seqs``: prompt token ids per row (from
+    :func:`encode_prompts`); ``word_ids`` (C,) the label words' token ids; ``labels`` (n,)
+    class indices. ``layer > 0``: the frozen-prefix cache (see the module docstring); the
+    caller checks that nothing below block ``layer`` trains and :meth:`can_cache`."""
+
+    kind = "prompt"
+
+    def __init__(self, model, seqs, labels, train_rows, heldout_rows, pad_id: int,
+                 eval_batch_size: int, word_ids: np.ndarray, layer: int = 0) -> None:
+        super().__init__(model, seqs, labels, train_rows, heldout_rows, pad_id, eval_batch_size)
+        self.word_ids = np.asarray(word_ids, np.int64)
+        self.layer = int(layer)
+        self.cache = None
+        if self.layer > 0:
+            self._build_cache(eval_batch_size)
+
+    can_cache = staticmethod(_supports_cache)
+
+    @staticmethod
+    def nbytes(seqs, hidden: int, itemsize: int) -> int:
+        return sum(len(q) for q in seqs) * hidden * itemsize
+
+    # ------------------------------------------------------------------ prefix cache
+    def _run(self, st, lo: int, hi: int):
+        for k in range(lo, hi):
+            st = self.model.stage_forward(k, st)
+        return st
+
+    def _build_cache(self, bs: int) -> None:
+        xp, model = self.model.xp, self.model
+        lens = np.array([len(q) for q in self.seqs], np.int64)
+        self.offs = np.concatenate(([0], np.cumsum(lens)))
+        self.cache = xp.empty((int(self.offs[-1]), model.config.hidden_size), model.dtype)
+        order = np.argsort(-lens, kind="stable")
+        for i in range(0, len(order), bs):
+            rows = order[i:i + bs]
+            ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
+            x = self._run(model.stage_start(ids, mask), 0, self.layer + 1).hidden
+            for j, r in enumerate(rows):
+                self.cache[self.offs[r]:self.offs[r + 1]] = x[j, :lens[r]]
+
+    def _cached_state(self, rows, ids, mask):
+        xp = self.model.xp
+        st = self.model.stage_start(ids, mask)
+        x = xp.zeros((len(rows), ids.shape[1], self.cache.shape[1]), self.cache.dtype)
+        for j, r in enumerate(rows):
+            x[j, :self.offs[r + 1] - self.offs[r]] = self.cache[self.offs[r]:self.offs[r + 1]]
+        return dataclasses.replace(st, hidden=x, stage=self.layer + 1)
+
+    # ------------------------------------------------------------------ loss
+    def _rows_batch(self, rows):
+        ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
+        return ids, mask, self.labels[rows], len(rows), rows
+
+    def batch(self, positions: np.ndarray):
+        return self._rows_batch(self.train_rows[positions])
+
+    def _hidden(self, batch):
+        ids, mask, _, _, rows = batch
+        if self.cache is None:
+            return self.model.hidden_states(ids, mask)
+        st = self._cached_state(rows, ids, mask)
+        return self._run(st, self.layer + 1, self.model.n_stages).hidden
+
+    def _loss_acc(self, hidden, batch) -> tuple[float, float]:
+        _, mask, labels, _, _ = batch
+        z = prompt_scores(self.model, hidden, mask, self.word_ids)
+        xp = self.model.xp
+        return cross_entropy(xp, z, xp.asarray(labels).astype(xp.int64))
+
+    def loss(self, batch) -> float:
+        if batch[3] == 0:
+            return 0.0
+        return self._loss_acc(self._hidden(batch), batch)[0]
+
+    def eval_batch(self, rows) -> tuple[float, float]:
+        b = self._rows_batch(np.asarray(rows))
+        return self._loss_acc(self._hidden(b), b)
+
+    def predict(self, rows) -> np.ndarray:
+        """Predicted class (n,) of rows ``rows`` (argmax over the label words)."""
+        b = self._rows_batch(np.asarray(rows))
+        z = prompt_scores(self.model, self._hidden(b), b[1], self.word_ids)
+        z = z.get() if hasattr(z, "get") else z
+        return np.argmax(np.asarray(z), axis=1)
+
+    # ------------------------------------------------------------------ stages (streamed)
+    @property
+    def tied_head(self) -> bool:
+        return bool(getattr(self.model, "tied_head", False)) and self.cache is None
+
+    def stage_count(self) -> int:
+        return self.model.n_stages - (self.layer + 1 if self.cache is not None else 0)
+
+    def _first(self) -> int:
+        return self.layer + 1 if self.cache is not None else 0
+
+    def stage_params(self, k: int) -> list[str]:
+        return self.model.stage_names(self._first() + k)
+
+    def stage_begin(self, batch):
+        ids, mask, _, n, rows = batch
+        if n == 0:
+            return None
+        if self.cache is None:
+            return self.model.stage_start(ids, mask)
+        return self._cached_state(rows, ids, mask)
+
+    def stage_fork(self, state):
+        if state is None:
+            return None
+        return state.fork() if hasattr(state, "fork") else state
+
+    def stage_run(self, k: int, state):
+        return None if state is None else self.model.stage_forward(self._first() + k, state)
+
+    def loss_from_state(self, state, batch) -> float:
+        if state is None:
+            return 0.0
+        return self._loss_acc(state.hidden, batch)[0]
+
+
+def first_trained_block(model, names: list[str]) -> int:
+    """The first block with a trainable tensor when the embeddings and every block below it
+    are frozen (then their output can be cached); 0 when nothing can be cached."""
+    from .stage import _BLOCK
+
+    if model.lora and any(s.a in names for s in model.lora.values()):
+        blocks = [int(m.group(1)) for s in model.lora.values() if s.a in names
+                  for m in [_BLOCK.search(s.a)] if m]
+    else:
+        blocks = [int(m.group(1)) for n in names if (m := _BLOCK.search(n))]
+    if not blocks or not hasattr(model, "stage_names"):
+        return 0
+    first = min(blocks)
+    below = set(model.stage_names(0))
+    for k in range(1, first + 1):
+        below |= set(model.stage_names(k))
+    return 0 if below & set(names) else first
+
+
+def build_prompt_task(ctx, model, names: list[str], rows, train_idx, held_idx,
+                      max_len: int) -> PromptTask:
+    """The run's :class:`PromptTask`: prompts of the rank's texts, label words checked, and the
+    frozen-prefix cache when the lowest trained block is above 0, the model supports it and
+    every rank's cache fits ``train.prefix_cache_mb``. Collective (one allreduce)."""
+    from ..model import Tokenizer
+    from ..runtime import get_logger
+
+    log = get_logger(__name__)
+    deck, topo, t = ctx.deck, ctx.topo, ctx.deck.train
+    tok = Tokenizer.from_folder(deck.model.path or None, max_length=None)
+    tok.tk.no_truncation()
+    pr = deck.prompt
+    word_ids = label_word_ids(tok, rows.label_names, pr.label_words, pr.template, deck.source)
+    seqs = encode_prompts(tok, rows.texts, pr.template, max_len,
+                          int(model.config.max_positions), deck.source)
+    first = first_trained_block(model, names) if t.prefix_cache_mb > 0 else 0
+    ok = first > 0 and PromptTask.can_cache(model) and \
+        PromptTask.nbytes(seqs, model.config.hidden_size, np.dtype(model.dtype).itemsize) \
+        <= t.prefix_cache_mb * 2**20
+    agree = np.array([int(ok)], np.int64)
+    topo.allreduce(agree)
+    layer = first if int(agree[0]) == topo.size else 0
+    words = [tok.tk.id_to_token(int(i)) for i in word_ids]
+    log.info("finetune: prompt task: template %r, label words %s for labels %s; prompts of "
+             "at most %d tokens%s", pr.template,
+             ", ".join(f"{w!r}" for w in words), ", ".join(rows.label_names), max_len,
+             f"; blocks 0..{layer - 1} frozen: their output is computed once per prompt"
+             if layer else "")
+    return PromptTask(model, seqs, rows.labels, train_idx, held_idx, tok.pad_id,
+                      t.eval_batch_size, word_ids, layer=layer)

@@ -1,0 +1,291 @@
+"""``semzo generate MODEL_OR_CHECKPOINT --prompt TEXT``: text generation with a decoder.
+
+Sources: a Hugging Face folder (or a named model such as ``smollm2``), a GGUF file (converted
+in memory with :mod:`semzo.model.gguf`; nothing is written), or a semzo checkpoint (file or
+checkpoint folder): its stored deck names the base model folder, whose checksum the checkpoint
+records (``model_meta``: ``model_folder``, ``model_checksum``); a missing or different folder is
+an error. The checkpoint's trained tensors (LoRA adapters included) then replace the base ones.
+
+Decoding: greedy (``temperature = 0``) or sampling (temperature, nucleus ``top_p``, a seeded
+``numpy.random.Generator``), with the model's KV cache (``new_cache`` / ``forward_cached``)
+when it has one, else full recomputation; stops at an end-of-sequence id (``eos_token_id`` of
+config.json and generation_config.json) or after ``max_new_tokens``. ``chat``: the prompt is
+rendered as one user message with the ``chat_template`` of tokenizer_config.json (jinja2).
+
+Runs on one process; nothing here is collective.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .runtime import SemzoError
+
+
+def folder_checksum(folder: str | Path) -> str:
+    """BLAKE2b-128 hex digest of a model folder's config.json and weight files (names and
+    bytes, in sorted order): what a checkpoint records of the model it was trained from."""
+    folder = Path(folder)
+    files = sorted([p for p in folder.iterdir() if p.is_file() and
+                    (p.name == "config.json" or p.name.endswith(".safetensors") or
+                     p.name == "model.safetensors.index.json")
+                    and p.name != "semzo_head.safetensors"], key=lambda p: p.name)
+    h = hashlib.blake2b(digest_size=16)
+    for p in files:
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class Loaded:
+    model: object
+    tk: object            # tokenizers.Tokenizer (no truncation, no padding)
+    tok_config: dict      # tokenizer_config.json (chat_template, bos/eos tokens)
+    eos_ids: set
+    what: str
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SemzoError(f"{path}: not valid JSON ({exc})") from None
+
+
+def _eos(*cfgs: dict) -> set:
+    out: set = set()
+    for c in cfgs:
+        e = c.get("eos_token_id")
+        if isinstance(e, int):
+            out.add(e)
+        elif isinstance(e, list):
+            out |= {int(x) for x in e if isinstance(x, int)}
+    return out
+
+
+def _from_folder(folder: Path, what: str) -> Loaded:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from .model import load_model
+
+    model = load_model(folder)
+    if model.kind != "decoder":
+        raise SemzoError(f"{folder}: generate needs a decoder, got an {model.kind}")
+    f = folder / "tokenizer.json"
+    if not f.is_file():
+        raise SemzoError(f"{f}: not found (generate needs a tokenizer.json)")
+    tk = HFTokenizer.from_file(str(f))
+    tk.no_truncation()
+    tk.no_padding()
+    return Loaded(model, tk, _json(folder / "tokenizer_config.json"),
+                  _eos(_json(folder / "config.json"),
+                       _json(folder / "generation_config.json")), what)
+
+
+def _from_gguf(path: Path) -> Loaded:
+    from .model import families
+    from .model.causal import CausalLM, expected_tensors
+    from .model.gguf import GGUFModel
+    from .model.gguf_tokenizer import build_tokenizer
+
+    g = GGUFModel(path)
+    cfg = g.hf_config()
+    plan = g.plan(cfg)
+    fam = families.find(cfg)
+    if fam is None:
+        raise SemzoError(f"{path}: architecture {cfg.get('architectures')} has no semzo family")
+    spec = families.read_spec(fam, cfg, path)
+    have = {hf for hf, _, _ in plan}
+    prefix = next((p for p in fam.PREFIXES if p + spec.names.embed in have), None)
+    if prefix is None:
+        raise SemzoError(f"{path}: no embedding tensor {spec.names.embed!r}")
+    by_hf = {hf: gname for hf, gname, _ in plan}
+    params = {}
+    for name, shape, _ in expected_tensors(spec, prefix):
+        if name not in by_hf:
+            raise SemzoError(f"{path}: missing tensor {name!r}")
+        arr = np.ascontiguousarray(g.hf_tensor(by_hf[name], cfg), np.float32)
+        if tuple(arr.shape) != tuple(shape):
+            raise SemzoError(f"{path}: {name} has shape {arr.shape}, expected {shape}")
+        params[name] = arr
+    model = CausalLM(spec, params, {}, set(), np, np.float32, None, prefix)
+    tk, tok_cfg = build_tokenizer(g, cfg)
+    tk.no_truncation()
+    tk.no_padding()
+    return Loaded(model, tk, tok_cfg, _eos(cfg), f"{path} (GGUF, converted in memory)")
+
+
+def _from_checkpoint(path: Path) -> Loaded:
+    from mpi4py import MPI
+
+    from .checkpoint.format import CheckpointError
+    from .checkpoint.reader import load
+    from .checkpoint.tools import _rebuild_model
+    from .deck import from_toml_text
+    from .model.zoo import resolve_model_path
+
+    comm = MPI.COMM_SELF
+    if path.is_dir():
+        from .checkpoint.manager import find_resumable
+
+        found = find_resumable(path, comm)
+        if found is None:
+            raise SemzoError(f"{path}: no valid checkpoint in this folder")
+        path = found
+    try:
+        loaded = load(path, comm)
+    except CheckpointError as exc:
+        raise SemzoError(str(exc)) from None
+    meta = json.loads(loaded.attrs.get("model_meta") or "{}")
+    deck = from_toml_text(loaded.deck_toml) if loaded.deck_toml.strip() else None
+    name = deck.model.path if deck is not None else ""
+    if not name:
+        raise SemzoError(f"{path}: its deck names no decoder in model.path")
+    recorded = meta.get("model_folder") or name
+    folder = resolve_model_path(recorded) if recorded == name else Path(recorded)
+    if not (folder / "config.json").is_file():
+        raise SemzoError(f"{path}: its model folder {folder} is missing (the checkpoint was "
+                         f"trained from it; restore it or export the checkpoint elsewhere)")
+    want = meta.get("model_checksum")
+    if want and folder_checksum(folder) != want:
+        raise SemzoError(f"{path}: the model folder {folder} differs from the one the "
+                         f"checkpoint was trained from (checksum {folder_checksum(folder)}, "
+                         f"recorded {want})")
+    base = _from_folder(folder, "")
+    model = _rebuild_model(loaded, meta)
+    if model.kind != "decoder":
+        raise SemzoError(f"{path}: generate needs a decoder, the checkpoint's model is an "
+                         f"{model.kind}")
+    for n, arr in loaded.params.items():
+        if n not in model.params or model.params[n].shape != arr.shape:
+            raise SemzoError(f"{path}: tensor {n!r} does not fit the model")
+        model.params[n][...] = arr
+    base.model = model
+    base.what = f"{path} (step {loaded.step}, base model {folder})"
+    return base
+
+
+def load_for_generation(source: str) -> Loaded:
+    """A decoder, its tokenizer and end-of-sequence ids from a folder, a named model, a GGUF
+    file or a semzo checkpoint (see the module docstring). Raises :class:`SemzoError`."""
+    from .model.zoo import NAMED, resolve_model_path
+
+    p = Path(source)
+    if source in NAMED:
+        folder = resolve_model_path(source)
+        return _from_folder(folder, f"{source} ({folder})")
+    if p.is_file() and p.suffix == ".gguf":
+        return _from_gguf(p)
+    if p.is_file() and p.suffix == ".h5":
+        return _from_checkpoint(p)
+    if p.is_dir() and (p / "config.json").is_file():
+        return _from_folder(p, str(p))
+    if p.is_dir() and (any(p.glob("ckpt-*.h5")) or (p / "checkpoints").is_dir()):
+        return _from_checkpoint(p / "checkpoints" if (p / "checkpoints").is_dir() else p)
+    if not p.exists():
+        raise SemzoError(f"{source}: no such model folder, GGUF file or checkpoint")
+    raise SemzoError(f"{source}: not a model folder (config.json), a .gguf file or a semzo "
+                     f"checkpoint (.h5 or a folder of them)")
+
+
+def chat_prompt(loaded: Loaded, text: str) -> str:
+    """``text`` as one user message through the model's chat template (generation prompt
+    added). A model without a template, or no jinja2, is a :class:`SemzoError`."""
+    tpl = loaded.tok_config.get("chat_template")
+    if isinstance(tpl, list):      # named templates: take "default"
+        tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+    if not tpl:
+        raise SemzoError(f"{loaded.what}: --chat: the model has no chat_template in "
+                         f"tokenizer_config.json")
+    try:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise SemzoError("--chat needs the jinja2 package (a runtime dependency: run make setup)") \
+            from None
+
+    def tok_str(key: str) -> str:
+        v = loaded.tok_config.get(key)
+        return v.get("content", "") if isinstance(v, dict) else (v or "")
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+    def raise_exception(msg):
+        raise SemzoError(f"{loaded.what}: chat template: {msg}")
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(tpl).render(
+        messages=[{"role": "user", "content": text}], add_generation_prompt=True,
+        bos_token=tok_str("bos_token"), eos_token=tok_str("eos_token"))
+
+
+def sample_next(logits: np.ndarray, temperature: float, top_p: float,
+                rng: np.random.Generator) -> int:
+    """Next token id from float logits (V,): argmax when ``temperature <= 0``, else a draw
+    from softmax(logits / temperature) restricted to the smallest set of tokens whose
+    probability reaches ``top_p`` (the most likely token always kept)."""
+    if temperature <= 0:
+        return int(np.argmax(logits))
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        cum = np.cumsum(p[order])
+        keep = order[:int(np.searchsorted(cum, top_p) + 1)]
+        q = np.zeros_like(p)
+        q[keep] = p[keep]
+        p = q / q.sum()
+    return int(rng.choice(p.size, p=p))
+
+
+def generate_ids(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
+                 top_p: float = 1.0, seed: int = 0, eos_ids=frozenset()) -> list[int]:
+    """Generated token ids (the prompt excluded; an end-of-sequence id that stops generation is
+    included). Uses the KV cache when the model has one."""
+    rng = np.random.default_rng(seed)
+    ids = [int(i) for i in prompt_ids]
+    if not ids:
+        raise SemzoError("--prompt: the prompt encodes to no tokens")
+    limit = int(model.config.max_positions)
+    if len(ids) >= limit:
+        raise SemzoError(f"--prompt: {len(ids)} tokens, the model's context is {limit}")
+    n_new = min(max_new_tokens, limit - len(ids))
+    out: list[int] = []
+    cache = model.new_cache(1, len(ids) + n_new) if hasattr(model, "new_cache") else None
+
+    def host(a):
+        return np.asarray(a.get() if hasattr(a, "get") else a)
+    if cache is not None:
+        logits = host(model.forward_cached(np.array([ids], np.int64), cache)[0, -1])
+    else:
+        logits = host(model.logits(np.array([ids], np.int64))[0, -1])
+    for _ in range(n_new):
+        nxt = sample_next(logits, temperature, top_p, rng)
+        out.append(nxt)
+        if nxt in eos_ids or len(out) == n_new:
+            break
+        if cache is not None:
+            logits = host(model.forward_cached(np.array([[nxt]], np.int64), cache)[0, -1])
+        else:
+            logits = host(model.logits(np.array([ids + out], np.int64))[0, -1])
+    return out
+
+
+def run_generate(args) -> str:
+    """The CLI command: load, encode (chat template on request), generate, decode."""
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
+        raise SemzoError("generate: need --temperature >= 0, 0 < --top-p <= 1, "
+                         "--max-new-tokens >= 1")
+    loaded = load_for_generation(args.model)
+    text = chat_prompt(loaded, args.prompt) if args.chat else args.prompt
+    ids = loaded.tk.encode(text, add_special_tokens=not args.chat).ids
+    out = generate_ids(loaded.model, ids, args.max_new_tokens, temperature=args.temperature,
+                       top_p=args.top_p, seed=args.seed, eos_ids=loaded.eos_ids)
+    return loaded.tk.decode([i for i in out if i not in loaded.eos_ids],
+                            skip_special_tokens=True)

@@ -1,0 +1,124 @@
+"""The pipeline with a decoder at 2 ranks: MiniLM shards the corpus (a decoder in [model]),
+a tiny random Llama is fine-tuned on the prompt task (LoRA q,v in the top block, prefix cache),
+zero-shot accuracy is logged and stored; then export (merged, loads in transformers) and
+`semzo generate` from the checkpoint, with its model folder missing or changed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from llmutil import tiny_llama
+from mpiutil import check, mpirun
+
+ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+
+
+def _corpus(path: Path, n: int) -> Path:
+    rng = np.random.default_rng(0)
+    nouns = ["cat", "dog", "sun", "moon", "tree", "red", "blue", "green"]
+    with open(path, "w") as f:
+        for i in range(n):
+            lab = int(rng.integers(3))
+            ws = [str(w) for w in rng.choice(nouns, 4)]
+            ws.append(["good", "bad", "awful"][lab])
+            f.write(json.dumps({"id": i, "text": " ".join(ws),
+                                "label": ["pos", "neg", "zzz"][lab]}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("llmpipe")
+    model = tiny_llama(tmp / "llama")
+    corpus = _corpus(tmp / "c.jsonl", 160)
+    out = tmp / "out"
+    proc = check(mpirun(2, ["-m", "semzo", "run", "inputs/llm.toml",
+                            "--set", f"run.output_dir={out}", "--set", f"corpus.path={corpus}",
+                            "--set", f"model.path={model}", "--set", "cluster.k=3",
+                            "--set", 'corpus.labels=["neg", "pos"]',
+                            "--set", 'prompt.template="{text} It was"',
+                            "--set", 'prompt.label_words=[" bad", " good"]',
+                            "--set", "train.lora_layers=1", "--set", "train.steps=20",
+                            "--set", "train.eval_every=10", "--set", "zo.lr=1e-2",
+                            "--set", "train.batch_size=8", "--set", "model.max_length=24",
+                            "--set", "topology.nodes_per_switch=1",
+                            "--set", "checkpoint.every_steps=10"], timeout=400, env=ENV))
+    return tmp, model, out, proc
+
+
+def test_prompt_pipeline(run):
+    _, _, out, proc = run
+    err = proc.stderr
+    assert "embedded" in err and "all-MiniLM-L6-v2" in err             # MiniLM shards
+    assert "held-out before fine-tuning (ZERO-SHOT" in err
+    assert "label words 'Ġbad', 'Ġgood' for labels neg, pos" in err
+    assert "blocks 0..0 frozen: their output is computed once per prompt" in err
+    assert "HELD-OUT ACCURACY before" in err
+    with h5py.File(out / "embeddings.h5") as f:
+        assert f["embeddings"].shape[1] == 384                          # MiniLM's width
+        assert sorted(x.decode() if isinstance(x, bytes) else x
+                      for x in f.attrs["label_names"]) == ["neg", "pos"]
+        n = f["embeddings"].shape[0]
+    assert 80 < n < 130                                                 # only neg and pos
+    with h5py.File(out / "model.h5") as f:
+        assert 0 <= f.attrs["heldout_acc_before"] <= 1
+        assert f.attrs["task"] == "prompt"
+        names = json.loads(f.attrs["trainable"])
+    assert sorted(names) == sorted(f"model.layers.1.self_attn.{p}_proj.lora_{ab}.weight"
+                                   for p in "qv" for ab in "AB")
+    rows = (out / "metrics.csv").read_text().splitlines()
+    assert any(r.startswith("eval,0,") or ",0," in r for r in rows[1:3])
+
+
+def test_export_and_generate_from_checkpoint(run):
+    torch = pytest.importorskip("torch")
+    from transformers import AutoModelForCausalLM
+
+    from semzo.generate import generate_ids, load_for_generation
+
+    tmp, model, out, _ = run
+    hf = tmp / "hf"
+    check(subprocess.run([sys.executable, "-m", "semzo", "export", str(out / "checkpoints"),
+                          str(hf)], capture_output=True, text=True, timeout=200,
+                         check=False))
+    g = load_for_generation(str(out / "checkpoints"))
+    assert g.model.lora and "step 20" in g.what
+    ids = np.array([[5, 9, 30, 7, 2, 11]])
+    ours = g.model.logits(ids)
+    ref = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = ref(torch.tensor(ids)).logits.numpy()
+    assert np.abs(ours - theirs).max() < 1e-4
+    greedy = generate_ids(g.model, [5, 9, 30], 6)
+    with torch.no_grad():
+        want = ref.generate(torch.tensor([[5, 9, 30]]), max_new_tokens=6, do_sample=False,
+                            eos_token_id=None, pad_token_id=0)[0, 3:].tolist()
+    assert greedy == want
+    # the CLI, and a changed / missing model folder
+    cmd = [sys.executable, "-m", "semzo", "generate", str(out / "checkpoints"),
+           "--prompt", "the moon", "--max-new-tokens", "4"]
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=200,
+                         check=False)
+    assert ok.returncode == 0, ok.stderr
+    moved = tmp / "llama-moved"
+    shutil.copytree(model, moved)
+    cfg = json.loads((model / "config.json").read_text())
+    cfg["rms_norm_eps"] = 1e-5
+    (model / "config.json").write_text(json.dumps(cfg))
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=200,
+                         check=False)
+    last = bad.stderr.strip().splitlines()[-1]       # one line (after a reader warning)
+    assert bad.returncode == 2 and "differs from the one the checkpoint was trained" in last \
+        and "llama" in last, bad.stderr
+    shutil.rmtree(model)
+    gone = subprocess.run(cmd, capture_output=True, text=True, timeout=200,
+                         check=False)
+    assert gone.returncode == 2 and "is missing" in gone.stderr, gone.stderr
+    shutil.copytree(moved, model)
