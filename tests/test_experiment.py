@@ -124,8 +124,11 @@ def test_experiment_runs_every_configuration_with_the_same_budget(experiment):
                 assert len(train) == 40, (s, m, i)          # same steps = same budget
                 assert [int(r["step"]) for r in ev] == list(range(41))   # eval_every 1
                 starts.add((i, ev[0]["heldout_loss"]))
-    # the same held-out split and initial head in every configuration: one starting loss
-    assert len({v for _, v in starts}) == 1
+    # the same held-out split and initial head in every configuration: one starting loss, up
+    # to rounding (each sharding puts the held-out rows on other ranks, so the per-rank sums
+    # are added in another order; 1e-12 relative is a few ulp of float64)
+    vals = sorted(float(v) for _, v in starts)
+    assert vals[-1] - vals[0] <= 1e-12 * abs(vals[0]), vals
     with h5py.File(out / "semantic" / "shards.h5") as a, h5py.File(out / "shuffle" /
                                                                    "shards.h5") as b:
         assert a.attrs["mode"] == "semantic" and b.attrs["mode"] == "shuffle"
