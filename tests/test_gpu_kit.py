@@ -93,15 +93,17 @@ def cache(tmp_path_factory):
     return c
 
 
-def _pack(out: Path, *args: str) -> subprocess.CompletedProcess:
+def _pack(out: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(PACK), "--out", str(out), *args], capture_output=True,
                           text=True, check=False, cwd=ROOT, timeout=120,
-                          env={**os.environ, "PYTHON": sys.executable})
+                          env={**os.environ, "PYTHON": sys.executable, **(env or {})})
 
 
 def test_pack_offline_manifest(tmp_path, cache):
     out = tmp_path / "kit"
-    proc = _pack(out, "--offline", "--no-debs", "--from", str(cache))
+    # no converted SmolLM2 where the pack looks (a fresh clone after `make setup` has one)
+    proc = _pack(out, "--offline", "--no-debs", "--from", str(cache),
+                 env={"SEMZO_MODELS": str(tmp_path / "no-models")})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = [ln.split("\t") for ln in (out / "MANIFEST.tsv").read_text().splitlines()[1:]]
     files = {r[1]: r for r in rows}
@@ -113,6 +115,14 @@ def test_pack_offline_manifest(tmp_path, cache):
         assert sha == hashlib.sha256(data).hexdigest()
     assert "gpu-pack: total" in proc.stdout and "gpu-pack: ok" in proc.stdout
     assert "SmolLM2: no converted folder" in proc.stdout
+    smol = tmp_path / "models" / "smollm2-135m-instruct"
+    smol.mkdir(parents=True)
+    (smol / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    withsmol = _pack(tmp_path / "kit3", "--offline", "--no-debs", "--from", str(cache),
+                     env={"SEMZO_MODELS": str(tmp_path / "models")})
+    assert withsmol.returncode == 0, withsmol.stdout + withsmol.stderr
+    assert "SmolLM2: config and tokenizer from" in withsmol.stdout
+    assert (tmp_path / "kit3" / "models" / "smollm2" / "config.json").is_file()
     over = _pack(tmp_path / "kit2", "--offline", "--no-debs", "--from", str(cache),
                  "--budget-mib", "0")
     assert over.returncode == 4 and "over the budget" in over.stderr
