@@ -430,6 +430,44 @@ class TransformerBase:
         return loss, acc, logits
 
 
+    # ------------------------------------------------------------------ next-token loss
+    def _head(self, hs2):
+        """float32 next-token logits (N, V) of final hidden states (N, H) (decoders)."""
+        raise NotImplementedError(f"{type(self).__name__} has no language-model head")
+
+    def next_token_loss(self, input_ids, attention_mask=None, chunk: int = 256,
+                        return_accuracy: bool = False):
+        """Mean cross-entropy of predicting token t+1 from positions <= t (float).
+
+        Targets at padded positions (mask 0) do not count, as with Hugging Face labels set to
+        -100 there. The (rows, V) logits are computed ``chunk`` rows at a time.
+        With ``return_accuracy``, returns ``(loss, accuracy)``.
+        """
+        ids, maskf = self._inputs(input_ids, attention_mask)
+        return self.next_token_loss_from_hidden(self.hidden_states(ids, maskf), ids, maskf,
+                                                chunk, return_accuracy)
+
+    def next_token_loss_from_hidden(self, hidden, ids, maskf, chunk: int = 256,
+                                    return_accuracy: bool = False):
+        """:meth:`next_token_loss` from final hidden states ``hidden`` (B, T, H) of the
+        checked ids (B, T) and float mask (B, T) (a streamed schedule's last stage)."""
+        xp = self.xp
+        b, t = ids.shape
+        hs = hidden[:, :-1].reshape(b * (t - 1), -1)
+        tgt = ids[:, 1:].reshape(-1).astype(xp.int64)
+        wt = maskf[:, 1:].reshape(-1)
+        tot_l = tot_a = 0.0
+        for s0 in range(0, hs.shape[0], chunk):
+            sl = slice(s0, s0 + chunk)
+            cnt = float(wt[sl].sum())
+            if cnt == 0:
+                continue
+            lo, ac = cross_entropy(xp, self._head(hs[sl]), tgt[sl], wt[sl])
+            tot_l += lo * cnt
+            tot_a += ac * cnt
+        n = max(float(wt.sum()), 1.0)
+        return (tot_l / n, tot_a / n) if return_accuracy else tot_l / n
+
 class TokenIdError(SemzoError, ValueError):
     """A token id outside the model's vocabulary (a ValueError; exit 2 from the command line,
     since the ids come from the user's tokenizer and data)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from semzo.model.base import TransformerBase, cross_entropy
+from semzo.model.base import TransformerBase
 from semzo.model.kernels import bias_act, bias_residual_layernorm, layernorm, matmul_into, run_split
 from semzo.model.kernels_lm import (
     attn_softmax,
@@ -356,36 +356,6 @@ class CausalLM(TransformerBase):
         b, t, e = hs.shape
         return self._split(lambda sl: self._head(hs[sl].reshape(-1, e)).reshape(
             hs[sl].shape[0], t, -1), b, t)
-
-    def next_token_loss(self, input_ids, attention_mask=None, chunk: int = 256,
-                        return_accuracy: bool = False):
-        """Mean cross-entropy of token t+1 given tokens <= t over real targets (mask 1), as
-        transformers' loss with labels -100 at padding; logits ``chunk`` rows at a time.
-        With ``return_accuracy``, ``(loss, accuracy)``."""
-        ids, maskf = self._inputs(input_ids, attention_mask)
-        return self.next_token_loss_from_hidden(self.hidden_states(ids, maskf), ids, maskf,
-                                                chunk, return_accuracy)
-
-    def next_token_loss_from_hidden(self, hidden, ids, maskf, chunk: int = 256,
-                                    return_accuracy: bool = False):
-        """:meth:`next_token_loss` from final hidden states ``hidden`` (B, T, E) of the
-        checked ids (B, T) and float mask (B, T) (a streamed schedule's last stage)."""
-        xp = self.xp
-        b, t = ids.shape
-        hs = hidden[:, :-1].reshape(b * (t - 1), -1)
-        tgt = ids[:, 1:].reshape(-1).astype(xp.int64)
-        wt = maskf[:, 1:].reshape(-1)
-        tot_l = tot_a = 0.0
-        for s0 in range(0, hs.shape[0], chunk):
-            sl = slice(s0, s0 + chunk)
-            cnt = float(wt[sl].sum())
-            if cnt == 0:
-                continue
-            lo, ac = cross_entropy(xp, self._head(hs[sl]), tgt[sl], wt[sl])
-            tot_l += lo * cnt
-            tot_a += ac * cnt
-        n = max(float(wt.sum()), 1.0)
-        return (tot_l / n, tot_a / n) if return_accuracy else tot_l / n
 
     # ------------------------------------------------------------------ generation
     def new_cache(self, batch: int, max_len: int) -> KVCache:

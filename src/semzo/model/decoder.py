@@ -7,7 +7,7 @@ attention mask and no position ids). Only one layer's activations live at a time
 
 from __future__ import annotations
 
-from semzo.model.base import TransformerBase, cross_entropy
+from semzo.model.base import TransformerBase
 from semzo.model.kernels import (
     bias_act,
     bias_residual_layernorm,
@@ -138,38 +138,7 @@ class Decoder(TransformerBase):
         out = hs.reshape(bsz * t, h) @ self._lm_weight().T
         return out.astype(xp.float32, copy=False).reshape(bsz, t, -1)
 
-    def next_token_loss(self, input_ids, attention_mask=None, chunk: int = 256,
-                        return_accuracy: bool = False):
-        """Mean cross-entropy of predicting token t+1 from positions <= t (float).
-
-        Targets at padded positions (mask 0) do not count, as with Hugging Face labels set to
-        -100 there. The (rows, V) logits are computed ``chunk`` rows at a time.
-        With ``return_accuracy``, returns ``(loss, accuracy)``.
-        """
-        ids, maskf = self._inputs(input_ids, attention_mask)
-        return self.next_token_loss_from_hidden(self.hidden_states(ids, maskf), ids, maskf,
-                                                chunk, return_accuracy)
-
-    def next_token_loss_from_hidden(self, hidden, ids, maskf, chunk: int = 256,
-                                    return_accuracy: bool = False):
-        """:meth:`next_token_loss` from final hidden states ``hidden`` (B, T, H) of the
-        prepared ids (B, T) and float mask (B, T) (the streamed schedule's last stage)."""
-        xp = self.xp
-        bsz, t = ids.shape
-        hs = hidden[:, :-1].reshape(bsz * (t - 1), -1)
-        tgt = ids[:, 1:].reshape(-1).astype(xp.int64)
-        wt = maskf[:, 1:].reshape(-1)
-        w = self._lm_weight()
-        tot_l = tot_a = 0.0
-        for s in range(0, hs.shape[0], chunk):
-            sl = slice(s, s + chunk)
-            cnt = float(wt[sl].sum())
-            if cnt == 0:
-                continue
-            z = (hs[sl] @ w.T).astype(xp.float32, copy=False)
-            lo, ac = cross_entropy(xp, z, tgt[sl], wt[sl])
-            tot_l += lo * cnt
-            tot_a += ac * cnt
-        n = max(float(wt.sum()), 1.0)
-        return (tot_l / n, tot_a / n) if return_accuracy else tot_l / n
+    def _head(self, hs2):
+        """float32 logits (N, V) of final hidden states (N, H)."""
+        return (hs2 @ self._lm_weight().T).astype(self.xp.float32, copy=False)
 
