@@ -123,11 +123,12 @@ def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tupl
 def _rebuild_model(loaded, meta: dict):
     """The base model of the stored deck with the checkpoint's head and LoRA adapters."""
     from ..deck import from_toml_text
+    from ..generate import checkpoint_dtype
     from ..model import load_model
 
     deck = from_toml_text(loaded.deck_toml) if loaded.deck_toml.strip() else None
     folder = deck.model.path if deck is not None and deck.model.path else None
-    model = load_model(folder)
+    model = load_model(folder, dtype=checkpoint_dtype(deck, None, loaded.path))
     names = set(loaded.params)
     if "classifier.weight" in names and model.head is None:
         head = meta.get("head", {})
@@ -167,6 +168,7 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
     if comm.Get_rank() == 0:
         try:
             from ..model import export_hf
+            from ..model.storage import same_storage_copy
 
             meta = json.loads(loaded.attrs.get("model_meta") or "{}")
             model = _rebuild_model(loaded, meta)
@@ -179,7 +181,9 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
                 if dst.shape != arr.shape:
                     raise SemzoError(f"{path}: {name} has shape {arr.shape}, the model "
                                      f"{dst.shape}")
-                dst[...] = arr          # in place: the model's fused buffers stay valid
+                # in place: the model's fused buffers stay valid; bfloat16 bits are copied
+                # as they are, never cast to or from a float array
+                same_storage_copy(dst, arr, f"{path}: {name}")
             kept = len(model.params) - len(loaded.params)
             if kept:
                 log.info("%d tensors not in the checkpoint keep the base model's values", kept)

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from ..h5io import create_collective, row_range, write_slab
+from ..model.storage import BF16, storage_name
 from ..runtime import SemzoError, get_logger
 from .data import Batcher, heldout_mask, read_shard
 from .engine import ZOEngine, ztensors
@@ -147,8 +148,8 @@ def init_head_class_means(model, emb: np.ndarray, labels: np.ndarray, n_classes:
     prior = np.log(np.maximum(counts, 0.5) / max(counts.sum(), 1.0))
     xp = model.xp
     w, b = model.params["classifier.weight"], model.params["classifier.bias"]
-    xp.copyto(w, xp.asarray((scale * means).astype(w.dtype)))
-    xp.copyto(b, xp.asarray(prior.astype(b.dtype)))
+    xp.copyto(w, model.to_param(scale * means))
+    xp.copyto(b, model.to_param(prior))
     return counts
 
 
@@ -371,6 +372,12 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
                           f"{bad[:3]}); resume with the deck it was written with "
                           f"(`semzo inspect` prints it) or set checkpoint.resume = \"never\"")
     xp = model.xp
+    half = [n for n in names if (loaded.params[n].dtype == BF16) != (model.params[n].dtype == BF16)]
+    if half:
+        raise _deck_error(f"{loaded.path}: {half[0]} is stored as "
+                          f"{storage_name(loaded.params[half[0]].dtype)}, this run's model.dtype "
+                          f"is {deck.model.dtype}; resume with the deck it was written with or "
+                          f"set checkpoint.resume = \"never\"")
     for n in names:
         dst = model.params[n]
         xp.copyto(dst, xp.asarray(loaded.params[n]).astype(dst.dtype, copy=False))

@@ -347,10 +347,13 @@ class CausalLM(TransformerBase):
             self._residual_norm(down, db, x, m["norm2"], x)
 
     # ------------------------------------------------------------------ heads
-    def _head_weight(self):
+    def head_weight_name(self) -> str:
+        """Name of the LM head matrix (V, E) in ``params``: the embedding matrix when tied."""
         s = self.config
-        return self.fparam(self.prefix + s.names.embed) if s.tied else \
-            self.fparam(s.names.lm_head)
+        return self.prefix + s.names.embed if s.tied else s.names.lm_head
+
+    def _head_weight(self):
+        return self.fparam(self.head_weight_name())
 
     def _head(self, hs2):
         """float32 logits (N, V) of final hidden states (N, E)."""

@@ -127,9 +127,12 @@ class Decoder(TransformerBase):
         s = default if cfg.scale_attn_weights else 1.0
         return s / (layer + 1) if cfg.scale_attn_by_inverse_layer_idx else s
 
+    def head_weight_name(self) -> str:
+        """Name of the LM head matrix (V, H) in ``params`` (``wte.weight`` when tied)."""
+        return "lm_head.weight" if "lm_head.weight" in self.params else f"{self.prefix}wte.weight"
+
     def _lm_weight(self):
-        return self.fparam("lm_head.weight" if "lm_head.weight" in self.params
-                           else f"{self.prefix}wte.weight")
+        return self.fparam(self.head_weight_name())
 
     def logits(self, input_ids, attention_mask=None):
         """Next-token logits (B, T, V) in float32 (the LM head is tied to ``wte``)."""
