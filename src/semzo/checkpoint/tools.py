@@ -39,6 +39,15 @@ def _damaged(exc) -> SemzoError:
     return e
 
 
+def _deck_dtype(deck_toml) -> str:
+    """model.dtype of a stored deck ("float32" when absent or unreadable)."""
+    import tomllib
+    try:
+        return str(tomllib.loads(str(deck_toml or "")).get("model", {}).get("dtype", "float32"))
+    except (tomllib.TOMLDecodeError, AttributeError):
+        return "float32"
+
+
 def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tuple[str, bool]:
     """(text, True) describing a checkpoint file or folder. Collective. A damaged file
     (its whole-file record or a checksum does not match) raises :class:`SemzoError` on every
@@ -84,8 +93,11 @@ def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tupl
         lines.append("  metrics: " + ", ".join(f"{k} = {_value(v)}" for k, v in metrics.items()))
     params = [d for d in meta.datasets if d[0].startswith("params/")]
     n_values = sum(int(np.prod(d[1])) for d in params)
+    bf16 = _deck_dtype(a.get("semzo_deck")) == "bfloat16"
     lines.append(f"  parameters: {len(params)} tensors, {n_values:,} values, "
-                 f"{_mib(int(a.get('param_bytes', 0)))}; file {_mib(meta.file_bytes)}")
+                 f"{_mib(int(a.get('param_bytes', 0)))}; file {_mib(meta.file_bytes)}"
+                 + ("; model.dtype bfloat16: uint16 tensors (u2) are bfloat16 bits"
+                    if bf16 else ""))
     for g, label in (("state", "state"), ("per_rank", "per-rank (P, ...)"),
                      ("extras", "extras")):
         items = [f"{p.split('/', 1)[1]} {tuple(s)} {t}" for p, s, t, _ in meta.datasets

@@ -8,7 +8,8 @@ training embeddings) and ``lm`` (next-token loss of a decoder on the shard texts
 ``model.h5``: one dataset per saved tensor under its Hugging Face name (global shape, written
 collectively in row blocks), attrs: the resolved deck, ``model_source``, ``task``,
 ``trainable`` (JSON list of trained names), ``lora`` (JSON), ``label_names``, ``head_normalize``,
-``steps``, ``skips``, held-out loss/accuracy before and after.
+``steps``, ``skips``, ``weight_storage`` (model.dtype: with "bfloat16" the tensors are uint16
+datasets of bfloat16 bits, :mod:`semzo.model.storage`), held-out loss/accuracy before and after.
 """
 
 from __future__ import annotations
@@ -482,7 +483,7 @@ def save_model(ctx, model, names: list[str], which: str, task_kind: str,
              "trainable": json.dumps(names), "lora": json.dumps(lora),
              "label_names": np.array(label_names, dtype=object),
              "head_normalize": bool(model.head.normalize) if model.head else False,
-             "steps": state.step, "skips": state.skips,
+             "steps": state.step, "skips": state.skips, "weight_storage": model.storage,
              "heldout_loss_before": _num(before[0]), "heldout_acc_before": _num(before[1]),
              "heldout_loss_after": _num(after[0]), "heldout_acc_after": _num(after[1])}
     with create_collective(ctx.path("model.h5"), comm, ctx.deck.to_toml(), **attrs) as f:

@@ -71,8 +71,8 @@ def merged_weights(model: TransformerBase) -> dict[str, np.ndarray]:
     added |= {"classifier.weight", "classifier.bias"}
     out = {n: _host(a) for n, a in model.params.items() if n not in added}
     for module, spec in model.lora.items():
-        a = _host(model.params[spec.a]).astype(np.float64)
-        b = _host(model.params[spec.b]).astype(np.float64)
+        a = to_float32(_host(model.params[spec.a])).astype(np.float64)
+        b = to_float32(_host(model.params[spec.b])).astype(np.float64)
         delta = spec.scale * (b @ a)                      # (out, in)
         name = f"{module}.weight"
         w = out[name]
