@@ -149,19 +149,38 @@ def test_lora_export_and_reload(tmp_path_factory, tmp_path):
     assert rel_err(model.logits(ids, mask), want, valid) < 2e-2     # merged W rounded once
 
 
-def test_checkpoint_round_trips_bf16_bits(tmp_path, tmp_path_factory):
+def test_checkpoint_inspect_and_export_keep_bf16_bits(tmp_path, tmp_path_factory):
+    """A ZO-perturbed bfloat16 model's tensors: checkpoint (``/packed/uint16``) -> load bit for
+    bit; ``semzo inspect`` names the storage; ``semzo export`` rebuilds the model in bfloat16
+    from the stored deck and writes the same bits as BF16."""
     from mpi4py import MPI
 
+    from semzo import deck as deckmod
     from semzo.checkpoint import Checkpointer, load
+    from semzo.checkpoint.tools import export, summary
     from semzo.deck import CheckpointSection
+    from semzo.finetune.perturb import perturb
     folder, _ = build("qwen2", tmp_path_factory)
     model = load_model(folder, dtype="bfloat16")
-    with Checkpointer(MPI.COMM_SELF, CheckpointSection(dir=str(tmp_path))) as ck:
-        p = ck.save(3, dict(model.params), {"step": 3})
-    back = load(p, MPI.COMM_SELF).params
-    assert back.keys() == model.params.keys()
+    trained = [n for n in model.params if "layers.1." in n]
+    perturb([(i, model.params[n]) for i, n in enumerate(trained)], 5, 0.05)
+    deck = deckmod.load(None, [f'model.path="{folder}"', 'model.dtype="bfloat16"'],
+                        check_inputs=False)
+    comm = MPI.COMM_SELF
+    with Checkpointer(comm, CheckpointSection(dir=str(tmp_path / "ck")),
+                      deck_toml=deck.to_toml()) as ck:
+        p = ck.save(3, {n: model.params[n] for n in trained}, {"step": 3})
+    back = load(p, comm).params
+    assert list(back) == trained
+    for n in trained:
+        assert back[n].dtype == np.uint16 and back[n].tobytes() == model.params[n].tobytes(), n
+    text, ok = summary(p, comm, deck=False)
+    assert ok and "model.dtype bfloat16: uint16 tensors (u2) are bfloat16 bits" in text
+    out = export(p, tmp_path / "hf", comm)
+    again = load_model(out, dtype="bfloat16")
     for n, a in model.params.items():
-        assert back[n].dtype == np.uint16 and back[n].tobytes() == a.tobytes(), n
+        assert again.params[n].tobytes() == a.tobytes(), n
+    assert {Checkpoint(out).dtype(n) for n in Checkpoint(out)} == {"BF16"}
 
 
 def test_dtype_rules_agree(tmp_path_factory):
