@@ -215,7 +215,8 @@ def _is_cpu32(*arrays) -> bool:
 def _f32(xp, a):
     """float32 values of ``a``: bfloat16 bits (uint16) upcast exactly, others converted."""
     if a.dtype == np.uint16:
-        return (a.astype(xp.uint32) << 16).view(xp.float32)
+        from semzo.model.storage import to_float32
+        return to_float32(a)
     return a.astype(xp.float32)
 
 
