@@ -2,12 +2,18 @@
 (transformers LlamaForCausalLM, float32) at the same thread count, in the same run.
 
     python bench/decoder.py [--model PATH] [--threads 2] [--batch 8] [--seq 128] [--repeat 3]
+                            [--dtype float32|bfloat16]
 
 ``--model`` defaults to the named model ``smollm2`` (the folder ``make setup`` converts, via
 ``semzo.model.zoo``); any Llama/Qwen2/Mistral/OPT folder works. Runs alternate between the two
 libraries with a short pause at each switch (so one's idle workers stop spinning before the
 other runs). Prints both times (best and median), the ratio torch/semzo (> 1: semzo faster),
 load times, and the largest relative logits difference on the batch.
+
+``--dtype bfloat16``: semzo stores bfloat16 weights (upcast where read, float32 arithmetic)
+and the peer is torch with the model in bfloat16 (``model.to(torch.bfloat16)``: bfloat16
+weights *and* arithmetic: the logits difference printed is mostly torch's bfloat16
+arithmetic; on random ids torch bfloat16 is 5e-2 from torch float32, semzo bfloat16 2.5e-2).
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = ap.parse_args()
     folder = resolve(args.model)
 
@@ -49,10 +56,10 @@ def main() -> None:
     from semzo.model import load_model, set_threads
 
     t0 = time.perf_counter()
-    ours = load_model(folder)
+    ours = load_model(folder, dtype=args.dtype)
     t_ours = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
     t_ref = time.perf_counter() - t0
     set_threads(args.threads)
     torch.set_num_threads(args.threads)
@@ -70,7 +77,7 @@ def main() -> None:
             return ref(input_ids=tids, attention_mask=tmask).logits
 
     z = run_ours()
-    zr = run_ref().numpy()
+    zr = run_ref().float().numpy()
     err = float(np.max(np.abs(z - zr)) / np.max(np.abs(zr)))
     del z, zr
     times: dict[str, list[float]] = {"semzo": [], "torch": []}
@@ -86,7 +93,8 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model {folder}: {ours.config.family} {n_par / 1e6:.1f}M parameters, "
           f"{ours.config.num_layers} layers; batch {args.batch} x {args.seq}, "
-          f"{args.threads} threads")
+          f"{args.threads} threads; weights {args.dtype} (semzo "
+          f"{sum(a.nbytes for a in ours.params.values()) / 2**20:.0f} MiB)")
     print(f"load: semzo {t_ours:.2f} s, transformers {t_ref:.2f} s")
     for k in ("semzo", "torch"):
         print(f"{k:6s} forward+logits: best {best[k] * 1e3:8.1f} ms, median {med[k] * 1e3:8.1f} "

@@ -1,5 +1,6 @@
-"""GPU-only: the CuPy path of the decoder families against the NumPy path (float32 and
-float16 storage). Skipped, with the reason, only when cupy cannot be imported or sees no
+"""GPU-only: the CuPy path of the decoder families against the NumPy path (float32, float16
+and bfloat16 storage; bfloat16 against NumPy bfloat16, the same weights and float32
+arithmetic, within 1e-4 relative). Skipped, with the reason, only when cupy cannot be imported or sees no
 CUDA device."""
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ def tiny_llama(folder):
     return folder
 
 
-@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("float16", 3e-2)])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("float16", 3e-2), ("bfloat16", 1e-4)])
 def test_cupy_decoder_matches_numpy(tmp_path, dtype, tol):
     folder = tiny_llama(tmp_path / "m")
-    cpu, gpu = load_model(folder), load_model(folder, xp="cupy", dtype=dtype)
+    cpu = load_model(folder, dtype="bfloat16" if dtype == "bfloat16" else "float32")
+    gpu = load_model(folder, xp="cupy", dtype=dtype)
     ids = np.random.default_rng(1).integers(0, 101, size=(3, 20))
     mask = np.ones_like(ids)
     mask[1, 12:] = 0

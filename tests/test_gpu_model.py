@@ -3,7 +3,10 @@
 Families come from ``semzo.model.config.SUPPORTED`` (tiny random configs: BERT and GPT-2 from
 tests/mpi/zo_common.py, any later family from transformers' own config class), so families
 added later are picked up without editing this file. Storage dtypes are those ``load_model``
-accepts (float32, float16, and bfloat16 once the loader takes it). The GPU cases are skipped
+accepts (float32, float16, bfloat16), each against the NumPy float32 model; bfloat16 also
+against the NumPy bfloat16 model within ``TOL_SAME_BF16`` = 1e-4 relative (the same bfloat16
+weights and float32 arithmetic: only the GEMMs' summation order differs, as for float32
+against float32). The GPU cases are skipped
 only when CuPy or a GPU is absent; ``test_forward_harness_on_cpu`` runs the same comparison
 with NumPy on both sides, so the harness itself is proven without a GPU.
 """
@@ -22,9 +25,11 @@ from zo_common import make_model
 
 from semzo.model import load_model
 from semzo.model.config import SUPPORTED
+from semzo.model.storage import to_bits, to_float32
 from semzo.runtime import SemzoError
 
 TOL = {"float32": 1e-4, "float16": 3e-2, "bfloat16": 6e-2}
+TOL_SAME_BF16 = 1e-4
 TINY = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64,
         "vocab_size": 97}
@@ -78,10 +83,11 @@ def batch(vocab: int, b: int = 6, t: int = 20, seed: int = 0):
     return ids, mask
 
 
-def check_forward(xp, folder: Path, dtype: str, tol: float) -> None:
-    """The model on ``xp`` in ``dtype`` against the NumPy float32 model: final hidden states,
-    pooled embeddings and the classification loss; in-place parameter edits are seen."""
-    cpu = load_model(folder)
+def check_forward(xp, folder: Path, dtype: str, tol: float, ref_dtype: str = "float32") -> None:
+    """The model on ``xp`` in ``dtype`` against the NumPy model in ``ref_dtype`` (float32 or
+    bfloat16): final hidden states, pooled embeddings and the classification loss; in-place
+    parameter edits are seen."""
+    cpu = load_model(folder, dtype=ref_dtype)
     dev = load_model(folder, xp=xp, dtype=dtype)
     assert list(dev.params) == list(cpu.params)
     first = next(iter(dev.params.values()))
@@ -107,7 +113,10 @@ def check_forward(xp, folder: Path, dtype: str, tol: float) -> None:
     before = host(dev.hidden_states(ids, mask)).copy()
     w = dev.params[name]
     noise = np.random.default_rng(1).normal(0.0, 0.05, w.shape).astype(np.float32)
-    w += xp.asarray(noise).astype(w.dtype)
+    if dev.storage == "bfloat16":               # uint16 bits: edit the values, not the bits
+        w[...] = to_bits(to_float32(w) + xp.asarray(noise))
+    else:
+        w += xp.asarray(noise).astype(w.dtype)
     assert float(np.abs(host(dev.hidden_states(ids, mask)) - before).max()) > 1e-4
 
 
@@ -118,7 +127,20 @@ def test_gpu_forward_matches_numpy(folders, family, dtype):
     check_forward(cupy_or_none(), folders[family], dtype, TOL[dtype])
 
 
+@gpu_skip()
+@pytest.mark.parametrize("family", sorted(SUPPORTED))
+def test_gpu_bf16_matches_numpy_bf16(folders, family):
+    """CuPy bfloat16 against NumPy bfloat16: the same array code and weights."""
+    check_forward(cupy_or_none(), folders[family], "bfloat16", TOL_SAME_BF16, "bfloat16")
+
+
 @pytest.mark.parametrize("family", sorted(SUPPORTED))
 def test_forward_harness_on_cpu(folders, family):
     """The same comparison with NumPy on both sides: equal to rounding, edits seen."""
     check_forward(np, folders[family], "float32", 1e-6)
+
+
+@pytest.mark.parametrize("family", sorted(SUPPORTED))
+def test_forward_harness_bf16_on_cpu(folders, family):
+    """The bfloat16 comparison with NumPy on both sides (bits edited as values)."""
+    check_forward(np, folders[family], "bfloat16", 1e-6, "bfloat16")

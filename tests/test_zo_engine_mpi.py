@@ -25,7 +25,7 @@ def tiny(tmp_path_factory):
 def test_zo_modes_mpi(tiny, nranks):
     proc = check(mpirun(nranks, [str(SCRIPTS / "zo_modes.py"), str(tiny)], timeout=240,
                         env=ENV))
-    assert f"ok: zo modes on {nranks} ranks" in proc.stdout
+    assert f"ok: zo modes on {nranks} ranks (float32)" in proc.stdout
     for mode in ("data/copy", "perturbation/copy", "perturbation/fused", "hybrid/copy"):
         assert f"ok: {mode}" in proc.stdout, mode
 

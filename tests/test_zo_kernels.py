@@ -24,6 +24,10 @@ import pytest
 
 from semzo.finetune import kernels, perturb, rng
 from semzo.finetune.perturb import ZTensor, decays, multi_update, restore_update, zvec
+from semzo.model.storage import to_bits, to_float32
+
+#: bfloat16 storage in these tests: uint16 arrays of bfloat16 bits (a bfloat16 model's params)
+BF16 = np.uint16
 
 ROOT = Path(__file__).resolve().parents[1]
 SIG = 6.0                                   # tolerance in standard errors
@@ -79,10 +83,18 @@ def ref_z(seed: int, t: int, e: np.ndarray, dist: str) -> np.ndarray:
 
 
 def store(x64: np.ndarray, dtype) -> np.ndarray:
-    """The kernels' rounding: float64 -> float32 (-> float16); float64 kept."""
+    """The kernels' rounding: float64 -> float32 (-> float16, or -> bfloat16 bits by
+    round-to-nearest-even on the float32 pattern, ``storage.to_bits``); float64 kept."""
     if dtype == np.float64:
         return x64.copy()
+    if dtype == BF16:
+        return to_bits(x64.astype(np.float32))
     return x64.astype(np.float32).astype(dtype)
+
+
+def load64(p: np.ndarray) -> np.ndarray:
+    """float64 values of stored parameters (bfloat16 bits upcast exactly)."""
+    return to_float32(p).astype(np.float64) if p.dtype == BF16 else p.astype(np.float64)
 
 
 def z64(seed, t, off, n, dist):
@@ -90,12 +102,12 @@ def z64(seed, t, off, n, dist):
 
 
 def ref_perturb(p, seed, t, off, scale, dist):
-    return store(p.astype(np.float64) + scale * z64(seed, t, off, p.size, dist), p.dtype)
+    return store(load64(p) + scale * z64(seed, t, off, p.size, dist), p.dtype)
 
 
 def ref_restore_update(p, seed, t, off, eps, lr, g, wd, dist):
     z = z64(seed, t, off, p.size, dist)
-    pr = p.astype(np.float64) + eps * z
+    pr = load64(p) + eps * z
     return store(pr - lr * (g * z + wd * pr), p.dtype)
 
 
@@ -103,7 +115,7 @@ def ref_multi_update(p, seeds, gs, t, off, lr, wd, eps, restore_seed, dist):
     acc = np.zeros(p.size)
     for s, g in zip(seeds, gs, strict=True):
         acc = acc + g * z64(s, t, off, p.size, dist)
-    pr = p.astype(np.float64)
+    pr = load64(p)
     if restore_seed is not None:
         pr = pr + eps * z64(restore_seed, t, off, p.size, dist)
     return store(pr - lr * (acc + wd * pr), p.dtype)
@@ -120,7 +132,7 @@ def params(n, dtype, seed=0):
     p = r.normal(0.0, 0.05, n)
     p[::97] = 0.0
     p[1::89] = r.normal(0.0, 1e-6, p[1::89].size)
-    return p.astype(dtype)
+    return to_bits(p.astype(np.float32)) if dtype == BF16 else p.astype(dtype)
 
 
 def bits_equal(a, b) -> bool:
@@ -286,7 +298,7 @@ def test_no_correlation_between_neighbours(dist):
 
 
 # ----------------------------------------------------------------------------- fused kernels
-DTYPES = [np.float32, np.float16, np.float64]
+DTYPES = [np.float32, np.float16, np.float64, BF16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -375,8 +387,8 @@ def test_many_tensors_of_mixed_dtypes_in_one_call():
     tensors done one by one; arrays sharing memory are refused."""
     r = np.random.default_rng(12)
     sizes = [384, 1, 0, 3 * kernels.CHUNK + 5, 1536, 7, kernels.CHUNK, 129, 2 * kernels.CHUNK]
-    dts = [np.float32, np.float16, np.float64]
-    model = [ZTensor(10 + i, params(n, dts[i % 3], seed=i), int(r.integers(0, 2 ** 40)),
+    dts = [np.float32, np.float16, np.float64, BF16]
+    model = [ZTensor(10 + i, params(n, dts[i % 4], seed=i), int(r.integers(0, 2 ** 40)),
                      bool(i % 2)) for i, n in enumerate(sizes)]
     ref = [ZTensor(z.t, z.array.copy(), z.offset, z.decay) for z in model]
     seeds, gs = [3, 4], [0.5, -0.25]
@@ -447,6 +459,33 @@ def test_half_conversions_exact():
     with np.errstate(over="ignore"):
         want = xs.astype(np.float16).view(np.uint16)
     assert bits_equal(got, want)
+
+
+def test_bfloat16_conversions_exact():
+    """The numba kernels' and the NumPy reference's bfloat16 conversions are torch's: every
+    bit pattern upcast, float32 -> bfloat16 round to nearest even (ties, overflow, NaN)."""
+    torch = pytest.importorskip("torch")
+    h = np.arange(2 ** 16, dtype=np.uint16)
+    want = torch.from_numpy(h.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+    up = to_float32(h)
+    assert np.array_equal(up, want, equal_nan=True)
+    got = np.array([kernels.bf16_bits_to_f64(x) for x in h.view(np.int16)[::7]])
+    with np.errstate(invalid="ignore"):                 # signalling NaN patterns
+        assert np.array_equal(got, want[::7].astype(np.float64), equal_nan=True)
+    r = np.random.default_rng(1)
+    fin = up[np.isfinite(up)][::3]
+    xs = np.concatenate([r.normal(0, 1, 3000), r.normal(0, 1e-30, 500), r.normal(0, 1e30, 500),
+                         [3.3895e38, 3.4e38, 1e-45, 0.0, -0.0, np.inf, -np.inf]]
+                        ).astype(np.float32)
+    ties = (fin.view(np.uint32) | np.uint32(0x8000)).view(np.float32)       # exactly halfway
+    xs = np.concatenate([xs, fin, ties[np.isfinite(ties)]])
+    want = torch.from_numpy(xs).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    assert bits_equal(to_bits(xs), want)
+    got = np.array([kernels.f32_to_bf16_bits(x) for x in xs], np.int16).view(np.uint16)
+    assert bits_equal(got, want)
+    nan = np.array([np.nan, -np.nan], np.float32)
+    assert np.isnan(to_float32(to_bits(nan))).all()
+    assert np.isnan([kernels.bf16_bits_to_f64(kernels.f32_to_bf16_bits(x)) for x in nan]).all()
 
 
 # ----------------------------------------------------------------------------- drift bound
@@ -531,7 +570,7 @@ def test_cuda_c_source_built_for_cpu_gives_cpu_bits(tmp_path):
         lib.zo_zvec(out.ctypes.data, n, off, t, k0, k1, code)
         assert bits_equal(out, zvec(seed, t, off, n, dist))
         for dtype in DTYPES:
-            sfx = {np.float32: "f32", np.float64: "f64", np.float16: "f16"}[dtype]
+            sfx = {np.float32: "f32", np.float64: "f64", np.float16: "f16", BF16: "bf16"}[dtype]
             p0 = params(n, dtype, seed=10)
             a, b = p0.copy(), p0.copy()
             f = getattr(lib, f"zo_perturb_{sfx}")

@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="weight storage: float32 (default) or bfloat16 (half the memory, "
+                        "float32 arithmetic); a checkpoint uses the dtype it was trained with")
     g.add_argument("--chat", action="store_true",
                    help="render the prompt as a user message with the model's chat template")
     sub.add_parser("deck-doc", help="print the deck reference (docs/deck.md)")

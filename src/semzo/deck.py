@@ -96,8 +96,9 @@ class ModelSection:
                     "`smollm2` = SmolLM2-135M-Instruct, converted by `make setup`.",
                     kind="dir_or_empty")
     max_length: int = key(128, "Tokens per text after truncation.", min=8, max=512)
-    dtype: str = key("float32", "Weight storage: `float32`, or `float16` (GPU only).",
-                     choices=("float32", "float16"))
+    dtype: str = key("float32", "Weight storage: `float32`; `float16` (GPU only); `bfloat16` "
+                     "(CPU or GPU: bfloat16 bits, float32 arithmetic; half the weights' memory, "
+                     "slower on CPU).", choices=("float32", "float16", "bfloat16"))
 
 
 @dataclass(frozen=True)
@@ -491,7 +492,8 @@ def build(raw: dict[str, Any], src: str, overrides: list[str] = (), *,
 def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     """Rules that involve several keys."""
     if d.model.dtype == "float16" and d.run.device == "cpu":
-        raise DeckError(f"{d.source}: model.dtype: float16 weights need run.device = \"gpu\"")
+        raise DeckError(f"{d.source}: model.dtype: float16 weights need run.device = \"gpu\" "
+                        f"(bfloat16 runs on the CPU)")
     if d.zo.offload == "host" and d.zo.schedule != "streamed":
         raise DeckError(f"{d.source}: zo.offload: \"host\" streams stages and needs "
                         f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")

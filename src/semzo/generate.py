@@ -71,12 +71,12 @@ def _eos(*cfgs: dict) -> set:
     return out
 
 
-def _from_folder(folder: Path, what: str) -> Loaded:
+def _from_folder(folder: Path, what: str, dtype: str = "float32") -> Loaded:
     from tokenizers import Tokenizer as HFTokenizer
 
     from .model import load_model
 
-    model = load_model(folder)
+    model = load_model(folder, dtype=dtype)
     if model.kind != "decoder":
         raise SemzoError(f"{folder}: generate needs a decoder, got an {model.kind}")
     f = folder / "tokenizer.json"
@@ -90,11 +90,12 @@ def _from_folder(folder: Path, what: str) -> Loaded:
                        _json(folder / "generation_config.json")), what)
 
 
-def _from_gguf(path: Path) -> Loaded:
+def _from_gguf(path: Path, dtype: str = "float32") -> Loaded:
     from .model import families
     from .model.causal import CausalLM, expected_tensors
     from .model.gguf import GGUFModel
     from .model.gguf_tokenizer import build_tokenizer
+    from .model.storage import STORAGE, to_storage
 
     g = GGUFModel(path)
     cfg = g.hf_config()
@@ -115,21 +116,34 @@ def _from_gguf(path: Path) -> Loaded:
         arr = np.ascontiguousarray(g.hf_tensor(by_hf[name], cfg), np.float32)
         if tuple(arr.shape) != tuple(shape):
             raise SemzoError(f"{path}: {name} has shape {arr.shape}, expected {shape}")
-        params[name] = arr
-    model = CausalLM(spec, params, {}, set(), np, np.float32, None, prefix)
+        params[name] = to_storage(arr, STORAGE[dtype])
+    model = CausalLM(spec, params, {}, set(), np, dtype, None, prefix)
     tk, tok_cfg = build_tokenizer(g, cfg)
     tk.no_truncation()
     tk.no_padding()
     return Loaded(model, tk, tok_cfg, _eos(cfg), f"{path} (GGUF, converted in memory)")
 
 
-def _from_checkpoint(path: Path) -> Loaded:
+def checkpoint_dtype(deck, asked: str | None, where) -> str:
+    """The weight storage to rebuild a checkpoint's model with on the CPU: bfloat16 when its
+    deck trained bfloat16 weights (the bits are restored as they are), else float32 (float16
+    weights convert exactly). ``asked`` (a --dtype) must agree: SemzoError naming it."""
+    stored = deck.model.dtype if deck is not None else "float32"
+    dt = "bfloat16" if stored == "bfloat16" else "float32"
+    if asked is not None and asked != dt:
+        raise SemzoError(f"--dtype {asked}: {where} holds {stored} weights, rebuilt as {dt} "
+                         f"(omit --dtype)")
+    return dt
+
+
+def _from_checkpoint(path: Path, dtype: str | None = None) -> Loaded:
     from mpi4py import MPI
 
     from .checkpoint.format import CheckpointError
     from .checkpoint.reader import load
     from .checkpoint.tools import _rebuild_model
     from .deck import from_toml_text
+    from .model.storage import same_storage_copy
     from .model.zoo import resolve_model_path
 
     comm = MPI.COMM_SELF
@@ -159,7 +173,8 @@ def _from_checkpoint(path: Path) -> Loaded:
         raise SemzoError(f"{path}: the model folder {folder} differs from the one the "
                          f"checkpoint was trained from (checksum {folder_checksum(folder)}, "
                          f"recorded {want})")
-    base = _from_folder(folder, "")
+    dt = checkpoint_dtype(deck, dtype, path)
+    base = _from_folder(folder, "", dt)
     model = _rebuild_model(loaded, meta)
     if model.kind != "decoder":
         raise SemzoError(f"{path}: generate needs a decoder, the checkpoint's model is an "
@@ -167,29 +182,38 @@ def _from_checkpoint(path: Path) -> Loaded:
     for n, arr in loaded.params.items():
         if n not in model.params or model.params[n].shape != arr.shape:
             raise SemzoError(f"{path}: tensor {n!r} does not fit the model")
-        model.params[n][...] = arr
+        try:
+            same_storage_copy(model.params[n], arr, f"{path}: {n}")
+        except ValueError as exc:
+            raise SemzoError(str(exc)) from None
     base.model = model
     base.what = f"{path} (step {loaded.step}, base model {folder})"
     return base
 
 
-def load_for_generation(source: str) -> Loaded:
+def load_for_generation(source: str, dtype: str | None = None) -> Loaded:
     """A decoder, its tokenizer and end-of-sequence ids from a folder, a named model, a GGUF
-    file or a semzo checkpoint (see the module docstring). Raises :class:`SemzoError`."""
+    file or a semzo checkpoint (see the module docstring). ``dtype``: weight storage,
+    "float32" (default) or "bfloat16" (CPU: float16 is GPU only); a checkpoint's model is
+    rebuilt with the storage it was trained with (:func:`checkpoint_dtype`). Raises
+    :class:`SemzoError`."""
     from .model.zoo import NAMED, resolve_model_path
 
+    if dtype is not None and dtype not in ("float32", "bfloat16"):
+        raise SemzoError(f"--dtype {dtype}: generate runs on the CPU, which stores float32 or "
+                         f"bfloat16 weights (float16 needs a GPU)")
     p = Path(source)
     if source in NAMED:
         folder = resolve_model_path(source)
-        return _from_folder(folder, f"{source} ({folder})")
+        return _from_folder(folder, f"{source} ({folder})", dtype or "float32")
     if p.is_file() and p.suffix == ".gguf":
-        return _from_gguf(p)
+        return _from_gguf(p, dtype or "float32")
     if p.is_file() and p.suffix == ".h5":
-        return _from_checkpoint(p)
+        return _from_checkpoint(p, dtype)
     if p.is_dir() and (p / "config.json").is_file():
-        return _from_folder(p, str(p))
+        return _from_folder(p, str(p), dtype or "float32")
     if p.is_dir() and (any(p.glob("ckpt-*.h5")) or (p / "checkpoints").is_dir()):
-        return _from_checkpoint(p / "checkpoints" if (p / "checkpoints").is_dir() else p)
+        return _from_checkpoint(p / "checkpoints" if (p / "checkpoints").is_dir() else p, dtype)
     if not p.exists():
         raise SemzoError(f"{source}: no such model folder, GGUF file or checkpoint")
     raise SemzoError(f"{source}: not a model folder (config.json), a .gguf file or a semzo "
@@ -282,7 +306,7 @@ def run_generate(args) -> str:
     if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
         raise SemzoError("generate: need --temperature >= 0, 0 < --top-p <= 1, "
                          "--max-new-tokens >= 1")
-    loaded = load_for_generation(args.model)
+    loaded = load_for_generation(args.model, getattr(args, "dtype", None))
     text = chat_prompt(loaded, args.prompt) if args.chat else args.prompt
     ids = loaded.tk.encode(text, add_special_tokens=not args.chat).ids
     out = generate_ids(loaded.model, ids, args.max_new_tokens, temperature=args.temperature,

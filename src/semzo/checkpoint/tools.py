@@ -39,6 +39,15 @@ def _damaged(exc) -> SemzoError:
     return e
 
 
+def _deck_dtype(deck_toml) -> str:
+    """model.dtype of a stored deck ("float32" when absent or unreadable)."""
+    import tomllib
+    try:
+        return str(tomllib.loads(str(deck_toml or "")).get("model", {}).get("dtype", "float32"))
+    except (tomllib.TOMLDecodeError, AttributeError):
+        return "float32"
+
+
 def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tuple[str, bool]:
     """(text, True) describing a checkpoint file or folder. Collective. A damaged file
     (its whole-file record or a checksum does not match) raises :class:`SemzoError` on every
@@ -84,8 +93,11 @@ def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tupl
         lines.append("  metrics: " + ", ".join(f"{k} = {_value(v)}" for k, v in metrics.items()))
     params = [d for d in meta.datasets if d[0].startswith("params/")]
     n_values = sum(int(np.prod(d[1])) for d in params)
+    bf16 = _deck_dtype(a.get("semzo_deck")) == "bfloat16"
     lines.append(f"  parameters: {len(params)} tensors, {n_values:,} values, "
-                 f"{_mib(int(a.get('param_bytes', 0)))}; file {_mib(meta.file_bytes)}")
+                 f"{_mib(int(a.get('param_bytes', 0)))}; file {_mib(meta.file_bytes)}"
+                 + ("; model.dtype bfloat16: uint16 tensors (u2) are bfloat16 bits"
+                    if bf16 else ""))
     for g, label in (("state", "state"), ("per_rank", "per-rank (P, ...)"),
                      ("extras", "extras")):
         items = [f"{p.split('/', 1)[1]} {tuple(s)} {t}" for p, s, t, _ in meta.datasets
@@ -123,11 +135,12 @@ def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tupl
 def _rebuild_model(loaded, meta: dict):
     """The base model of the stored deck with the checkpoint's head and LoRA adapters."""
     from ..deck import from_toml_text
+    from ..generate import checkpoint_dtype
     from ..model import load_model
 
     deck = from_toml_text(loaded.deck_toml) if loaded.deck_toml.strip() else None
     folder = deck.model.path if deck is not None and deck.model.path else None
-    model = load_model(folder)
+    model = load_model(folder, dtype=checkpoint_dtype(deck, None, loaded.path))
     names = set(loaded.params)
     if "classifier.weight" in names and model.head is None:
         head = meta.get("head", {})
@@ -167,6 +180,7 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
     if comm.Get_rank() == 0:
         try:
             from ..model import export_hf
+            from ..model.storage import same_storage_copy
 
             meta = json.loads(loaded.attrs.get("model_meta") or "{}")
             model = _rebuild_model(loaded, meta)
@@ -179,7 +193,9 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
                 if dst.shape != arr.shape:
                     raise SemzoError(f"{path}: {name} has shape {arr.shape}, the model "
                                      f"{dst.shape}")
-                dst[...] = arr          # in place: the model's fused buffers stay valid
+                # in place: the model's fused buffers stay valid; bfloat16 bits are copied
+                # as they are, never cast to or from a float array
+                same_storage_copy(dst, arr, f"{path}: {name}")
             kept = len(model.params) - len(loaded.params)
             if kept:
                 log.info("%d tensors not in the checkpoint keep the base model's values", kept)

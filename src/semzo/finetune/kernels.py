@@ -1,10 +1,16 @@
 """Fused in-place ZO kernels for the CPU (numba, parallel over elements).
 
-One pass walks a list of flat parameter tensors (1-D, C-contiguous; float32, float64, or float16
-storage passed as its ``uint16`` view) once, in one parallel launch per storage dtype,
-regenerating z from the counter-based generator of :mod:`semzo.finetune.rng` for element
-``off + i`` of tensor ``t``. Arithmetic is float64 on the float32-rounded z; the result is
-rounded once to float32 (then to float16 for half storage; float64 storage is not rounded).
+One pass walks a list of flat parameter tensors (1-D, C-contiguous; float32, float64, float16
+storage passed as its ``uint16`` view, or bfloat16 bits passed as their ``int16`` view) once, in
+one parallel launch per storage dtype, regenerating z from the counter-based generator of
+:mod:`semzo.finetune.rng` for element ``off + i`` of tensor ``t``. Arithmetic is float64 on the
+float32-rounded z; the result is rounded once to float32, then, for half storage, from float32
+to float16 or bfloat16, round to nearest even (float64 storage is not rounded). The two
+16-bit formats differ only by the view's dtype: uint16 = float16, int16 = bfloat16 (a model
+stores bfloat16 as uint16 bits, :mod:`semzo.model.storage`; :mod:`semzo.finetune.perturb`
+passes those arrays as int16 views, so no storage code travels separately). bfloat16 bits
+``h`` read as the float32 ``h << 16`` (exact); a float32 ``f`` is written as
+``(f + 0x7FFF + ((f >> 16) & 1)) >> 16`` on its bit pattern (NaN: ``(f >> 16) | 0x40``).
 The exact formulas, which the numpy reference in the tests writes out and which the GPU kernels
 follow, are:
 
@@ -109,6 +115,26 @@ def f32_to_half_bits(x):
     return np.uint16(o | (sign >> 16))
 
 
+@njit(cache=True, error_model="numpy")
+def bf16_bits_to_f64(h):
+    """bfloat16 bits (an int16 or uint16 holding them) -> float64, exact."""
+    x = np.uint32((np.int64(h) & 0xFFFF) << 16)
+    return np.float64(x.view(np.float32))
+
+
+@njit(cache=True, error_model="numpy")
+def f32_to_bf16_bits(x):
+    """float32 -> bfloat16 bits as an int16 (the storage view), round to nearest even; NaN
+    stays a quiet NaN; overflow rounds to inf (as torch's ``.to(torch.bfloat16)``)."""
+    f = np.int64(np.float32(x).view(np.uint32))
+    if (f & 0x7FFFFFFF) > 0x7F800000:
+        o = (f >> 16) | 0x40
+    else:
+        o = (f + 0x7FFF + ((f >> 16) & 1)) >> 16
+    o = o & 0xFFFF
+    return np.int16(o - 0x10000 if o >= 0x8000 else o)
+
+
 def _load(p, i):
     pass
 
@@ -121,6 +147,8 @@ def _store(p, i, v):
 def _ol_load(p, i):
     if p.dtype == nbtypes.uint16:
         return lambda p, i: half_bits_to_f64(p[i])
+    if p.dtype == nbtypes.int16:
+        return lambda p, i: bf16_bits_to_f64(p[i])
     return lambda p, i: np.float64(p[i])
 
 
@@ -130,6 +158,10 @@ def _ol_store(p, i, v):
         def store_half(p, i, v):
             p[i] = f32_to_half_bits(np.float32(v))
         return store_half
+    if p.dtype == nbtypes.int16:
+        def store_bf16(p, i, v):
+            p[i] = f32_to_bf16_bits(np.float32(v))
+        return store_bf16
 
     def store(p, i, v):
         p[i] = v                                          # one rounding float64 -> dtype
@@ -252,7 +284,8 @@ def zvec_kernel(out, e0, t, k0, k1, dist, tab):
 PERTURB, RESTORE_UPDATE, MULTI_RESTORE, MULTI, NONE, PLAIN = 0, 1, 2, 3, 4, 5
 _NO_KEYS = np.zeros(0, np.uint64)
 _NO_GS = np.zeros(0, np.float64)
-STORAGE = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.uint16))   # uint16: float16
+#: storage views the kernels take: uint16 = float16 bits, int16 = bfloat16 bits
+STORAGE = (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.uint16), np.dtype(np.int16))
 
 
 @intrinsic
@@ -352,7 +385,8 @@ def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 
     """One fused pass (``mode``, see :func:`fused_kernel`) over ``entries``, in place.
 
     entries: (p, off, t, wd) or (p, off, t, wd, dst) with p a flat C-contiguous writeable
-    numpy array of float32, float64 or uint16 (the view of float16 storage) and dst None or an
+    numpy array of float32, float64, uint16 (the view of float16 storage) or int16 (the view of
+    bfloat16 bits) and dst None or an
     array like p. ``post`` = (pk0, pk1, pa): after the mode's operation, dst (or p) <- p +
     pa z(pk0, pk1) in the same pass. One kernel launch per storage dtype.
     ValueError if two arrays share memory (the chunks run concurrently).
@@ -366,7 +400,8 @@ def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 
             if arr.dtype not in STORAGE or arr.ndim != 1 or not arr.flags.c_contiguous \
                     or not arr.flags.writeable:
                 raise ValueError(f"tensor {t}: need a flat, C-contiguous, writeable array of "
-                                 f"float32/float64/uint16, got {arr.dtype} {arr.shape}")
+                                 f"float32/float64/uint16 (float16)/int16 (bfloat16), got "
+                                 f"{arr.dtype} {arr.shape}")
         if dst is not None and (dst.dtype != p.dtype or dst.size != p.size):
             raise ValueError(f"tensor {t}: destination {dst.dtype} {dst.shape} does not match "
                              f"{p.dtype} {p.shape}")
@@ -399,7 +434,8 @@ def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 
 
 
 def perturb(p: np.ndarray, off: int, t: int, k0, k1, dist: int, scale: float) -> None:
-    """p <- p + scale z, in place. p: flat float32/float64 array or float16 as uint16 view."""
+    """p <- p + scale z, in place. p: flat float32/float64 array, float16 as uint16 view or
+    bfloat16 bits as int16 view."""
     run_pass([(p, off, t, 0.0)], PERTURB, dist, k0, k1, a=scale)
 
 

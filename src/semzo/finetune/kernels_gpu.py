@@ -19,7 +19,8 @@ Two implementations of the same contract (rng.py stream definition, kernels.py f
   multiply-adds, which changes Gaussian z by at most about one float32 ulp (< 1e-6).
 
 Entry points mirror kernels.py: ``zvec``, ``perturb``, ``restore_update``, ``multi_update`` take
-a flat device array ``p`` (float32, float64, float16), the element offset ``off`` of ``p[0]`` in
+a flat device array ``p`` (float32, float64, float16, or uint16 bfloat16 bits: CuPy backend
+only), the element offset ``off`` of ``p[0]`` in
 tensor ``t``, the seed key words, and act in place on the current CuPy stream.
 """
 
@@ -209,12 +210,24 @@ ZO_DEV u16 zo_float_to_half(float x) {
   return (u16)(o | (sign >> 16));
 }
 
+// bfloat16 storage: the uint16 bits are the upper half of a float32 (exact upcast); a float32
+// is stored rounded to nearest even on its bit pattern, NaN kept quiet (kernels.py's rule).
+ZO_DEV double zo_bf16_to_double(u16 h) { return (double)ZO_U2F(((u32)h) << 16); }
+
+ZO_DEV u16 zo_float_to_bf16(float x) {
+  u32 f = ZO_F2U(x);
+  if ((f & 0x7FFFFFFFu) > 0x7F800000u) return (u16)((f >> 16) | 0x40u);
+  return (u16)((f + 0x7FFFu + ((f >> 16) & 1u)) >> 16);
+}
+
 #define ZO_LOAD_f32(p, i) ((double)(p)[i])
 #define ZO_STORE_f32(p, i, v) ((p)[i] = (float)(v))
 #define ZO_LOAD_f64(p, i) ((p)[i])
 #define ZO_STORE_f64(p, i, v) ((p)[i] = (v))
 #define ZO_LOAD_f16(p, i) zo_half_to_double((p)[i])
 #define ZO_STORE_f16(p, i, v) ((p)[i] = zo_float_to_half((float)(v)))
+#define ZO_LOAD_bf16(p, i) zo_bf16_to_double((p)[i])
+#define ZO_STORE_bf16(p, i, v) ((p)[i] = zo_float_to_bf16((float)(v)))
 
 ZO_GLOBAL zo_zvec(float* out, long long n, u64 e0, u64 t, u64 k0, u64 k1, int dist) {
   ZO_FOR(i, n) { out[i] = (float)zo_z(e0 + (u64)i, t, k0, k1, dist); }
@@ -275,6 +288,7 @@ ZO_GLOBAL zo_stream_##S(T* p, T* q, long long n, u64 off, u64 t, int mode, u64 k
 ZO_DEFINE(f32, float)
 ZO_DEFINE(f64, double)
 ZO_DEFINE(f16, u16)
+ZO_DEFINE(bf16, u16)
 """
 
 
@@ -310,7 +324,9 @@ def cuda_source() -> str:
     return src
 
 
-SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16"}
+#: storage dtype -> kernel suffix; uint16 arrays are bfloat16 bits (semzo.model.storage)
+SUFFIX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64", np.dtype(np.float16): "f16",
+          np.dtype(np.uint16): "bf16"}
 
 
 # ----------------------------------------------------------------------------- CuPy backend
@@ -328,11 +344,13 @@ def _cupy_launch(name: str, n: int, args: tuple) -> None:
 
 
 def _storage(p):
-    """(suffix, array the kernel writes) for a flat cupy array: float16 goes as its uint16 view."""
+    """(suffix, array the kernel writes) for a flat cupy array: float16 goes as its uint16 view,
+    bfloat16 bits (uint16) as they are."""
     import cupy
     sfx = SUFFIX.get(np.dtype(p.dtype))
     if sfx is None:
-        raise TypeError(f"ZO kernels support float32, float64, float16 storage, not {p.dtype}")
+        raise TypeError(f"ZO kernels support float32, float64, float16 and bfloat16 (uint16 "
+                        f"bits) storage, not {p.dtype}")
     return sfx, (p.view(cupy.uint16) if sfx == "f16" else p)
 
 
@@ -497,6 +515,9 @@ class _NumbaCuda:
 
     @staticmethod
     def _rnd32(p) -> bool:
+        if np.dtype(p.dtype) == np.dtype(np.uint16):
+            raise TypeError("bfloat16 storage (uint16 bits) has no numba.cuda ZO kernel: "
+                            "unset SEMZO_ZO_GPU_BACKEND to use the CuPy kernels")
         return np.dtype(p.dtype) != np.dtype(np.float64)
 
     def zvec(self, out, e0, t, k0, k1, dist):

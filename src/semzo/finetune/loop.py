@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from ..model.base import cross_entropy
+from ..model.storage import to_float32
 from ..runtime import EXIT_FAILURE, SemzoError, get_logger
 from .data import Batcher, pad_batch
 from .engine import ZOEngine
@@ -231,8 +232,8 @@ class FeatureClassifyTask(_Task):
 
     def _loss_acc(self, rows) -> tuple[float, float]:
         xp, p = self.model.xp, self.model.params
-        w = p["classifier.weight"].astype(xp.float32, copy=False)
-        b = p["classifier.bias"].astype(xp.float32, copy=False)
+        w = to_float32(p["classifier.weight"])
+        b = to_float32(p["classifier.bias"])
         logits = self.feats[xp.asarray(rows)] @ w.T + b
         return cross_entropy(xp, logits, xp.asarray(self.labels[rows]).astype(xp.int64))
 

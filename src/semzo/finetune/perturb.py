@@ -4,8 +4,10 @@ A model is a list of tensors, each given as ``(t, array)`` or a :class:`ZTensor`
 array, element offset of a shard, weight-decay flag). ``t`` must be the same on every rank and
 device for the same tensor: it keys the direction z (rng.py). numpy arrays go to the numba CPU
 kernels (kernels.py), cupy arrays to the GPU kernels (kernels_gpu.py; cupy is imported only when
-a cupy array is seen). Arrays must be C-contiguous float32, float64, or float16 (storage only:
-the arithmetic is float64, rounded once to float32 and then to float16). z is never stored.
+a cupy array is seen). Arrays must be C-contiguous float32, float64, float16, or uint16 holding
+bfloat16 bits (a bfloat16 model's storage, :mod:`semzo.model.storage`; no other parameter is
+ever uint16). Half storage is storage only: the arithmetic is float64, rounded once to float32
+and then to float16 / bfloat16, round to nearest even. z is never stored.
 
 A MeZO step is three passes over the trainable parameters::
 
@@ -79,10 +81,12 @@ def _flat_numpy(a: np.ndarray, t: int) -> np.ndarray:
         raise ValueError(f"tensor {t}: array is read-only")
     flat = a.reshape(-1)
     if flat.dtype == np.float16:
-        return flat.view(np.uint16)
+        return flat.view(np.uint16)          # the kernels' float16 view
+    if flat.dtype == np.uint16:
+        return flat.view(np.int16)           # bfloat16 bits: the kernels' bfloat16 view
     if flat.dtype not in (np.float32, np.float64):
-        raise TypeError(f"tensor {t}: ZO kernels support float32, float64, float16 storage, "
-                        f"not {a.dtype}")
+        raise TypeError(f"tensor {t}: ZO kernels support float32, float64, float16 and "
+                        f"bfloat16 (uint16 bits) storage, not {a.dtype}")
     return flat
 
 

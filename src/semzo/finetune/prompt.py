@@ -22,6 +22,7 @@ import dataclasses
 import numpy as np
 
 from ..model.base import cross_entropy
+from ..model.storage import to_float32
 from ..runtime import SemzoError
 from .data import pad_batch
 from .loop import _Task
@@ -34,12 +35,9 @@ def _deck_error(msg: str) -> SemzoError:
 
 
 def lm_head_weight(model):
-    """The LM head matrix (V, E) of a decoder (the embedding matrix when tied)."""
-    for name in ("_head_weight", "_lm_weight"):
-        fn = getattr(model, name, None)
-        if fn is not None:
-            return fn()
-    return model.params["lm_head.weight"]
+    """The LM head matrix (V, E) of a decoder (the embedding matrix when tied), as stored
+    (bfloat16: uint16 bits; upcast the rows you read with ``storage.to_float32``)."""
+    return model.params[model.head_weight_name()]
 
 
 def _encode(tok, text: str, special: bool) -> list[int]:
@@ -111,7 +109,7 @@ def prompt_scores(model, hidden, maskf, word_ids):
     m = xp.asarray(maskf)
     last = xp.maximum(m.sum(axis=1).astype(xp.int64) - 1, 0)
     h = hidden[xp.arange(hidden.shape[0]), last]                    # (B, E)
-    w = lm_head_weight(model)[xp.asarray(word_ids)]                 # (C, E)
+    w = to_float32(lm_head_weight(model)[xp.asarray(word_ids)])     # (C, E), stored rows
     return (h @ w.T).astype(xp.float32, copy=False)
 
 

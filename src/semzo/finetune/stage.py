@@ -8,7 +8,8 @@ training embeddings) and ``lm`` (next-token loss of a decoder on the shard texts
 ``model.h5``: one dataset per saved tensor under its Hugging Face name (global shape, written
 collectively in row blocks), attrs: the resolved deck, ``model_source``, ``task``,
 ``trainable`` (JSON list of trained names), ``lora`` (JSON), ``label_names``, ``head_normalize``,
-``steps``, ``skips``, held-out loss/accuracy before and after.
+``steps``, ``skips``, ``weight_storage`` (model.dtype: with "bfloat16" the tensors are uint16
+datasets of bfloat16 bits, :mod:`semzo.model.storage`), held-out loss/accuracy before and after.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from ..h5io import create_collective, row_range, write_slab
+from ..model.storage import BF16, storage_name
 from ..runtime import SemzoError, get_logger
 from .data import Batcher, heldout_mask, read_shard
 from .engine import ZOEngine, ztensors
@@ -147,8 +149,8 @@ def init_head_class_means(model, emb: np.ndarray, labels: np.ndarray, n_classes:
     prior = np.log(np.maximum(counts, 0.5) / max(counts.sum(), 1.0))
     xp = model.xp
     w, b = model.params["classifier.weight"], model.params["classifier.bias"]
-    xp.copyto(w, xp.asarray((scale * means).astype(w.dtype)))
-    xp.copyto(b, xp.asarray(prior.astype(b.dtype)))
+    xp.copyto(w, model.to_param(scale * means))
+    xp.copyto(b, model.to_param(prior))
     return counts
 
 
@@ -371,6 +373,12 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
                           f"{bad[:3]}); resume with the deck it was written with "
                           f"(`semzo inspect` prints it) or set checkpoint.resume = \"never\"")
     xp = model.xp
+    half = [n for n in names if (loaded.params[n].dtype == BF16) != (model.params[n].dtype == BF16)]
+    if half:
+        raise _deck_error(f"{loaded.path}: {half[0]} is stored as "
+                          f"{storage_name(loaded.params[half[0]].dtype)}, this run's model.dtype "
+                          f"is {deck.model.dtype}; resume with the deck it was written with or "
+                          f"set checkpoint.resume = \"never\"")
     for n in names:
         dst = model.params[n]
         xp.copyto(dst, xp.asarray(loaded.params[n]).astype(dst.dtype, copy=False))
@@ -475,7 +483,7 @@ def save_model(ctx, model, names: list[str], which: str, task_kind: str,
              "trainable": json.dumps(names), "lora": json.dumps(lora),
              "label_names": np.array(label_names, dtype=object),
              "head_normalize": bool(model.head.normalize) if model.head else False,
-             "steps": state.step, "skips": state.skips,
+             "steps": state.step, "skips": state.skips, "weight_storage": model.storage,
              "heldout_loss_before": _num(before[0]), "heldout_acc_before": _num(before[1]),
              "heldout_loss_after": _num(after[0]), "heldout_acc_after": _num(after[1])}
     with create_collective(ctx.path("model.h5"), comm, ctx.deck.to_toml(), **attrs) as f:

@@ -8,7 +8,8 @@ The parameter contract (relied on by the zeroth-order engine):
   in module order (embeddings, blocks 0..L-1, final norm, then tensors the forward pass does
   not use, then added tensors: ``classifier.*`` and LoRA ``<module>.lora_A.weight`` /
   ``<module>.lora_B.weight``). The order never depends on the file.
-- Every array is C-contiguous, of the model dtype, and modified in place by the caller
+- Every array is C-contiguous, of the model's storage dtype ``param_dtype`` (float32, float16, or
+  uint16 holding bfloat16 bits: :mod:`semzo.model.storage`), and modified in place by the caller
   (``arr += ...``, ``xp.copyto(arr, ...)``); the forward pass reads the arrays of the collection
   on every call and keeps no derived copies. (The encoder stores Q, K and V of a layer as three
   row blocks of one buffer so it can run one fused GEMM; each block is still a C-contiguous
@@ -49,6 +50,7 @@ import numpy as np
 
 from semzo.model.config import DecoderConfig, EncoderConfig
 from semzo.model.kernels import matmul_into, run_slices, run_split, split_slices
+from semzo.model.storage import COMPUTE, STORAGE, storage_name, to_float32, to_storage
 from semzo.runtime import SemzoError
 
 
@@ -132,8 +134,10 @@ class StageState:
 class TransformerBase:
     """Base of :class:`~semzo.model.encoder.Encoder` and :class:`~semzo.model.decoder.Decoder`.
 
-    Attributes: ``config`` (frozen dataclass), ``xp`` (numpy or cupy), ``dtype`` (numpy dtype of
-    the stored tensors), ``params``, ``buffers`` (non-float tensors of the checkpoint, kept for
+    Attributes: ``config`` (frozen dataclass), ``xp`` (numpy or cupy), ``storage`` (the weight
+    storage: "float32", "float16" or "bfloat16"), ``param_dtype`` (numpy dtype of the stored
+    tensors: uint16 for bfloat16 bits), ``dtype`` (numpy dtype of activations: float16 for
+    float16 storage, else float32), ``params``, ``buffers`` (non-float tensors of the checkpoint, kept for
     export), ``frozen``, ``lora``, ``head`` (:class:`HeadSpec` or None), ``source`` (the folder
     the model was read from) and ``prefix`` (checkpoint name prefix, such as ``"bert."``).
     """
@@ -150,7 +154,9 @@ class TransformerBase:
         self.buffers = buffers
         self.frozen = set(frozen)
         self.xp = xp
-        self.dtype = np.dtype(dtype)
+        self.storage = storage_name(dtype)
+        self.param_dtype = STORAGE[self.storage]
+        self.dtype = COMPUTE[self.storage]
         self.source = source
         self.prefix = prefix
         self.lora: dict[str, LoraSpec] = {}
@@ -197,10 +203,10 @@ class TransformerBase:
         for m in mods:
             fin, fout = self.proj_shape(m)
             bound = 1.0 / math.sqrt(fin)
-            a = rng.uniform(-bound, bound, size=(rank, fin)).astype(self.dtype)
+            a = rng.uniform(-bound, bound, size=(rank, fin))
             spec = LoraSpec(f"{m}.lora_A.weight", f"{m}.lora_B.weight", float(alpha) / rank)
-            self.params[spec.a] = self.xp.ascontiguousarray(self.xp.asarray(a))
-            self.params[spec.b] = self.xp.zeros((fout, rank), dtype=self.dtype)
+            self.params[spec.a] = self.to_param(a)
+            self.params[spec.b] = self.xp.zeros((fout, rank), dtype=self.param_dtype)
             self.lora[m] = spec
             new += [spec.a, spec.b]
         if freeze_base:
@@ -222,11 +228,25 @@ class TransformerBase:
             w = np.zeros((n_classes, h))
         else:
             raise ValueError(f"unknown classifier init {init!r}")
-        self.params["classifier.weight"] = self.xp.ascontiguousarray(
-            self.xp.asarray(w.astype(self.dtype)))
-        self.params["classifier.bias"] = self.xp.zeros((n_classes,), dtype=self.dtype)
+        self.params["classifier.weight"] = self.to_param(w)
+        self.params["classifier.bias"] = self.xp.zeros((n_classes,), dtype=self.param_dtype)
         self.frozen -= {"classifier.weight", "classifier.bias"}
         self.head = HeadSpec(int(n_classes), bool(normalize))
+
+    def to_param(self, a):
+        """A host float array as a new C-contiguous parameter array of this model (xp, storage
+        dtype; bfloat16 rounded to nearest even from float32)."""
+        a = np.asarray(a)
+        a = to_storage(a.astype(np.float32) if self.storage == "bfloat16" else a,
+                       self.param_dtype)
+        return self.xp.ascontiguousarray(self.xp.asarray(a))
+
+    def fparam(self, name: str):
+        """Parameter ``name`` as the forward pass reads it: the stored array, or for bfloat16
+        storage its exact float32 upcast (a new array: only the tensors in use are float32 at
+        a time). Every read of ``params`` in a forward pass goes through here."""
+        a = self.params[name]
+        return to_float32(a) if self.storage == "bfloat16" else a
 
     # ------------------------------------------------------------------ stages
     #: the loss reads stage 0's embedding matrix (tied LM head); see the module docstring
@@ -336,7 +356,7 @@ class TransformerBase:
 
         x: (N, in) of the model dtype; out: (N, out), written in full.
         """
-        w = self.params[module + ".weight"]
+        w = self.fparam(module + ".weight")
         matmul_into(x, w.T if self.layout == "out_in" else w, out)
         spec = self.lora.get(module)
         if spec is not None:
@@ -345,9 +365,9 @@ class TransformerBase:
 
     def _lora_add(self, x, spec: LoraSpec, out) -> None:
         """``out += (x @ A.T) @ B.T * scale`` (out may be a column slice)."""
-        t = x @ self.params[spec.a].T
+        t = x @ self.fparam(spec.a).T
         t *= self.dtype.type(spec.scale)
-        out += t @ self.params[spec.b].T
+        out += t @ self.fparam(spec.b).T
 
     # ------------------------------------------------------------------ inputs and pooling
     def _inputs(self, input_ids, attention_mask):
@@ -421,8 +441,8 @@ class TransformerBase:
             raise RuntimeError("no classification head: call add_classifier(n_classes) first")
         xp = self.xp
         pooled = mean_pool(xp, hs, xp.asarray(maskf, dtype=xp.float32), self.head.normalize)
-        w = self.params["classifier.weight"].astype(xp.float32, copy=False)
-        b = self.params["classifier.bias"].astype(xp.float32, copy=False)
+        w = to_float32(self.params["classifier.weight"])
+        b = to_float32(self.params["classifier.bias"])
         logits = pooled @ w.T + b
         lab = xp.asarray(labels).astype(xp.int64).reshape(-1)
         check_labels(lab, self.head.n_classes)

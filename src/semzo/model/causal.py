@@ -31,6 +31,7 @@ from semzo.model.kernels_lm import (
     rope_split,
 )
 from semzo.model.spec import DecoderSpec
+from semzo.model.storage import to_float32
 
 
 def expected_tensors(s: DecoderSpec, prefix: str) -> list[tuple[str, tuple[int, ...], int]]:
@@ -164,8 +165,7 @@ class CausalLM(TransformerBase):
         if e != self.config.hidden_size:
             w = np.random.default_rng(seed).normal(0.0, std, size=(n_classes, e)) \
                 if init == "normal" else np.zeros((n_classes, e))
-            self.params["classifier.weight"] = self.xp.ascontiguousarray(
-                self.xp.asarray(w.astype(self.dtype)))
+            self.params["classifier.weight"] = self.to_param(w)
 
     # ------------------------------------------------------------------ stages
     def stage_start(self, input_ids, attention_mask=None) -> DecoderState:
@@ -238,13 +238,19 @@ class CausalLM(TransformerBase):
         """(B, T, H) residual stream entering block 0."""
         xp, s, p, pre = self.xp, self.config, self.params, self.prefix
         b, t = ids.shape
-        x = xp.take(p[pre + s.names.embed], ids.reshape(-1), axis=0)
+        x = self._rows(p[pre + s.names.embed], ids.reshape(-1))
         if s.proj_dim:
             y = xp.empty((b * t, s.hidden_size), dtype=self.dtype)
             x = self._proj(x, f"{pre}{s.names.project_in}", y)
         if s.positions == "learned":
-            x += xp.take(p[pre + s.names.pos], pos.reshape(-1), axis=0)
+            x += self._rows(p[pre + s.names.pos], pos.reshape(-1))
         return x.reshape(b, t, s.hidden_size)
+
+    def _rows(self, table, idx):
+        """Rows ``idx`` of an embedding table, in the compute dtype (bfloat16: only the rows
+        read are upcast, not the table)."""
+        x = self.xp.take(table, idx, axis=0)
+        return to_float32(x) if self.storage == "bfloat16" else x
 
     def _final(self, x):
         """Final norm (+ project_out) of the residual stream x (N, H) -> (N, E), new array."""
@@ -257,9 +263,9 @@ class CausalLM(TransformerBase):
         return a
 
     def _nw(self, mod: str):
-        s, p = self.config, self.params
-        g = p[mod + ".weight"] if s.norm_affine else self._ones
-        return g, (p[mod + ".bias"] if s.norm_bias else self._zeros)
+        s = self.config
+        g = self.fparam(mod + ".weight") if s.norm_affine else self._ones
+        return g, (self.fparam(mod + ".bias") if s.norm_bias else self._zeros)
 
     def _norm(self, x, mod: str, out):
         g, bta = self._nw(mod)
@@ -276,7 +282,7 @@ class CausalLM(TransformerBase):
                                        self.config.norm_eps, out)
 
     def _bias(self, mod: str, flag: bool):
-        return self.params[mod + ".bias"] if flag else None
+        return self.fparam(mod + ".bias") if flag else None
 
     def _rope_tables(self, n: int):
         if self._rope[0] < n:
@@ -341,10 +347,13 @@ class CausalLM(TransformerBase):
             self._residual_norm(down, db, x, m["norm2"], x)
 
     # ------------------------------------------------------------------ heads
-    def _head_weight(self):
+    def head_weight_name(self) -> str:
+        """Name of the LM head matrix (V, E) in ``params``: the embedding matrix when tied."""
         s = self.config
-        return self.params[self.prefix + s.names.embed] if s.tied else \
-            self.params[s.names.lm_head]
+        return self.prefix + s.names.embed if s.tied else s.names.lm_head
+
+    def _head_weight(self):
+        return self.fparam(self.head_weight_name())
 
     def _head(self, hs2):
         """float32 logits (N, V) of final hidden states (N, E)."""

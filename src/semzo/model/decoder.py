@@ -72,24 +72,25 @@ class Decoder(TransformerBase):
         """Stage k on one row block. The residual stream ``x`` and the last sub-block's output
         with its bias added (``pend``, not yet in ``x``) travel between stages, so the next
         block's ``ln_1`` (or ``ln_f``) is read by the stage it belongs to."""
-        xp, cfg, p, pre = self.xp, self.config, self.params, self.prefix
+        xp, cfg, p, pre = self.xp, self.config, self.fparam, self.prefix
         bsz, t, ids, maskf = part["b"], part["t"], part["ids"], part["maskf"]
         n, h, nh, d = bsz * t, cfg.hidden_size, cfg.num_heads, cfg.head_dim
         dt, eps = self.dtype, cfg.layer_norm_eps
         zero = xp.zeros(h, dtype=dt)
         if k == 0:
             part["x"] = x = xp.empty((n, h), dtype=dt)        # residual stream
-            embed_sum(ids, p[f"{pre}wte.weight"], p[f"{pre}wpe.weight"], zero, x)
+            embed_sum(ids, self.params[f"{pre}wte.weight"], self.params[f"{pre}wpe.weight"],
+                      zero, x)
             part["pend"] = None
             return
         x, pend = part["x"], part["pend"]
         if k == cfg.num_layers + 1:
             out = xp.empty((n, h), dtype=dt)
             if pend is None:
-                layernorm(x, p[f"{pre}ln_f.weight"], p[f"{pre}ln_f.bias"], eps, out=out)
+                layernorm(x, p(f"{pre}ln_f.weight"), p(f"{pre}ln_f.bias"), eps, out=out)
             else:
-                bias_residual_layernorm(pend, zero, x, p[f"{pre}ln_f.weight"],
-                                        p[f"{pre}ln_f.bias"], eps, out=out)
+                bias_residual_layernorm(pend, zero, x, p(f"{pre}ln_f.weight"),
+                                        p(f"{pre}ln_f.bias"), eps, out=out)
             part["out"] = out.reshape(bsz, t, h)
             return
         bufs = part["bufs"]
@@ -98,25 +99,25 @@ class Decoder(TransformerBase):
         qkv, scores, ctx, tmp, inter, scale, s4, a = bufs[0]
         pl = f"{pre}h.{k - 1}."
         if pend is None:
-            layernorm(x, p[f"{pl}ln_1.weight"], p[f"{pl}ln_1.bias"], eps, out=a)
+            layernorm(x, p(f"{pl}ln_1.weight"), p(f"{pl}ln_1.bias"), eps, out=a)
         else:
-            bias_residual_layernorm(pend, zero, x, p[f"{pl}ln_1.weight"], p[f"{pl}ln_1.bias"],
+            bias_residual_layernorm(pend, zero, x, p(f"{pl}ln_1.weight"), p(f"{pl}ln_1.bias"),
                                     eps, out=a)
         self._proj(a, f"{pl}attn.c_attn", qkv)
-        qkv += p[f"{pl}attn.c_attn.bias"]
+        qkv += p(f"{pl}attn.c_attn.bias")
         q5 = qkv.reshape(bsz, t, 3, nh, d)
         matmul_into(q5[:, :, 0].transpose(0, 2, 1, 3), q5[:, :, 1].transpose(0, 2, 3, 1), s4)
         masked_softmax(scores, maskf, self.attn_scale(k - 1, scale), nh, causal=True)
         matmul_into(s4, q5[:, :, 2].transpose(0, 2, 1, 3), ctx.transpose(0, 2, 1, 3))
         self._proj(ctx.reshape(n, h), f"{pl}attn.c_proj", tmp)
-        bias_residual_layernorm(tmp, p[f"{pl}attn.c_proj.bias"], x, p[f"{pl}ln_2.weight"],
-                                p[f"{pl}ln_2.bias"], eps, out=a)
+        bias_residual_layernorm(tmp, p(f"{pl}attn.c_proj.bias"), x, p(f"{pl}ln_2.weight"),
+                                p(f"{pl}ln_2.bias"), eps, out=a)
         self._proj(a, f"{pl}mlp.c_fc", inter)
-        bias_act(inter, p[f"{pl}mlp.c_fc.bias"], cfg.hidden_act)
+        bias_act(inter, p(f"{pl}mlp.c_fc.bias"), cfg.hidden_act)
         if pend is None:
             part["pend"] = pend = xp.empty((n, h), dtype=dt)
         self._proj(inter, f"{pl}mlp.c_proj", pend)
-        pend += p[f"{pl}mlp.c_proj.bias"]
+        pend += p(f"{pl}mlp.c_proj.bias")
 
     def attn_scale(self, layer: int, default: float) -> float:
         """Score scale of block ``layer``: 1/sqrt(d) (``default``), or 1 when
@@ -126,9 +127,12 @@ class Decoder(TransformerBase):
         s = default if cfg.scale_attn_weights else 1.0
         return s / (layer + 1) if cfg.scale_attn_by_inverse_layer_idx else s
 
+    def head_weight_name(self) -> str:
+        """Name of the LM head matrix (V, H) in ``params`` (``wte.weight`` when tied)."""
+        return "lm_head.weight" if "lm_head.weight" in self.params else f"{self.prefix}wte.weight"
+
     def _lm_weight(self):
-        w = self.params.get("lm_head.weight")
-        return self.params[f"{self.prefix}wte.weight"] if w is None else w
+        return self.fparam(self.head_weight_name())
 
     def logits(self, input_ids, attention_mask=None):
         """Next-token logits (B, T, V) in float32 (the LM head is tied to ``wte``)."""

@@ -18,6 +18,7 @@ from semzo.model.kernels import (
     masked_softmax,
     matmul_into,
 )
+from semzo.model.storage import to_float32
 
 _QKV = ("query", "key", "value")
 
@@ -54,8 +55,8 @@ class Encoder(TransformerBase):
         self._fused: list[tuple] = []
         for i in range(cfg.num_layers):
             base = f"{self.prefix}encoder.layer.{i}.attention.self."
-            w = xp.empty((3 * h, h), dtype=self.dtype)
-            b = xp.empty((3 * h,), dtype=self.dtype)
+            w = xp.empty((3 * h, h), dtype=self.param_dtype)
+            b = xp.empty((3 * h,), dtype=self.param_dtype)
             views = []
             for j, q in enumerate(_QKV):
                 w[j * h:(j + 1) * h] = p[f"{base}{q}.weight"]
@@ -81,11 +82,12 @@ class Encoder(TransformerBase):
         intact = all(p[f"{base}{q}.weight"] is views[j][0] and p[f"{base}{q}.bias"] is views[j][1]
                      for j, q in enumerate(_QKV))
         if intact:
-            matmul_into(x, w.T, out)
-            out += b
+            matmul_into(x, to_float32(w).T if self.storage == "bfloat16" else w.T, out)
+            out += to_float32(b) if self.storage == "bfloat16" else b
         else:   # a dict entry was replaced: use whatever arrays the collection holds now
             for j, q in enumerate(_QKV):
-                out[:, j * h:(j + 1) * h] = x @ p[f"{base}{q}.weight"].T + p[f"{base}{q}.bias"]
+                out[:, j * h:(j + 1) * h] = x @ self.fparam(f"{base}{q}.weight").T + \
+                    self.fparam(f"{base}{q}.bias")
         for j, q in enumerate(_QKV):
             spec = self.lora.get(f"{base}{q}")
             if spec is not None:
@@ -127,8 +129,8 @@ class Encoder(TransformerBase):
             bn = [f"{base}{q}.bias" for q in _QKV]
             if not all(n in out for n in wn + bn):
                 continue
-            w = xp.empty((3 * h, h), dtype=self.dtype)
-            b = xp.empty((3 * h,), dtype=self.dtype)
+            w = xp.empty((3 * h, h), dtype=self.param_dtype)
+            b = xp.empty((3 * h,), dtype=self.param_dtype)
             views = [(w[j * h:(j + 1) * h], b[j * h:(j + 1) * h]) for j in range(3)]
             for j in range(3):
                 out[wn[j]], out[bn[j]] = views[j]
@@ -234,15 +236,15 @@ class Encoder(TransformerBase):
         xp, cfg, p, pre = self.xp, self.config, self.params, self.prefix
         bsz, t = ids.shape
         e = f"{pre}embeddings."
-        tt = p[f"{e}token_type_embeddings.weight"]
+        tt = self.fparam(f"{e}token_type_embeddings.weight")       # (type_vocab, H): small
         x = xp.empty((bsz * t, cfg.hidden_size), dtype=self.dtype)
         embed_sum(ids, p[f"{e}word_embeddings.weight"], p[f"{e}position_embeddings.weight"],
                   tt[0], x)
         if token_type_ids is not None:
             tti = xp.asarray(token_type_ids).reshape(-1)
             x += tt[tti] - tt[0]
-        layernorm(x, p[f"{e}LayerNorm.weight"], p[f"{e}LayerNorm.bias"], cfg.layer_norm_eps,
-                  out=x)
+        layernorm(x, self.fparam(f"{e}LayerNorm.weight"), self.fparam(f"{e}LayerNorm.bias"),
+                  cfg.layer_norm_eps, out=x)
         return x
 
     def _blocks(self, x, maskf, bsz: int, t: int, first: int, stop: int, bufs=None) -> None:
@@ -250,7 +252,7 @@ class Encoder(TransformerBase):
         scratch from :meth:`_layer_buffers` of the same shape, made here when None)."""
         if first >= stop:
             return
-        cfg, p, pre = self.config, self.params, self.prefix
+        cfg, p, pre = self.config, self.fparam, self.prefix
         n, h, nh, d = bsz * t, cfg.hidden_size, cfg.num_heads, cfg.head_dim
         eps = cfg.layer_norm_eps
         qkv, scores, ctx, tmp, inter, scale, s4 = bufs or self._layer_buffers(bsz, t)
@@ -264,11 +266,11 @@ class Encoder(TransformerBase):
             matmul_into(s4, q5[:, :, 2].transpose(0, 2, 1, 3), ctx.transpose(0, 2, 1, 3))
             m = f"{pl}attention.output."
             self._proj(ctx.reshape(n, h), f"{m}dense", tmp)
-            bias_residual_layernorm(tmp, p[f"{m}dense.bias"], x, p[f"{m}LayerNorm.weight"],
-                                    p[f"{m}LayerNorm.bias"], eps, out=x)
+            bias_residual_layernorm(tmp, p(f"{m}dense.bias"), x, p(f"{m}LayerNorm.weight"),
+                                    p(f"{m}LayerNorm.bias"), eps, out=x)
             self._proj(x, f"{pl}intermediate.dense", inter)
-            bias_act(inter, p[f"{pl}intermediate.dense.bias"], cfg.hidden_act)
+            bias_act(inter, p(f"{pl}intermediate.dense.bias"), cfg.hidden_act)
             m = f"{pl}output."
             self._proj(inter, f"{m}dense", tmp)
-            bias_residual_layernorm(tmp, p[f"{m}dense.bias"], x, p[f"{m}LayerNorm.weight"],
-                                    p[f"{m}LayerNorm.bias"], eps, out=x)
+            bias_residual_layernorm(tmp, p(f"{m}dense.bias"), x, p(f"{m}LayerNorm.weight"),
+                                    p(f"{m}LayerNorm.bias"), eps, out=x)

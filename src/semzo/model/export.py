@@ -2,11 +2,12 @@
 
 Files: ``config.json`` (the source config, dtype updated), ``model.safetensors`` (every tensor
 of the checkpoint under its original name, plus non-float buffers; bit-identical to the model's
-current arrays), tokenizer files copied from ``tokenizer_folder`` (and the sentence-transformers
+current arrays: a bfloat16 model's tensors are written as ``BF16``, its bits unchanged), tokenizer files copied from ``tokenizer_folder`` (and the sentence-transformers
 files, so ``SentenceTransformer(outdir)`` works too), and, when the model has a classification
 head, ``semzo_head.safetensors`` (``classifier.weight``/``classifier.bias``; :func:`load_model`
-restores it). LoRA deltas are merged into their base weights (``W + scale * B @ A``), so the
-exported model computes what the adapted model computes.
+restores it; float32, the exact values of a float16 or bfloat16 head). LoRA deltas are merged into their base weights (``W + scale * B @ A``), so the
+exported model computes what the adapted model computes (rounded once to the storage dtype:
+bfloat16 from float32, to nearest even).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import numpy as np
 
 from semzo.model.base import TransformerBase
 from semzo.model.loader import HEAD_FILE
+from semzo.model.storage import BF16, to_bits, to_float32
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "vocab.txt", "vocab.json", "merges.txt", "added_tokens.json",
@@ -32,20 +34,54 @@ def _host(a) -> np.ndarray:
     return np.ascontiguousarray(a.get() if hasattr(a, "get") else a)
 
 
+_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "uint16": "BF16",
+          "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+          "bool": "BOOL"}
+
+
+def save_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray],
+                          metadata: dict[str, str]) -> None:
+    """Write a safetensors file whose uint16 arrays are bfloat16 bits (dtype ``BF16``; NumPy
+    has no bfloat16, so ``safetensors.numpy`` cannot write them). Other arrays keep their
+    dtype; tensors sorted by name, as ``safetensors`` writes them."""
+    import struct
+    header: dict = {"__metadata__": metadata}
+    off, order = 0, sorted(tensors)
+    for name in order:
+        a = tensors[name]
+        code = _CODES.get(a.dtype.name)
+        if code is None:
+            raise ValueError(f"{name}: dtype {a.dtype} cannot be written to safetensors")
+        header[name] = {"dtype": code, "shape": list(a.shape),
+                        "data_offsets": [off, off + a.nbytes]}
+        off += a.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name in order:
+            f.write(np.ascontiguousarray(tensors[name]).astype(
+                tensors[name].dtype.newbyteorder("<"), copy=False).tobytes())
+
+
 def merged_weights(model: TransformerBase) -> dict[str, np.ndarray]:
     """Host copies of the checkpoint tensors with LoRA deltas merged (no adapters, no head)."""
     added = {s.a for s in model.lora.values()} | {s.b for s in model.lora.values()}
     added |= {"classifier.weight", "classifier.bias"}
     out = {n: _host(a) for n, a in model.params.items() if n not in added}
     for module, spec in model.lora.items():
-        a = _host(model.params[spec.a]).astype(np.float64)
-        b = _host(model.params[spec.b]).astype(np.float64)
+        a = to_float32(_host(model.params[spec.a])).astype(np.float64)
+        b = to_float32(_host(model.params[spec.b])).astype(np.float64)
         delta = spec.scale * (b @ a)                      # (out, in)
         name = f"{module}.weight"
         w = out[name]
         if model.layout == "in_out":
             delta = delta.T
-        out[name] = (w.astype(np.float64) + delta).astype(w.dtype)
+        if w.dtype == BF16:
+            out[name] = to_bits((to_float32(w).astype(np.float64) + delta).astype(np.float32))
+        else:
+            out[name] = (w.astype(np.float64) + delta).astype(w.dtype)
     return out
 
 
@@ -64,11 +100,14 @@ def export_hf(model: TransformerBase, outdir: str | Path,
     tensors = merged_weights(model)
     tensors.update({n: np.ascontiguousarray(b) for n, b in model.buffers.items()})
     tmp = out / "model.safetensors.tmp"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    if model.storage == "bfloat16":
+        save_bf16_safetensors(tmp, tensors, {"format": "pt"})
+    else:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
     os.replace(tmp, out / "model.safetensors")
 
     cfg = dict(model.config.raw)
-    dname = str(model.dtype)
+    dname = model.storage
     for key in ("torch_dtype", "dtype"):
         if key in cfg or key == "torch_dtype":
             cfg[key] = dname
@@ -84,8 +123,8 @@ def export_hf(model: TransformerBase, outdir: str | Path,
                                      encoding="utf-8")
 
     if model.head is not None:
-        head = {"classifier.weight": _host(model.params["classifier.weight"]),
-                "classifier.bias": _host(model.params["classifier.bias"])}
+        head = {n: np.ascontiguousarray(to_float32(_host(model.params[n])))
+                for n in ("classifier.weight", "classifier.bias")}
         meta = {"format": "semzo", "n_classes": str(model.head.n_classes),
                 "normalize": "true" if model.head.normalize else "false", "pooling": "mean"}
         if labels is not None:

@@ -3,8 +3,12 @@
 Every public function takes arrays of one module ``xp`` (numpy or cupy) and dispatches:
 float32 NumPy arrays go to single-threaded ``nogil`` Numba kernels (``fastmath``; threads come
 from splitting the batch, see :func:`set_threads`), anything else
-(CuPy arrays, float16 storage) to a generic ``xp`` implementation that computes in float32 and
-stores in the input dtype.
+(CuPy arrays, float16 storage, bfloat16 bits) to a generic ``xp`` implementation that computes
+in float32 and stores in the output's dtype. A uint16 input is bfloat16 bits
+(:mod:`semzo.model.storage`) and is upcast exactly where it is read (``_f32``); the models
+upcast their bfloat16 weights before calling (``TransformerBase.fparam``), so only
+``embed_sum`` (which gathers rows of a table first) sees bits in practice, and a bfloat16
+model's activations are float32 NumPy arrays that take the Numba kernels.
 
 Promises (both paths):
 
@@ -208,6 +212,14 @@ def _is_cpu32(*arrays) -> bool:
     return all(isinstance(a, np.ndarray) and a.dtype == F32 for a in arrays)
 
 
+def _f32(xp, a):
+    """float32 values of ``a``: bfloat16 bits (uint16) upcast exactly, others converted."""
+    if a.dtype == np.uint16:
+        from semzo.model.storage import to_float32
+        return to_float32(a)
+    return a.astype(xp.float32)
+
+
 def get_xp(a):
     """The array module of ``a``: numpy for NumPy arrays, else the array's own module (cupy)."""
     if isinstance(a, np.ndarray):
@@ -232,7 +244,7 @@ def layernorm(x, gamma, beta, eps: float, out=None):
     t -= mean
     var = (t * t).mean(axis=-1, keepdims=True)
     t *= 1.0 / xp.sqrt(var + xp.float32(eps))
-    t = t * gamma.astype(xp.float32) + beta.astype(xp.float32)
+    t = t * _f32(xp, gamma) + _f32(xp, beta)
     out[...] = t.astype(out.dtype, copy=False)
     return out
 
@@ -247,7 +259,7 @@ def bias_residual_layernorm(x, bias, resid, gamma, beta, eps: float, out):
         _nb_bias_residual_layernorm(x, bias, resid, gamma, beta, F32(eps), out)
         return out
     resid += x
-    resid += bias
+    resid += _f32(get_xp(bias), bias) if bias.dtype == np.uint16 else bias
     return layernorm(resid, gamma, beta, eps, out)
 
 
@@ -274,7 +286,7 @@ def bias_act(x, bias, act: str | None):
         _nb_bias_act(x, bias, kind)
         return x
     xp = get_xp(x)
-    t = x.astype(xp.float32) + bias.astype(xp.float32)
+    t = x.astype(xp.float32) + _f32(xp, bias)
     if kind == 0:
         t = 0.5 * t * (1.0 + _xp_erf(xp, t * xp.float32(0.7071067811865476)))
     elif kind == 1:
@@ -317,7 +329,11 @@ def embed_sum(ids, word, pos, extra, out):
         return out
     b, t = ids.shape
     h = word.shape[1]
-    o = word[ids.reshape(-1)].reshape(b, t, h) + pos[:t][None] + extra
+    xp = get_xp(word)
+    rows = word[ids.reshape(-1)]
+    if word.dtype == np.uint16:            # bfloat16 bits: upcast the rows read only
+        rows, pos, extra = _f32(xp, rows), _f32(xp, pos[:t]), _f32(xp, extra)
+    o = rows.reshape(b, t, h) + pos[:t][None] + extra
     out[...] = o.reshape(b * t, h)
     return out
 

@@ -3,8 +3,8 @@ rotary embeddings with the Q/K/V split, grouped-query causal softmax, gated MLP 
 
 Same discipline as :mod:`semzo.model.kernels`: float32 NumPy arrays go to single-threaded
 ``nogil`` Numba kernels (``fastmath``: row sums re-associated; deterministic on one machine),
-anything else (CuPy, float16 storage) to a generic ``xp`` version computing in float32 and
-storing in the array's dtype. Threads come from splitting the batch (``kernels.run_split``).
+anything else (CuPy, float16 storage, bfloat16 bits as uint16) to a generic ``xp`` version
+computing in float32 and storing in the output's dtype. Threads come from splitting the batch (``kernels.run_split``).
 Indices these kernels read (positions) are computed by the model, never read from a file.
 """
 
@@ -15,7 +15,7 @@ import math
 import numpy as np
 from numba import njit
 
-from semzo.model.kernels import _ferf, _fexp, _ftanh, _is_cpu32, get_xp
+from semzo.model.kernels import _f32, _ferf, _fexp, _ftanh, _is_cpu32, get_xp
 
 F32 = np.float32
 #: activation codes of the gated MLP kernel
@@ -183,7 +183,7 @@ def rmsnorm(x, gamma, eps: float, out):
     xp = get_xp(x)
     t = x.astype(xp.float32)
     t *= 1.0 / xp.sqrt((t * t).mean(axis=-1, keepdims=True) + xp.float32(eps))
-    out[...] = (gamma.astype(xp.float32) * t).astype(out.dtype, copy=False)
+    out[...] = (_f32(xp, gamma) * t).astype(out.dtype, copy=False)
     return out
 
 
@@ -203,7 +203,7 @@ def residual_add(x, bias, resid):
         return resid
     resid += x
     if bias is not None:
-        resid += bias
+        resid += _f32(get_xp(bias), bias) if bias.dtype == np.uint16 else bias
     return resid
 
 
@@ -226,7 +226,7 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, k, v, p
     b, t = pos.shape
     x = qkv.astype(xp.float32).reshape(b, t, nh + 2 * nkv, d)
     if bq is not None:
-        x = x + xp.concatenate([bq, bk, bv]).astype(xp.float32).reshape(nh + 2 * nkv, d)
+        x = x + _f32(xp, xp.concatenate([bq, bk, bv])).reshape(nh + 2 * nkv, d)
     qk = x[:, :, :nh + nkv]
     if rot:
         c = xp.asarray(cos)[pos][:, :, None, :]          # (B, T, 1, d/2)
@@ -279,8 +279,8 @@ def gated_act(gu, bg, bu, act: str, out):
     g = gu[:, :m].astype(xp.float32)
     u = gu[:, m:].astype(xp.float32)
     if bg is not None:
-        g += bg.astype(xp.float32)
-        u += bu.astype(xp.float32)
+        g += _f32(xp, bg)
+        u += _f32(xp, bu)
     if kind == 0:
         g = g / (1.0 + xp.exp(-g))
     elif kind == 1:

@@ -21,6 +21,7 @@ from semzo.model import families
 from semzo.model.base import HeadSpec, TransformerBase
 from semzo.model.causal import CausalLM, expected_tensors
 from semzo.model.config import DecoderConfig, EncoderConfig, read_config, read_raw
+from semzo.model.storage import STORAGE, storage_name, to_storage
 from semzo.model.weights import Checkpoint
 from semzo.runtime import SemzoError, get_logger
 
@@ -92,7 +93,7 @@ def build_model(folder: Path, cfg, tensors: dict[str, np.ndarray], xp, dtype) ->
         if is_buffer:
             buffers[name] = arr
             continue
-        params[name] = xp.ascontiguousarray(xp.asarray(arr.astype(dtype, copy=False)))
+        params[name] = xp.ascontiguousarray(xp.asarray(to_storage(arr, STORAGE[dtype])))
         if name not in expected and name != "lm_head.weight":
             frozen.add(name)
     _check_shapes(cfg, params, prefix, folder)
@@ -123,8 +124,13 @@ def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32") ->
 
     ``path``: folder with ``config.json`` and ``model.safetensors``; None = packaged MiniLM;
     a name of :data:`semzo.model.zoo.NAMED` (``"smollm2"``) = that model's converted folder.
-    ``xp``: numpy (default) or cupy (or "numpy" / "cupy"). ``dtype``: "float32", or "float16"
-    storage with cupy. A ``semzo_head.safetensors`` written by :func:`export_hf` restores the
+    ``xp``: numpy (default) or cupy (or "numpy" / "cupy"). ``dtype``: the weight storage,
+    "float32"; "float16" (with cupy only: the CPU kernels compute in float32, and float16
+    activations on NumPy would be slow and no smaller where it matters); or "bfloat16", NumPy
+    or CuPy: weights stored as bfloat16 bits (uint16, rounded to nearest even from the file's
+    values), upcast where they are read, activations and accumulation in float32
+    (:mod:`semzo.model.storage`). On CPU bfloat16 halves the weights' memory and costs an
+    upcast per weight per forward pass. A ``semzo_head.safetensors`` written by :func:`export_hf` restores the
     classification head. Unsupported architectures raise :class:`SemzoError`.
     """
     from semzo.model.zoo import resolve_model_path  # lazy: `python -m semzo.model.zoo`
@@ -132,11 +138,14 @@ def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32") ->
     if not folder.is_dir():
         raise SemzoError(f"{folder}: model folder not found")
     xp = resolve_xp(xp)
-    dt = np.dtype(dtype)
-    if dt not in (np.float32, np.float16):
-        raise SemzoError(f"model dtype {dtype!r}: only float32 and float16 are supported")
-    if dt == np.float16 and xp is np:
-        raise SemzoError("model dtype float16 needs xp=cupy (CPU computes in float32)")
+    try:
+        dt = storage_name(dtype)
+    except ValueError:
+        raise SemzoError(f"model dtype {dtype!r}: choose one of "
+                         f"{', '.join(STORAGE)}") from None
+    if dt == "float16" and xp is np:
+        raise SemzoError("model dtype float16 needs xp=cupy (CPU computes in float32; "
+                         "bfloat16 storage runs on CPU)")
     raw = read_raw(folder)
     fam = families.find(raw)
     if fam is not None:
@@ -168,7 +177,7 @@ def load_causal(folder: Path, fam, raw: dict, xp, dt) -> CausalLM:
     for name, shape, _ in want:
         if name not in ck:
             raise SemzoError(f"{where}: missing tensor {name!r} ({fam.MODEL_TYPE} model)")
-        arr = ck.read(name, shape).astype(dt, copy=False)
+        arr = to_storage(ck.read(name, shape), STORAGE[dt])
         params[name] = xp.ascontiguousarray(xp.asarray(arr))
     names = {n for n, _, _ in want}
     unused = [n for n in ck if n not in names]
@@ -188,7 +197,15 @@ def _load_head(model: TransformerBase, path: Path) -> None:
         w, b = t["classifier.weight"], t["classifier.bias"]
     except KeyError as exc:
         raise SemzoError(f"{path}: missing tensor {exc.args[0]!r}") from None
-    xp = model.xp
-    model.params["classifier.weight"] = xp.ascontiguousarray(xp.asarray(w.astype(model.dtype)))
-    model.params["classifier.bias"] = xp.ascontiguousarray(xp.asarray(b.astype(model.dtype)))
+    model.params["classifier.weight"] = _head_param(model, w, path, "classifier.weight")
+    model.params["classifier.bias"] = _head_param(model, b, path, "classifier.bias")
     model.head = HeadSpec(int(w.shape[0]), meta.get("normalize", "false") == "true")
+
+
+def _head_param(model: TransformerBase, a: np.ndarray, path: Path, name: str):
+    """A head tensor of ``semzo_head.safetensors`` (float32: :func:`export_hf` writes a
+    bfloat16 model's head as its exact float32 values) as a parameter of the model's storage
+    (bfloat16: rounded back to the same bits)."""
+    if a.dtype.kind != "f":
+        raise SemzoError(f"{path}: {name} has dtype {a.dtype}, expected a float tensor")
+    return model.to_param(a)

@@ -1,0 +1,238 @@
+"""bfloat16 weight storage on the CPU (:mod:`semzo.model.storage`): every family against
+transformers, export, checkpoints, the deck / load_model / generate rules, ZO at 2 ranks.
+
+Bounds (figures measured on the tiny models of test_decoder_parity.py, one thread):
+
+- against transformers whose weights are rounded to bfloat16 and computed in float32
+  (every parameter ``p.to(torch.bfloat16).float()``, the same numbers semzo stores; buffers
+  such as rotary frequencies stay float32): logits within ``RTOL_BF16`` = 2e-6 relative
+  (measured 1.8e-7 .. 4.3e-7; MiniLM hidden states 5.2e-7), next-token loss within 1e-5
+  relative: only the float32 summation order differs, as in the float32 parity;
+- against the float32 model: within ``RTOL_F32`` = 1e-2 (measured 1.8e-3 .. 4.8e-3): every
+  weight is rounded by at most 2**-9 relative, the price of bfloat16 itself.
+(``model.to(torch.bfloat16)`` would also round the rotary ``inv_freq`` buffer: 6.5e-6.)
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import numpy as np
+import pytest
+import torch
+from mpiutil import ROOT, check, mpirun
+from test_decoder_parity import CASES, V, build, padded_batch, rel_err
+
+from semzo.model import export_hf, load_model
+from semzo.model.storage import to_bits, to_float32
+from semzo.model.weights import Checkpoint
+from semzo.runtime import SemzoError
+
+RTOL_BF16 = 2e-6
+RTOL_F32 = 1e-2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    from threadpoolctl import threadpool_limits
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with threadpool_limits(limits=1):
+        yield
+    torch.set_num_threads(old)
+
+
+def bf16_ref(ref):
+    """transformers on bfloat16-rounded weights (every parameter; buffers such as rotary
+    frequencies stay float32, as semzo's), computed in float32."""
+    out = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_family_matches_transformers_on_bf16_weights(name, tmp_path_factory):
+    folder, ref = build(name, tmp_path_factory)
+    model = load_model(folder, dtype="bfloat16")
+    assert model.storage == "bfloat16" and model.dtype == np.float32
+    assert all(a.dtype == np.uint16 for a in model.params.values())
+    r16 = bf16_ref(ref)
+    sd = r16.state_dict()
+    for n, a in model.params.items():        # the stored bits are torch's rounding
+        assert np.array_equal(to_float32(a), sd[n].numpy()), n
+    ids, mask = padded_batch(np.random.default_rng(len(name) + 1), V, 3, 19)
+    with torch.no_grad():
+        o16 = r16(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                  labels=torch.from_numpy(np.where(mask > 0, ids, -100)))
+        o32 = ref(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask))
+    valid = mask.astype(bool)
+    got = model.logits(ids, mask)
+    e16, e32 = rel_err(got, o16.logits.numpy(), valid), rel_err(got, o32.logits.numpy(), valid)
+    print(f"{name}: logits max rel {e16:.2e} vs bf16 weights, {e32:.2e} vs float32")
+    assert e16 < RTOL_BF16 and e32 < RTOL_F32, (e16, e32)
+    loss = model.next_token_loss(ids, mask)
+    assert abs(loss - o16.loss.item()) <= 1e-5 * abs(o16.loss.item())
+
+
+def test_minilm_encoder_bf16_matches_transformers():
+    from transformers import AutoModel
+
+    from semzo.model import Tokenizer, default_model_path
+    model = load_model(None, dtype="bfloat16")
+    ref = AutoModel.from_pretrained(str(default_model_path())).eval()
+    tok = Tokenizer.from_folder()
+    ids, mask = tok(["a sentence about cats", "bfloat16 weights, float32 sums", "x"])
+    with torch.no_grad():
+        want = bf16_ref(ref)(input_ids=torch.from_numpy(ids),
+                             attention_mask=torch.from_numpy(mask)).last_hidden_state.numpy()
+    got = model.hidden_states(ids, mask)
+    err = rel_err(got, want, mask.astype(bool))
+    print(f"minilm: hidden max rel {err:.2e} vs bf16 weights")
+    assert err < RTOL_BF16
+    emb = model.embed(ids, mask)
+    assert emb.dtype == np.float32 and np.allclose(np.linalg.norm(emb, axis=1), 1, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "opt_post_proj", "gpt2_unscaled"])
+def test_generic_xp_path_stages_and_cache(name, tmp_path_factory, monkeypatch):
+    """The generic xp code (what CuPy runs) equals the Numba path on a bfloat16 model; the
+    stages compose to hidden_states bit for bit; the KV cache gives the full forward's logits."""
+    from semzo.model import kernels, kernels_lm
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder, dtype="bfloat16")
+    ids, mask = padded_batch(np.random.default_rng(2), V, 3, 17)
+    want = model.logits(ids, mask)
+    assert np.array_equal(model.stage_hidden_states(ids, mask), model.hidden_states(ids, mask))
+    if hasattr(model, "new_cache"):
+        cache = model.new_cache(1, 17)
+        one = model.forward_cached(ids[:1], cache)
+        assert rel_err(one, want[:1], mask[:1].astype(bool)) < 1e-5
+    monkeypatch.setattr(kernels_lm, "_is_cpu32", lambda *a: False)
+    monkeypatch.setattr(kernels, "_is_cpu32", lambda *a: False)
+    assert rel_err(model.logits(ids, mask), want, mask.astype(bool)) < 1e-5
+
+
+def test_lora_export_and_reload(tmp_path_factory, tmp_path):
+    """LoRA adapters are bfloat16 too; export writes BF16 safetensors (bits unchanged without
+    LoRA, merged deltas rounded once) that transformers and load_model read back."""
+    import transformers
+    folder, _ = build("llama_tied_sharded", tmp_path_factory)
+    model = load_model(folder, dtype="bfloat16")
+    export_hf(model, tmp_path / "plain")
+    again = load_model(tmp_path / "plain", dtype="bfloat16")
+    assert all(np.array_equal(again.params[n], a) for n, a in model.params.items())
+    ck = Checkpoint(tmp_path / "plain")
+    assert {ck.dtype(n) for n in ck} == {"BF16"}
+    model.add_lora(rank=2, targets=("v_proj",))
+    spec = next(iter(model.lora.values()))
+    assert model.params[spec.a].dtype == np.uint16
+    b = model.params[spec.b]
+    b[...] = to_bits(np.random.default_rng(3).normal(0, 0.1, b.shape).astype(np.float32))
+    out = export_hf(model, tmp_path / "lora")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert hf.dtype == torch.bfloat16
+    ours = load_model(out, dtype="bfloat16")
+    ids, mask = padded_batch(np.random.default_rng(4), V, 2, 11)
+    with torch.no_grad():
+        want = hf.float()(input_ids=torch.from_numpy(ids),
+                          attention_mask=torch.from_numpy(mask)).logits.numpy()
+    valid = mask.astype(bool)
+    assert rel_err(ours.logits(ids, mask), want, valid) < RTOL_BF16
+    assert rel_err(model.logits(ids, mask), want, valid) < 2e-2     # merged W rounded once
+
+
+def test_checkpoint_inspect_and_export_keep_bf16_bits(tmp_path, tmp_path_factory):
+    """A ZO-perturbed bfloat16 model's tensors: checkpoint (``/packed/uint16``) -> load bit for
+    bit; ``semzo inspect`` names the storage; ``semzo export`` rebuilds the model in bfloat16
+    from the stored deck and writes the same bits as BF16."""
+    from mpi4py import MPI
+
+    from semzo import deck as deckmod
+    from semzo.checkpoint import Checkpointer, load
+    from semzo.checkpoint.tools import export, summary
+    from semzo.deck import CheckpointSection
+    from semzo.finetune.perturb import perturb
+    folder, _ = build("qwen2", tmp_path_factory)
+    model = load_model(folder, dtype="bfloat16")
+    trained = [n for n in model.params if "layers.1." in n]
+    perturb([(i, model.params[n]) for i, n in enumerate(trained)], 5, 0.05)
+    deck = deckmod.load(None, [f'model.path="{folder}"', 'model.dtype="bfloat16"'],
+                        check_inputs=False)
+    comm = MPI.COMM_SELF
+    with Checkpointer(comm, CheckpointSection(dir=str(tmp_path / "ck")),
+                      deck_toml=deck.to_toml()) as ck:
+        p = ck.save(3, {n: model.params[n] for n in trained}, {"step": 3})
+    back = load(p, comm).params
+    assert list(back) == trained
+    for n in trained:
+        assert back[n].dtype == np.uint16 and back[n].tobytes() == model.params[n].tobytes(), n
+    text, ok = summary(p, comm, deck=False)
+    assert ok and "model.dtype bfloat16: uint16 tensors (u2) are bfloat16 bits" in text
+    out = export(p, tmp_path / "hf", comm)
+    again = load_model(out, dtype="bfloat16")
+    for n, a in model.params.items():
+        assert again.params[n].tobytes() == a.tobytes(), n
+    assert {Checkpoint(out).dtype(n) for n in Checkpoint(out)} == {"BF16"}
+
+
+def test_dtype_rules_agree(tmp_path_factory):
+    from semzo import deck as deckmod
+    from semzo.deck import DeckError
+    from semzo.generate import checkpoint_dtype, load_for_generation
+    d = deckmod.load(None, ["model.dtype=\"bfloat16\""], check_inputs=False)
+    assert d.model.dtype == "bfloat16" and d.run.device == "cpu"
+    with pytest.raises(DeckError, match=r"model.dtype: float16 .*\(bfloat16 runs on the CPU\)"):
+        deckmod.load(None, ["model.dtype=\"float16\""], check_inputs=False)
+    with pytest.raises(DeckError, match="model.dtype"):
+        deckmod.load(None, ["model.dtype=\"int8\""], check_inputs=False)
+    folder, _ = build("mistral", tmp_path_factory)
+    with pytest.raises(SemzoError, match="float16 needs xp=cupy"):
+        load_model(folder, dtype="float16")
+    with pytest.raises(SemzoError, match="model dtype 'int8'"):
+        load_model(folder, dtype="int8")
+    from llmutil import tiny_llama
+
+    from semzo.generate import generate_ids
+    llama = tiny_llama(tmp_path_factory.mktemp("gen16") / "llama")
+    g16, g32 = load_for_generation(str(llama), "bfloat16"), load_for_generation(str(llama))
+    assert g16.model.storage == "bfloat16" and g32.model.storage == "float32"
+    ids = g16.tk.encode("the cat was").ids
+    out = generate_ids(g16.model, ids, 6, eos_ids=set())
+    assert len(out) == 6 and all(0 <= i < g16.model.config.vocab_size for i in out)
+    with pytest.raises(SemzoError, match="--dtype float16: generate runs on the CPU"):
+        load_for_generation(str(llama), "float16")
+    with pytest.raises(SemzoError, match="--dtype float32: ck.h5 holds bfloat16 weights"):
+        checkpoint_dtype(d, "float32", "ck.h5")
+    assert checkpoint_dtype(d, None, "ck.h5") == "bfloat16"
+
+
+def test_resume_across_storages_is_refused(tmp_path_factory):
+    """A bfloat16 tensor never meets a float array through a numeric cast."""
+    from semzo.model.storage import same_storage_copy
+    folder, _ = build("opt_pre", tmp_path_factory)
+    m32, m16 = load_model(folder), load_model(folder, dtype="bfloat16")
+    n = next(iter(m32.params))
+    with pytest.raises(ValueError, match=f"{n}: stored as bfloat16, the model holds float32"):
+        same_storage_copy(m32.params[n], m16.params[n], n)
+
+
+def test_zo_modes_bf16_two_ranks(tmp_path_factory):
+    """ZO steps on bfloat16 storage at 2 ranks: replicas bit-identical, equal to the serial
+    reference bit for bit (data, perturbation, hybrid modes)."""
+    sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+    from zo_common import make_model
+    tiny = make_model(tmp_path_factory.mktemp("zo16") / "bert")
+    env = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+    proc = check(mpirun(2, [str(ROOT / "tests" / "mpi" / "zo_modes.py"), str(tiny), "bfloat16"],
+                        timeout=240, env=env))
+    assert "ok: zo modes on 2 ranks (bfloat16)" in proc.stdout
+    for mode in ("data/copy", "perturbation/copy", "perturbation/fused", "hybrid/copy"):
+        assert f"ok: {mode}" in proc.stdout, mode
