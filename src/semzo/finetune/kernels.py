@@ -35,7 +35,7 @@ from numba.extending import intrinsic, overload
 
 from . import rng
 
-CHUNK = 8192        # elements per parallel task (a multiple of 128, the Rademacher block)
+CHUNK = 32768       # elements per parallel task (a multiple of 128, the Rademacher block)
 SUB = 1024          # elements per z buffer inside a task (8 KiB of float64: stays in L1)
 
 DEVICE_FUNCTIONS = ("philox4x32_10", "neg2_log_u", "cos_sin_2pi", "box_muller", "gauss4",
