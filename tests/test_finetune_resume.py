@@ -166,3 +166,19 @@ def test_corrupt_newest_checkpoint_falls_back(base, reference4):
     assert "skipping checkpoint" in proc.stderr and "ckpt-000000010.h5" in proc.stderr
     assert "resumed from ckpt-000000005.h5" in proc.stderr
     _same_params(out / "model.h5", reference4 / "model.h5")
+
+
+def test_resume_with_another_zo_dist_is_refused(base):
+    """The checkpoint records zo.dist (its deferred update and seed history regenerate z from
+    that stream): resuming under another one stops with one line naming the key, exit 2;
+    under the same one it resumes."""
+    out = _outdir(base, "dist")
+    _ft(base, 2, out, 5)
+    with h5py.File(out / "checkpoints" / "ckpt-000000005.h5") as f:
+        assert '"zo": {"dist": "gaussian"}' in f.attrs["model_meta"]
+    proc = _ft(base, 2, out, 10, "--resume", "--set", "zo.dist=rademacher", ok=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "ckpt-000000005.h5: zo.dist = 'gaussian' in the checkpoint, 'rademacher' in this " \
+           "deck" in proc.stderr
+    proc = _ft(base, 2, out, 10, "--resume", "--set", "zo.dist=gaussian")
+    assert "resumed from ckpt-000000005.h5" in proc.stderr

@@ -41,7 +41,7 @@ from numba.extending import intrinsic, overload
 
 from . import rng
 
-CHUNK = 8192        # elements per parallel task (a multiple of 128, the Rademacher block)
+CHUNK = 32768       # elements per parallel task (a multiple of 128, the Rademacher block)
 SUB = 1024          # elements per z buffer inside a task (8 KiB of float64: stays in L1)
 
 DEVICE_FUNCTIONS = ("philox4x32_10", "neg2_log_u", "cos_sin_2pi", "box_muller", "gauss4",
@@ -77,10 +77,17 @@ _rad_at = _dev["rad_at"]
 _fast_words = _dev["fast_words"]
 _fast_at = _dev["fast_at"]
 _U0, _U1, _U2, _U3, _U7 = (np.uint64(v) for v in (0, 1, 2, 3, 7))
-_U10, _U16, _U127, _U1023 = (np.uint64(v) for v in (10, 16, 127, 1023))
+_U10, _U15, _U16, _U127, _U1023 = (np.uint64(v) for v in (10, 15, 16, 127, 1023))
 _M16 = np.uint64(0xFFFF)
 FAST_TABLE = rng.fast_table()       # float32[65536], passed to the kernels as an argument
-WS = 512                            # uint64 scratch words per task (one Gaussian-fast block)
+# RAD_NIBBLES[4 n + b] = Rademacher z of bit b of the 4-bit value n (float64 +-1.0)
+RAD_NIBBLES = np.array([1.0 - 2.0 * ((n >> b) & 1) for n in range(16) for b in range(4)])
+WSTRIDE = SUB // 4                  # column stride of the Philox words in ws (philox_blocks)
+WS = 4 * WSTRIDE                    # uint64 scratch words per task (Gaussian-fast needs 512)
+assert SUB % 128 == 0 and WS >= 512
+_philox = _dev["philox4x32_10"]
+_M32 = rng.M32
+_U32 = rng.U32
 
 
 # ----------------------------------------------------------------------------- half precision
@@ -197,26 +204,63 @@ def fill_fast(z, e0, t, k0, k1, tab, ws):
         r0 = np.int64(e & _U1023)
         cnt = min(1024 - r0, m - i)
         fast_block_words(ws, s, t, k0, k1)
+        zz = z[i:i + cnt]
         if cnt == 1024:
             for q in range(512):
                 x = ws[q]
-                z[i + 2 * q] = np.float64(tab[x & _M16])
-                z[i + 2 * q + 1] = np.float64(tab[x >> _U16])
+                zz[2 * q] = np.float64(tab[x & _M16])
+                zz[2 * q + 1] = np.float64(tab[x >> _U16])
         else:
-            for r in range(r0, r0 + cnt):
-                x = ws[r >> 1]
-                h = (x >> _U16) if (r & 1) != 0 else (x & _M16)
-                z[i + r - r0] = np.float64(tab[h])
+            for r in range(cnt):
+                x = ws[(r + r0) >> 1]
+                h = (x >> _U16) if ((r + r0) & 1) != 0 else (x & _M16)
+                zz[r] = np.float64(tab[h])
         i += cnt
         e += np.uint64(cnt)
 
 
 @njit(cache=True, error_model="numpy")
+def philox_blocks(ws, nb, b0, t, dom, k0, k1):
+    """ws[k * WSTRIDE + j] = word k of Philox block b0 + j (counter (b, t, dom)), j < nb.
+
+    Structure of arrays: a straight loop over nb <= WSTRIDE independent calls that LLVM
+    vectorizes (8 blocks per AVX-512 register, vpmuludq for the 32x32->64 products)."""
+    for j in range(nb):
+        b = b0 + np.uint64(j)
+        x0, x1, x2, x3 = _philox(b & _M32, b >> _U32, t, dom, k0, k1)
+        ws[j] = x0
+        ws[WSTRIDE + j] = x1
+        ws[2 * WSTRIDE + j] = x2
+        ws[3 * WSTRIDE + j] = x3
+
+
+@njit(cache=True, error_model="numpy")
+def _rad_blocks(z, i, nb, ws):
+    """z[i + 128 j + 32 k + b] = Rademacher z of bit b of word k of column j of ws (after
+    :func:`philox_blocks`), j < nb: four z at a time from :data:`RAD_NIBBLES` (the same
+    +-1.0 as :func:`rng.rad_bit`; a constant array to numba)."""
+    nib = RAD_NIBBLES
+    zz = z[i:]                  # indices from loop counters: known >= 0, no wraparound code
+    for j in range(nb):
+        for k in range(4):
+            w = ws[k * WSTRIDE + j]
+            for q in range(8):
+                n4 = np.int64((w >> np.uint64(4 * q)) & _U15) * 4
+                o = 128 * j + 32 * k + 4 * q
+                zz[o] = nib[n4]
+                zz[o + 1] = nib[n4 + 1]
+                zz[o + 2] = nib[n4 + 2]
+                zz[o + 3] = nib[n4 + 3]
+
+
+@njit(cache=True, error_model="numpy")
 def fill_z(z, e0, t, k0, k1, dist, tab, ws):
-    """z[i] = z(seed, t, e0 + i) for i < z.size (float64 array of float32-rounded values).
+    """z[i] = z(seed, t, e0 + i) for i < z.size <= SUB (float64 array of float32-rounded
+    values).
 
     e0, t, k0, k1: uint64; dist: rng.GAUSSIAN, rng.RADEMACHER or rng.GAUSSIAN_FAST;
-    tab: FAST_TABLE; ws: uint64[WS] scratch (Gaussian-fast). Serial.
+    tab: FAST_TABLE; ws: uint64[WS] scratch. Serial. Whole Philox blocks are generated
+    together (:func:`philox_blocks`), partial ones at the ends element by element.
     """
     m = z.size
     i = 0
@@ -230,12 +274,13 @@ def fill_z(z, e0, t, k0, k1, dist, tab, ws):
             e += _U1
         nb = (m - i) >> 2
         b0 = e >> _U2
+        zz = z[i:i + 4 * nb]
         for j in range(nb):
             z0, z1, z2, z3 = _gauss4(b0 + np.uint64(j), t, k0, k1)
-            z[i + 4 * j] = z0
-            z[i + 4 * j + 1] = z1
-            z[i + 4 * j + 2] = z2
-            z[i + 4 * j + 3] = z3
+            zz[4 * j] = z0
+            zz[4 * j + 1] = z1
+            zz[4 * j + 2] = z2
+            zz[4 * j + 3] = z3
         i += 4 * nb
         e += np.uint64(4 * nb)
         while i < m:
@@ -248,16 +293,9 @@ def fill_z(z, e0, t, k0, k1, dist, tab, ws):
             i += 1
             e += _U1
         nb = (m - i) >> 7
-        b0 = e >> _U7
-        for j in range(nb):
-            w0, w1, w2, w3 = _rad_words(b0 + np.uint64(j), t, k0, k1)
-            base = i + 128 * j
-            for k in range(32):
-                kk = np.uint64(k)
-                z[base + k] = _rad_bit(w0, kk)
-                z[base + 32 + k] = _rad_bit(w1, kk)
-                z[base + 64 + k] = _rad_bit(w2, kk)
-                z[base + 96 + k] = _rad_bit(w3, kk)
+        if nb > 0:
+            philox_blocks(ws, nb, e >> _U7, t, _U1, k0, k1)
+            _rad_blocks(z, i, nb, ws)
         i += 128 * nb
         e += np.uint64(128 * nb)
         while i < m:
@@ -273,11 +311,14 @@ def zvec_kernel(out, e0, t, k0, k1, dist, tab):
     for c in prange((n + CHUNK - 1) // CHUNK):
         i0 = c * CHUNK
         m = min(CHUNK, n - i0)
-        z = np.empty(m, np.float64)
+        zbuf = np.empty(SUB, np.float64)
         ws = np.empty(WS, np.uint64)
-        fill_z(z, e0 + np.uint64(i0), t, k0, k1, dist, tab, ws)
-        for i in range(m):
-            out[i0 + i] = z[i]
+        for s0 in range(0, m, SUB):
+            ms = min(SUB, m - s0)
+            fill_z(zbuf[:ms], e0 + np.uint64(i0 + s0), t, k0, k1, dist, tab, ws)
+            ov = out[i0 + s0:i0 + s0 + ms]
+            for i in range(ms):
+                ov[i] = zbuf[i]
 
 
 # ----------------------------------------------------------------------------- fused updates
@@ -339,19 +380,22 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
             m = min(SUB, mc - s0)
             e0 = offs[j] + np.uint64(i0)
             z = zbuf[:m]
+            # views indexed by loop counters (known >= 0): no negative-index wraparound code
+            # in the loops below, which LLVM then vectorizes
+            pv = p[i0:i0 + m]
             if mode == 0:
                 fill_z(z, e0, t, k0, k1, dist, tab, ws)
                 for i in range(m):
-                    _store(p, i0 + i, _load(p, i0 + i) + a * z[i])
+                    _store(pv, i, _load(pv, i) + a * z[i])
             elif mode == 1:
                 fill_z(z, e0, t, k0, k1, dist, tab, ws)
                 for i in range(m):
                     zi = z[i]
-                    pr = _load(p, i0 + i) + a * zi
-                    _store(p, i0 + i, pr - lr * (g * zi + wd * pr))
+                    pr = _load(pv, i) + a * zi
+                    _store(pv, i, pr - lr * (g * zi + wd * pr))
             elif mode == 5:
                 for i in range(m):
-                    _store(p, i0 + i, _load(p, i0 + i) + a)
+                    _store(pv, i, _load(pv, i) + a)
             elif mode != 4:
                 acc = abuf[:m]
                 acc[:] = 0.0
@@ -363,16 +407,17 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
                 if mode == 2:
                     fill_z(z, e0, t, k0, k1, dist, tab, ws)
                     for i in range(m):
-                        pr = _load(p, i0 + i) + a * z[i]
-                        _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
+                        pr = _load(pv, i) + a * z[i]
+                        _store(pv, i, pr - lr * (acc[i] + wd * pr))
                 else:
                     for i in range(m):
-                        pr = _load(p, i0 + i)
-                        _store(p, i0 + i, pr - lr * (acc[i] + wd * pr))
+                        pr = _load(pv, i)
+                        _store(pv, i, pr - lr * (acc[i] + wd * pr))
             if post:
                 fill_z(z, e0, t, pk0, pk1, dist, tab, ws)
+                qv = q[i0:i0 + m]
                 for i in range(m):
-                    _store(q, i0 + i, _load(p, i0 + i) + pa * z[i])
+                    _store(qv, i, _load(pv, i) + pa * z[i])
 
 
 def _u(x) -> np.uint64:
