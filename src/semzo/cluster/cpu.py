@@ -23,6 +23,7 @@ from . import kernels as kn
 _U32 = 2.0 ** -24   # unit roundoff of float32
 DIRECT_MOVERS = 8   # up to this many movers: exact distances in the prune kernel, not a GEMM
 FULL_PASS_FRACTION = 0.6   # pruning kept fewer rows than this share: back off to full passes
+LOCAL_MAX_SHARE = 0.25     # local filter: rows needing more groups than this share go to GEMM
 
 
 class LocalData:
@@ -151,7 +152,7 @@ class PrunedCPU(LloydCPU):
     name = "pruned"
 
     def __init__(self, data: LocalData, k: int, spherical: bool, n_groups: int | None = None,
-                 max_movers: int | None = None):
+                 max_movers: int | None = None, local: bool = True):
         super().__init__(data, k, spherical)
         t = max(1, min(k, n_groups if n_groups else max(1, k // 16)))
         self.n_groups = t
@@ -167,6 +168,13 @@ class PrunedCPU(LloydCPU):
         self._xbuf = np.empty((data.block_rows, data.d), dtype=np.float32)
         self._gmin = np.empty((t, data.block_rows), dtype=np.float32)
         self._gdist = np.empty(t, dtype=np.float64)
+        self.gstart = np.searchsorted(self.group_of, np.arange(t + 1)).astype(np.int64)
+        self.local_groups = max(1, int(LOCAL_MAX_SHARE * t)) if local else -1
+        self._need = np.empty(t, dtype=np.int64)
+        self._gm1 = np.empty(t, dtype=np.float64)
+        self._gm2 = np.empty(t, dtype=np.float64)
+        self._ga1 = np.empty(t, dtype=np.int64)
+        self._idx2 = np.empty(data.n, dtype=np.int64)
         d = data.d
         gamma = d * _U32 / (1.0 - d * _U32)
         # |computed score - true (|c|^2 - 2 x.c)| <= coef_xc |x| c_max + coef_cc c_max^2
@@ -226,20 +234,28 @@ class PrunedCPU(LloydCPU):
         c64, c_max, s_half, c_dev = self._centre_geometry(centers)
         n_movers = 0
         changed = 0
+        local_work = 0
+        c_sq = score_norms(centers, self.spherical)
+        sq_offset = 1.0 if self.spherical else 0.0
         if self._prev is None or self._skip > 0:
             idx = np.arange(data.n, dtype=np.int64)
             self._skip = max(0, self._skip - 1)
         else:
             idx, n_movers = self._filter(centers, c64, c_max, s_half, c_dev)
-            if idx.shape[0] > FULL_PASS_FRACTION * data.n:
+            if self.local_groups > 0 and idx.shape[0]:
+                n2, changed, local_work = kn.local_assign(
+                    data.x, idx, centers, c_sq, sq_offset, self.gstart, self.group_of,
+                    self.labels, self.ub, self.lb, data.x_sq, data.x_norm, c_max,
+                    self._coef_xc, self._coef_cc, c_dev, self.local_groups, self._need,
+                    self._gm1, self._gm2, self._ga1, self._idx2)
+                idx = self._idx2[:n2]
+            if idx.shape[0] + local_work / self.k > FULL_PASS_FRACTION * data.n:
                 # the bounds are not paying: full passes for a while (1, 2, 4, 8 iterations)
                 self._backoff = min(2 * self._backoff, 8) if self._backoff else 1
                 self._skip = self._backoff
             else:
                 self._backoff = 0
         self._prev = c64
-        c_sq = score_norms(centers, self.spherical)
-        sq_offset = 1.0 if self.spherical else 0.0
         B = data.block_rows
         m = idx.shape[0]
         for s in range(0, m, B):
@@ -257,4 +273,4 @@ class PrunedCPU(LloydCPU):
         if accumulate:
             kn.accumulate_rows(data.x, self.labels, sums, counts)
         # distance work in units of full rows: the full recomputations plus the movers' GEMM
-        return changed, 0.0, m + data.n * n_movers / self.k
+        return changed, 0.0, m + (local_work + data.n * n_movers) / self.k

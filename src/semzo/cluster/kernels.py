@@ -278,6 +278,128 @@ def assign_block_bounds(dT, c_sq, sq_offset, idx, x_sq, x_norm, c_max, coef_xc, 
     return changed
 
 
+@nb.njit(cache=True, nogil=True, fastmath=True)
+def _dot32(x, c):
+    """x . c in float32 (reassociated and fused: vectorised). Whatever the order, the error is
+    at most gamma_d * sum |x_t c_t|, the bound the GEMM score's ``delta`` already covers."""
+    acc = np.float32(0.0)
+    for t in range(x.shape[0]):
+        acc += x[t] * c[t]
+    return acc
+
+
+@nb.njit(cache=True, nogil=True)
+def local_assign(x, idx, centers, c_sq, sq_offset, gstart, group_of, labels, ub, lb, x_sq,
+                 x_norm, c_max, coef_xc, coef_cc, c_dev, max_groups, need, gm1, gm2, ga1,
+                 out_idx):
+    """Yinyang's local filter for the rows ``idx`` that failed :func:`prune_block`.
+
+    Group g holds centres [gstart[g], gstart[g + 1]) (t groups, gstart (t + 1,) int64).
+    For row i (ub[i]: upper bound on its true distance to centre a = labels[i]; lb[i, g]
+    (float32, drift already applied): lower bounds on the distance to the other centres of
+    group g), only the groups with lb[i, g] <= ub[i] can hold a nearer centre. When there are
+    at most ``max_groups`` of them, their centres (and a itself) get float32 scores
+    h_j = c_sq[j] - 2 x.c_j from :func:`_dot32`, whose error is at most delta_i like the GEMM
+    score's. The best candidate b is plain Lloyd's float32 GEMM argmin for certain when every
+    other candidate's h exceeds h_b by more than 4 delta_i and every skipped group's L satisfies
+    L^2 - (x_sq + sq_offset + h_b) > 4 delta_i (no other score can come within the two
+    rounding errors). Such rows take label b and fresh bounds (ub from h_b, lb of the
+    computed groups from their best non-b score, lb of a's group lowered to a's distance when a
+    stops being the label; the other groups keep theirs). Rows with more groups than
+    ``max_groups`` or a failed test are appended to ``out_idx`` (for the full GEMM of
+    :func:`assign_block_bounds`) with their bounds untouched.
+
+    need (t,) int64, gm1/gm2 (t,) f64, ga1 (t,) int64: scratch. Returns (rows appended to
+    out_idx, labels changed, centre scores computed).
+    """
+    t = lb.shape[1]
+    n_out = 0
+    changed = 0
+    work = 0
+    for q in range(idx.shape[0]):
+        i = idx[q]
+        a = labels[i]
+        u = ub[i]
+        ng = 0
+        for g in range(t):
+            if np.float64(lb[i, g]) <= u:
+                need[ng] = g
+                ng += 1
+        if ng > max_groups:
+            out_idx[n_out] = i
+            n_out += 1
+            continue
+        xi = x[i]
+        ga = group_of[a]
+        own_done = False
+        best = np.inf
+        bj = -1
+        for p in range(ng):
+            g = need[p]
+            own_done = own_done or g == ga
+            m1 = np.inf
+            m2 = np.inf
+            a1 = -1
+            for j in range(gstart[g], gstart[g + 1]):
+                h = np.float64(c_sq[j] - _TWO32 * _dot32(xi, centers[j]))
+                if h < m1:
+                    m2 = m1
+                    m1 = h
+                    a1 = j
+                elif h < m2:
+                    m2 = h
+            gm1[p] = m1
+            gm2[p] = m2
+            ga1[p] = a1
+            work += gstart[g + 1] - gstart[g]
+            if m1 < best or (m1 == best and a1 < bj):
+                best = m1
+                bj = a1
+        h_a = np.inf
+        if not own_done:
+            h_a = np.float64(c_sq[a] - _TWO32 * _dot32(xi, centers[a]))
+            work += 1
+            if h_a < best or (h_a == best and a < bj):
+                best = h_a
+                bj = a
+        delta = coef_xc * x_norm[i] * c_max + coef_cc * c_max * c_max + c_dev
+        gap = 4.0 * delta
+        second = np.inf
+        for p in range(ng):
+            v = gm2[p] if ga1[p] == bj else gm1[p]
+            second = min(second, v)
+        if not own_done and a != bj:
+            second = min(second, h_a)
+        ok = second - best > gap
+        base = x_sq[i] + sq_offset
+        if ok:
+            lskip = np.inf
+            p = 0
+            for g in range(t):
+                if p < ng and need[p] == g:
+                    p += 1
+                else:
+                    lskip = min(lskip, np.float64(lb[i, g]))
+            if lskip < np.inf:
+                ok = lskip * lskip - (base + best) > gap
+        if not ok:
+            out_idx[n_out] = i
+            n_out += 1
+            continue
+        ub[i] = math.sqrt(max(base + best + delta, 0.0)) * (1.0 + 1e-9) + 1e-300
+        for p in range(ng):
+            v = gm2[p] if ga1[p] == bj else gm1[p]
+            lb[i, need[p]] = _down32(math.sqrt(max(base + v - delta, 0.0)) * (1.0 - 1e-9))
+        if not own_done and a != bj:
+            w = _down32(math.sqrt(max(base + h_a - delta, 0.0)) * (1.0 - 1e-9))
+            if w < lb[i, ga]:
+                lb[i, ga] = w
+        if a != bj:
+            labels[i] = bj
+            changed += 1
+    return n_out, changed, work
+
+
 # --------------------------------------------------------------------------------------------
 # k-means|| helpers
 # --------------------------------------------------------------------------------------------
