@@ -230,8 +230,9 @@ class PrunedCPU(LloydCPU):
         n_out = 0
         for s, e in data.blocks():
             b = e - s
-            dM = no_dm if direct else np.matmul(cm, data.x[s:e].T,
-                                                out=self._buf[:m * b].reshape(m, b))
+            # (b, m) orientation: OpenBLAS packs the thin movers' matrix, not the row block
+            dM = no_dm if direct else np.matmul(data.x[s:e], cm.T,
+                                                out=self._buf[:m * b].reshape(b, m))
             n_out = kn.prune_block(data.x, s, b, dM, direct, movers, mover_of, cm_sq, sq_offset,
                                    centers, self.labels, self.ub, self.lb, small, gdrift,
                                    self.group_of, s_half, data.x_sq, data.x_norm, c_max,

@@ -161,8 +161,8 @@ def prune_block(x, row0, b, dM, direct, movers, mover_of, cm_sq, sq_offset, cent
     centre from above, lb (n, t) f32 the distance to the closest non-assigned centre of each
     of t centre groups from below. The m "movers" (the centres that moved most; mover_of (k,):
     position in ``movers`` or -1) get fresh distances: when ``direct``, exact float64 distances
-    computed here row by row; otherwise from float32 GEMM scores dM (m, b) =
-    centers[movers] @ x_block.T with score norms cm_sq (m,), widened by the rounding bound.
+    computed here row by row; otherwise from float32 GEMM scores dM (b, m) =
+    x_block @ centers[movers].T with score norms cm_sq (m,), widened by the rounding bound.
     Every other centre j moved by drift[j] (group maximum gdrift[g]). New bounds: ub = fresh
     distance if the own centre moved, else ub + drift; lb_g = min(lb_g - gdrift[g], fresh
     distances to the movers of g). A row keeps its label when L^2 - U^2 > 2 delta_i for
@@ -177,15 +177,14 @@ def prune_block(x, row0, b, dM, direct, movers, mover_of, cm_sq, sq_offset, cent
         for g in range(t):
             for r in range(b):
                 gmin[g, r] = np.inf
-        for p in range(m):
-            j = movers[p]
-            g = group_of[j]
-            cj = cm_sq[p]
-            for r in range(b):
-                s = cj - _TWO32 * dM[p, r]
-                gv = gmin[g, r]
-                take = (s < gv) and (labels[row0 + r] != j)
-                gmin[g, r] = s if take else gv
+        for r in range(b):
+            a = labels[row0 + r]
+            for p in range(m):
+                j = movers[p]
+                g = group_of[j]
+                s = cm_sq[p] - _TWO32 * dM[r, p]
+                if s < gmin[g, r] and a != j:
+                    gmin[g, r] = s
     for r in range(b):
         i = row0 + r
         a = labels[i]
@@ -209,7 +208,7 @@ def prune_block(x, row0, b, dM, direct, movers, mover_of, cm_sq, sq_offset, cent
         else:
             p = mover_of[a]
             if p >= 0:
-                sa = np.float64(cm_sq[p] - _TWO32 * dM[p, r])
+                sa = np.float64(cm_sq[p] - _TWO32 * dM[r, p])
                 u = math.sqrt(max(base + sa + delta, 0.0)) * (1.0 + 1e-9) + 1e-300
             else:
                 u = ub[i] + drift[a]
