@@ -6,8 +6,10 @@ Two assigners share one interface (see :class:`LloydCPU`):
 - ``PrunedCPU``: exact pruning. Per row an upper bound on the distance to its centre and t
   group lower bounds on the distance to the other centres (Yinyang's global filter) plus
   Hamerly's half-distance to the nearest other centre decide which rows keep their label;
-  only the others are gathered into dense blocks and go through the same GEMM and argmin as
-  ``LloydCPU``. The bounds include the float32 rounding error of the GEMM score, so a skipped
+  of the others, those whose group bounds leave few candidate centres are decided by the
+  local filter (:func:`kernels.local_assign`: float32 dots to the candidates only, accepted
+  when the winner leads by more than the rounding margin), the rest are gathered into dense
+  blocks and go through the same GEMM and argmin as ``LloydCPU``. The bounds include the float32 rounding error of the GEMM score, so a skipped
   row is one whose float32 argmin could not have changed: the labels (and, because the sums
   are re-accumulated in row order, the centres) are those of plain Lloyd.
 

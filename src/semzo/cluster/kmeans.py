@@ -91,7 +91,9 @@ def kmeans(x_local, k: int, comm, *, global_offset: int, allreduce=None, init="k
     rounds, max_candidates (default 1 + rounds * oversampling): k-means||. algorithm: "lloyd"
     or "pruned" (exact: the same labels as "lloyd", fewer distances). block_rows: rows per
     GEMM block. n_groups, max_movers: tuning of "pruned" (lower bounds per row, default k // 16;
-    most centres given fresh distances per iteration, default k // 8).
+    most centres given fresh distances per iteration, default k // 8). patient: wait for the
+    slowest rank in a barrier that sleeps between polls before each iteration's allreduce
+    (:func:`~semzo.cluster.collectives.patient_barrier`), instead of MPI's spinning wait.
     """
     _check_args(k, init, max_iter, tol, algorithm, rounds)
     k = int(k)
