@@ -220,8 +220,10 @@ def run_case(name, comm, x_local, x_full, offset, args, rows):
     quiet_barrier(comm)
     if rank != 0:
         return
+    load = os.getloadavg()
     print(f"\n[{name}] n={n_total} d={d} k={k}; k-means|| init {t_init:.2f} s "
-          f"(semzo, {comm.Get_size()} ranks)")
+          f"(semzo, {comm.Get_size()} ranks); load average now {load[0]:.1f} (1 min), "
+          f"{load[1]:.1f} (5 min) on {os.cpu_count()} CPUs")
     if gemm is not None:
         print(f"sgemm reference: numpy matmul ({n_total}x{d}) @ ({d}x{k}) at {args.sk_threads} "
               f"threads: {gemm:.3f} s = {flop_iter / gemm / 1e9:.1f} GFLOP/s")

@@ -280,3 +280,99 @@ def test_predict_and_errors():
         kmeans(x, 4, COMM, global_offset=0, init=np.zeros((3, 8), np.float32))
     with pytest.raises(ValueError, match="2-D"):
         kmeans(x[:, 0], 4, COMM, global_offset=0)
+
+
+# ------------------------------------------------------ pruned: Yinyang local filter kernel
+
+def _local_call(x, c, labels, ub, lb, t, max_centres):
+    """Run kn.local_assign on every row with zero drifts; returns (rows left for the GEMM,
+    labels changed, centre scores computed)."""
+    k = c.shape[0]
+    group_of = ((np.arange(k) * t) // k).astype(np.int32)
+    gstart = np.searchsorted(group_of, np.arange(t + 1)).astype(np.int64)
+    members = np.arange(k, dtype=np.int64)
+    c_sq = np.einsum("ij,ij->i", c.astype(np.float64), c.astype(np.float64)).astype(np.float32)
+    x_sq = np.einsum("ij,ij->i", x.astype(np.float64), x.astype(np.float64))
+    u32 = 2.0 ** -24
+    gamma = x.shape[1] * u32 / (1 - x.shape[1] * u32)
+    out = np.empty(x.shape[0], np.int64)
+    n_out, changed, work = kn.local_assign(
+        x, np.arange(x.shape[0], dtype=np.int64), c, c_sq, 0.0, gstart, members, group_of,
+        np.zeros(k), np.zeros(t), np.full(k, -1, np.int32), labels, ub, lb, x_sq,
+        np.sqrt(x_sq), float(np.sqrt(c_sq.max())), 1.01 * (2 * gamma + 2 * u32),
+        1.01 * 2 * u32, 0.0, max_centres, np.empty(t, np.int64), np.empty(t), np.empty(t),
+        np.empty(t, np.int64), np.empty(t), out)
+    return out[:n_out], changed, work
+
+
+def test_local_filter_certifies_or_leaves_ties_to_the_gemm():
+    rng = np.random.default_rng(21)
+    d, k, t = 16, 8, 4
+    c = rng.normal(size=(k, d)).astype(np.float32)
+    x = (c[rng.integers(0, k, 200)] + rng.normal(size=(200, d)) * 0.6).astype(np.float32)
+    # rows 0-9 exactly halfway between centres 2 and 5 (a tie, up to float32 rounding)
+    x[:10] = 0.5 * (c[2] + c[5]) + (rng.normal(size=(10, d)) * 1e-7).astype(np.float32)
+    x64, c64 = x.astype(np.float64), c.astype(np.float64)
+    dist = np.sqrt(((x64[:, None, :] - c64[None]) ** 2).sum(-1))
+    labels = np.zeros(200, np.int32)                 # every row starts at centre 0
+    ub = dist[:, 0] * (1 + 1e-9)
+    # valid group lower bounds (other centres than 0), loosened: some groups get skipped
+    lb = np.empty((200, t), np.float32)
+    for g in range(t):
+        other = [j for j in range(g * 2, g * 2 + 2) if j != 0]
+        lb[:, g] = dist[:, other].min(axis=1) * 0.97
+    lab_in, ub_in, lb_in = labels.copy(), ub.copy(), lb.copy()
+    left, changed, work = _local_call(x, c, labels, ub, lb, t, max_centres=k)
+    assert 0 < work < 200 * k                         # some centres skipped by the bounds
+    ref = np.argmin(np.einsum("ij,ij->i", c64, c64).astype(np.float32)[None, :]
+                    - np.float32(2) * (x @ c.T), axis=1)
+    assert set(range(10)) <= set(left.tolist())      # the ties are left to the full GEMM
+    done = np.setdiff1d(np.arange(200), left)
+    assert done.shape[0] > 150
+    np.testing.assert_array_equal(labels[done], ref[done])
+    assert changed == int(np.sum(ref[done] != 0))
+    # rows left for the GEMM keep label and bounds; certified rows have valid fresh bounds
+    np.testing.assert_array_equal(labels[left], lab_in[left])
+    np.testing.assert_array_equal(ub[left], ub_in[left])
+    np.testing.assert_array_equal(lb[left], lb_in[left])
+    own = dist[done, labels[done]]
+    assert np.all(ub[done] >= own)
+    masked = dist.copy()
+    masked[np.arange(200), labels] = np.inf
+    for g in range(t):
+        assert np.all(lb[done, g] <= masked[done, 2 * g:2 * g + 2].min(axis=1))
+    # a row needing more centres than allowed goes to the GEMM untouched
+    labels2, ub2, lb2 = lab_in.copy(), ub_in.copy(), np.zeros_like(lb_in)
+    left2, changed2, work2 = _local_call(x, c, labels2, ub2, lb2, t, max_centres=k - 1)
+    assert left2.shape[0] == 200 and changed2 == 0 and work2 == 0
+
+
+def test_pruned_local_filter_equals_lloyd_on_flat_unit_data(monkeypatch):
+    """Unit-norm rows in many overlapping clusters (like sentence embeddings): the global
+    filter keeps few rows, so the local filter does most of the work and must not change a
+    single label."""
+    from semzo.cluster import cpu
+    rng = np.random.default_rng(22)
+    n, d, k = 5000, 48, 64
+    base = rng.normal(size=(24, d))
+    x = base[rng.integers(0, 24, n)] + rng.normal(size=(n, d)) * 1.2
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    init = x[rng.choice(n, k, replace=False)].copy()
+    kw = {"global_offset": 0, "init": init, "max_iter": 25, "tol": 0}
+    plain = kmeans(x, k, COMM, algorithm="lloyd", **kw)
+    calls = []
+    real = cpu.kn.local_assign
+
+    def spy(*a):
+        res = real(*a)
+        calls.append((a[1].shape[0], res[0], res[2]))
+        return res
+
+    monkeypatch.setattr(cpu.kn, "local_assign", spy)
+    pr = kmeans(x, k, COMM, algorithm="pruned", block_rows=700, **kw)
+    np.testing.assert_array_equal(pr.labels, plain.labels)
+    np.testing.assert_array_equal(pr.centers, plain.centers)
+    assert pr.n_iter == plain.n_iter and pr.inertia == plain.inertia
+    rows_in = sum(c[0] for c in calls)
+    certified = sum(c[0] - c[1] for c in calls)
+    assert calls and certified > 0.3 * rows_in, calls   # the local filter did real work

@@ -6,8 +6,10 @@ Two assigners share one interface (see :class:`LloydCPU`):
 - ``PrunedCPU``: exact pruning. Per row an upper bound on the distance to its centre and t
   group lower bounds on the distance to the other centres (Yinyang's global filter) plus
   Hamerly's half-distance to the nearest other centre decide which rows keep their label;
-  only the others are gathered into dense blocks and go through the same GEMM and argmin as
-  ``LloydCPU``. The bounds include the float32 rounding error of the GEMM score, so a skipped
+  of the others, those whose group bounds leave few candidate centres are decided by the
+  local filter (:func:`kernels.local_assign`: float32 dots to the candidates only, accepted
+  when the winner leads by more than the rounding margin), the rest are gathered into dense
+  blocks and go through the same GEMM and argmin as ``LloydCPU``. The bounds include the float32 rounding error of the GEMM score, so a skipped
   row is one whose float32 argmin could not have changed: the labels (and, because the sums
   are re-accumulated in row order, the centres) are those of plain Lloyd.
 
@@ -23,6 +25,8 @@ from . import kernels as kn
 _U32 = 2.0 ** -24   # unit roundoff of float32
 DIRECT_MOVERS = 8   # up to this many movers: exact distances in the prune kernel, not a GEMM
 FULL_PASS_FRACTION = 0.6   # pruning kept fewer rows than this share: back off to full passes
+LOCAL_MAX_SHARE = 0.25     # local filter: rows needing more centres than this share go to GEMM
+HOPELESS_DRIFT = 0.5       # median centre drift / half-gap above this: full pass, no filter
 
 
 class LocalData:
@@ -151,13 +155,13 @@ class PrunedCPU(LloydCPU):
     name = "pruned"
 
     def __init__(self, data: LocalData, k: int, spherical: bool, n_groups: int | None = None,
-                 max_movers: int | None = None):
+                 max_movers: int | None = None, local: bool = True):
         super().__init__(data, k, spherical)
         t = max(1, min(k, n_groups if n_groups else max(1, k // 16)))
         self.n_groups = t
         self.max_movers = max(0, min(k, max_movers if max_movers is not None
                                      else max(1, k // 8)))
-        self.group_of = ((np.arange(k, dtype=np.int64) * t) // k).astype(np.int32)
+        self._set_groups(((np.arange(k, dtype=np.int64) * t) // k).astype(np.int32))
         self.ub = np.zeros(data.n, dtype=np.float64)
         self.lb = np.zeros((data.n, t), dtype=np.float32)
         self._prev = None
@@ -167,11 +171,26 @@ class PrunedCPU(LloydCPU):
         self._xbuf = np.empty((data.block_rows, data.d), dtype=np.float32)
         self._gmin = np.empty((t, data.block_rows), dtype=np.float32)
         self._gdist = np.empty(t, dtype=np.float64)
+        self.local_centres = max(1, int(LOCAL_MAX_SHARE * k)) if local else -1
+        self._need = np.empty(t, dtype=np.int64)
+        self._gm1 = np.empty(t, dtype=np.float64)
+        self._gm2 = np.empty(t, dtype=np.float64)
+        self._ga1 = np.empty(t, dtype=np.int64)
+        self._gsk = np.empty(t, dtype=np.float64)
+        self._drifts = None
+        self._idx2 = np.empty(data.n, dtype=np.int64)
         d = data.d
         gamma = d * _U32 / (1.0 - d * _U32)
         # |computed score - true (|c|^2 - 2 x.c)| <= coef_xc |x| c_max + coef_cc c_max^2
         self._coef_xc = 1.01 * (2.0 * gamma + 2.0 * _U32)
         self._coef_cc = 1.01 * 2.0 * _U32
+
+    def _set_groups(self, group_of):
+        """group_of (k,) int32 -> members (centre ids sorted by group, stable) and gstart."""
+        self.group_of = np.ascontiguousarray(group_of, dtype=np.int32)
+        self.members = np.argsort(self.group_of, kind="stable").astype(np.int64)
+        self.gstart = np.searchsorted(self.group_of[self.members],
+                                      np.arange(self.n_groups + 1)).astype(np.int64)
 
     def _centre_geometry(self, centers):
         c64 = centers.astype(np.float64)
@@ -202,6 +221,7 @@ class PrunedCPU(LloydCPU):
         small[movers] = 0.0
         gdrift = np.zeros(self.n_groups, dtype=np.float64)
         np.maximum.at(gdrift, self.group_of, small)
+        self._drifts = (small, gdrift, mover_of)
         cm = np.ascontiguousarray(centers[movers])
         cm_sq = score_norms(cm, self.spherical)
         m = movers.shape[0]
@@ -212,8 +232,9 @@ class PrunedCPU(LloydCPU):
         n_out = 0
         for s, e in data.blocks():
             b = e - s
-            dM = no_dm if direct else np.matmul(cm, data.x[s:e].T,
-                                                out=self._buf[:m * b].reshape(m, b))
+            # (b, m) orientation: OpenBLAS packs the thin movers' matrix, not the row block
+            dM = no_dm if direct else np.matmul(data.x[s:e], cm.T,
+                                                out=self._buf[:m * b].reshape(b, m))
             n_out = kn.prune_block(data.x, s, b, dM, direct, movers, mover_of, cm_sq, sq_offset,
                                    centers, self.labels, self.ub, self.lb, small, gdrift,
                                    self.group_of, s_half, data.x_sq, data.x_norm, c_max,
@@ -226,20 +247,37 @@ class PrunedCPU(LloydCPU):
         c64, c_max, s_half, c_dev = self._centre_geometry(centers)
         n_movers = 0
         changed = 0
+        local_work = 0
+        c_sq = score_norms(centers, self.spherical)
+        sq_offset = 1.0 if self.spherical else 0.0
+        if self._prev is not None and self._skip == 0 and self.k > 1:
+            # centres that moved more than half the way to their nearest neighbour break
+            # Hamerly's bound, and in high dimension every group bound with them: when that
+            # is the typical centre (the first iterations), filtering is wasted work
+            drift = np.sqrt(((c64 - self._prev) ** 2).sum(axis=1))
+            if np.median(drift / np.maximum(s_half, 1e-300)) > HOPELESS_DRIFT:
+                self._skip = 1
         if self._prev is None or self._skip > 0:
             idx = np.arange(data.n, dtype=np.int64)
             self._skip = max(0, self._skip - 1)
         else:
             idx, n_movers = self._filter(centers, c64, c_max, s_half, c_dev)
-            if idx.shape[0] > FULL_PASS_FRACTION * data.n:
+            if self.local_centres > 0 and idx.shape[0]:
+                small, gdrift, mover_of = self._drifts
+                n2, changed, local_work = kn.local_assign(
+                    data.x, idx, centers, c_sq, sq_offset, self.gstart, self.members,
+                    self.group_of, small, gdrift, mover_of, self.labels, self.ub, self.lb,
+                    data.x_sq, data.x_norm, c_max, self._coef_xc, self._coef_cc, c_dev,
+                    self.local_centres, self._need,
+                    self._gm1, self._gm2, self._ga1, self._gsk, self._idx2)
+                idx = self._idx2[:n2]
+            if idx.shape[0] + local_work / self.k > FULL_PASS_FRACTION * data.n:
                 # the bounds are not paying: full passes for a while (1, 2, 4, 8 iterations)
                 self._backoff = min(2 * self._backoff, 8) if self._backoff else 1
                 self._skip = self._backoff
             else:
                 self._backoff = 0
         self._prev = c64
-        c_sq = score_norms(centers, self.spherical)
-        sq_offset = 1.0 if self.spherical else 0.0
         B = data.block_rows
         m = idx.shape[0]
         for s in range(0, m, B):
@@ -257,4 +295,4 @@ class PrunedCPU(LloydCPU):
         if accumulate:
             kn.accumulate_rows(data.x, self.labels, sums, counts)
         # distance work in units of full rows: the full recomputations plus the movers' GEMM
-        return changed, 0.0, m + data.n * n_movers / self.k
+        return changed, 0.0, m + (local_work + data.n * n_movers) / self.k

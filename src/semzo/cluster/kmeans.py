@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..runtime import get_logger
-from .collectives import allgatherv, default_allreduce
+from .collectives import allgatherv, default_allreduce, patient_barrier
 from .init import kmeans_parallel, normalize_rows
 
 log = get_logger(__name__)
@@ -77,7 +77,7 @@ def kmeans(x_local, k: int, comm, *, global_offset: int, allreduce=None, init="k
            max_iter: int = 100, tol: float = 1e-4, spherical: bool = False, seed: int = 0,
            oversampling: float | None = None, rounds: int = 5, max_candidates: int | None = None,
            algorithm: str = "lloyd", block_rows: int = 1024, n_groups: int | None = None,
-           max_movers: int | None = None) -> KMeansResult:
+           max_movers: int | None = None, patient: bool = True) -> KMeansResult:
     """k-means of the rows of all ranks. Collective over ``comm``; every rank passes the same
     keyword arguments (only ``x_local`` and ``global_offset`` differ).
 
@@ -91,7 +91,9 @@ def kmeans(x_local, k: int, comm, *, global_offset: int, allreduce=None, init="k
     rounds, max_candidates (default 1 + rounds * oversampling): k-means||. algorithm: "lloyd"
     or "pruned" (exact: the same labels as "lloyd", fewer distances). block_rows: rows per
     GEMM block. n_groups, max_movers: tuning of "pruned" (lower bounds per row, default k // 16;
-    most centres given fresh distances per iteration, default k // 8).
+    most centres given fresh distances per iteration, default k // 8). patient: wait for the
+    slowest rank in a barrier that sleeps between polls before each iteration's allreduce
+    (:func:`~semzo.cluster.collectives.patient_barrier`), instead of MPI's spinning wait.
     """
     _check_args(k, init, max_iter, tol, algorithm, rounds)
     k = int(k)
@@ -161,6 +163,8 @@ def kmeans(x_local, k: int, comm, *, global_offset: int, allreduce=None, init="k
         changed, inertia, n_rows = assigner.estep(centers, sums, counts, True)
         scal[:] = (changed, inertia, n_rows)
         tc = time.perf_counter()
+        if patient:
+            patient_barrier(comm)
         allreduce(buf)
         t_comm += time.perf_counter() - tc
         rows_computed += scal[2]
