@@ -12,11 +12,12 @@ to the plain pass. Default 1 thread: on a shared machine the best of several 1-t
 steadier figure than 2 threads. Other people's processes make timings noisy: say so.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 (semzo is imported before numpy)
 
 import argparse
 import time
 
+import semzo  # noqa: F401  (before numpy: it sets the thread pools' spin defaults)
 import numpy as np
 
 

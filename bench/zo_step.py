@@ -32,7 +32,7 @@ in one process slow each other down badly on a loaded machine.
 Other people's processes on a shared machine make timings noisy: say so when reporting.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 (semzo is imported before numpy)
 
 import argparse
 import json
@@ -41,6 +41,7 @@ import sys
 import time
 from pathlib import Path
 
+import semzo  # noqa: F401  (before numpy: it sets the thread pools' spin defaults)
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
