@@ -38,14 +38,7 @@ RTOL_BF16 = 2e-6
 RTOL_F32 = 1e-2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    from threadpoolctl import threadpool_limits
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(limits=1):
-        yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 def bf16_ref(ref):

@@ -67,14 +67,7 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    from threadpoolctl import threadpool_limits
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(limits=1):
-        yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 _BUILT: dict = {}

@@ -33,12 +33,7 @@ TPL = "{text} It was"
 NOUNS = ["cat", "dog", "sun", "moon", "tree", "red", "blue", "green"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    from threadpoolctl import threadpool_limits
-    torch.set_num_threads(1)
-    with threadpool_limits(limits=1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -38,15 +38,7 @@ SENTENCES = (DATA / "model_sentences.txt").read_text(encoding="utf-8").splitline
 RTOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread for torch and BLAS (the suite shares 2 cores with MPI tests)."""
-    from threadpoolctl import threadpool_limits
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with threadpool_limits(limits=1):
-        yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -32,13 +32,7 @@ DATA = Path(__file__).parent / "data"
 SENTENCES = (DATA / "model_sentences.txt").read_text(encoding="utf-8").splitlines()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One BLAS thread: the suite shares 2 cores with MPI tests, and on an oversubscribed
-    machine a woken BLAS helper thread can wait a whole time slice per GEMM."""
-    from threadpoolctl import threadpool_limits
-    with threadpool_limits(limits=1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

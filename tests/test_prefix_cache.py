@@ -15,12 +15,7 @@ from semzo.finetune.loop import ClassifyTask, PrefixCachedClassifyTask
 from semzo.finetune.stage import _first_trained_block, select_trainable
 from semzo.model import Tokenizer, load_model
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    from threadpoolctl import threadpool_limits
-    with threadpool_limits(limits=1):
-        yield
+pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
