@@ -12,7 +12,8 @@ tensor trainable, as in MeZO), a batch of the first ``--batch`` fortunes padded 
    three-pass schedule, with Gaussian, Rademacher and Gaussian-fast z (a 16-bit inverse-CDF
    table, ``zo.dist = "gaussian-fast"``); one parameter pass: the plain fused
    read-modify-write (no z) against the perturbation with Gaussian and Rademacher z (goal: a
-   pass that generates z costs <= 1.2x the plain pass);
+   pass that generates z costs <= 1.2x the plain pass); the streamed step with and without
+   the z cache (``zo.cache_z``: pass 2 reads the z pass 1 made for the stage);
 2. semzo step time vs the MeZO-style torch step (MeZO's trainer: per tensor an out-of-place
    ``torch.normal`` perturbation +eps, forward, -2 eps, forward, +eps restore, then the update
    with z regenerated from the same seed), same model and batch, same threads;
@@ -20,8 +21,8 @@ tensor trainable, as in MeZO), a batch of the first ``--batch`` fortunes padded 
    <= 1.15x), and vs a backprop fine-tuning step in torch (AdamW, same model and batch): each
    measured in its own process as the peak RSS during the step (VmHWM, reset before it) above
    the RSS before the model is loaded, and for semzo also with tracemalloc (numpy's
-   allocations: the transient peak above the parameters), streamed and three-pass, and what
-   the streamed step's second branch state adds;
+   allocations: the transient peak above the parameters, plus the z cache the streamed step
+   keeps), streamed and three-pass, and what the streamed step's second branch state adds;
 4. ``--comm`` under mpirun: communication time as a share of the step time in data mode (the
    engine's time inside the exchange, which includes waiting for the slowest rank, and the
    exchange collective alone, timed after a barrier).
@@ -41,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-import semzo  # noqa: F401  (before numpy: it sets the thread pools' spin defaults)
+import semzo  # noqa: F401  (before numpy: BLAS kernel and thread-pool defaults)
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -197,6 +198,10 @@ def timings(args) -> dict:
             eng.flush()
             eng.dist = dist
             out[f"step_{sched}_{dist}_s"] = best(zo, args.reps)
+            if sched == "streamed" and dist != "rademacher":     # zo.cache_z = false
+                eng.cache_z = False
+                out[f"step_{sched}_{dist}_nocache_s"] = best(zo, args.reps)
+                eng.cache_z = True
     eng.flush()
     eng.dist, eng.schedule = "gaussian", "streamed"
     out["passes"] = pass_times(eng, args.reps)
@@ -277,6 +282,10 @@ def mem_child(what: str, args) -> None:
         peak = _status("VmHWM")
         out["traced_peak_bytes"] = tracemalloc.get_traced_memory()[1] - t0
         tracemalloc.stop()
+        # the z cache (streamed): allocated in the warm-up step and kept, so not in the peak
+        zc = getattr(eng, "_zcache", None)
+        out["zcache_bytes"] = 4 * zc[1].elements if zc is not None and what == "semzo-step" \
+            else 0
     else:
         import torch as _torch  # noqa: F401 - imported before the baseline
 
@@ -434,16 +443,22 @@ def main() -> None:
           f"{sf:.3f} s, ratio {sf / (2 * fw):.3f}; three-pass {s3f:.3f} s, ratio "
           f"{s3f / (2 * fw):.3f}")
     sp = t["mezo_torch_step_s"] / step
+    sn, sfn = t["step_streamed_gaussian_nocache_s"], t["step_streamed_gaussian-fast_nocache_s"]
+    print(f"  z cache (zo.cache_z, pass 2 reads pass 1's z): streamed Gaussian step {step:.3f} s "
+          f"with, {sn:.3f} s without (ratio {sn / (2 * fw):.3f}); gaussian-fast {sf:.3f} s with, "
+          f"{sfn:.3f} s without")
     print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
           f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
     pb = mem["semzo-step"]["param_bytes"]
     fwd_act = mem["semzo-fwd"]["traced_peak_bytes"]
     step_tr = mem["semzo-step"]["traced_peak_bytes"]
-    r_tr = (pb + step_tr) / (pb + fwd_act)
+    zcb = mem["semzo-step"]["zcache_bytes"]
+    r_tr = (pb + step_tr + zcb) / (pb + fwd_act)
     zs, zf = mem["semzo-step"]["footprint_bytes"], mem["semzo-fwd"]["footprint_bytes"]
     print(f"  memory: parameters {pb / mib:.1f} MiB; transient peak above the parameters "
-          f"(tracemalloc): forward {fwd_act / mib:.1f} MiB, ZO step {step_tr / mib:.1f} MiB")
-    print(f"    (parameters + ZO step peak) / (parameters + forward peak) = {r_tr:.3f} "
+          f"(tracemalloc): forward {fwd_act / mib:.1f} MiB, ZO step {step_tr / mib:.1f} MiB; "
+          f"z cache {zcb / mib:.1f} MiB (kept between steps)")
+    print(f"    (parameters + ZO step peak + z cache) / (parameters + forward peak) = {r_tr:.3f} "
           f"(goal <= 1.15); by RSS footprint (peak RSS minus RSS before the model): ZO step "
           f"{zs / mib:.0f} MiB / forward {zf / mib:.0f} MiB = {zs / zf:.3f}")
     tb = mem["torch-backprop"]["footprint_bytes"]

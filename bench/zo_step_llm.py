@@ -13,7 +13,8 @@ sets:
 
 1. semzo step time / (2 x semzo forward time) on that batch (issue 15's goal: <= 1.10 for the
    full model), streamed and three-pass; forward, streamed step and three-pass step run
-   interleaved, ``--reps`` rounds after a warm-up round, best of each;
+   interleaved, ``--reps`` rounds after a warm-up round, best of each; the streamed step
+   without the z cache (``zo.cache_z = false``) in the same rounds;
 2. semzo step vs a MeZO-style torch step (MeZO's trainer order, out of place like MeZO's
    trainer: perturb +eps with ``torch.normal`` per tensor, loss, -2 eps, loss, +eps restore,
    update with z regenerated from the seed), same model (transformers' LlamaForCausalLM from
@@ -136,29 +137,37 @@ def llm_timings(args, which: str) -> dict:
     zo, task, b = llm_step_fn(m, eng, ids, mask)
 
     def streamed():
-        eng.schedule = "streamed"
+        eng.schedule, eng.cache_z = "streamed", True
+        zo()
+
+    def streamed_nocache():               # zo.cache_z = false: pass 2 generates z again
+        eng.schedule, eng.cache_z = "streamed", False
         zo()
 
     def three_pass():
         eng.flush()                       # outside the timing: the streamed step's update
         eng.schedule = "three-pass"
         return zo
-    # interleaved (forward, streamed step, three-pass step) x reps, best of each: a machine
+    # interleaved (forward, streamed step with and without the z cache, three-pass) x reps, best of each: a machine
     # whose load drifts during the run biases the three figures alike
-    fwd = step = step3 = float("inf")
+    fwd = step = step3 = stepn = float("inf")
     for r in range(args.reps + 1):        # round 0: warm-up
         tf = best_once(lambda: m.next_token_loss(ids, mask))
         ts = best_once(streamed)
+        tn = best_once(streamed_nocache)
         t3 = best_once(three_pass())
         if r:
             fwd, step, step3 = min(fwd, tf), min(step, ts), min(step3, t3)
+            stepn = min(stepn, tn)
     eng.flush()
     st = task.stage_begin(b)
     for k in range(task.stage_count()):
         st = task.stage_run(k, st)
     n = eng.n_trainable
     t = _child(args, "--llm-torch", which)
+    zc = getattr(eng, "_zcache", None)
     return {"semzo_forward_s": fwd, "semzo_step_s": step, "semzo_step_3pass_s": step3,
+            "semzo_step_nocache_s": stepn, "zcache_bytes": 4 * zc[1].elements if zc else 0,
             "trainable": n, "branch_state_bytes": st.nbytes_live(), **t}
 
 
@@ -241,7 +250,7 @@ def llm_main(args) -> None:
     if bad:
         raise SystemExit(f"--sets: unknown trainable set(s) {', '.join(sorted(bad))} "
                          f"(lora, all)")
-    branch = {}
+    branch, zcache = {}, {}
     for which in args.sets.split(","):
         t = llm_timings(args, which)
         branch[which] = t["branch_state_bytes"]
@@ -255,17 +264,22 @@ def llm_main(args) -> None:
               f"step / (2 x forward) = {r:.3f}" + (" (goal <= 1.10)" if which == "all" else ""))
         print(f"  schedule three-pass: step {s3:.3f} s, ratio {s3 / (2 * fw):.3f}; streamed / "
               f"three-pass = {step / s3:.3f}")
+        sn = t["semzo_step_nocache_s"]
+        zcache[which] = t["zcache_bytes"]
+        print(f"  z cache (zo.cache_z, pass 2 reads pass 1's z; {zcache[which] / mib:.1f} MiB): "
+              f"streamed step {step:.3f} s with, {sn:.3f} s without (ratio {sn / (2 * fw):.3f})")
         print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
               f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
     for which in args.sets.split(","):
         f = _child(args, "--llm-mem", f"fwd-{which}")
         s = _child(args, "--llm-mem", f"step-{which}")
         pb, fa, sa = s["param_bytes"], f["traced_peak_bytes"], s["traced_peak_bytes"]
+        zb = zcache[which]
         print(f"  memory ({which}, streamed step): parameters {pb / mib:.0f} MiB; transient "
               f"peak above the parameters (tracemalloc): forward {fa / mib:.1f} MiB, ZO step "
-              f"{sa / mib:.1f} MiB; (parameters + ZO step peak) / (parameters + forward peak) "
-              f"= {(pb + sa) / (pb + fa):.3f} (goal <= 1.15); the second branch state adds "
-              f"{branch[which] / mib:.2f} MiB")
+              f"{sa / mib:.1f} MiB, z cache {zb / mib:.1f} MiB (kept); (parameters + ZO step "
+              f"peak + z cache) / (parameters + forward peak) = {(pb + sa + zb) / (pb + fa):.3f} "
+              f"(goal <= 1.15); the second branch state adds {branch[which] / mib:.2f} MiB")
         print(f"    RSS footprint (peak RSS minus RSS before the model): forward "
               f"{f['footprint_bytes'] / mib:.0f} MiB, ZO step {s['footprint_bytes'] / mib:.0f} "
               f"MiB: ratio {s['footprint_bytes'] / f['footprint_bytes']:.3f}")

@@ -363,6 +363,44 @@ def test_decoder_loss_matches_logits_and_prefix(tmp_path):
     assert np.max(np.abs(short[0] - za[2, :3])) < 1e-5
 
 
+def test_token_nll_kernel_and_thread_independent_loss(tmp_path):
+    from semzo.model.kernels_lm import token_nll
+
+    rng = np.random.default_rng(8)
+    z = (rng.standard_normal((37, 1001)) * 4).astype(np.float32)
+    z[5, 17] = z[5, 3] = z[5].max() + 1                    # a tie: the first index wins
+    lab = rng.integers(0, 1001, 37)
+    lab[5] = 17
+    nll, hit = np.empty(37), np.empty(37)
+    token_nll(z, lab, nll, hit)
+    zz = z.astype(np.float64)
+    m = zz.max(1)
+    ref = m + np.log(np.exp(zz - m[:, None]).sum(1)) - zz[np.arange(37), lab]
+    assert np.max(np.abs(nll - ref) / np.abs(ref)) < 1e-13
+    assert np.array_equal(hit, (np.argmax(z, 1) == lab).astype(np.float64)) and hit[5] == 0
+    # a NaN or +inf logit gives NaN (the ZO loop skips such steps); a -inf target, +inf
+    z[1, 9], z[2, 9] = np.nan, np.inf
+    z[3, lab[3]] = -np.inf
+    token_nll(z, lab, nll, hit)
+    assert np.isnan(nll[1]) and np.isnan(nll[2]) and nll[3] == np.inf and np.isfinite(nll[4])
+    for bad in (-1, 1001):
+        with pytest.raises(ValueError, match="target id"):
+            token_nll(z[:2], np.array([0, bad]), nll[:2], hit[:2])
+    # the loss does not depend on how many threads share the chunks
+    a = load_model(tiny_gpt2(tmp_path / "g"))
+    ids = rng.integers(0, 97, size=(6, 13))
+    mask = np.ones((6, 13), np.int64)
+    mask[4, 5:] = 0
+    got = []
+    for th in (1, 2, 3):
+        K.set_threads(th)
+        try:
+            got.append(a.next_token_loss(ids, mask, chunk=5, return_accuracy=True))
+        finally:
+            K.set_threads(1)
+    assert got[0] == got[1] == got[2]
+
+
 # ----------------------------------------------------------------------------- errors
 
 def test_unsupported_architecture_and_bad_inputs(tmp_path):

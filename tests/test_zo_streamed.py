@@ -327,3 +327,99 @@ def test_checkpoint_resume_eval_equal_three_pass(folders):
     tr = [(r["step"], r["loss"], r["g"]) for r in rows + rows2 if r["kind"] == "train"]
     tr_ref = [(r["step"], r["loss"], r["g"]) for r in ref_rows if r["kind"] == "train"]
     assert sorted(set(tr)) == sorted(tr_ref)
+
+
+# ----------------------------------------------------------------------------- z cache
+@pytest.mark.parametrize("dist", ["gaussian", "gaussian-fast", "rademacher"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, "bfloat16"])
+def test_cached_z_gives_the_bits_of_regenerated_z(dist, dtype):
+    """Pass 1 with a z cache stores exactly z (zvec's float32 values), and pass 2 reading it
+    equals pass 2 generating it, for every distribution and storage."""
+    from semzo.finetune.perturb import perturb_cached, zvec
+    from semzo.model.storage import to_bits
+
+    r = np.random.default_rng(2)
+    a = r.normal(0, 0.1, 70001)
+    a = to_bits(a) if dtype == "bfloat16" else a.astype(dtype)      # uint16: bfloat16 bits
+    op = Pending("restore_update", 77, 1e-2, 0.1, 0.3, 0.05)
+    x, y = a.copy(), a.copy()
+    zb = np.full(a.size, np.nan, np.float32)
+    tx, ty = ZTensor(9, x, 300, True), ZTensor(9, y, 300, True)
+    apply_then_perturb([tx], op, 1234, 1e-2, dist=dist, zcache=[zb])
+    apply_then_perturb([ty], op, 1234, 1e-2, dist=dist)
+    assert x.tobytes() == y.tobytes()
+    assert zb.tobytes() == zvec(1234, 9, 300, a.size, dist=dist).tobytes()
+    perturb_cached([tx], [zb], -2e-2)
+    perturb([ty], 1234, -2e-2, dist=dist)
+    assert x.tobytes() == y.tobytes() and x.tobytes() != a.tobytes()
+
+
+def test_z_buffers_are_checked():
+    from semzo.finetune.perturb import perturb_cached
+
+    a = np.zeros(100, np.float32)
+    with pytest.raises(ValueError, match="needs a z buffer"):
+        kernels.run_pass([(a, 0, 1, 0.0)], kernels.CACHED, 0, 0, 0, a=1.0)
+    for bad in (np.zeros(100, np.float64), np.zeros(99, np.float32),
+                np.zeros(200, np.float32)[::2]):
+        with pytest.raises(ValueError, match="z buffer must be"):
+            perturb_cached([(1, a)], [bad], 1.0)
+    with pytest.raises(ValueError, match="share memory"):
+        perturb_cached([(1, a)], [a], 1.0)
+    with pytest.raises(ValueError, match="zcache takes"):
+        apply_then_perturb([(1, a)], Pending(), None, zcache=[np.zeros(100, np.float32)])
+
+
+def test_zcache_holds_one_block():
+    from semzo.finetune.streamed import ZCache
+
+    # embeddings larger than a block: regenerated; blocks and a small head: cached
+    c = ZCache([500, 40, 40, 10], tied=False)
+    assert c.stages == {1, 2, 3} and c.elements == 40
+    # a tied head: stage 0's pass 2 comes late, never cached even when small
+    c = ZCache([30, 40, 40, 10], tied=True)
+    assert c.stages == {1, 2, 3}
+    c = ZCache([30, 40, 40, 10], tied=False)
+    assert c.stages == {0, 1, 2, 3}
+    # LoRA-like: nothing in stage 0 or the head; two stages only: the smaller one
+    assert ZCache([0, 4, 4, 0], tied=False).stages == {1, 2}
+    assert ZCache([50, 7], tied=False).stages == {1}
+    assert ZCache([0, 0], tied=False).elements == 0
+
+
+@pytest.mark.parametrize("kind,task_kind,params", [
+    ("bert", "classify", "all"), ("llama_tied", "lm", "all")])
+def test_z_cache_on_and_off_give_the_same_bits(folders, kind, task_kind, params,
+                                               monkeypatch):
+    """The streamed step with and without the z cache (and the three-pass step) agree bit
+    for bit, the cache is used for the blocks, and its buffer holds one stage."""
+    import semzo.finetune.streamed as S
+
+    calls = []
+    real = S.perturb_cached
+    monkeypatch.setattr(S, "perturb_cached", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    got, pgot, eng = _run(folders, kind, task_kind, params, {}, "streamed")
+    n_stages = len(eng.stage_groups(eng._zcache[0]))
+    assert len(calls) >= 4 * (n_stages - 2)           # every block, every step
+    cache = eng._zcache[1]
+    sizes = [sum(eng.tensors[i].array.size for i in g)
+             for g in eng.stage_groups(eng._zcache[0])]
+    assert cache.elements == max(sizes[1:-1]) < sum(sizes)
+    tied = kind == "llama_tied"
+    assert (0 in cache.stages) == (not tied and sizes[0] <= max(sizes[1:-1]))
+    assert set(range(1, len(sizes))) <= cache.stages
+    calls.clear()
+    m, names, task = _setup(folders, kind, task_kind, params)
+    eng2 = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
+                    weight_decay=WD, run_seed=3, schedule="streamed", cache_z=False)
+    eng2.loss_hook = lambda s, x: math.nan if s == 2 else x
+    res = []
+    for s in range(4):
+        b = task.batch(np.arange(8 * s, 8 * s + 8) % len(task.train_rows))
+        r = eng2.step_streamed(task, b, s, LR, 8)
+        res.append((r.lp, r.lm, r.g if r.ok else 0.0, r.ok))
+    eng2.flush()
+    assert not calls
+    assert np.array(res, np.float64).tobytes() == got.tobytes()
+    for n in names:
+        assert m.params[n].tobytes() == pgot[n].tobytes(), n

@@ -187,6 +187,10 @@ class ZoSection:
                        "run.device = \"cpu\" the device is simulated (separate buffers, "
                        "explicit copies; for testing: bit-identical to `none`, no memory "
                        "saved).", choices=("none", "host"))
+    cache_z: bool = key(True, "`streamed` schedule, Gaussian z, CPU: pass 1 keeps the z it "
+                        "makes for a stage (float32, one transformer block's worth of memory) "
+                        "and pass 2 reads it back instead of generating it again; the same "
+                        "bits either way. `false` saves that buffer.")
 
 
 @dataclass(frozen=True)

@@ -193,7 +193,7 @@ class ZOEngine:
     def __init__(self, tensors: Sequence[ZTensor], topo, *, mode: str = "data",
                  eps: float = 1e-3, weight_decay: float = 0.0, dist: str = "gaussian",
                  restore: str = "copy", run_seed: int = 0, threads: int | None = None,
-                 schedule: str = "three-pass", store=None) -> None:
+                 schedule: str = "three-pass", store=None, cache_z: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown ZO mode {mode!r}")
         if schedule not in SCHEDULES:
@@ -221,6 +221,7 @@ class ZOEngine:
             self.ref = [z._replace(array=z.array.copy()) for z in self.tensors]
         self.loss_hook: Callable[[int, float], float] | None = None   # tests: inject NaN
         self.schedule = schedule
+        self.cache_z = bool(cache_z)           # streamed: pass 2 reads pass 1's z (streamed.py)
         self.pending: Pending | None = None    # streamed: the update not applied yet
         self.pending_copy = False              # ... and it runs on the reference copy
         self._groups: tuple | None = None

@@ -322,7 +322,8 @@ def zvec_kernel(out, e0, t, k0, k1, dist, tab):
 
 
 # ----------------------------------------------------------------------------- fused updates
-PERTURB, RESTORE_UPDATE, MULTI_RESTORE, MULTI, NONE, PLAIN = 0, 1, 2, 3, 4, 5
+PERTURB, RESTORE_UPDATE, MULTI_RESTORE, MULTI, NONE, PLAIN, CACHED = 0, 1, 2, 3, 4, 5, 6
+_PROTO_Z = np.empty(0, np.float32)
 _NO_KEYS = np.zeros(0, np.uint64)
 _NO_GS = np.zeros(0, np.float64)
 #: storage views the kernels take: uint16 = float16 bits, int16 = bfloat16 bits
@@ -343,7 +344,7 @@ def _as_pointer(typingctx, addr, proto):
 
 @njit(parallel=True, cache=True, error_model="numpy")
 def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr, g, k0s, k1s,
-                 gs, mode, dsts, post, pk0, pk1, pa, tab):
+                 gs, mode, dsts, post, pk0, pk1, pa, tab, zouts, zproto):
     """One in-place pass over a list of tensors of proto's dtype, all chunks in one launch.
 
     Tensor j: flat array of sizes[j] elements at address addrs[j]; its element i is element
@@ -356,9 +357,13 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
     mode MULTI:          pr = p;        p <- pr - lr (sum_k gs[k] z_k + wd pr)
     mode NONE:           p unchanged
     mode PLAIN:          p <- p + a (no z: the memory-speed baseline of bench/zo_step.py)
+    mode CACHED:         p <- p + a zc, zc = the float32 array at zouts[j] (a z written by an
+                         earlier pass: PERTURB's bits without generating z)
     then, if ``post``:   q <- p + pa z(pk0, pk1), q = the array at dsts[j] (p itself when 0),
     reading p as stored (rounded): the same bits as a second pass, in the same memory pass
-    (the block-streamed schedule's first pass: the pending update, then the new +eps z).
+    (the block-streamed schedule's first pass: the pending update, then the new +eps z);
+    that z is also stored, as float32 (exact: every z of every distribution is a float32
+    value), at zouts[j] when it is not 0, for the stage's second pass (mode CACHED).
     tab: FAST_TABLE (read by dist GAUSSIAN_FAST only).
     One kernel for every mode and tensor: one compilation per dtype, one thread-pool launch per
     pass (many small tensors cost no more launches than one large one).
@@ -368,6 +373,7 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
         j = np.searchsorted(cstart, c, side="right") - 1
         p = numba.carray(_as_pointer(addrs[j], proto), sizes[j])
         q = p if dsts[j] == 0 else numba.carray(_as_pointer(dsts[j], proto), sizes[j])
+        zc = numba.carray(_as_pointer(zouts[j], zproto), sizes[j])   # used only if not 0
         c0 = (c - cstart[j]) * CHUNK
         mc = min(CHUNK, sizes[j] - c0)
         t = ts[j]
@@ -396,6 +402,10 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
             elif mode == 5:
                 for i in range(m):
                     _store(pv, i, _load(pv, i) + a)
+            elif mode == 6:
+                zcv = zc[i0:i0 + m]
+                for i in range(m):
+                    _store(pv, i, _load(pv, i) + a * np.float64(zcv[i]))
             elif mode != 4:
                 acc = abuf[:m]
                 acc[:] = 0.0
@@ -415,6 +425,10 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
                         _store(pv, i, pr - lr * (acc[i] + wd * pr))
             if post:
                 fill_z(z, e0, t, pk0, pk1, dist, tab, ws)
+                if zouts[j] != 0:
+                    zcv = zc[i0:i0 + m]
+                    for i in range(m):
+                        zcv[i] = np.float32(z[i])
                 if dsts[j] == 0:          # in place: one array, the loop LLVM vectorizes best
                     for i in range(m):    # (through q = p it cost 9 ms more per Gaussian pass)
                         _store(pv, i, _load(pv, i) + pa * z[i])
@@ -430,7 +444,8 @@ def _u(x) -> np.uint64:
 
 def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 0.0,
              g: float = 0.0, k0s: np.ndarray = _NO_KEYS, k1s: np.ndarray = _NO_KEYS,
-             gs: np.ndarray = _NO_GS, post: tuple | None = None) -> None:
+             gs: np.ndarray = _NO_GS, post: tuple | None = None,
+             zbufs: list | None = None) -> None:
     """One fused pass (``mode``, see :func:`fused_kernel`) over ``entries``, in place.
 
     entries: (p, off, t, wd) or (p, off, t, wd, dst) with p a flat C-contiguous writeable
@@ -438,13 +453,25 @@ def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 
     bfloat16 bits) and dst None or an
     array like p. ``post`` = (pk0, pk1, pa): after the mode's operation, dst (or p) <- p +
     pa z(pk0, pk1) in the same pass. One kernel launch per storage dtype.
+    ``zbufs``: one flat float32 array (or None) per entry, of the entry's size: with ``post``
+    the pass stores that z there; mode CACHED reads its z from there (every entry needs one).
     ValueError if two arrays share memory (the chunks run concurrently).
     """
     groups: dict[np.dtype, list] = {}
     spans = []
-    for ent in entries:
+    if zbufs is not None and len(zbufs) != len(entries):
+        raise ValueError("zbufs must have one entry per tensor")
+    for n, ent in enumerate(entries):
         p, off, t, wd = ent[:4]
         dst = ent[4] if len(ent) > 4 else None
+        zb = zbufs[n] if zbufs is not None else None
+        if zb is not None and (not isinstance(zb, np.ndarray) or zb.dtype != np.float32
+                               or zb.ndim != 1 or zb.size != p.size
+                               or not zb.flags.c_contiguous or not zb.flags.writeable):
+            raise ValueError(f"tensor {t}: the z buffer must be a flat, C-contiguous, writeable "
+                             f"float32 array of {p.size} elements")
+        if zb is None and mode == CACHED:
+            raise ValueError(f"tensor {t}: mode CACHED needs a z buffer")
         for arr in (p,) if dst is None else (p, dst):
             if arr.dtype not in STORAGE or arr.ndim != 1 or not arr.flags.c_contiguous \
                     or not arr.flags.writeable:
@@ -455,10 +482,10 @@ def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 
             raise ValueError(f"tensor {t}: destination {dst.dtype} {dst.shape} does not match "
                              f"{p.dtype} {p.shape}")
         if p.size:
-            groups.setdefault(p.dtype, []).append((p, off, t, wd, dst))
-            spans.append((p.ctypes.data, p.ctypes.data + p.nbytes, t))
-            if dst is not None:
-                spans.append((dst.ctypes.data, dst.ctypes.data + dst.nbytes, t))
+            groups.setdefault(p.dtype, []).append((p, off, t, wd, dst, zb))
+            for arr in (p, dst, zb):
+                if arr is not None:
+                    spans.append((arr.ctypes.data, arr.ctypes.data + arr.nbytes, t))
     spans.sort()
     for (_, hi, t0), (lo, _, t1) in itertools.pairwise(spans):
         if lo < hi:
@@ -474,12 +501,14 @@ def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 
         cstart = np.zeros(len(items) + 1, np.int64)
         np.cumsum((sizes + CHUNK - 1) // CHUNK, out=cstart[1:])
         dsts = np.array([0 if it[4] is None else it[4].ctypes.data for it in items], np.uint64)
+        zouts = np.array([0 if it[5] is None else it[5].ctypes.data for it in items], np.uint64)
         fused_kernel(np.empty(0, dt), np.array([it[0].ctypes.data for it in items], np.uint64),
                      sizes, np.array([it[1] for it in items], np.uint64),
                      np.array([it[2] for it in items], np.uint64),
                      np.array([it[3] for it in items], np.float64), cstart, int(dist),
                      _u(k0), _u(k1), float(a), float(lr), float(g), k0s, k1s, gs, int(mode),
-                     dsts, post is not None, _u(pk0), _u(pk1), float(pa), FAST_TABLE)
+                     dsts, post is not None, _u(pk0), _u(pk1), float(pa), FAST_TABLE, zouts,
+                     _PROTO_Z)
 
 
 def perturb(p: np.ndarray, off: int, t: int, k0, k1, dist: int, scale: float) -> None:

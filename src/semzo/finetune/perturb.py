@@ -130,6 +130,18 @@ def perturb(params: Iterable, seed: int, scale: float, *, dist: str = "gaussian"
         _gpu().perturb(_flat_cupy(z.array, z.t), z.offset, z.t, k0, k1, code, float(scale))
 
 
+def perturb_cached(params: Iterable, zbufs: Sequence[np.ndarray], scale: float, *,
+                   threads: int | None = None) -> None:
+    """p <- p + scale * z for every (numpy) tensor, z read from ``zbufs`` (one float32 array per
+    tensor, as a pass with ``zcache`` of :func:`apply_then_perturb` left it): the bits of
+    :func:`perturb` with that pass's seed, without generating z again."""
+    cpu, gpu = _split(params, 0.0)
+    if gpu:
+        raise ValueError("perturb_cached takes numpy tensors only")
+    with kernels.num_threads(threads):
+        kernels.run_pass(cpu, kernels.CACHED, 0, 0, 0, a=scale, zbufs=list(zbufs))
+
+
 def restore_update(params: Iterable, seed: int, eps: float, lr: float, g: float,
                    wd: float = 0.0, *, dist: str = "gaussian",
                    threads: int | None = None) -> None:
@@ -205,9 +217,12 @@ _MODES = {"none": kernels.NONE, "perturb": kernels.PERTURB,
 
 def apply_then_perturb(params: Sequence, op: Pending, post_seed: int | None,
                        post_scale: float = 0.0, *, dst: Sequence | None = None,
-                       dist: str = "gaussian", threads: int | None = None) -> None:
+                       dist: str = "gaussian", threads: int | None = None,
+                       zcache: Sequence[np.ndarray] | None = None) -> None:
     """Apply the deferred ``op`` to ``params`` and then ``q <- p + post_scale z(post_seed)``
     in ONE memory pass (numpy; cupy: the same kernels one after the other, same bits).
+    ``zcache``: one float32 array per (numpy) tensor, same order: that z is stored there too,
+    for :func:`perturb_cached`.
 
     q is ``params`` itself, or ``dst`` (ZTensors or arrays like params, same order): then
     params keep the op's result (the reference copy of ``zo.restore = "copy"``) and dst gets
@@ -222,6 +237,9 @@ def apply_then_perturb(params: Sequence, op: Pending, post_seed: int | None,
                    for z, d in zip(ents, dst)]) if dst is not None else None
     if dz is not None and len(dz) != len(ents):
         raise ValueError("dst must have one array per tensor")
+    if zcache is not None and (len(zcache) != len(ents) or post_seed is None
+                               or any(is_cupy(z.array) for z in ents)):
+        raise ValueError("zcache takes one array per numpy tensor, with a post_seed")
     code = rng.dist_code(dist)
     k0, k1 = rng.split_seed(op.seed)
     keys = [rng.split_seed(s) for s in op.seeds]
@@ -250,7 +268,7 @@ def apply_then_perturb(params: Sequence, op: Pending, post_seed: int | None,
         if cpu and (mode != kernels.NONE or post is not None):
             kernels.run_pass([c[:5] if c[4] is not None else c[:4] for c in cpu], mode, code,
                              k0, k1, a=op.eps, lr=op.lr, g=op.g, k0s=k0s, k1s=k1s, gs=gsa,
-                             post=post)
+                             post=post, zbufs=None if zcache is None else list(zcache))
         for c in cpu:
             if c[5] is not None:
                 np.copyto(c[5], c[0])
@@ -307,4 +325,4 @@ def zvec(seed: int, t: int, start: int, count: int, dist: str = "gaussian",
     return out
 
 
-__all__ = ["Pending", "ZTensor", "apply_then_perturb", "decays", "is_cupy", "multi_update", "perturb", "restore_update", "zvec"]
+__all__ = ["Pending", "ZTensor", "apply_then_perturb", "decays", "is_cupy", "multi_update", "perturb", "perturb_cached", "restore_update", "zvec"]

@@ -266,7 +266,7 @@ def run_finetune_stage(ctx) -> dict:
     tensors = ztensors([(n, model.params[n]) for n in names])
     engine = ZOEngine(tensors, topo, mode=z.mode, eps=z.eps, weight_decay=z.weight_decay,
                       dist=z.dist, restore=z.restore, run_seed=deck.run.seed,
-                      schedule=z.schedule)
+                      schedule=z.schedule, cache_z=z.cache_z)
     if z.offload == "host":
         from .offload import HostStore
 

@@ -30,13 +30,50 @@ branches run in lockstep as for an untied head.
 Offload (``zo.offload = "host"``, :mod:`.offload`): the store uploads stage k before pass 1,
 prefetches stage k+1, and writes stage k back after the - branch; the passes run on the
 device copy.
+
+z cache (``zo.cache_z``, on by default): pass 1 stores the z it generates for stage k (float32,
+exact), and pass 2 reads it instead of generating it again, the same bits (:class:`ZCache`). The
+buffer holds one stage: the largest transformer block, so the embedding matrix (larger than a
+block) and, with a tied head, stage 0 (whose pass 2 comes after every other stage's pass 1)
+regenerate z. Only for Gaussian z and on the CPU: a Rademacher z costs less to make than to
+read back, and the GPU kernels regenerate.
 """
 
 from __future__ import annotations
 
 import math
 
-from .perturb import Pending, apply_then_perturb
+import numpy as np
+
+from .perturb import Pending, apply_then_perturb, is_cupy, perturb_cached
+
+#: distributions whose z costs more to generate than to read back from memory
+CACHED_DISTS = ("gaussian", "gaussian-fast")
+
+
+class ZCache:
+    """The float32 z of one stage, stored by pass 1 and read by pass 2 (see the module
+    docstring). ``sizes``: trainable elements per stage; ``tied``: stage 0's pass 2 is late."""
+
+    def __init__(self, sizes: list[int], tied: bool) -> None:
+        blocks = [n for n in sizes[1:-1] if n]
+        limit = max(blocks) if blocks else min((n for n in sizes if n), default=0)
+        self.stages = {k for k, n in enumerate(sizes) if 0 < n <= limit and not (tied and k == 0)}
+        self.elements = max((sizes[k] for k in self.stages), default=0)
+        self._buf: np.ndarray | None = None
+
+    def views(self, k: int, tens) -> list[np.ndarray] | None:
+        """One float32 view per tensor of stage k (numpy only), or None: regenerate."""
+        if k not in self.stages or any(is_cupy(z.array) for z in tens):
+            return None
+        if self._buf is None:
+            self._buf = np.empty(self.elements, np.float32)
+        out, o = [], 0
+        for z in tens:
+            n = int(z.array.size)
+            out.append(self._buf[o:o + n])
+            o += n
+        return out
 
 
 def stage_groups(engine, task) -> list[list[int]]:
@@ -62,28 +99,48 @@ def stage_groups(engine, task) -> list[list[int]]:
     return groups
 
 
-def first_pass(engine, idx: list[int], seed: int, dev=None) -> None:
+def first_pass(engine, idx: list[int], seed: int, dev=None, zc=None) -> None:
     """Pass 1 over the tensors ``idx``: the pending operation, then + eps z(seed).
-    ``dev``: (tensors, refs) on the device (offload), else the engine's own."""
+    ``dev``: (tensors, refs) on the device (offload), else the engine's own; ``zc``: one
+    float32 array per tensor that receives z (:class:`ZCache`), or None."""
     tens, refs = dev if dev is not None else (
         [engine.tensors[i] for i in idx], [engine.ref[i] for i in idx] if engine.copy else None)
+    zmap = {id(z): b for z, b in zip(tens, zc)} if zc is not None else None
     op = engine.pending
     if op is not None and engine.pending_copy:
         for grp, th in engine.split_pairs(refs, tens):
             apply_then_perturb([r for r, _ in grp], op, seed, engine.eps,
-                               dst=[z for _, z in grp], dist=engine.dist, threads=th)
+                               dst=[z for _, z in grp], dist=engine.dist, threads=th,
+                               zcache=None if zmap is None else [zmap[id(z)] for _, z in grp])
     else:
         for grp, th in engine._split(tens):
             apply_then_perturb(grp, op or Pending(), seed, engine.eps, dist=engine.dist,
-                               threads=th)
+                               threads=th,
+                               zcache=None if zmap is None else [zmap[id(z)] for z in grp])
 
 
-def second_pass(engine, idx: list[int], seed: int, dev=None) -> None:
-    """Pass 2: - 2 eps z(seed)."""
+def second_pass(engine, idx: list[int], seed: int, dev=None, zc=None) -> None:
+    """Pass 2: - 2 eps z(seed), z read from ``zc`` (pass 1's) when given."""
     tens = dev[0] if dev is not None else [engine.tensors[i] for i in idx]
+    zmap = {id(z): b for z, b in zip(tens, zc)} if zc is not None else None
     for grp, th in engine._split(tens):
-        apply_then_perturb(grp, Pending("perturb", seed, -2.0 * engine.eps), None,
-                           dist=engine.dist, threads=th)
+        if zmap is not None:
+            perturb_cached(grp, [zmap[id(z)] for z in grp], -2.0 * engine.eps, threads=th)
+        else:
+            apply_then_perturb(grp, Pending("perturb", seed, -2.0 * engine.eps), None,
+                               dist=engine.dist, threads=th)
+
+
+def zcache_for(engine, task, groups: list[list[int]], tied: bool) -> ZCache | None:
+    """The engine's :class:`ZCache` for this task (made once per task), or None when z is
+    not cached (``engine.cache_z`` off, or a distribution not in :data:`CACHED_DISTS`)."""
+    if not engine.cache_z or engine.dist not in CACHED_DISTS:
+        return None
+    got = getattr(engine, "_zcache", None)
+    if got is None or got[0] is not task:
+        sizes = [sum(int(engine.tensors[i].array.size) for i in g) for g in groups]
+        engine._zcache = got = (task, ZCache(sizes, tied))
+    return got[1]
 
 
 def run_branches(engine, task, batch, seed: int) -> tuple[float, float]:
@@ -96,17 +153,22 @@ def run_branches(engine, task, batch, seed: int) -> tuple[float, float]:
     # a tied head matters only when stage 0 trains: a frozen embedding matrix never carries
     # a perturbation, so LoRA on a tied model runs both branches in lockstep
     tied = bool(task.tied_head) and bool(groups[0])
+    cache = zcache_for(engine, task, groups, tied)
     sp = task.stage_begin(batch)
     sm = None if tied else task.stage_fork(sp)
     for k in range(n):
         dev = store.acquire(k, groups[k])
-        first_pass(engine, groups[k], seed, dev)
+        zc = None
+        if cache is not None:
+            zc = cache.views(k, dev[0] if dev is not None else
+                             [engine.tensors[i] for i in groups[k]])
+        first_pass(engine, groups[k], seed, dev, zc)
         sp = task.stage_run(k, sp)
         if k == n - 1:
             lp = float(task.loss_from_state(sp, batch))
         if tied and k == 0:
             continue                      # stage 0 stays at +eps until L+ is read
-        second_pass(engine, groups[k], seed, dev)
+        second_pass(engine, groups[k], seed, dev, zc)
         if not tied:
             sm = task.stage_run(k, sm)
             if k == n - 1:

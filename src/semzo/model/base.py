@@ -451,8 +451,13 @@ class TransformerBase:
 
 
     # ------------------------------------------------------------------ next-token loss
-    def _head(self, hs2):
-        """float32 next-token logits (N, V) of final hidden states (N, H) (decoders)."""
+    def _head(self, hs2, w=None):
+        """float32 next-token logits (N, V) of final hidden states (N, H) (decoders); ``w``:
+        :meth:`_head_w` read once by the caller (None: read here)."""
+        raise NotImplementedError(f"{type(self).__name__} has no language-model head")
+
+    def _head_w(self):
+        """The LM head matrix (V, H) as the forward reads it (float32 for bfloat16)."""
         raise NotImplementedError(f"{type(self).__name__} has no language-model head")
 
     def next_token_loss(self, input_ids, attention_mask=None, chunk: int = 256,
@@ -476,6 +481,8 @@ class TransformerBase:
         hs = hidden[:, :-1].reshape(b * (t - 1), -1)
         tgt = ids[:, 1:].reshape(-1).astype(xp.int64)
         wt = maskf[:, 1:].reshape(-1)
+        if xp is np and hs.dtype == np.float32:
+            return self._nll_cpu(hs, tgt, wt, chunk, return_accuracy)
         tot_l = tot_a = 0.0
         for s0 in range(0, hs.shape[0], chunk):
             sl = slice(s0, s0 + chunk)
@@ -487,6 +494,31 @@ class TransformerBase:
             tot_a += ac * cnt
         n = max(float(wt.sum()), 1.0)
         return (tot_l / n, tot_a / n) if return_accuracy else tot_l / n
+
+    def _nll_cpu(self, hs, tgt, wt, chunk: int, return_accuracy: bool):
+        """The CPU next-token loss: chunks of ``chunk`` rows (fixed boundaries: every row's
+        value is the same for any thread count) shared among the forward threads
+        (:func:`semzo.model.kernels.set_threads`), each chunk's float32 logits reduced by
+        the Numba kernel ``token_nll`` (float64 log-sum-exp) while they are in cache; the head
+        weight is read (for bfloat16: upcast) once."""
+        from semzo.model.kernels_lm import token_nll
+
+        n_rows = hs.shape[0]
+        starts = [s0 for s0 in range(0, n_rows, chunk) if wt[s0:s0 + chunk].any()]
+        nll = np.zeros(n_rows, np.float64)
+        hit = np.zeros(n_rows, np.float64)
+        w = self._head_w()
+
+        def run(sl):
+            for s0 in starts[sl]:
+                rows = slice(s0, min(s0 + chunk, n_rows))
+                token_nll(self._head(hs[rows], w), tgt[rows], nll[rows], hit[rows])
+
+        run_slices(run, split_slices(len(starts), 0, 1))
+        wd = wt.astype(np.float64)
+        n = max(float(wd.sum()), 1.0)
+        loss = float((nll * wd).sum()) / n
+        return (loss, float((hit * wd).sum()) / n) if return_accuracy else loss
 
 class TokenIdError(SemzoError, ValueError):
     """A token id outside the model's vocabulary (a ValueError; exit 2 from the command line,

@@ -355,9 +355,12 @@ class CausalLM(TransformerBase):
     def _head_weight(self):
         return self.fparam(self.head_weight_name())
 
-    def _head(self, hs2):
+    _head_w = _head_weight
+
+    def _head(self, hs2, w=None):
         """float32 logits (N, V) of final hidden states (N, E)."""
-        return (hs2 @ self._head_weight().T).astype(self.xp.float32, copy=False)
+        w = self._head_weight() if w is None else w
+        return (hs2 @ w.T).astype(self.xp.float32, copy=False)
 
     def logits(self, input_ids, attention_mask=None):
         """Next-token logits (B, T, V) float32."""

@@ -142,7 +142,11 @@ class Decoder(TransformerBase):
         out = hs.reshape(bsz * t, h) @ self._lm_weight().T
         return out.astype(xp.float32, copy=False).reshape(bsz, t, -1)
 
-    def _head(self, hs2):
+    def _head_w(self):
+        return self._lm_weight()
+
+    def _head(self, hs2, w=None):
         """float32 logits (N, V) of final hidden states (N, H)."""
-        return (hs2 @ self._lm_weight().T).astype(self.xp.float32, copy=False)
+        w = self._lm_weight() if w is None else w
+        return (hs2 @ w.T).astype(self.xp.float32, copy=False)
 

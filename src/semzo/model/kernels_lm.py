@@ -15,7 +15,16 @@ import math
 import numpy as np
 from numba import njit
 
-from semzo.model.kernels import _f32, _ferf, _fexp, _ftanh, _is_cpu32, get_xp
+from semzo.model.kernels import (
+    SAFE_FAST,
+    _dexp,
+    _f32,
+    _ferf,
+    _fexp,
+    _ftanh,
+    _is_cpu32,
+    get_xp,
+)
 
 F32 = np.float32
 #: activation codes of the gated MLP kernel
@@ -292,3 +301,34 @@ def gated_act(gu, bg, bu, act: str, out):
         g = xp.maximum(g, 0)
     out[...] = (g * u).astype(out.dtype, copy=False)
     return out
+
+
+@njit(fastmath=SAFE_FAST, cache=True, nogil=True, error_model="numpy")
+def _nb_token_nll(z, labels, nll, hit):
+    """Per row of float32 logits z (N, V): nll[i] = logsumexp(z[i]) - z[i, labels[i]] and
+    hit[i] = 1.0 when labels[i] is the first maximal index, else 0.0 (float64 arithmetic).
+    Labels were checked by the caller."""
+    n, v = z.shape
+    for i in range(n):
+        m = z[i, 0]
+        am = 0
+        for j in range(1, v):
+            if z[i, j] > m:
+                m = z[i, j]
+                am = j
+        m64 = np.float64(m)
+        s = 0.0
+        for j in range(v):
+            s += _dexp(np.float64(z[i, j]) - m64)
+        nll[i] = m64 + math.log(s) - np.float64(z[i, labels[i]])
+        hit[i] = 1.0 if am == labels[i] else 0.0
+
+
+def token_nll(z, labels, nll, hit) -> None:
+    """Per-row cross-entropy ``nll`` (float64, (N,)) and top-1 hit ``hit`` (float64 0/1) of
+    float32 NumPy logits ``z`` (N, V) against ``labels`` (N,) int64, each in [0, V) (checked
+    here: the kernel indexes with them). Single-threaded, ``nogil``."""
+    lab = np.ascontiguousarray(labels, dtype=np.int64)
+    if lab.size and (int(lab.min()) < 0 or int(lab.max()) >= z.shape[1]):
+        raise ValueError(f"target id outside [0, {z.shape[1]})")
+    _nb_token_nll(np.ascontiguousarray(z, dtype=np.float32), lab, nll, hit)
