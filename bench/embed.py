@@ -60,7 +60,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import semzo  # noqa: F401, I001  (before numpy: BLAS kernel and thread-pool defaults)
+import semzo  # noqa: F401, I001  (before numpy: the thread-pool defaults)
 import numpy as np
 from threadpoolctl import threadpool_limits
 

@@ -50,7 +50,7 @@ if hasattr(os, "sched_setaffinity"):
     except OSError:
         pass
 
-import semzo  # noqa: F401, I001  (before numpy: BLAS kernel and thread-pool defaults)
+import semzo  # noqa: F401, I001  (before numpy: the thread-pool defaults)
 import argparse
 import time
 

@@ -17,7 +17,7 @@ from __future__ import annotations  # noqa: I001 (semzo is imported before numpy
 import argparse
 import time
 
-import semzo  # noqa: F401  (before numpy: BLAS kernel and thread-pool defaults)
+import semzo  # noqa: F401  (before numpy: the thread-pool defaults)
 import numpy as np
 
 

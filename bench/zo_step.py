@@ -42,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-import semzo  # noqa: F401  (before numpy: BLAS kernel and thread-pool defaults)
+import semzo  # noqa: F401  (before numpy: the thread-pool defaults)
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]

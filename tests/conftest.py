@@ -1,5 +1,5 @@
-import semzo  # noqa: F401, I001  (first: the BLAS and thread-pool defaults every semzo process
-# gets, src/semzo/__init__.py, so that this process computes as `python -m semzo` does)
+import semzo  # noqa: F401, I001  (first: the thread-pool defaults every semzo process gets,
+# src/semzo/__init__.py, so that this process runs as `python -m semzo` does)
 import sys
 from pathlib import Path
 
