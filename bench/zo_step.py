@@ -107,8 +107,10 @@ def zo_step_fn(m, eng, ids, mask, labels, n):
 def pass_times(eng, reps: int) -> dict:
     """One pass over every parameter: the plain fused read-modify-write (p <- p + a, no z,
     same launch, chunks and bytes), the perturbation with Gaussian, Rademacher and
-    Gaussian-fast z, and the
-    streamed schedule's first pass (restore + update of one z, then + eps of another)."""
+    Gaussian-fast z, the
+    streamed schedule's first pass (restore + update of one z, then + eps of another), that
+    first pass also storing its second z (the z cache; Gaussian), and the pass that reads it
+    back (pass 2 with the z cache: p <- p + a z_cached)."""
     from semzo.finetune import kernels, rng
     from semzo.finetune.perturb import _split
 
@@ -123,6 +125,11 @@ def pass_times(eng, reps: int) -> dict:
                                                              a=0.0), reps)
             out[name + "_first"] = best(lambda c=code: kernels.run_pass(
                 cpu, kernels.RESTORE_UPDATE, c, k0, k1, a=0.0, post=(k1, k0, 0.0)), reps)
+        zb = [np.empty(c[0].size, np.float32) for c in cpu]
+        out["gaussian_first_cache"] = best(lambda: kernels.run_pass(
+            cpu, kernels.RESTORE_UPDATE, 0, k0, k1, a=0.0, post=(k1, k0, 0.0), zbufs=zb), reps)
+        out["cached"] = best(lambda: kernels.run_pass(cpu, kernels.CACHED, 0, 0, 0, a=0.0,
+                                                      zbufs=zb), reps)
     return out
 
 
@@ -446,7 +453,10 @@ def main() -> None:
     sn, sfn = t["step_streamed_gaussian_nocache_s"], t["step_streamed_gaussian-fast_nocache_s"]
     print(f"  z cache (zo.cache_z, pass 2 reads pass 1's z): streamed Gaussian step {step:.3f} s "
           f"with, {sn:.3f} s without (ratio {sn / (2 * fw):.3f}); gaussian-fast {sf:.3f} s with, "
-          f"{sfn:.3f} s without")
+          f"{sfn:.3f} s without; over every parameter, first pass storing z "
+          f"{ps['gaussian_first_cache'] * ms:.1f} ms (not storing {ps['gaussian_first'] * ms:.1f}"
+          f"), second pass reading it {ps['cached'] * ms:.1f} ms (generating: Gaussian "
+          f"{ps['gaussian'] * ms:.1f})")
     print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
           f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
     pb = mem["semzo-step"]["param_bytes"]
