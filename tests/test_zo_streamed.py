@@ -423,3 +423,14 @@ def test_z_cache_on_and_off_give_the_same_bits(folders, kind, task_kind, params,
     assert np.array(res, np.float64).tobytes() == got.tobytes()
     for n in names:
         assert m.params[n].tobytes() == pgot[n].tobytes(), n
+
+
+@pytest.mark.parametrize("kind,task_kind", [("bert", "classify"), ("llama_tied", "lm")])
+def test_simulated_offload_with_the_z_cache_bit_identical(folders, kind, task_kind):
+    """Gaussian z: the cache serves the device copies of the simulated offload too."""
+    ref, pref, _ = _run(folders, kind, task_kind, "all", {}, "streamed")
+    got, pgot, eng = _run(folders, kind, task_kind, "all", {}, "streamed", offload=True)
+    assert got.tobytes() == ref.tobytes()
+    for n in pref:
+        assert pgot[n].tobytes() == pref[n].tobytes(), n
+    assert eng._zcache[1].stages and eng._zcache[1]._buf is not None

@@ -35,8 +35,8 @@ z cache (``zo.cache_z``, on by default): pass 1 stores the z it generates for st
 exact), and pass 2 reads it instead of generating it again, the same bits (:class:`ZCache`). The
 buffer holds one stage: the largest transformer block, so the embedding matrix (larger than a
 block) and, with a tied head, stage 0 (whose pass 2 comes after every other stage's pass 1)
-regenerate z. Only for Gaussian z and on the CPU: a Rademacher z costs less to make than to
-read back, and the GPU kernels regenerate.
+regenerate z. Only for Gaussian and Gaussian-fast z, on the CPU: a Rademacher z costs less to
+make than to read back, and the GPU kernels regenerate.
 """
 
 from __future__ import annotations
