@@ -309,7 +309,7 @@ def mem_child(what: str, args) -> None:
         out["traced_peak_bytes"] = tracemalloc.get_traced_memory()[1] - t0
         tracemalloc.stop()
         # the z cache (streamed): allocated in the warm-up step and kept, so not in the peak
-        zc = getattr(eng, "_zcache", None)
+        zc = eng._zcache
         out["zcache_bytes"] = 4 * zc[1].elements if zc is not None and what == "semzo-step" \
             else 0
     else:

@@ -167,7 +167,7 @@ def llm_timings(args, which: str) -> dict:
         st = task.stage_run(k, st)
     n = eng.n_trainable
     t = _child(args, "--llm-torch", which)
-    zc = getattr(eng, "_zcache", None)
+    zc = eng._zcache
     return {"semzo_forward_s": fwd, "semzo_step_s": step, "semzo_step_3pass_s": step3,
             "semzo_step_nocache_s": stepn, "zcache_bytes": 4 * zc[1].elements if zc else 0,
             "passes_cached_s": pw, "passes_regen_s": pwo, "cached_elements": pn,

@@ -222,6 +222,7 @@ class ZOEngine:
         self.loss_hook: Callable[[int, float], float] | None = None   # tests: inject NaN
         self.schedule = schedule
         self.cache_z = bool(cache_z)           # streamed: pass 2 reads pass 1's z (streamed.py)
+        self._zcache: tuple | None = None      # (task, streamed.ZCache) once made
         self.pending: Pending | None = None    # streamed: the update not applied yet
         self.pending_copy = False              # ... and it runs on the reference copy
         self._groups: tuple | None = None

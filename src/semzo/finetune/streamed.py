@@ -136,7 +136,7 @@ def zcache_for(engine, task, groups: list[list[int]], tied: bool) -> ZCache | No
     not cached (``engine.cache_z`` off, or a distribution not in :data:`CACHED_DISTS`)."""
     if not engine.cache_z or engine.dist not in CACHED_DISTS:
         return None
-    got = getattr(engine, "_zcache", None)
+    got = engine._zcache
     if got is None or got[0] is not task:
         sizes = [sum(int(engine.tensors[i].array.size) for i in g) for g in groups]
         engine._zcache = got = (task, ZCache(sizes, tied))

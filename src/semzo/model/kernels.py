@@ -73,7 +73,7 @@ SAFE_FAST = {"reassoc", "contract", "nsz", "arcp", "afn"}
 @njit(inline="always", fastmath=SAFE_FAST, cache=True, error_model="numpy")
 def _dexp(x):
     """exp(x) for float64 x <= 0 (a vectorizable polynomial: no libm call), relative error
-    about 2e-16 on [-708, 0]; 0 below -708 (where exp(x) < 3.3e-308). Degree-12 Taylor
+    about 3e-16 on [-708, 0] (3.1e-16 measured on [-700, 0]); 0 below -708 (where exp(x) < 3.3e-308). Degree-12 Taylor
     polynomial on |r| <= ln(2) / 2 after x = k ln(2) + r (k integer, Cody-Waite split)."""
     if x < -708.0:
         return 0.0
