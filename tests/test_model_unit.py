@@ -399,6 +399,16 @@ def test_token_nll_kernel_and_thread_independent_loss(tmp_path):
         finally:
             K.set_threads(1)
     assert got[0] == got[1] == got[2]
+    # the array-module path (GPU, other dtypes: sums left on the device, all-padding chunks
+    # skipped) agrees with the CPU kernel's
+    hid = a.hidden_states(ids, mask)
+    mask[1:3] = 0                                            # whole chunks of padding
+    maskf = mask.astype(np.float32)
+    cpu = a.next_token_loss_from_hidden(hid, ids, maskf, chunk=5, return_accuracy=True)
+    gen = a.next_token_loss_from_hidden(hid.astype(np.float64), ids, maskf, chunk=5,
+                                        return_accuracy=True)
+    assert abs(gen[0] - cpu[0]) < 1e-5 * abs(cpu[0]) and abs(gen[1] - cpu[1]) < 1e-9
+    assert cpu != got[0]
 
 
 # ----------------------------------------------------------------------------- errors

@@ -222,6 +222,30 @@ def test_simulated_offload_bit_identical(folders, kind, task_kind, params):
     assert 0 < st.device_bytes() < 2 * sum(a.nbytes for a in st.host.values())
 
 
+def test_gpu_copies_are_queued_without_a_host_wait():
+    """On a GPU a stage's write-back is queued on the copy stream with no host wait: CuPy's
+    get() blocks by default, which would hold the host until the stage's - branch and copy are
+    done, so it could not queue the next stage meanwhile. (A stand-in array records the calls.)
+    """
+    calls = []
+
+    class Dev:
+        def get(self, **kw):
+            calls.append(("get", kw))
+
+        def set(self, src, **kw):
+            calls.append(("set", src, kw))
+
+    st = HostStore.__new__(HostStore)
+    st.gpu, st.up, st.down = True, "up-stream", "down-stream"
+    host = np.empty(3, np.float32)
+    st._copy_out(host, Dev())
+    st._copy_in(Dev(), host)
+    (_, kw), (_, src, kw2) = calls
+    assert kw["out"] is host and kw["stream"] == "down-stream" and kw["blocking"] is False
+    assert src is host and kw2 == {"stream": "up-stream"}
+
+
 def test_pending_update_and_flush(folders):
     """Before flush the parameters hold the - eps state; flush applies exactly the update the
     three-pass step applied; a second flush changes nothing."""

@@ -137,7 +137,12 @@ class HostStore:
 
     def _copy_out(self, dst, src) -> None:
         if self.gpu:
-            src.get(stream=self.down, out=dst)
+            # blocking=False: CuPy's get() otherwise synchronizes the copy stream, and with it
+            # (through the event the stream waits on) the branch compute of this stage, so the
+            # host could not queue the next stage's work while this one is written back. The
+            # host array is read only after sync() (end of step) or by a later upload that
+            # waits on this slot's event.
+            src.get(stream=self.down, out=dst, blocking=False)
         else:
             np.copyto(dst, src)
 

@@ -50,7 +50,14 @@ import numpy as np
 
 from semzo.model.config import DecoderConfig, EncoderConfig
 from semzo.model.kernels import matmul_into, run_slices, run_split, split_slices
-from semzo.model.losses import TokenIdError, check_ids, check_labels, cross_entropy, mean_pool
+from semzo.model.losses import (
+    TokenIdError,
+    check_ids,
+    check_labels,
+    cross_entropy,
+    cross_entropy_sums,
+    mean_pool,
+)
 from semzo.model.storage import COMPUTE, STORAGE, storage_name, to_float32, to_storage
 
 # re-exported: callers import these from here
@@ -487,17 +494,17 @@ class TransformerBase:
         wt = maskf[:, 1:].reshape(-1)
         if xp is np and hs.dtype == np.float32:
             return self._nll_cpu(hs, tgt, wt, chunk, return_accuracy)
-        tot_l = tot_a = 0.0
+        # other dtypes and the GPU: the sums stay on the device, one transfer at the end (a
+        # float() per chunk would synchronize the stream 3 times per chunk)
+        wh = np.asarray(wt.get() if hasattr(wt, "get") else wt, np.float64)
+        tot = xp.zeros(2, xp.float64)
         for s0 in range(0, hs.shape[0], chunk):
             sl = slice(s0, s0 + chunk)
-            cnt = float(wt[sl].sum())
-            if cnt == 0:
-                continue
-            lo, ac = cross_entropy(xp, self._head(hs[sl]), tgt[sl], wt[sl])
-            tot_l += lo * cnt
-            tot_a += ac * cnt
-        n = max(float(wt.sum()), 1.0)
-        return (tot_l / n, tot_a / n) if return_accuracy else tot_l / n
+            if wh[sl].any():
+                tot += cross_entropy_sums(xp, self._head(hs[sl]), tgt[sl], wt[sl])
+        n = max(float(wh.sum()), 1.0)
+        tot_l, tot_a = (float(v) / n for v in (tot.get() if hasattr(tot, "get") else tot))
+        return (tot_l, tot_a) if return_accuracy else tot_l
 
     def _nll_cpu(self, hs, tgt, wt, chunk: int, return_accuracy: bool):
         """The CPU next-token loss: chunks of ``chunk`` rows (fixed boundaries: every row's

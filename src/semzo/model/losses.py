@@ -45,18 +45,32 @@ def mean_pool(xp, hs, maskf, normalize: bool):
     return out
 
 
-def cross_entropy(xp, logits, labels, weights=None) -> tuple[float, float]:
-    """Mean cross-entropy (float64 arithmetic) and accuracy of logits (N, C) against labels (N,).
-
-    ``weights`` (N,) of 0/1 selects the rows that count (default: all).
-    """
+def _ce_rows(xp, logits, labels):
+    """Per-row cross-entropy and hit (float64 arithmetic) of logits (N, C) against labels (N,)."""
     z = logits.astype(xp.float64)
     m = z.max(axis=1, keepdims=True)
     lse = (m + xp.log(xp.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
     pick = xp.take_along_axis(z, labels[:, None], axis=1)[:, 0]
     hit = (xp.argmax(z, axis=1) == labels).astype(xp.float64)
+    return lse - pick, hit
+
+
+def cross_entropy(xp, logits, labels, weights=None) -> tuple[float, float]:
+    """Mean cross-entropy (float64 arithmetic) and accuracy of logits (N, C) against labels (N,).
+
+    ``weights`` (N,) of 0/1 selects the rows that count (default: all).
+    """
+    nll, hit = _ce_rows(xp, logits, labels)
     if weights is None:
-        return float((lse - pick).mean()), float(hit.mean())
+        return float(nll.mean()), float(hit.mean())
     w = weights.astype(xp.float64)
     n = max(float(w.sum()), 1.0)
-    return float(((lse - pick) * w).sum()) / n, float((hit * w).sum()) / n
+    return float((nll * w).sum()) / n, float((hit * w).sum()) / n
+
+
+def cross_entropy_sums(xp, logits, labels, weights):
+    """The weighted sums (cross-entropy, hits) as a float64 array (2,) of ``xp``, left on the
+    device (no synchronization): callers add them up over chunks and read them once."""
+    nll, hit = _ce_rows(xp, logits, labels)
+    w = weights.astype(xp.float64)
+    return xp.stack([(nll * w).sum(), (hit * w).sum()])
