@@ -25,3 +25,24 @@ def one_thread():
         yield
     if torch is not None:
         torch.set_num_threads(old)
+
+
+_SPAWNS = ("subprocess", "mpirun(")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Modules whose tests all run in this process first, then those that start processes
+    (mpirun, the command line), each group in its usual order. On a fresh clone the Numba
+    kernels are not in the on-disk cache yet: this way the in-process tests compile each of
+    them once, here, and the started processes load them, instead of every rank of the first
+    MPI tests compiling the same kernels at the same time on a 2-core machine."""
+    spawns: dict[str, bool] = {}
+
+    def starts_processes(item) -> bool:
+        path = str(item.path)
+        if path not in spawns:
+            text = Path(path).read_text(encoding="utf-8", errors="replace")
+            spawns[path] = any(s in text for s in _SPAWNS)
+        return spawns[path]
+
+    items.sort(key=starts_processes)          # stable: the order within each group is kept
