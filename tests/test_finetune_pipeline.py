@@ -40,6 +40,7 @@ def run(tmp_path_factory):
                             "--set", "zo.mode=hybrid", "--set", "zo.lr=1e-3",
                             "--set", "zo.checksum_every=5", *COMMON],
                         timeout=240, env=ENV))
+    shutil.copy(out / "metrics.csv", tmp / "metrics_first.csv")   # later tests reuse `out`
     return tmp, out, proc
 
 
@@ -149,3 +150,33 @@ def test_finetune_stage_lm_llama_streamed_offload(run):
     with h5py.File(out / "model.h5") as f:
         assert f.attrs["task"] == "lm"
         assert "model.embed_tokens.weight" in json.loads(f.attrs["trainable"])
+
+
+def test_finetune_stage_offloaded_without_prefix_cache(run):
+    """The module's run again (finetune stage alone, head + last block) with the streamed
+    schedule and the simulated host offload: no frozen-prefix cache (on a GPU the parameters
+    are in host memory before the store exists), every evaluation streamed through the store,
+    and the held-out figures those of the resident run with its prefix cache (equal up to the
+    cache's rounding)."""
+    tmp, shared, _ = run
+    out = tmp / "out_offload"
+    out.mkdir()
+    shutil.copy(shared / "shards.h5", out / "shards.h5")
+    proc = check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
+                            "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
+                            "--set", f"corpus.path={tmp / 'corpus.jsonl'}",
+                            "--set", f"model.path={tmp / 'bert'}",
+                            "--set", "train.params=head+last", "--set", "train.last_layers=1",
+                            "--set", "train.steps=12", "--set", "train.eval_every=6",
+                            "--set", "zo.mode=hybrid", "--set", "zo.lr=1e-3",
+                            "--set", "zo.checksum_every=5", "--set", "zo.schedule=streamed",
+                            "--set", "zo.offload=host", *COMMON], timeout=180, env=ENV))
+    assert "no frozen-prefix cache, every step streams the whole model" in proc.stderr
+    assert "computed once per text" not in proc.stderr
+    want = [r for r in _metrics(tmp / "metrics_first.csv") if r["kind"] == "eval"]
+    got = [r for r in _metrics(out / "metrics.csv") if r["kind"] == "eval"]
+    assert [r["step"] for r in got] == [r["step"] for r in want] == ["0", "6", "12"]
+    for g, w in zip(got, want):
+        assert g["heldout_n"] == w["heldout_n"]
+        assert math.isclose(float(g["heldout_loss"]), float(w["heldout_loss"]), rel_tol=1e-4)
+        assert abs(float(g["heldout_acc"]) - float(w["heldout_acc"])) <= 0.05

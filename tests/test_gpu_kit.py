@@ -81,6 +81,10 @@ def cache(tmp_path_factory):
     c = tmp_path_factory.mktemp("gpukit_cache")
     _wheel(c, "mpi4py", "4.1.2", "cp312-cp312-manylinux1_x86_64")
     _wheel(c, "pkgconfig", "1.6.0", "py3-none-any")
+    for name, version in (("cython", "3.3.1"), ("setuptools", "84.2.1"), ("pytest", "9.2.0"),
+                          ("pluggy", "1.7.0"), ("iniconfig", "2.3.1"), ("packaging", "26.3"),
+                          ("pygments", "2.21.0"), ("threadpoolctl", "3.8.0")):
+        _wheel(c, name, version, "py3-none-any")
     (c / "h5py-3.16.0.tar.gz").write_bytes(b"not a real sdist")
     m = c / "models" / "minilm"
     m.mkdir(parents=True)
@@ -108,7 +112,10 @@ def test_pack_offline_manifest(tmp_path, cache):
     rows = [ln.split("\t") for ln in (out / "MANIFEST.tsv").read_text().splitlines()[1:]]
     files = {r[1]: r for r in rows}
     assert {"wheels/mpi4py-4.1.2-cp312-cp312-manylinux1_x86_64.whl", "sdist/h5py-3.16.0.tar.gz",
-            "models/minilm/config.json", "models/minilm/tokenizer.json"} <= set(files)
+            "models/minilm/config.json", "models/minilm/tokenizer.json",
+            "pywheels/cython-3.3.1-py3-none-any.whl",
+            "pywheels/pytest-9.2.0-py3-none-any.whl"} <= set(files)
+    assert "optional scipy==1.17.1 not available here: left out" in proc.stdout
     for rel, (kind, _, size, sha) in files.items():
         data = (out / rel).read_bytes()
         assert kind == rel.split("/")[0] and int(size) == len(data)
@@ -134,7 +141,7 @@ def test_pack_offline_reports_missing(tmp_path):
     proc = _pack(tmp_path / "kit", "--offline", "--from", str(empty))
     assert proc.returncode == 3
     for what in ("deb libopenmpi3", "deb libhdf5-openmpi-dev", "wheel mpi4py==4.1.2",
-                 "sdist h5py==3.16.0"):
+                 "sdist h5py==3.16.0", "wheel cython==3.3.1"):
         assert f"gpu-pack: missing: {what}" in proc.stdout, what
     bad = _pack(tmp_path / "kit3", "--bogus")
     assert bad.returncode == 2 and "unknown argument --bogus" in bad.stderr

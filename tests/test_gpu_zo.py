@@ -32,6 +32,9 @@ BF16 = np.uint16        # bfloat16 storage: uint16 arrays of bfloat16 bits (a mo
 
 ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 SIZES = (1, 255, 256, 4097, 70_001)          # grid-stride edges and a tail
+SUBNORMAL = {"float32": [1e-40, -2.5e-39, 1.4e-45, -1e-38],
+             "float64": [1e-310, -2.5e-309, 5e-324, -1e-308],
+             "float16": [6e-8, -3e-6, 1e-5, -6e-5]}
 
 
 def kernel_case(xp, dtype, dist: str, seed: int = 3) -> dict[str, np.ndarray]:
@@ -39,9 +42,15 @@ def kernel_case(xp, dtype, dist: str, seed: int = 3) -> dict[str, np.ndarray]:
     r = np.random.default_rng(seed)
     base = [(t, to_bits(r.normal(0, 1, n).astype(np.float32)) if dtype == BF16 else
              r.normal(0, 1, n).astype(dtype)) for t, n in enumerate(SIZES)]
+    for _, a in base:            # subnormals: a GPU flushing them (CuPy's -ftz=true) differs
+        if a.size >= 4:
+            a[:4] = (np.array([0x0001, 0x8003, 0x0040, 0x807F], np.uint16) if dtype == BF16
+                     else np.array(SUBNORMAL[np.dtype(dtype).name], dtype))
     out = {}
     arrs = [P.ZTensor(t, xp.asarray(a.copy()), offset=17 * t, decay=t % 2 == 0)
             for t, a in base]
+    P.multi_update(arrs, [11], [0.0], 1e-2, 0.05, dist=dist)     # decay only: they stay tiny
+    out["decay_only"] = [host(z.array).copy() for z in arrs]
     P.perturb(arrs, 12345, 1e-3, dist=dist)
     out["perturb"] = [host(z.array).copy() for z in arrs]
     P.restore_update(arrs, 12345, 1e-3, 1e-2, 0.7, 0.05, dist=dist)
@@ -51,6 +60,10 @@ def kernel_case(xp, dtype, dist: str, seed: int = 3) -> dict[str, np.ndarray]:
     out["multi_update"] = [host(z.array).copy() for z in arrs]
     P.multi_update(arrs, [9], [0.25], 1e-2, 0.0, dist=dist)
     out["multi_update_norestore"] = [host(z.array).copy() for z in arrs]
+    # the streamed schedule's fused first pass: the pending update, then + eps z of the next seed
+    P.apply_then_perturb(arrs, P.Pending("restore_update", 9, 1e-3, 1e-2, -0.4, 0.05), 4242,
+                         1e-3, dist=dist)
+    out["apply_then_perturb"] = [host(z.array).copy() for z in arrs]
     return out
 
 
@@ -72,7 +85,7 @@ def check_kernels(xp, dtype, dist, exact: bool) -> None:
 
 
 @gpu_skip()
-@pytest.mark.parametrize("dist", ["gaussian", "rademacher"])
+@pytest.mark.parametrize("dist", ["gaussian", "rademacher", "gaussian-fast"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BF16])
 def test_gpu_kernels_cupy_bits_equal_cpu(dtype, dist, monkeypatch):
     monkeypatch.setenv("SEMZO_ZO_GPU_BACKEND", "cupy")
@@ -98,10 +111,21 @@ def test_gpu_zvec_equals_cpu():
         assert host(out).tobytes() == P.zvec(99, 3, 5, 100_003, name).tobytes()
 
 
-@pytest.mark.parametrize("dtype", [np.float32, BF16])
-def test_kernel_harness_on_cpu(dtype):
+@pytest.mark.parametrize("dtype,dist", [(np.float32, "gaussian"), (BF16, "gaussian"),
+                                        (np.float32, "gaussian-fast")])
+def test_kernel_harness_on_cpu(dtype, dist):
     """The harness with NumPy on both sides, exact (and the inputs matter)."""
-    check_kernels(np, dtype, "gaussian", exact=True)
+    check_kernels(np, dtype, dist, exact=True)
+
+
+@gpu_skip()
+def test_gpu_streamed_schedule_and_host_offload(tmp_path):
+    """tests/mpi/zo_streamed_gpu_check.py: on the device the streamed step equals the
+    three-pass step, the offloaded step (parameters loaded into pinned host memory, copy and
+    write-back streams) equals both, and so does its stage-streamed evaluation."""
+    import zo_streamed_gpu_check
+
+    zo_streamed_gpu_check.check(tmp_path)
 
 
 # ----------------------------------------------------------------------------- the engine

@@ -27,6 +27,7 @@ from semzo.finetune.loop import (
     LoopConfig,
     PrefixCachedClassifyTask,
     TrainState,
+    evaluate,
     train,
 )
 from semzo.finetune.offload import HostStore
@@ -152,6 +153,33 @@ def test_loss_from_state_equals_loss(folders, kind, task_kind, params, kw):
     assert task.loss_from_state(st, batch) == task.loss(batch)
     stage_of = {n: k for k in range(task.stage_count()) for n in task.stage_params(k)}
     assert set(names) <= set(stage_of)
+
+
+@pytest.mark.parametrize("kind,task_kind,params,kw", TASKS,
+                         ids=_IDS)
+def test_offloaded_evaluation_streams_the_stages(folders, kind, task_kind, params, kw):
+    """zo.offload = "host": the held-out evaluation runs each batch stage by stage through the
+    store (on a GPU the model's parameters are host arrays between stages, so a plain forward
+    would fail there): the same (loss, accuracy, count) bit for bit as the resident
+    evaluation, every stage uploaded once per batch, nothing left on the device."""
+    m, names, task = _setup(folders, kind, task_kind, params, **kw)
+    rows = task.eval_batches[0]
+    b = task.eval_inputs(rows)
+    st = task.stage_begin(b)
+    for k in range(task.stage_count()):
+        st = task.stage_run(k, st)
+    assert task.score_from_state(st, b) == tuple(task.eval_batch(rows))
+    want = evaluate(task, SoloTopo())
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
+                   weight_decay=WD, run_seed=3, schedule="streamed")
+    assert evaluate(task, SoloTopo(), eng.store) == want          # resident store: as before
+    eng.store = st = HostStore(m, task, eng)
+    got = evaluate(task, SoloTopo(), st)
+    assert got == want and want[2] > 0
+    assert st.uploads == task.stage_count() * len(task.eval_batches)
+    assert not st.on_device
+    for nm, a in st.host.items():
+        assert m.params[nm] is a
 
 
 def _run(folders, kind, task_kind, params, kw, schedule, *, offload=False, dist="gaussian",

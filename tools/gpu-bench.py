@@ -413,14 +413,31 @@ def bench_demo_llm(args, dev, smol: Path) -> dict:
     weights), 2 ranks sharing the GPU: wall time of the whole run."""
     import subprocess
     import tempfile
-    deck = ROOT / "inputs" / "demo-llm.toml"
+    deck = ROOT / "inputs" / "llm.toml"             # what `make demo-llm` runs
     if not deck.is_file():
         raise FileNotFoundError(f"{deck}: the demo-llm deck is not on this branch")
     out = Path(tempfile.mkdtemp(prefix="demo-llm-"))
+    import numpy as np
+    # the fortunes corpus is made by `make setup` (not in git): 240 records of the deck's
+    # three labels instead, words that lean to each label mixed with filler
+    rng = np.random.default_rng(0)
+    words = {"food": "bread cheese dinner cook eat soup wine taste kitchen apple",
+             "love": "heart kiss love darling romance lover marry sweet adore passion",
+             "sports": "game team score ball win coach match player goal race"}
+    filler = ["the", "a", "of", "and", "to", "in", "is", "it", "you", "that", "he", "was",
+              "for", "on", "are", "as", "with", "his", "they"]
+    corpus = out / "corpus.jsonl"
+    with open(corpus, "w", encoding="utf-8") as f:
+        for i in range(240):
+            lab = ("food", "love", "sports")[i % 3]
+            w = words[lab].split()
+            toks = [w[j % 10] if rng.random() < 0.4 else filler[j % len(filler)]
+                    for j in rng.integers(0, 20, size=int(rng.integers(6, 16)))]
+            f.write(json.dumps({"id": i, "text": " ".join(toks), "label": lab}) + "\n")
     cmd = ["timeout", "-k", "10", "300", "mpirun", "-n", "2", sys.executable, "-m", "semzo",
            "run", str(deck), "--set", f"run.device={'cpu' if dev.cpu else 'gpu'}",
-           "--set", f"run.output_dir={out}", "--set", f"model.path={smol}",
-           "--set", "train.steps=20"]
+           "--set", f"run.output_dir={out / 'run'}", "--set", f"model.path={smol}",
+           "--set", f"corpus.path={corpus}", "--set", "train.steps=20"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
     wall = time.perf_counter() - t0
@@ -453,8 +470,28 @@ def _junit(path: Path) -> dict:
     return c
 
 
+def _merge_junit(out: Path) -> None:
+    """The tests phase's per-file junit files (``.junit/NN.xml``) as one ``tests.xml``; the
+    folder is removed (a file a timeout cut short is left out, its log kept)."""
+    import shutil
+    import xml.etree.ElementTree as ET
+    parts = out / ".junit"
+    if not parts.is_dir():
+        return
+    root = ET.Element("testsuites")
+    for f in sorted(parts.glob("*.xml")):
+        try:
+            got = ET.parse(f).getroot()
+        except ET.ParseError:
+            continue
+        root.extend([got] if got.tag == "testsuite" else list(got))
+    ET.ElementTree(root).write(out / "tests.xml", encoding="utf-8", xml_declaration=True)
+    shutil.rmtree(parts)
+
+
 def cmd_summary(args) -> None:
     out = Path(args.out)
+    _merge_junit(out)
     lines = ["# semzo GPU check: summary", ""]
     env = (out / "env.txt").read_text().splitlines() if (out / "env.txt").is_file() else []
     keep = ("date", "mode", "gpu", "cupy device", "os", "glibc", "python", "cupy:", "torch:",

@@ -14,6 +14,11 @@
 #              Kerberos...): gpu-check.sh links only those whose soname the machine lacks, so
 #              nothing shadows the machine's own copies.
 #   wheels/    mpi4py (cp312, loads any Open MPI 4.1+ libmpi.so.40) and pkgconfig.
+#   pywheels/  what semzo, its tests and the h5py build import and the GPU image may lack;
+#              gpu-check.sh installs each only where the machine cannot import it. Always:
+#              Cython and setuptools (the h5py build), pytest (pluggy, iniconfig, packaging),
+#              threadpoolctl; then, while the budget allows, scipy and matplotlib (with its
+#              dependencies), which the pipeline imports.
 #   sdist/     h5py, built on the GPU machine with HDF5_MPI=ON (no MPI h5py wheel exists on PyPI
 #              and this machine has no Python 3.12 to build one).
 #   models/    MiniLM's config and tokenizer (its weights, 87 MiB in float32, do not fit: the
@@ -82,7 +87,7 @@ SYS_DEBS="libcurl4 libssl3 libbrotli1 libgssapi-krb5-2 libkrb5-3 libk5crypto3 li
  libpsl5 librtmp1 libssh2-1 libgnutls30 libnettle8 libhogweed6 libgmp10 libtasn1-6 libp11-kit0
  libffi8 libatomic1 libudev1"
 
-mkdir -p "$OUT"/debs "$OUT"/sysdebs "$OUT"/wheels "$OUT"/sdist "$OUT"/models
+mkdir -p "$OUT"/debs "$OUT"/sysdebs "$OUT"/wheels "$OUT"/pywheels "$OUT"/sdist "$OUT"/models
 missing=()
 note() { printf '[gpu-pack] %s\n' "$*"; }
 
@@ -105,6 +110,16 @@ apt_fetch() {   # apt_fetch DEST PKG...: Debian packages for amd64 of this machi
     (cd "$dest" && apt-get -q -o APT::Architecture=amd64 download "$p" >/dev/null 2>&1) \
       || missing+=("deb $p")
   done
+}
+
+wheel_glob() {   # wheel_glob NAME==VERSION: the file name pip gives its wheel, any case
+  local n=${1%%==*} v=${1##*==} g="" c
+  n=${n//-/_}
+  for (( i = 0; i < ${#n}; i++ )); do
+    c=${n:i:1}
+    case "$c" in [a-zA-Z]) g="$g[${c,}${c^}]" ;; *) g="$g$c" ;; esac
+  done
+  echo "$g-$v-*.whl"
 }
 
 pip_fetch() {   # pip_fetch DEST PATTERN SPEC [sdist]
@@ -141,6 +156,11 @@ fi
 pip_fetch "$OUT/wheels" "mpi4py-*-cp312-*.whl" "mpi4py==$MPI4PY_VERSION"
 pip_fetch "$OUT/wheels" "pkgconfig-*.whl" "pkgconfig==$PKGCONFIG_VERSION"
 pip_fetch "$OUT/sdist" "h5py-*.tar.gz" "h5py==$H5PY_VERSION" sdist
+# the versions the tests ran against here (constraints.txt / the .venv)
+for spec in cython==3.3.1 setuptools==84.2.1 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 \
+            packaging==26.3 pygments==2.21.0 threadpoolctl==3.8.0; do
+  pip_fetch "$OUT/pywheels" "$(wheel_glob "$spec")" "$spec"
+done
 
 # --- models: configs and tokenizers; weights only where they fit ------------------------------
 copy_small() {   # copy_small SRC DEST: the small files of a model folder (no weights)
@@ -195,6 +215,29 @@ EOF
     note "MiniLM float16 weights do not fit the budget: random weights on the GPU instead"
   fi
 fi
+
+# scipy and matplotlib (the place and finetune stages import them) only while the budget
+# allows: the GPU image may have them; gpu-check.sh reports what it could not import
+for spec in scipy==1.17.1 matplotlib==3.11.2 contourpy==1.3.3 cycler==0.12.1 \
+            fonttools==4.68.0 kiwisolver==1.5.1 pillow==13.0.0 pyparsing==3.3.3 \
+            python-dateutil==4.0.0 tzdata==2026.6; do
+  before=$(size_of "$OUT") nmiss=${#missing[@]}
+  tmp=$(mktemp -d)
+  pip_fetch "$tmp" "$(wheel_glob "$spec")" "$spec"
+  if [ ${#missing[@]} -gt "$nmiss" ]; then          # optional: say so, do not fail the pack
+    missing=("${missing[@]:0:$nmiss}")
+    note "optional $spec not available here: left out"
+    rm -rf "$tmp"
+    continue
+  fi
+  got=$(size_of "$tmp")
+  if [ $(( before + got )) -le $(( budget - 2 * 1048576 )) ]; then
+    mv "$tmp"/*.whl "$OUT/pywheels/" 2>/dev/null || true
+  else
+    note "$spec does not fit the budget: left out (the GPU image must have it)"
+  fi
+  rm -rf "$tmp"
+done
 
 # --- manifest, sizes, budget --------------------------------------------------------------
 manifest="$OUT/MANIFEST.tsv"

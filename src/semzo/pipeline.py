@@ -119,8 +119,13 @@ def start(deck: Deck, comm: MPI.Intracomm, timer: StageTimer, *,
         topo = build_topology(comm, deck.topology, src=deck.source)
     threads = set_threads(_threads(deck, topo))
     if deck.run.device == "gpu":
-        dev = bind_gpu(topo.local_rank)
-        log.info("rank %d bound to GPU %d (node-local rank %d)", topo.rank, dev, topo.local_rank)
+        # the physical node's local rank: a deck-simulated hierarchy (topology.ranks_per_node)
+        # groups ranks into pretend nodes, which must not decide which real GPU a rank takes
+        shm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
+        local = shm.Get_rank()
+        shm.Free()
+        dev = bind_gpu(local)
+        log.info("rank %d bound to GPU %d (rank %d on its physical node)", topo.rank, dev, local)
     outdir = Path(deck.run.output_dir)
     prepare_outdir(outdir, deck, topo)
     lock = OutputLock.acquire(outdir, deck, topo.world)

@@ -20,7 +20,7 @@ from zo_common import SoloTopo, corpus, make_model
 
 from semzo.finetune.data import heldout_mask
 from semzo.finetune.engine import ZOEngine, ztensors
-from semzo.finetune.loop import ClassifyTask, LMTask
+from semzo.finetune.loop import ClassifyTask, LMTask, evaluate
 from semzo.finetune.offload import HostStore
 from semzo.model import Tokenizer, load_model
 
@@ -28,7 +28,7 @@ from semzo.model import Tokenizer, load_model
 def run(folder, kind, schedule, offload, steps=5):
     import cupy
 
-    m = load_model(folder, xp=cupy)
+    m = load_model(folder, xp=cupy, host_params=offload)   # as the finetune stage loads it
     tok = Tokenizer.from_folder(folder, max_length=24)
     recs = corpus(64)
     seqs = tok.encode_batch([r["text"] for r in recs])
@@ -56,28 +56,34 @@ def run(folder, kind, schedule, offload, steps=5):
     eng.flush()
     cupy.cuda.Device().synchronize()
     dt = time.perf_counter() - t0
+    ev = evaluate(task, SoloTopo(), eng.store)      # offload: every stage streamed per batch
     host = {n: (a.get() if hasattr(a, "get") else np.asarray(a)) for n, a in m.params.items()}
-    return np.array(out), host, dt, eng
+    return np.array(out), host, dt, eng, ev
 
 
-def main() -> None:
+def check(work: Path) -> None:
     import cupy
 
-    work = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp())
     print("GPU:", cupy.cuda.runtime.getDeviceProperties(0)["name"].decode())
-    for kind in ("bert", "gpt2"):
+    for kind in ("bert", "gpt2", "llama_tied"):
         folder = make_model(work / kind, kind=kind)
-        ref, pref, t3, _ = run(folder, kind, "three-pass", False)
-        got, pgot, ts, _ = run(folder, kind, "streamed", False)
-        off, poff, to, eng = run(folder, kind, "streamed", True)
+        ref, pref, t3, _, eref = run(folder, kind, "three-pass", False)
+        got, pgot, ts, _, egot = run(folder, kind, "streamed", False)
+        off, poff, to, eng, eoff = run(folder, kind, "streamed", True)
         assert got.tobytes() == ref.tobytes(), (kind, got, ref)
         assert all(pgot[n].tobytes() == pref[n].tobytes() for n in pref), kind
         assert off.tobytes() == ref.tobytes(), (kind, off, ref)
         assert all(poff[n].tobytes() == pref[n].tobytes() for n in pref), kind
+        assert eref == egot == eoff, (kind, eref, egot, eoff)
+        assert all(isinstance(a, np.ndarray) for a in eng.store.host.values())
         print(f"{kind}: streamed == three-pass == offloaded bit for bit; 5 steps three-pass "
               f"{t3:.3f} s, streamed {ts:.3f} s, offloaded {to:.3f} s; device slots "
               f"{eng.store.device_bytes() / 2**20:.2f} MiB, {eng.store.uploads} uploads")
     print("ok: zo streamed gpu check")
+
+
+def main() -> None:
+    check(Path(sys.argv[1]) if len(sys.argv) > 1 else Path(tempfile.mkdtemp()))
 
 
 if __name__ == "__main__":

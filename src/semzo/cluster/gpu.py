@@ -4,8 +4,9 @@ Imported only when :func:`semzo.cluster.kmeans` receives a CuPy array. Distances
 SGEMM per block, argmin by CuPy, per-cluster sums by ``cupyx.scatter_add`` in float64 (atomic
 adds: the sums are not bit-reproducible run to run, unlike the CPU path). The reduced buffer
 lives on the host (k*(d+1) numbers), so any ``allreduce`` on numpy buffers works; the device is
-synchronised by the ``.get()`` copies before any MPI call. Not exercised by the tests (no GPU
-on the development machine); the CPU path is the reference.
+synchronised by the ``.get()`` copies before any MPI call. tests/test_gpu_kmeans.py checks it
+against the CPU path (the reference) where a GPU is present (the GPU kit); row blocks are sized
+for the device (:attr:`LocalData.BLOCK_BYTES`), not for a CPU cache.
 """
 
 from __future__ import annotations
@@ -18,18 +19,26 @@ import numpy as np
 class LocalData:
     """A rank's rows (n, d) float32 on the device; methods mirror ``cpu.LocalData``."""
 
-    def __init__(self, x, block_rows: int):
+    #: bytes of the per-block temporaries the GPU may use (scores, a float64 copy of the rows)
+    BLOCK_BYTES = 256 * 2**20
+
+    def __init__(self, x, block_rows: int, k: int = 1024):
         self.x = cp.ascontiguousarray(x, dtype=cp.float32)
         self.n, self.d = self.x.shape
-        self.block_rows = max(1, int(block_rows))
+        # the CPU's cache-sized blocks would make a GPU iteration hundreds of small launches:
+        # blocks as large as BLOCK_BYTES of temporaries allow (scores k x 4, rows d x 8 bytes)
+        self.block_rows = max(1, int(block_rows), self.BLOCK_BYTES // (4 * k + 8 * self.d))
         self.x_sq = cp.empty(self.n, dtype=cp.float64)
         for s, e in self.blocks():
             blk = self.x[s:e].astype(cp.float64)
             self.x_sq[s:e] = (blk * blk).sum(axis=1)
 
-    def blocks(self):
-        for s in range(0, self.n, self.block_rows):
-            yield s, min(self.n, s + self.block_rows)
+    def blocks(self, cols: int | None = None):
+        """(start, end) row blocks; ``cols``: score columns per row if not k (candidates)."""
+        step = self.block_rows if cols is None else \
+            max(1, min(self.block_rows, self.BLOCK_BYTES // (4 * cols + 8 * self.d)))
+        for s in range(0, self.n, step):
+            yield s, min(self.n, s + step)
 
     def take_rows(self, idx) -> np.ndarray:
         idx = cp.asarray(np.asarray(idx, dtype=np.int64))
@@ -53,7 +62,7 @@ class LocalData:
         c_sq = (c.astype(cp.float64) ** 2).sum(axis=1).astype(cp.float32)
         d2_dev = cp.asarray(d2)
         near_dev = cp.asarray(nearest)
-        for s, e in self.blocks():
+        for s, e in self.blocks(cols=int(c.shape[0])):
             score = c_sq[None, :] - 2.0 * (self.x[s:e] @ c.T)
             j = cp.argmin(score, axis=1)
             v = cp.maximum(self.x_sq[s:e] + cp.take_along_axis(score, j[:, None], 1)[:, 0], 0.0)
@@ -120,7 +129,7 @@ class LloydGPU:
 
 
 def predict(x, centers, spherical, block_rows):
-    data = LocalData(x, block_rows)
+    data = LocalData(x, block_rows, int(centers.shape[0]))
     a = LloydGPU(data, int(centers.shape[0]), spherical)
     a.estep(np.asarray(cp.asnumpy(centers) if hasattr(centers, "get") else centers,
                        dtype=np.float32), None, None, False)

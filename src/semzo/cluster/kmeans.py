@@ -103,7 +103,7 @@ def kmeans(x_local, k: int, comm, *, global_offset: int, allreduce=None, init="k
     bad = False
     if _is_cupy(x_local):
         from . import gpu
-        data = gpu.LocalData(x_local, block_rows)
+        data = gpu.LocalData(x_local, block_rows, k)
         if algorithm != "lloyd":
             log.warning("algorithm %r has no GPU path; running plain Lloyd", algorithm)
             algorithm = "lloyd"
@@ -219,7 +219,7 @@ def init_centers(x_local, k: int, comm, *, global_offset: int, allreduce=None, s
         allreduce = default_allreduce(comm)
     if _is_cupy(x_local):
         from . import gpu
-        data = gpu.LocalData(x_local, block_rows)
+        data = gpu.LocalData(x_local, block_rows, k)
     else:
         from . import cpu
         data = cpu.LocalData(np.ascontiguousarray(x_local, dtype=np.float32), block_rows)

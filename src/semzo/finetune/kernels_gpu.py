@@ -49,6 +49,15 @@ _SOURCE_TEMPLATE = r"""
                           i < (n); i += (long long)blockDim.x * gridDim.x)
 #define ZO_F2U(f) __float_as_uint(f)
 #define ZO_U2F(u) __uint_as_float(u)
+// CuPy compiles every kernel with -ftz=true (appended after the caller's options; NVRTC takes
+// the last), which would flush float32 subnormals in float <-> double conversions. Inline PTX
+// without .ftz keeps the IEEE conversions of the CPU kernels.
+static __device__ __forceinline__ double ZO_F2D(float x) {
+  double r; asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(x)); return r;
+}
+static __device__ __forceinline__ float ZO_D2F(double x) {
+  float r; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x)); return r;
+}
 #else
 #include <math.h>
 #include <string.h>
@@ -58,6 +67,8 @@ _SOURCE_TEMPLATE = r"""
 #define ZO_FOR(i, n) for (long long i = 0; i < (n); ++i)
 static inline unsigned int ZO_F2U(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
 static inline float ZO_U2F(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+#define ZO_F2D(x) ((double)(x))
+#define ZO_D2F(x) ((float)(x))
 #endif
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -140,7 +151,7 @@ ZO_DEV double zo_gauss_at(u64 e, u64 t, u64 k0, u64 k1) {
   double za = r * cs;
   double zb = r * sn;
   double z = (lane & 1ULL) != 0ULL ? zb : za;
-  return (double)(float)z;
+  return ZO_F2D(ZO_D2F(z));
 }
 
 ZO_DEV double zo_rad_at(u64 e, u64 t, u64 k0, u64 k1) {
@@ -212,7 +223,7 @@ ZO_DEV u16 zo_float_to_half(float x) {
 
 // bfloat16 storage: the uint16 bits are the upper half of a float32 (exact upcast); a float32
 // is stored rounded to nearest even on its bit pattern, NaN kept quiet (kernels.py's rule).
-ZO_DEV double zo_bf16_to_double(u16 h) { return (double)ZO_U2F(((u32)h) << 16); }
+ZO_DEV double zo_bf16_to_double(u16 h) { return ZO_F2D(ZO_U2F(((u32)h) << 16)); }
 
 ZO_DEV u16 zo_float_to_bf16(float x) {
   u32 f = ZO_F2U(x);
@@ -220,14 +231,14 @@ ZO_DEV u16 zo_float_to_bf16(float x) {
   return (u16)((f + 0x7FFFu + ((f >> 16) & 1u)) >> 16);
 }
 
-#define ZO_LOAD_f32(p, i) ((double)(p)[i])
-#define ZO_STORE_f32(p, i, v) ((p)[i] = (float)(v))
+#define ZO_LOAD_f32(p, i) ZO_F2D((p)[i])
+#define ZO_STORE_f32(p, i, v) ((p)[i] = ZO_D2F(v))
 #define ZO_LOAD_f64(p, i) ((p)[i])
 #define ZO_STORE_f64(p, i, v) ((p)[i] = (v))
 #define ZO_LOAD_f16(p, i) zo_half_to_double((p)[i])
-#define ZO_STORE_f16(p, i, v) ((p)[i] = zo_float_to_half((float)(v)))
+#define ZO_STORE_f16(p, i, v) ((p)[i] = zo_float_to_half(ZO_D2F(v)))
 #define ZO_LOAD_bf16(p, i) zo_bf16_to_double((p)[i])
-#define ZO_STORE_bf16(p, i, v) ((p)[i] = zo_float_to_bf16((float)(v)))
+#define ZO_STORE_bf16(p, i, v) ((p)[i] = zo_float_to_bf16(ZO_D2F(v)))
 
 ZO_GLOBAL zo_zvec(float* out, long long n, u64 e0, u64 t, u64 k0, u64 k1, int dist) {
   ZO_FOR(i, n) { out[i] = (float)zo_z(e0 + (u64)i, t, k0, k1, dist); }
@@ -336,11 +347,32 @@ def _cupy_module(device_id: int):
     return cupy.RawModule(code=cuda_source(), options=("--fmad=false",))
 
 
+@functools.cache
+def _cupy_function(device_id: int, name: str):
+    return _cupy_module(device_id).get_function(name)
+
+
 def _cupy_launch(name: str, n: int, args: tuple) -> None:
     import cupy
-    fn = _cupy_module(cupy.cuda.runtime.getDevice()).get_function(name)
+    fn = _cupy_function(cupy.cuda.runtime.getDevice(), name)
     blocks = max(1, min(MAX_BLOCKS, -(-n // THREADS_PER_BLOCK)))
     fn((blocks,), (THREADS_PER_BLOCK,), args)
+
+
+_SEEDS: dict = {}      # the last seed arrays put on the device (a pass reuses them per tensor)
+
+
+def _device_seeds(k0s, k1s, gs) -> tuple:
+    """(k0s, k1s, gs) as device arrays (uint64, uint64, float64): uploaded once for the many
+    launches of a pass that share them (read only by the kernels)."""
+    import cupy
+    host = (np.asarray(k0s, np.uint64), np.asarray(k1s, np.uint64), np.asarray(gs, np.float64))
+    key = (cupy.cuda.runtime.getDevice(), *(h.tobytes() for h in host))
+    got = _SEEDS.get(key)
+    if got is None:
+        _SEEDS.clear()
+        got = _SEEDS[key] = tuple(cupy.asarray(h) for h in host)
+    return got
 
 
 def _storage(p):
@@ -404,12 +436,9 @@ def multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1, eps, dist) 
         numba_cuda_kernels().multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1,
                                           eps, dist)
         return
-    import cupy
     sfx, q = _storage(p)
     n = p.size
-    dk0 = cupy.asarray(np.asarray(k0s, np.uint64))
-    dk1 = cupy.asarray(np.asarray(k1s, np.uint64))
-    dgs = cupy.asarray(np.asarray(gs, np.float64))
+    dk0, dk1, dgs = _device_seeds(k0s, k1s, gs)
     _cupy_launch(f"zo_multi_update_{sfx}", n,
                  (q, np.int64(n), _u(off), _u(t), dk0, dk1, dgs, np.int32(dgs.size),
                   np.float64(lr), np.float64(wd), np.int32(bool(restore)), _u(rk0), _u(rk1),
@@ -420,13 +449,10 @@ def stream_pass(p, q, off, t, mode, k0, k1, a, lr, g, wd, k0s, k1s, gs, post, pk
                 dist) -> None:
     """The block-streamed schedule's fused pass (kernels.fused_kernel's modes, then ``post``:
     q <- p + pa z(pk0, pk1), q may be p), one launch, CuPy only. k0s, k1s, gs: host arrays."""
-    import cupy
     sfx, pp = _storage(p)
     _, qq = _storage(q)
     n = p.size
-    dk0 = cupy.asarray(np.asarray(k0s, np.uint64))
-    dk1 = cupy.asarray(np.asarray(k1s, np.uint64))
-    dgs = cupy.asarray(np.asarray(gs, np.float64))
+    dk0, dk1, dgs = _device_seeds(k0s, k1s, gs)
     _cupy_launch(f"zo_stream_{sfx}", n,
                  (pp, qq, np.int64(n), _u(off), _u(t), np.int32(mode), _u(k0), _u(k1),
                   np.float64(a), np.float64(lr), np.float64(g), np.float64(wd), dk0, dk1, dgs,

@@ -80,7 +80,9 @@ class _Task:
     * ``batch(positions) -> batch``: a prepared training batch of ``train_rows[positions]``;
       ``batch[3]`` (or ``batch_weight(batch)``) its weight n in the n-weighted averages;
     * ``loss(batch) -> float``: the loss at the current parameters (three-pass schedule);
-    * ``eval_sums()`` / ``eval_batch(rows)``: held-out sums (see :meth:`eval_sums`);
+    * ``eval_sums(run=None)`` / ``eval_batch(rows)``: held-out sums (see :meth:`eval_sums`);
+      ``eval_inputs(rows)`` (a batch of held-out rows) and ``score_from_state(state, batch) ->
+      (loss, accuracy)`` let an offloading store run the evaluation stage by stage;
     * the streamed schedule (``zo.schedule = "streamed"``, :mod:`.streamed`) runs the loss
       stage by stage, two branches interleaved:
 
@@ -140,14 +142,26 @@ class _Task:
     def loss_from_state(self, state, batch) -> float:
         raise NotImplementedError
 
-    def eval_sums(self) -> np.ndarray:
+    def eval_sums(self, run=None) -> np.ndarray:
         """float64 [sum of losses, sum of hits, count] over the rank's held-out rows: each
-        evaluation batch's mean loss and accuracy (:meth:`eval_batch`) weighted by its rows."""
+        evaluation batch's mean loss and accuracy (:meth:`eval_batch`) weighted by its rows.
+        ``run(batch) -> (loss, accuracy)``: evaluate :meth:`eval_inputs` batches that way
+        instead (the stages streamed through an offloading store; the same values)."""
         out = np.zeros(3)
         for rows in self.eval_batches:
-            loss, acc = self.eval_batch(rows)
+            loss, acc = self.eval_batch(rows) if run is None else run(self.eval_inputs(rows))
             out += (loss * len(rows), round(acc * len(rows)), len(rows))
         return out
+
+    def eval_inputs(self, rows):
+        """A prepared batch (as :meth:`batch` gives) of held-out rows ``rows``."""
+        ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
+        return ids, mask, self.labels[rows], len(rows)
+
+    def score_from_state(self, state, batch) -> tuple[float, float]:
+        """(loss, accuracy) from the state after the last stage (the rule of
+        :meth:`loss_from_state`); equals :meth:`eval_batch` of the same rows."""
+        raise NotImplementedError
 
     def eval_batch(self, rows) -> tuple[float, float]:
         """Mean loss and accuracy of held-out rows ``rows``."""
@@ -166,9 +180,12 @@ class ClassifyTask(_Task):
         return self.model.classify(ids, mask, labels)[0]
 
     def loss_from_state(self, state, batch) -> float:
+        return self.score_from_state(state, batch)[0]
+
+    def score_from_state(self, state, batch) -> tuple[float, float]:
         if state is None:
-            return 0.0
-        return self.model.classify_hidden(state.hidden, state.maskf, batch[2])[0]
+            return 0.0, 0.0
+        return self.model.classify_hidden(state.hidden, state.maskf, batch[2])[:2]
 
     def eval_batch(self, rows) -> tuple[float, float]:
         ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
@@ -195,16 +212,27 @@ class LMTask(_Task):
             return 0.0
         return self.model.next_token_loss_from_hidden(state.hidden, state.ids, state.maskf)
 
-    def eval_sums(self) -> np.ndarray:
+    def score_from_state(self, state, batch) -> tuple[float, float]:
+        if state is None:
+            return 0.0, 0.0
+        return self.model.next_token_loss_from_hidden(state.hidden, state.ids, state.maskf,
+                                                      return_accuracy=True)
+
+    def eval_sums(self, run=None) -> np.ndarray:
         out = np.zeros(3)
         for rows in self.eval_batches:
-            ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
-            cnt = float(mask[:, 1:].sum())
+            b = self.eval_inputs(rows)
+            cnt = self.batch_weight(b)
             if cnt == 0:
                 continue
-            loss, acc = self.model.next_token_loss(ids, mask, return_accuracy=True)
+            loss, acc = self.eval_batch(rows) if run is None else run(b)
             out += (loss * cnt, round(acc * cnt), cnt)
         return out
+
+    def eval_batch(self, rows) -> tuple[float, float]:
+        """Mean loss and accuracy per predicted token of held-out rows ``rows``."""
+        ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
+        return self.model.next_token_loss(ids, mask, return_accuracy=True)
 
     def batch_weight(self, batch) -> float:
         return float(batch[1][:, 1:].sum())
@@ -258,6 +286,12 @@ class FeatureClassifyTask(_Task):
 
     def loss_from_state(self, state, batch) -> float:
         return self._loss_acc(state)[0] if state is not None else 0.0
+
+    def score_from_state(self, state, batch) -> tuple[float, float]:
+        return self._loss_acc(state) if state is not None else (0.0, 0.0)
+
+    def eval_inputs(self, rows):
+        return rows, None, self.labels[rows], len(rows)
 
     def eval_batch(self, rows) -> tuple[float, float]:
         return self._loss_acc(rows)
@@ -332,18 +366,35 @@ class PrefixCachedClassifyTask(_Task):
         return None if state is None else self.model.stage_forward(self.layer + 1 + k, state)
 
     def loss_from_state(self, state, batch) -> float:
+        return self.score_from_state(state, batch)[0]
+
+    def score_from_state(self, state, batch) -> tuple[float, float]:
         if state is None:
-            return 0.0
-        return self.model.classify_hidden(state.hidden, batch[1], batch[2])[0]
+            return 0.0, 0.0
+        return self.model.classify_hidden(state.hidden, batch[1], batch[2])[:2]
+
+    def eval_inputs(self, rows):
+        x, mask = self._inputs(rows)
+        return x, mask, self.labels[rows], len(rows)
 
     def eval_batch(self, rows) -> tuple[float, float]:
         x, mask = self._inputs(rows)
         return self._classify(x, mask, self.labels[rows])[:2]
 
 
-def evaluate(task: _Task, topo) -> tuple[float, float, int]:
-    """Held-out (loss, accuracy, count) over all ranks. Collective over the world."""
-    sums = task.eval_sums()
+def evaluate(task: _Task, topo, store=None) -> tuple[float, float, int]:
+    """Held-out (loss, accuracy, count) over all ranks. Collective over the world.
+
+    ``store``: the engine's parameter store; an offloading one (``zo.offload = "host"``) keeps
+    the parameters in host memory, so each evaluation batch then runs stage by stage through it
+    (:func:`semzo.finetune.streamed.staged_score`)."""
+    run = None
+    if getattr(store, "offloads", False):
+        from .streamed import staged_score
+
+        def run(batch):
+            return staged_score(store, task, batch)
+    sums = task.eval_sums(run)
     topo.allreduce(sums)
     n = float(sums[2])
     return (float(sums[0]) / n if n else math.nan, float(sums[1]) / n if n else math.nan, int(n))
@@ -426,7 +477,7 @@ def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
             engine.verify(step)
         if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
             engine.flush()                 # evaluation sees the updated model
-            loss, acc, n = evaluate(task, topo)
+            loss, acc, n = evaluate(task, topo, engine.store)
             if on_row is not None:
                 on_row({"kind": "eval", "step": done, "heldout_loss": loss, "heldout_acc": acc,
                         "heldout_n": n})

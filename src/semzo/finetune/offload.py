@@ -38,6 +38,8 @@ class DeviceMemoryError(SemzoError):
 class ResidentStore:
     """Every parameter resident in the model's own arrays: every hook is a no-op."""
 
+    offloads = False
+
     def acquire(self, k: int, idx: list[int]):
         return None
 
@@ -58,6 +60,8 @@ class HostStore:
     stages (``stage_count``, ``stage_params``); engine: the :class:`~.engine.ZOEngine` whose
     ``tensors`` (and ``ref``) are the host arrays; device: "cpu" (simulated) or "gpu" (CuPy).
     """
+
+    offloads = True      # a forward outside the ZO step must stream the stages (evaluation)
 
     def __init__(self, model, task, engine, device: str = "cpu") -> None:
         from .engine import tensor_index
@@ -107,6 +111,9 @@ class HostStore:
         have = self.slots.get((key, ref))
         if have is not None and have[0] == sig:
             return dict(zip(names, have[1]))
+        if have is not None and self.gpu:
+            self.down.synchronize()                    # its last write-back has read it
+            self.slots.pop((key, ref))
         try:
             arrs = self.model.alloc_stage(names, self.xp) if not ref else \
                 {n: self.xp.empty(self.host[n].shape, self.host[n].dtype) for n in names}
@@ -118,6 +125,12 @@ class HostStore:
             raise DeviceMemoryError(
                 f"zo.offload = \"host\": the device is out of memory: stage slot {key} needs "
                 f"{need / 2**20:.1f} MiB more, {free / 2**20:.1f} MiB free") from None
+        if self.gpu:
+            # the pool hands out memory in the current stream's order: kernels queued there
+            # may still use it, so the copy stream starts writing only after them
+            ev = self.xp.cuda.Event()
+            ev.record(self.xp.cuda.get_current_stream())
+            self.up.wait_event(ev)
         self.slots[(key, ref)] = (sig, [arrs[n] for n in names])
         return arrs
 

@@ -202,6 +202,9 @@ class PromptTask(_Task):
         b = self._rows_batch(np.asarray(rows))
         return self._loss_acc(self._hidden(b), b)
 
+    def eval_inputs(self, rows):
+        return self._rows_batch(np.asarray(rows))
+
     def predict(self, rows) -> np.ndarray:
         """Predicted class (n,) of rows ``rows`` (argmax over the label words)."""
         b = self._rows_batch(np.asarray(rows))
@@ -240,9 +243,12 @@ class PromptTask(_Task):
         return None if state is None else self.model.stage_forward(self._first() + k, state)
 
     def loss_from_state(self, state, batch) -> float:
+        return self.score_from_state(state, batch)[0]
+
+    def score_from_state(self, state, batch) -> tuple[float, float]:
         if state is None:
-            return 0.0
-        return self._loss_acc(state.hidden, batch)[0]
+            return 0.0, 0.0
+        return self._loss_acc(state.hidden, batch)
 
 
 def first_trained_block(model, names: list[str]) -> int:
@@ -265,10 +271,10 @@ def first_trained_block(model, names: list[str]) -> int:
 
 
 def build_prompt_task(ctx, model, names: list[str], rows, train_idx, held_idx,
-                      max_len: int) -> PromptTask:
+                      max_len: int, cache: bool = True) -> PromptTask:
     """The run's :class:`PromptTask`: prompts of the rank's texts, label words checked, and the
-    frozen-prefix cache when the lowest trained block is above 0, the model supports it and
-    every rank's cache fits ``train.prefix_cache_mb``. Collective (one allreduce)."""
+    frozen-prefix cache when ``cache``, the lowest trained block is above 0, the model supports
+    it and every rank's cache fits ``train.prefix_cache_mb``. Collective (one allreduce)."""
     from ..model import Tokenizer
     from ..runtime import get_logger
 
@@ -280,7 +286,7 @@ def build_prompt_task(ctx, model, names: list[str], rows, train_idx, held_idx,
     word_ids = label_word_ids(tok, rows.label_names, pr.label_words, pr.template, deck.source)
     seqs = encode_prompts(tok, rows.texts, pr.template, max_len,
                           int(model.config.max_positions), deck.source)
-    first = first_trained_block(model, names) if t.prefix_cache_mb > 0 else 0
+    first = first_trained_block(model, names) if t.prefix_cache_mb > 0 and cache else 0
     ok = first > 0 and PromptTask.can_cache(model) and \
         PromptTask.nbytes(seqs, model.config.hidden_size, np.dtype(model.dtype).itemsize) \
         <= t.prefix_cache_mb * 2**20

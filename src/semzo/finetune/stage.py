@@ -154,20 +154,25 @@ def init_head_class_means(model, emb: np.ndarray, labels: np.ndarray, n_classes:
     return counts
 
 
+def features_in_shards(ctx, model, rows, max_len: int) -> bool:
+    """Whether shards.h5's embeddings are the head's input features: made by the same model
+    at the same max_length and dtype (the embed stage computes exactly those)."""
+    from ..deck import from_toml_text
+    from ..embed.stage import embed_model_path
+
+    src = from_toml_text(rows.deck_toml)
+    return ((embed_model_path(src)[0] or "") == (ctx.deck.model.path or "") and
+            src.model.max_length == max_len and src.model.dtype == ctx.deck.model.dtype and
+            rows.embeddings.shape[1] == model.config.hidden_size)
+
+
 def head_features(ctx, model, rows, max_len: int, batch_size: int) -> tuple[np.ndarray, str]:
     """Pooled, L2-normalized features (n, H) float32 of the rank's rows under the frozen
     encoder: the embeddings of shards.h5 when they were made by the same model at the same
     max_length (the embed stage computes exactly this), else one forward pass per row."""
-    from ..deck import from_toml_text
-    from ..embed.stage import embed_model_path
     from ..model import Tokenizer, embed_texts
 
-    src = from_toml_text(rows.deck_toml)
-    same = ((embed_model_path(src)[0] or "") == (ctx.deck.model.path or "") and
-            src.model.max_length == max_len and
-            src.model.dtype == ctx.deck.model.dtype and
-            rows.embeddings.shape[1] == model.config.hidden_size)
-    if same:
+    if features_in_shards(ctx, model, rows, max_len):
         return rows.embeddings, f"taken from shards.h5: same model, max_length {max_len}"
     tok = Tokenizer.from_folder(ctx.deck.model.path or None, max_length=max_len)
     feats = embed_texts(model, tok, rows.texts, batch_size=batch_size, normalize=True)
@@ -188,7 +193,13 @@ def run_finetune_stage(ctx) -> dict:
         raise _deck_error(f"{deck.source}: run.stages: {shards} not found (run the place stage "
                           f"first)")
     model_path = deck.model.path or None
-    model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype)
+    # zo.offload = "host": the parameters stay in host memory from the start (a model larger
+    # than the GPU never has to fit there), and every forward outside the ZO step streams the
+    # stages, so the shortcuts that run the frozen lower layers once before training (prefix
+    # caches, head features by a forward pass) are off; the simulated device follows the rule
+    offload = z.offload == "host"
+    model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype,
+                       host_params=offload and deck.run.device == "gpu")
     task_kind = t.task if t.task != "auto" else ("lm" if model.kind == "decoder" else "classify")
     if task_kind in ("lm", "prompt") and model.kind != "decoder":
         raise _deck_error(f"{deck.source}: train.task: {task_kind} fine-tuning needs a decoder "
@@ -222,8 +233,9 @@ def run_finetune_stage(ctx) -> dict:
     if task_kind == "prompt":
         from .prompt import build_prompt_task
 
-        task = build_prompt_task(ctx, model, names, rows, train_idx, held_idx, max_len)
-    elif head_only:
+        task = build_prompt_task(ctx, model, names, rows, train_idx, held_idx, max_len,
+                                 cache=not offload)
+    elif head_only and (not offload or features_in_shards(ctx, model, rows, max_len)):
         feats, how = head_features(ctx, model, rows, max_len, t.eval_batch_size)
         log.info("finetune: only the head trains: the frozen encoder's pooled features are "
                  "computed once (%s) and every ZO step evaluates the head on them", how)
@@ -237,7 +249,7 @@ def run_finetune_stage(ctx) -> dict:
                                                np.dtype(model.dtype).itemsize)
         fits = np.array([need <= t.prefix_cache_mb * 2**20], np.int64)
         topo.allreduce(fits)                       # every rank takes the same path
-        if first > 0 and int(fits[0]) == topo.size:
+        if first > 0 and int(fits[0]) == topo.size and not offload:
             task = PrefixCachedClassifyTask(model, seqs, rows.labels, train_idx, held_idx,
                                             tok.pad_id, t.eval_batch_size, first)
             log.info("finetune: blocks 0..%d and the embeddings are frozen: their output is "
@@ -245,7 +257,10 @@ def run_finetune_stage(ctx) -> dict:
                      "blocks %d..%d", first - 1, need / 2**20, first,
                      model.config.num_layers - 1)
         else:
-            if first > 0:
+            if first > 0 and offload:
+                log.info("finetune: zo.offload = \"host\": no frozen-prefix cache, every step "
+                         "streams the whole model")
+            elif first > 0:
                 log.info("finetune: the frozen blocks' output would take more than "
                          "train.prefix_cache_mb = %g MiB on some rank: every step runs the "
                          "whole model", t.prefix_cache_mb)
@@ -263,11 +278,11 @@ def run_finetune_stage(ctx) -> dict:
         steps = min(steps, max(1, math.ceil(t.max_epochs * per_epoch)))
     ck, state, resumed_from = _open_checkpoints(ctx, model, names, task_kind, n_classes,
                                                 train_idx.size, rows.label_names)
-    tensors = ztensors([(n, model.params[n]) for n in names])
-    engine = ZOEngine(tensors, topo, mode=z.mode, eps=z.eps, weight_decay=z.weight_decay,
+    engine = ZOEngine(ztensors([(n, model.params[n]) for n in names]), topo, mode=z.mode,
+                      eps=z.eps, weight_decay=z.weight_decay,
                       dist=z.dist, restore=z.restore, run_seed=deck.run.seed,
                       schedule=z.schedule, cache_z=z.cache_z)
-    if z.offload == "host":
+    if offload:
         from .offload import HostStore
 
         engine.store = HostStore(model, task, engine, device=deck.run.device)
@@ -287,7 +302,7 @@ def run_finetune_stage(ctx) -> dict:
              t.schedule, z.eps, z.dist)
 
     metrics = Metrics(ctx.outdir, active=topo.rank == 0)
-    before = evaluate(task, topo)
+    before = evaluate(task, topo, engine.store)
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": before[0],
                  "heldout_acc": before[1], "heldout_n": before[2]})
     log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d samples)",
@@ -306,7 +321,7 @@ def run_finetune_stage(ctx) -> dict:
                   on_row=saver.on_row(metrics.add), on_comm=add_comm, on_step=saver)
     secs = time.perf_counter() - t0
     saver.final(state)
-    after = evaluate(task, topo)
+    after = evaluate(task, topo, engine.store)
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": after[0],
                  "heldout_acc": after[1], "heldout_n": after[2]})
     metrics.plot(f"({task_kind}, {z.mode}, {topo.size} ranks)")
@@ -383,7 +398,8 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
                           f"set checkpoint.resume = \"never\"")
     for n in names:
         dst = model.params[n]
-        xp.copyto(dst, xp.asarray(loaded.params[n]).astype(dst.dtype, copy=False))
+        mod = xp if isinstance(dst, xp.ndarray) else np      # host_params: NumPy arrays
+        mod.copyto(dst, mod.asarray(loaded.params[n]).astype(dst.dtype, copy=False))
     cur = np.asarray(loaded.per_rank["cursor"]).reshape(-1)
     state = TrainState.from_dict({**loaded.state, "epoch": int(cur[0]), "pos": int(cur[1])})
     if loaded.resharded:

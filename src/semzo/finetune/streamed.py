@@ -192,6 +192,26 @@ def run_branches(engine, task, batch, seed: int) -> tuple[float, float]:
     return lp, lm
 
 
+def staged_score(store, task, batch) -> tuple[float, float]:
+    """(loss, accuracy) of ``batch`` at the current parameters, every stage streamed through
+    ``store`` (an offloading store: the evaluation of ``zo.offload = "host"``). Stage 0 and
+    the last stage stay on the device until the score is read (a tied head reads stage 0's
+    embedding matrix); nothing is written back."""
+    n = task.stage_count()
+    state = task.stage_begin(batch)
+    try:
+        for k in range(n):
+            store.acquire(k, [])
+            state = task.stage_run(k, state)
+            if 0 < k < n - 1:
+                store.release(k, [], dirty=False)
+        return task.score_from_state(state, batch)
+    finally:
+        for k in (n - 1, 0):
+            store.release(k, [], dirty=False)
+        store.finish()
+
+
 def pending_after(engine, ok: bool, seeds, w, own_seed: int, lr: float) -> tuple[Pending, bool]:
     """The step's deferred operation (what the three-pass step would apply now) and whether
     it runs on the reference copy (``zo.restore = "copy"``)."""

@@ -387,7 +387,10 @@ class TransformerBase:
         ids = xp.ascontiguousarray(xp.asarray(input_ids))
         if ids.ndim != 2 or ids.dtype.kind not in "iu":
             raise ValueError(f"input_ids must be a 2-D integer array, got {ids.shape} {ids.dtype}")
-        check_ids(xp, ids, self.config.vocab_size)
+        if isinstance(input_ids, np.ndarray):       # checked on the host: no device sync
+            check_ids(np, input_ids, self.config.vocab_size)
+        else:
+            check_ids(xp, ids, self.config.vocab_size)
         if ids.shape[1] > self.config.max_positions:
             raise ValueError(f"sequence length {ids.shape[1]} exceeds the model's "
                              f"{self.config.max_positions} positions")
@@ -456,7 +459,7 @@ class TransformerBase:
         b = to_float32(self.params["classifier.bias"])
         logits = pooled @ w.T + b
         lab = xp.asarray(labels).astype(xp.int64).reshape(-1)
-        check_labels(lab, self.head.n_classes)
+        check_labels(labels if isinstance(labels, np.ndarray) else lab, self.head.n_classes)
         loss, acc = cross_entropy(xp, logits, lab)
         return loss, acc, logits
 
@@ -498,10 +501,11 @@ class TransformerBase:
         # float() per chunk would synchronize the stream 3 times per chunk)
         wh = np.asarray(wt.get() if hasattr(wt, "get") else wt, np.float64)
         tot = xp.zeros(2, xp.float64)
+        w = self._head_w()                         # read (bfloat16: upcast) once
         for s0 in range(0, hs.shape[0], chunk):
             sl = slice(s0, s0 + chunk)
             if wh[sl].any():
-                tot += cross_entropy_sums(xp, self._head(hs[sl]), tgt[sl], wt[sl])
+                tot += cross_entropy_sums(xp, self._head(hs[sl], w), tgt[sl], wt[sl])
         n = max(float(wh.sum()), 1.0)
         tot_l, tot_a = (float(v) / n for v in (tot.get() if hasattr(tot, "get") else tot))
         return (tot_l, tot_a) if return_accuracy else tot_l

@@ -63,8 +63,10 @@ def _detect_prefix(tensors: dict, probe: str, prefixes: tuple[str, ...], folder:
                      f"(with prefix {', '.join(repr(p) for p in prefixes)})")
 
 
-def build_model(folder: Path, cfg, tensors: dict[str, np.ndarray], xp, dtype) -> TransformerBase:
-    """Assemble a model from parsed config and NumPy tensors (names as in the checkpoint)."""
+def build_model(folder: Path, cfg, tensors: dict[str, np.ndarray], xp, dtype,
+                host_params: bool = False) -> TransformerBase:
+    """Assemble a model from parsed config and NumPy tensors (names as in the checkpoint);
+    ``host_params``: keep the parameters as NumPy arrays (see :func:`load_model`)."""
     if isinstance(cfg, EncoderConfig):
         prefix = _detect_prefix(tensors, "embeddings.word_embeddings.weight", ("", "bert."), folder)
         expected, cls = _enc.expected_names(cfg, prefix), _enc.Encoder
@@ -93,11 +95,16 @@ def build_model(folder: Path, cfg, tensors: dict[str, np.ndarray], xp, dtype) ->
         if is_buffer:
             buffers[name] = arr
             continue
-        params[name] = xp.ascontiguousarray(xp.asarray(to_storage(arr, STORAGE[dtype])))
+        params[name] = _param(to_storage(arr, STORAGE[dtype]), xp, host_params)
         if name not in expected and name != "lm_head.weight":
             frozen.add(name)
     _check_shapes(cfg, params, prefix, folder)
     return cls(cfg, params, buffers, frozen, xp, dtype, folder, prefix)
+
+
+def _param(arr: np.ndarray, xp, host: bool):
+    """A parameter array: C-contiguous, in host memory (``host``) or on ``xp``'s device."""
+    return np.ascontiguousarray(arr) if host else xp.ascontiguousarray(xp.asarray(arr))
 
 
 def _name_key(name: str) -> tuple:
@@ -119,7 +126,8 @@ def _check_shapes(cfg, params, prefix: str, folder: Path) -> None:
                          f"config.json says ({cfg.vocab_size}, {h})")
 
 
-def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32") -> TransformerBase:
+def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32", *,
+               host_params: bool = False) -> TransformerBase:
     """Load a supported Hugging Face model folder as an :class:`Encoder` or :class:`Decoder`.
 
     ``path``: folder with ``config.json`` and ``model.safetensors``; None = packaged MiniLM;
@@ -132,6 +140,9 @@ def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32") ->
     (:mod:`semzo.model.storage`). On CPU bfloat16 halves the weights' memory and costs an
     upcast per weight per forward pass. A ``semzo_head.safetensors`` written by :func:`export_hf` restores the
     classification head. Unsupported architectures raise :class:`SemzoError`.
+    ``host_params``: the parameters stay in host memory (NumPy) even with xp=cupy, for a run
+    whose parameters are streamed to the device stage by stage (``zo.offload = "host"``): a
+    model larger than the device's memory never has to fit there.
     """
     from semzo.model.zoo import resolve_model_path  # lazy: `python -m semzo.model.zoo`
     folder = default_model_path() if path is None else resolve_model_path(path)
@@ -149,11 +160,11 @@ def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32") ->
     raw = read_raw(folder)
     fam = families.find(raw)
     if fam is not None:
-        model = load_causal(folder, fam, raw, xp, dt)
+        model = load_causal(folder, fam, raw, xp, dt, host_params)
         cfg = model.config
     else:
         cfg = read_config(folder)
-        model = build_model(folder, cfg, read_safetensors(folder), xp, dt)
+        model = build_model(folder, cfg, read_safetensors(folder), xp, dt, host_params)
     head = folder / HEAD_FILE
     if head.is_file():
         _load_head(model, head)
@@ -162,7 +173,7 @@ def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32") ->
     return model
 
 
-def load_causal(folder: Path, fam, raw: dict, xp, dt) -> CausalLM:
+def load_causal(folder: Path, fam, raw: dict, xp, dt, host_params: bool = False) -> CausalLM:
     """A :class:`CausalLM` of family module ``fam``, read tensor by tensor (each checked
     against the shape config.json implies; SemzoError naming the file and the tensor)."""
     spec = families.read_spec(fam, raw, folder / "config.json")
@@ -178,7 +189,7 @@ def load_causal(folder: Path, fam, raw: dict, xp, dt) -> CausalLM:
         if name not in ck:
             raise SemzoError(f"{where}: missing tensor {name!r} ({fam.MODEL_TYPE} model)")
         arr = to_storage(ck.read(name, shape), STORAGE[dt])
-        params[name] = xp.ascontiguousarray(xp.asarray(arr))
+        params[name] = _param(arr, xp, host_params)
     names = {n for n, _, _ in want}
     unused = [n for n in ck if n not in names]
     if unused:
