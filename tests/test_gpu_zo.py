@@ -111,6 +111,22 @@ def test_gpu_zvec_equals_cpu():
         assert host(out).tobytes() == P.zvec(99, 3, 5, 100_003, name).tobytes()
 
 
+@gpu_skip()
+def test_gpu_param_checksum_equals_cpu():
+    """The replica checksum's exact words on the device equal the host's (sums left on the
+    device, one chunk boundary crossed, several storages)."""
+    cp = cupy_or_none()
+    r = np.random.default_rng(0)
+    ts = [(f"t{i}.weight", r.normal(size=n).astype(dt)) for i, (n, dt) in
+          enumerate([(3, np.float32), ((1 << 20) + 5, np.float32), (77, np.float64),
+                     (1000, np.float16)])]
+    a = param_checksum(ztensors(ts))
+    b = param_checksum(ztensors([(n, cp.asarray(x)) for n, x in ts]))
+    assert a[:2].tolist() == b[:2].tolist()
+    fa, fb = a[2:].view(np.float64)[0], b[2:].view(np.float64)[0]
+    assert abs(fa - fb) <= 1e-9 * max(1.0, abs(fa))
+
+
 @pytest.mark.parametrize("dtype,dist", [(np.float32, "gaussian"), (BF16, "gaussian"),
                                         (np.float32, "gaussian-fast")])
 def test_kernel_harness_on_cpu(dtype, dist):

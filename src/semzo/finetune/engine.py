@@ -120,10 +120,13 @@ SMALL = 1 << 16         # tensors below this many elements: kernels on one threa
 
 def param_checksum(tensors: Sequence[ZTensor]) -> np.ndarray:
     """uint64[3]: (sum of the bit patterns, position-weighted sum of the bit patterns, float64
-    sum viewed as bits), computed on the arrays' device with integer arithmetic modulo 2**64:
-    order-independent, exact, the same on CPU and GPU. One ulp anywhere changes the first two."""
+    sum viewed as bits), computed on the arrays' device with integer arithmetic modulo 2**64.
+    The first two words are order-independent and exact, the same on CPU and GPU: one ulp
+    anywhere changes them. The third (for the message of a mismatch) depends on the device's
+    summation order. On a GPU the sums stay on the device and are read once."""
     s1 = s2 = 0
     fsum = 0.0
+    dev: dict = {}                  # cupy: [s1, s2, fsum] as device scalars, read at the end
     for z in tensors:
         a = z.array.reshape(-1)
         xp = _xp(a)
@@ -134,9 +137,20 @@ def param_checksum(tensors: Sequence[ZTensor]) -> np.ndarray:
             pos = xp.arange(i0, i0 + c.size, dtype=xp.uint64) * xp.uint64(0x9E3779B97F4A7C15)
             pos ^= xp.uint64(z.t)
             pos |= xp.uint64(1)
-            s1 = (s1 + int(b.sum(dtype=xp.uint64))) % 2**64
-            s2 = (s2 + int((b * pos).sum(dtype=xp.uint64))) % 2**64
-            fsum += float(c.astype(xp.float64).sum())
+            parts = (b.sum(dtype=xp.uint64), (b * pos).sum(dtype=xp.uint64),
+                     c.astype(xp.float64).sum())
+            if xp is np:
+                s1 = (s1 + int(parts[0])) % 2**64
+                s2 = (s2 + int(parts[1])) % 2**64
+                fsum += float(parts[2])
+            else:                   # uint64 device sums wrap modulo 2**64 as the host's do
+                acc = dev.setdefault(xp, [xp.uint64(0), xp.uint64(0), xp.float64(0.0)])
+                for k in range(3):
+                    acc[k] = acc[k] + parts[k]
+    for acc in dev.values():
+        s1 = (s1 + int(acc[0])) % 2**64
+        s2 = (s2 + int(acc[1])) % 2**64
+        fsum += float(acc[2])
     return np.array([s1, s2, int(np.float64(fsum).view(np.uint64))], dtype=np.uint64)
 
 

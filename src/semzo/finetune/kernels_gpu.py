@@ -76,6 +76,10 @@ typedef unsigned short u16;
 #define ZO_M32 0xFFFFFFFFULL
 
 ZO_DEV void zo_philox(u64 c[4], u64 k0, u64 k1) {
+  // every word is < 2**32 by the stream's contract; saying so lets the compiler use 32 x 32
+  // -> 64-bit multiplies (the bits are unchanged)
+  k0 &= ZO_M32; k1 &= ZO_M32;
+  for (int i = 0; i < 4; ++i) c[i] &= ZO_M32;
   for (int r = 0; r < 10; ++r) {
     u64 p0 = @PHILOX_M0@ULL * c[0];
     u64 p1 = @PHILOX_M1@ULL * c[2];
