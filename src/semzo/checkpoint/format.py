@@ -173,6 +173,16 @@ def to_host(a) -> np.ndarray:
     return a if a.flags.c_contiguous else a.copy(order="C")
 
 
+def host_or_device(a):
+    """``a`` as a C-contiguous array where it lives: a CuPy array stays on its device (the
+    writer copies to the host only the rows this rank writes), anything else as
+    :func:`to_host` gives it."""
+    if hasattr(a, "get") and not isinstance(a, np.ndarray):
+        import cupy
+        return cupy.ascontiguousarray(a)
+    return to_host(a)
+
+
 def scalar_attr(v):
     """A Python/NumPy scalar as the attribute value HDF5 stores exactly (None is refused)."""
     if isinstance(v, (bool, np.bool_)):

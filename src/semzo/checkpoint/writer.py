@@ -152,7 +152,7 @@ def prepare(comm: MPI.Intracomm, step: int, params: dict, state: dict | None = N
         for name, a in params.items():
             if not isinstance(name, str) or not name or "/" in name:
                 raise ValueError(f"params: invalid name {name!r}")
-            arrays.append((f"params/{name}", fmt.to_host(a), "array"))
+            arrays.append((f"params/{name}", fmt.host_or_device(a), "array"))
         _flatten_state("state", dict(state or {}), arrays, group_attrs)
         local_rows = {k: fmt.to_host(v) for k, v in (per_rank or {}).items()}
         for k in local_rows:
@@ -161,7 +161,7 @@ def prepare(comm: MPI.Intracomm, step: int, params: dict, state: dict | None = N
         for k, v in (extras or {}).items():
             if "/" in k:
                 raise ValueError(f"extras: invalid name {k!r}")
-            arrays.append((f"extras/{k}", fmt.to_host(v), "array"))
+            arrays.append((f"extras/{k}", fmt.host_or_device(v), "array"))
         group_attrs["metrics"] = {k: fmt.scalar_attr(v) for k, v in (metrics or {}).items()}
         sig = _signature(arrays + [(f"per_rank/{k}", v, "row") for k, v in local_rows.items()],
                          group_attrs, step)
@@ -201,6 +201,8 @@ def prepare(comm: MPI.Intracomm, step: int, params: dict, state: dict | None = N
         lo, hi, b_lo, b_hi = pk.rank_range(rank, size, shift)
         shift += pk.n_blocks
         mine = packed.pieces([e for e in entries if e.packed == pk.name], flat, lo, hi)
+        # device tensors: only this rank's pieces come to the host (not whole models per rank)
+        mine = [(o, p if isinstance(p, np.ndarray) else fmt.to_host(p)) for o, p in mine]
         if copy or opts.transfer != "independent":
             # a snapshot (async) or one collective call per dataset: one contiguous slab
             mine = [(lo, np.concatenate([p for _, p in mine]) if len(mine) != 1
