@@ -225,7 +225,8 @@ class LMTask(_Task):
             cnt = self.batch_weight(b)
             if cnt == 0:
                 continue
-            loss, acc = self.eval_batch(rows) if run is None else run(b)
+            loss, acc = self.model.next_token_loss(b[0], b[1], return_accuracy=True) \
+                if run is None else run(b)                 # b: padded once
             out += (loss * cnt, round(acc * cnt), cnt)
         return out
 
