@@ -2,10 +2,12 @@
 (issue 15's SmolLM2 figures; issue 14's LoRA figures).
 
     .venv/bin/python bench/zo_step.py --model smollm2 [--threads 2] [--batch 16] [--length 64]
-                                      [--reps 3] [--sets lora,all]
+                                      [--reps 3] [--sets lora,all] [--fill]
 
 Loss: the next-token loss of a batch of the first ``--batch`` fortunes (SmolLM2's tokenizer,
-padded to ``--length``; padding excluded). Trainable sets: LoRA rank 8 on q_proj and v_proj of
+padded to ``--length``; padding excluded: semzo skips padded rows, torch computes them as
+MeZO's trainer does), or with ``--fill`` of ``--batch`` rows of ``--length`` consecutive
+tokens of the fortunes (no padding: the figure without semzo's padding skip). Trainable sets: LoRA rank 8 on q_proj and v_proj of
 every block (MeZO's choice, 460,800 parameters) and every parameter (134.5M). The semzo step is
 the default block-streamed schedule (``zo.schedule = "streamed"``: the next-token task run stage
 by stage, tied head) with Gaussian z; the three-pass step is timed too. Printed, each for both
@@ -43,13 +45,25 @@ EPS, LR = 1e-3, 1e-7
 RANK, ALPHA = 8, 16.0
 
 
-def llm_batch(n: int, length: int):
+def llm_batch(n: int, length: int, fill: bool = False):
+    """The first ``n`` fortunes, each padded (or cut) to ``length`` tokens; ``fill``: ``n`` rows
+    of ``length`` consecutive tokens of the fortunes one after the other (no padding)."""
+    import numpy as np
+
     from semzo.model import Tokenizer
 
-    with open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8") as f:
-        texts = [json.loads(line)["text"] for line, _ in zip(f, range(n))]
     tok = Tokenizer.from_folder("smollm2", max_length=length)
-    return tok.pad(tok.encode_batch(texts), length)
+    with open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8") as f:
+        if not fill:
+            texts = [json.loads(line)["text"] for line, _ in zip(f, range(n))]
+            return tok.pad(tok.encode_batch(texts), length)
+        stream = []
+        for line in f:
+            stream.extend(int(i) for i in tok.encode_batch([json.loads(line)["text"]])[0])
+            if len(stream) >= n * length:
+                break
+    ids = np.asarray(stream[:n * length], np.int64).reshape(n, length)
+    return ids, np.ones_like(ids)
 
 
 def semzo_llm(which: str, threads: int, schedule: str = "streamed"):
@@ -132,7 +146,7 @@ def torch_loss_fn(torch, model, ids, mask):
 
 
 def llm_timings(args, which: str) -> dict:
-    ids, mask = llm_batch(args.batch, args.length)
+    ids, mask = llm_batch(args.batch, args.length, args.fill)
     m, eng = semzo_llm(which, args.threads)
 
     zo, task, b = llm_step_fn(m, eng, ids, mask)
@@ -171,7 +185,8 @@ def llm_timings(args, which: str) -> dict:
     return {"semzo_forward_s": fwd, "semzo_step_s": step, "semzo_step_3pass_s": step3,
             "semzo_step_nocache_s": stepn, "zcache_bytes": 4 * zc[1].elements if zc else 0,
             "passes_cached_s": pw, "passes_regen_s": pwo, "cached_elements": pn,
-            "trainable": n, "branch_state_bytes": st.nbytes_live(), **t}
+            "trainable": n, "branch_state_bytes": st.nbytes_live(),
+            "padding": 1.0 - float(mask.mean()), **t}
 
 
 def cached_stage_passes(eng, task, reps: int) -> tuple[float, float, int]:
@@ -214,7 +229,7 @@ def best_once(f) -> float:
 def llm_torch_times(args, which: str) -> None:
     from zo_step import best, mezo_step
 
-    ids, mask = llm_batch(args.batch, args.length)
+    ids, mask = llm_batch(args.batch, args.length, args.fill)
     torch, model, params = torch_llm(which, args.threads)
     loss = torch_loss_fn(torch, model, ids, mask)
     with torch.no_grad():
@@ -234,7 +249,7 @@ def llm_mem_child(args, what: str) -> None:
     import numba  # noqa: F401 - imported before the baseline
     from zo_step import _reset_peak, _status
 
-    ids, mask = llm_batch(args.batch, args.length)
+    ids, mask = llm_batch(args.batch, args.length, args.fill)
     rss0 = _status("VmRSS")
     which = "lora" if what.endswith("lora") else "all"
     m, eng = semzo_llm(which, args.threads)
@@ -260,7 +275,8 @@ def _child(args, flag: str, value: str) -> dict:
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "zo_step.py"), "--model",
                         "smollm2", flag, value, "--threads", str(args.threads), "--batch",
                         str(args.batch), "--length", str(args.length), "--reps",
-                        str(args.reps)], capture_output=True, text=True, timeout=1800,
+                        str(args.reps)] + (["--fill"] if args.fill else []),
+                       capture_output=True, text=True, timeout=1800,
                        check=False)
     line = [x for x in p.stdout.splitlines() if x.startswith("JSON ")]
     if not line:
@@ -289,8 +305,8 @@ def llm_main(args) -> None:
         r = step / (2 * fw)
         sp = t["mezo_torch_step_s"] / step
         print(f"ZO step, SmolLM2-135M-Instruct, {which} ({t['trainable']:,} trainable), "
-              f"batch {args.batch} x {args.length} tokens, {args.threads} threads, Gaussian z, "
-              f"best of {args.reps}")
+              f"batch {args.batch} x {args.length} tokens ({t['padding']:.0%} padding), "
+              f"{args.threads} threads, Gaussian z, best of {args.reps}")
         print(f"  schedule streamed (the default): semzo forward {fw:.3f} s, step {step:.3f} s: "
               f"step / (2 x forward) = {r:.3f}" + (" (goal <= 1.10)" if which == "all" else ""))
         print(f"  schedule three-pass: step {s3:.3f} s, ratio {s3 / (2 * fw):.3f}; streamed / "
@@ -324,5 +340,8 @@ def add_args(ap) -> None:
                     help="smollm2: the SmolLM2 benchmark (bench/zo_step_llm.py)")
     ap.add_argument("--sets", default="lora,all",
                     help="smollm2: trainable sets to measure (comma-separated: lora, all)")
+    ap.add_argument("--fill", action="store_true",
+                    help="smollm2: rows of consecutive tokens, no padding (default: one "
+                         "fortune per row, padded)")
     ap.add_argument("--llm-torch", default=None, help=__import__("argparse").SUPPRESS)
     ap.add_argument("--llm-mem", default=None, help=__import__("argparse").SUPPRESS)

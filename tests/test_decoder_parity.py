@@ -14,6 +14,7 @@ bit-identical to ``hidden_states``, each stage reads only its own parameters), b
 from __future__ import annotations
 
 import copy
+import itertools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -195,6 +196,59 @@ def test_stage_api_composes_to_hidden_states(name, tmp_path_factory):
     finally:
         for n, a in model.params.items():
             a[...] = saved[n]
+
+
+@pytest.mark.parametrize("name", ["llama_tied_sharded", "qwen2_window", "opt_post_proj"])
+def test_padding_is_skipped_and_the_bits_do_not_depend_on_threads(name, tmp_path_factory,
+                                                                  monkeypatch):
+    """The forward computes the projections, norms and MLP of real tokens only (padded rows
+    packed out), and cuts a batch into groups that depend on the mask alone: hidden states and
+    loss equal the unpacked forward's within float32 rounding and are bit-identical for 1, 2,
+    3 and 4 threads; transformers agrees on the packed forward (its parity test above)."""
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    model.add_lora(rank=2, targets=("q_proj", "v_proj"), freeze_base=False)
+    for spec in model.lora.values():
+        model.params[spec.b][...] = 0.05
+    rng = np.random.default_rng(7)
+    ids, mask = padded_batch(rng, V, 11, 48)
+    mask[3] = 0                                           # a row of padding only
+    mask[4, 1:] = 0                                       # one real token
+    valid = mask.astype(bool)
+    # the groups: consecutive rows, a multiple of 4 of them, from the mask alone
+    groups, weights = model._plan(mask.astype(np.float32))
+    assert len(groups) % 4 == 0 and sum(weights) == mask.sum()
+    assert groups[0][0].start == 0 and groups[-1][0].stop == 11
+    assert all(a[0].stop == b[0].start for a, b in itertools.pairwise(groups))
+    # every projection of a block sees the group's real tokens only (a lone real token
+    # travels with one padded row: a one-row product would be a GEMV)
+    seen = []
+    proj = CausalLM._proj
+
+    def spy(self, x, module, out):
+        if module.endswith("q_proj"):
+            seen.append(x.shape[0])
+        return proj(self, x, module, out)
+    monkeypatch.setattr(CausalLM, "_proj", spy)
+    model.hidden_states(ids, mask)
+    want = [int(mask[g[0]].sum()) for g in groups]
+    want = [2 if k == 1 else k for k in want if k]
+    assert seen == want * model.config.num_layers and sum(want) < mask.size
+    monkeypatch.undo()
+    outs = {}
+    for threads in (1, 2, 3, 4):
+        set_threads(threads)
+        try:
+            outs[threads] = (model.hidden_states(ids, mask), model.next_token_loss(ids, mask))
+        finally:
+            set_threads(1)
+    for threads in (2, 3, 4):
+        assert np.array_equal(outs[threads][0][valid], outs[1][0][valid]), threads
+        assert outs[threads][1] == outs[1][1], threads
+    model.pack_min_share = 2.0                            # never pack
+    hs = model.hidden_states(ids, mask)
+    assert rel_err(outs[1][0], hs, valid) < 1e-6
+    assert abs(model.next_token_loss(ids, mask) - outs[1][1]) < 1e-6 * abs(outs[1][1])
 
 
 def test_bf16_checkpoint_loads_as_float32(tmp_path_factory, tmp_path):

@@ -57,10 +57,15 @@ def bind_gpu(local_rank: int) -> int:
 
 
 def set_threads(n: int) -> int:
-    """Limit BLAS/OpenMP and numba to ``n`` threads in this process; return ``n``."""
+    """Limit BLAS/OpenMP and numba to ``n`` threads in this process, and have CPU forward
+    passes split each batch into ``n`` row blocks run side by side
+    (:func:`semzo.model.kernels.set_threads`: the same bits as one block); return ``n``."""
     from threadpoolctl import threadpool_limits
 
+    from semzo.model.kernels import set_threads as split_forwards
+
     threadpool_limits(limits=n)
+    split_forwards(n)
     try:
         import numba
 

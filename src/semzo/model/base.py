@@ -40,6 +40,7 @@ tied LM head): a streamed schedule must keep stage 0's perturbation live until t
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -502,35 +503,58 @@ class TransformerBase:
         wh = np.asarray(wt.get() if hasattr(wt, "get") else wt, np.float64)
         tot = xp.zeros(2, xp.float64)
         w = self._head_w()                         # read (bfloat16: upcast) once
-        for s0 in range(0, hs.shape[0], chunk):
-            sl = slice(s0, s0 + chunk)
-            if wh[sl].any():
-                tot += cross_entropy_sums(xp, self._head(hs[sl], w), tgt[sl], wt[sl])
+        for r in _row_chunks(wh, chunk):
+            ri = xp.asarray(r)
+            tot += cross_entropy_sums(xp, self._head(hs[ri], w), tgt[ri], wt[ri])
         n = max(float(wh.sum()), 1.0)
         tot_l, tot_a = (float(v) / n for v in (tot.get() if hasattr(tot, "get") else tot))
         return (tot_l, tot_a) if return_accuracy else tot_l
 
     def _nll_cpu(self, hs, tgt, wt, chunk: int, return_accuracy: bool):
-        """The CPU next-token loss: chunks of ``chunk`` rows (fixed boundaries: every row's
-        value is the same for any thread count) shared among the forward threads
+        """The CPU next-token loss: the rows with a target (:func:`_row_chunks`: padded rows
+        skipped) in chunks of ``chunk`` rows shared among the forward threads
         (:func:`semzo.model.kernels.set_threads`), each chunk's float32 logits reduced by
         the Numba kernel ``token_nll`` (float64 log-sum-exp) while they are in cache; the head
-        weight is read (for bfloat16: upcast) once."""
+        weight is read (for bfloat16: upcast) once. A row's value does not depend on the
+        chunks (a GEMM row does not depend on its neighbours) and the sums run over every
+        row in order: the same bits for any thread count and padding."""
         from semzo.model.kernels_lm import token_nll
 
         n_rows = hs.shape[0]
-        starts = [s0 for s0 in range(0, n_rows, chunk) if wt[s0:s0 + chunk].any()]
+        chunks = _row_chunks(wt, chunk)
         nll = np.zeros(n_rows, np.float64)
         hit = np.zeros(n_rows, np.float64)
         w = self._head_w()
 
         def run(sl):
-            for s0 in starts[sl]:
-                rows = slice(s0, min(s0 + chunk, n_rows))
-                token_nll(self._head(hs[rows], w), tgt[rows], nll[rows], hit[rows])
+            for r in chunks[sl]:
+                rs = slice(int(r[0]), int(r[-1]) + 1) if r[-1] - r[0] + 1 == len(r) else r
+                nl, ht = np.empty(len(r)), np.empty(len(r))
+                token_nll(self._head(hs[rs], w), tgt[rs], nl, ht)
+                nll[rs], hit[rs] = nl, ht
 
-        run_slices(run, split_slices(len(starts), 0, 1))
+        run_slices(run, split_slices(len(chunks), 0, 1))
         wd = wt.astype(np.float64)
         n = max(float(wd.sum()), 1.0)
         loss = float((nll * wd).sum()) / n
         return (loss, float((hit * wd).sum()) / n) if return_accuracy else loss
+
+
+def _row_chunks(weights, chunk: int) -> list:
+    """Index arrays of the rows of ``weights`` (N,) (host) that are not 0, in order, cut into
+    chunks of about equal size, at most ``chunk`` rows each, their count rounded up to a
+    multiple of 4 (1, 2 and 4 threads share them evenly). They depend on the weights only,
+    so each GEMM, hence each bit, is the same for any thread count. No chunk has one row
+    unless N is 1 (a one-row product is a GEMV: a lone row takes a zero-weight neighbour
+    along)."""
+    w = np.asarray(weights)
+    n = w.shape[0]
+    rows = np.flatnonzero(w)
+    if len(rows) == 1 and n > 1:
+        rows = np.array([0, 1] if rows[0] == 0 else [rows[0] - 1, rows[0]], dtype=rows.dtype)
+    if not len(rows):
+        return []
+    k = -(-len(rows) // chunk)
+    k = max(1, min(-(-k // 4) * 4, len(rows) // 2))
+    bounds = np.linspace(0, len(rows), k + 1).round().astype(int)
+    return [rows[a:b] for a, b in itertools.pairwise(bounds)]

@@ -16,12 +16,20 @@ stages, so both agree bit for bit. KV cache: :meth:`new_cache` / :meth:`forward_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from semzo.model.base import TransformerBase
-from semzo.model.kernels import bias_act, bias_residual_layernorm, layernorm, matmul_into, run_split
+from semzo.model.kernels import (
+    bias_act,
+    bias_residual_layernorm,
+    layernorm,
+    matmul_into,
+    run_slices,
+    run_split,
+    split_slices,
+)
 from semzo.model.kernels_lm import (
     attn_softmax,
     gated_act,
@@ -82,9 +90,11 @@ class DecoderState:
     pos: object
     hidden: object = None
     stage: int = 0
+    packs: dict = field(default_factory=dict, repr=False)   # "plan": CausalLM._plan's
 
     def fork(self) -> DecoderState:
-        """An independent copy (its own residual stream) for another branch."""
+        """An independent copy (its own residual stream) for another branch (the packed row
+        indices, which depend on the mask only, are shared)."""
         return replace(self, hidden=None if self.hidden is None else self.hidden.copy())
 
     def nbytes_live(self) -> int:
@@ -199,24 +209,65 @@ class CausalLM(TransformerBase):
         if k != state.stage:
             raise ValueError(f"stage {k} run on a state waiting for stage {state.stage}")
         ids, maskf, pos = state.ids, state.maskf, state.pos
-        b, t = ids.shape
+        t = ids.shape[1]
+        plan = state.packs.get("plan")
+        if plan is None:
+            plan = state.packs["plan"] = self._plan(maskf)
         if k == 0:
-            state.hidden = self._split(lambda sl: self._embed(ids[sl], pos[sl]), b, t)
+            state.hidden = self._map_groups(lambda sl, _: self._embed(ids[sl], pos[sl]), plan)
         elif k <= self.config.num_layers:
             x = state.hidden
 
-            def run(sl):
+            def run(sl, rows):
                 xs = x[sl].reshape(-1, x.shape[-1])
-                self._block(k - 1, xs, maskf[sl], pos[sl], None, None, 0)
-            self._split(run, b, t, collect=False)
+                self._block(k - 1, xs, maskf[sl], pos[sl], None, None, 0, rows)
+            self._map_groups(run, plan, collect=False)
         elif k == self.n_stages - 1:
             h = state.hidden
-            state.hidden = self._split(lambda sl: self._final(
-                h[sl].reshape(-1, h.shape[-1])).reshape(h[sl].shape[0], t, -1), b, t)
+            state.hidden = self._map_groups(lambda sl, _: self._final(
+                h[sl].reshape(-1, h.shape[-1])).reshape(h[sl].shape[0], t, -1), plan)
         else:
             raise ValueError(f"stage must lie in [0, {self.n_stages}), got {k}")
         state.stage = k + 1
         return state
+
+    #: a batch of at least this many real tokens is cut into groups of about this size
+    group_tokens = 256
+
+    def _plan(self, maskf) -> tuple[list, list | None]:
+        """How the CPU forward cuts a batch: ``(groups, weights)``, ``groups`` a list of
+        ``(row slice, packed rows)`` (:meth:`_pack_rows` of that slice) and ``weights`` their
+        real tokens. The groups are consecutive rows of about ``group_tokens`` real tokens, a
+        multiple of 4 of them (1, 2 and 4 threads share them evenly) unless the batch has
+        fewer rows, one group below
+        ``split_min_tokens``; they depend on the mask only, so every GEMM, hence every bit,
+        is the same for any thread count (the threads take consecutive groups). The GPU runs
+        one group."""
+        b = maskf.shape[0]
+        if self.xp is not np:
+            return [(slice(0, b), self._pack_rows(maskf))], None
+        real = (maskf > 0).sum(axis=1)
+        tot = int(real.sum())
+        n = 1 if tot < self.split_min_tokens else \
+            min(b, 4 * -(-tot // (4 * self.group_tokens)))
+        slices = split_slices(b, 0, 1, real, parts=n)
+        return ([(sl, self._pack_rows(maskf[sl])) for sl in slices],
+                [int(real[sl].sum()) for sl in slices])
+
+    @staticmethod
+    def _map_groups(fn, plan, collect: bool = True):
+        """``fn(row_slice, rows)`` over the plan's groups, consecutive groups per thread; the
+        results concatenated in row order (``collect``)."""
+        groups, w = plan
+        if len(groups) == 1:
+            out = [fn(*groups[0])]
+        else:
+            shares = split_slices(len(groups), 0, 1, w)
+            out = [o for part in run_slices(lambda sh: [fn(*g) for g in groups[sh]], shares)
+                   for o in part]
+        if not collect:
+            return None
+        return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
 
     def _split(self, fn, b: int, t: int, collect: bool = True):
         if self.xp is not np:
@@ -291,18 +342,61 @@ class CausalLM(TransformerBase):
             self._rope = (size, self.xp.asarray(cos), self.xp.asarray(sin))
         return self._rope[1], self._rope[2]
 
-    def _block(self, i: int, x, maskf, pos, kc, vc, past: int) -> None:
+    #: pack the real rows when at least this share of a row block is padding
+    pack_min_share = 1.0 / 16
+
+    def _pack_rows(self, qmask):
+        """Rows (flat indices into the (B*T) rows of ``qmask`` (B, T)) that a block computes,
+        or None for all of them: the real tokens, when padding is at least
+        :attr:`pack_min_share` of the rows (a lone real token takes a padded row along: a
+        one-row product is a GEMV; no real token: empty). Padded rows are never read by a
+        real token (attention gives them exact zeros, the losses and pooling skip them), so
+        skipping them changes a real row by float32 rounding at most, and not at all where a
+        GEMM row does not depend on the rows around it (OpenBLAS's AVX-512 kernels on
+        products of an LLM's sizes; docs/guide.md, "BLAS kernels"). On the GPU this reads
+        the mask's count once per batch."""
+        xp = self.xp
+        real = (qmask > 0).reshape(-1)
+        n = real.shape[0]
+        k = int(real.sum())
+        if n - k < max(1, n * self.pack_min_share) or n < 2:
+            return None
+        rows = xp.flatnonzero(real)
+        if k == 1:                                  # keep a GEMM: add the first padded row
+            pad = int(xp.flatnonzero(~real)[0])
+            rows = xp.sort(xp.concatenate([rows, xp.asarray([pad], dtype=rows.dtype)]))
+        return rows
+
+    def _block(self, i: int, x, maskf, pos, kc, vc, past: int, rows=None) -> None:
         """Block ``i`` on the residual stream x (B*T, H), in place. ``kc``/``vc``: cache
-        arrays (B, kv, max_len, d) to append to at ``past`` (None: this batch only)."""
+        arrays (B, kv, max_len, d) to append to at ``past`` (None: this batch only).
+        ``rows``: the rows to compute (:meth:`_pack_rows`; None: all; empty: none, the block
+        is skipped): the projections, norms and MLP run on those rows only, attention on the
+        padded layout (padded rows of queries, keys and values zero); the other rows of x are
+        left as they are."""
+        if rows is None:
+            return self._block_rows(i, x, None, maskf, pos, kc, vc, past)
+        if not len(rows):                           # padding only: nothing to compute
+            return None
+        xr = x[rows]
+        self._block_rows(i, xr, rows, maskf, pos, kc, vc, past)
+        x[rows] = xr
+
+    def _block_rows(self, i: int, x, rows, maskf, pos, kc, vc, past: int) -> None:
         xp, s, dt, m = self.xp, self.config, self.dtype, self._mods[i]
         b, t = pos.shape
         n, h, nh, nkv, d = b * t, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim
         g, nq, nk = nh // nkv, nh * d, nkv * d
+        nr = x.shape[0]                             # rows computed (n, or fewer packed)
         a = self._norm(x, m["norm1"], xp.empty_like(x)) if s.pre_norm else x
-        qkv = xp.empty((n, nq + 2 * nk), dtype=dt)
+        qkv = xp.empty((nr, nq + 2 * nk), dtype=dt)
         self._proj(a, m["q"], qkv[:, :nq])
         self._proj(a, m["k"], qkv[:, nq:nq + nk])
         self._proj(a, m["v"], qkv[:, nq + nk:])
+        if rows is not None:                        # the padded layout attention reads
+            full = xp.zeros((n, nq + 2 * nk), dtype=dt)
+            full[rows] = qkv
+            qkv = full
         if kc is None:
             kc = xp.empty((b, nkv, t, d), dtype=dt)
             vc = xp.empty((b, nkv, t, d), dtype=dt)
@@ -320,16 +414,19 @@ class CausalLM(TransformerBase):
         ctx = xp.empty((b, t, nh, d), dtype=dt)
         matmul_into(sc.reshape(b, nkv, g, t, tk), vc[:, :, None, :tk],
                     ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4))
-        o = xp.empty((n, h), dtype=dt)
-        self._proj(ctx.reshape(n, nq), m["o"], o)
+        ctx = ctx.reshape(n, nq)
+        if rows is not None:
+            ctx = ctx[rows]
+        o = xp.empty((nr, h), dtype=dt)
+        self._proj(ctx, m["o"], o)
         ob = self._bias(m["o"], s.o_bias)
         if s.pre_norm:
             a = self._residual_norm(o, ob, x, m["norm2"], a)
         else:
             a = self._residual_norm(o, ob, x, m["norm1"], x)
-        inter = xp.empty((n, s.intermediate_size), dtype=dt)
+        inter = xp.empty((nr, s.intermediate_size), dtype=dt)
         if s.gated:
-            gu = xp.empty((n, 2 * s.intermediate_size), dtype=dt)
+            gu = xp.empty((nr, 2 * s.intermediate_size), dtype=dt)
             self._proj(a, m["gate"], gu[:, :s.intermediate_size])
             self._proj(a, m["up"], gu[:, s.intermediate_size:])
             gated_act(gu, self._bias(m["gate"], s.mlp_bias), self._bias(m["up"], s.mlp_bias),
@@ -338,7 +435,7 @@ class CausalLM(TransformerBase):
             self._proj(a, m["up"], inter)
             ub = self._bias(m["up"], s.mlp_bias)
             bias_act(inter, ub if ub is not None else xp.zeros(inter.shape[1], dt), s.act)
-        down = xp.empty((n, h), dtype=dt)
+        down = xp.empty((nr, h), dtype=dt)
         self._proj(inter, m["down"], down)
         db = self._bias(m["down"], s.mlp_bias)
         if s.pre_norm:
@@ -399,7 +496,8 @@ class CausalLM(TransformerBase):
         cache.seen += (maskf > 0).sum(axis=1).astype(cache.seen.dtype)
         cm = cache.maskf[:, :past + t]
         x = self._embed(ids, pos).reshape(b * t, -1)
+        rows = self._pack_rows(maskf)
         for i in range(self.config.num_layers):
-            self._block(i, x, cm, pos, cache.k[i], cache.v[i], past)
+            self._block(i, x, cm, pos, cache.k[i], cache.v[i], past, rows)
         cache.length = past + t
         return self._head(self._final(x)).reshape(b, t, -1)

@@ -417,12 +417,25 @@ def get_threads() -> int:
     return _threads
 
 
-def split_slices(n_rows: int, min_rows_tokens: int, tokens_per_row: int) -> list[slice]:
-    """The row blocks :func:`run_split` would use now (one block when it would not split)."""
-    k = min(_threads, n_rows)
+def split_slices(n_rows: int, min_rows_tokens: int, tokens_per_row: int,
+                 weights=None, parts: int | None = None) -> list[slice]:
+    """The row blocks :func:`run_split` would use now (one block when it would not split):
+    ``min(threads, n_rows)`` (or ``parts``) contiguous blocks of equal rows, or, given per-row
+    ``weights`` (a row's real tokens, say), of about equal weight (each weight counted + 1)."""
+    k = min(_threads if parts is None else parts, n_rows)
     if k <= 1 or n_rows * tokens_per_row < min_rows_tokens:
         return [slice(0, n_rows)]
-    bounds = np.linspace(0, n_rows, k + 1).round().astype(int)
+    if weights is None:
+        bounds = np.linspace(0, n_rows, k + 1).round().astype(int)
+    else:
+        c = np.cumsum(np.asarray(weights, np.float64) + 1.0)
+        bounds = [0]
+        for j in range(1, k):
+            goal = c[-1] * j / k
+            i = int(np.searchsorted(c, goal))       # c[i - 1] < goal <= c[i]
+            b = i if i > 0 and goal - c[i - 1] <= c[i] - goal else i + 1
+            bounds.append(min(max(b, bounds[-1] + 1), n_rows - (k - j)))
+        bounds.append(n_rows)
     return [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
 
 
