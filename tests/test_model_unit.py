@@ -6,6 +6,7 @@ random GPT-2 written as a Hugging Face folder by hand (config.json + model.safet
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from pathlib import Path
@@ -146,6 +147,23 @@ def test_generic_xp_path_matches_numba_path(minilm, tok, tmp_path, monkeypatch):
     valid = mask.astype(bool)
     assert np.max(np.abs(slow - fast)[valid]) < 1e-4
     assert np.max(np.abs(dec.logits(gids, gmask) - zfast)[gmask.astype(bool)]) < 1e-4
+
+
+def test_split_slices_by_weight_are_consecutive_non_empty_and_balanced():
+    """Row blocks by weight (real tokens per row): consecutive, never empty, covering every
+    row, each block's weight (+1 per row) within one row of the even share."""
+    rng = np.random.default_rng(3)
+    for n, parts in [(16, 2), (16, 4), (5, 4), (4, 4), (40, 3), (7, 2)]:
+        w = rng.integers(0, 65, size=n)
+        w[rng.integers(0, n)] = 0
+        sl = K.split_slices(n, 0, 1, w, parts=parts)
+        assert len(sl) == min(parts, n) and sl[0].start == 0 and sl[-1].stop == n
+        assert all(a.stop == b.start and a.stop > a.start for a, b in itertools.pairwise(sl))
+        tot = [int((w[s] + 1).sum()) for s in sl]
+        share = (w + 1).sum() / len(sl)
+        if len(sl) < n:
+            assert max(tot) - share <= (w + 1).max(), (n, parts, tot)
+    assert K.split_slices(3, 0, 1, [5, 5, 5], parts=1) == [slice(0, 3)]
 
 
 def test_thread_split_forward_equals_single(minilm, tok, tmp_path):
