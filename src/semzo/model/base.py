@@ -515,9 +515,8 @@ class TransformerBase:
         skipped) in chunks of ``chunk`` rows shared among the forward threads
         (:func:`semzo.model.kernels.set_threads`), each chunk's float32 logits reduced by
         the Numba kernel ``token_nll`` (float64 log-sum-exp) while they are in cache; the head
-        weight is read (for bfloat16: upcast) once. A row's value does not depend on the
-        chunks (a GEMM row does not depend on its neighbours) and the sums run over every
-        row in order: the same bits for any thread count and padding."""
+        weight is read (for bfloat16: upcast) once. The chunks depend on the weights only and
+        the sums run over every row in order: the same bits for any thread count."""
         from semzo.model.kernels_lm import token_nll
 
         n_rows = hs.shape[0]
@@ -528,10 +527,13 @@ class TransformerBase:
 
         def run(sl):
             for r in chunks[sl]:
-                rs = slice(int(r[0]), int(r[-1]) + 1) if r[-1] - r[0] + 1 == len(r) else r
+                if r[-1] - r[0] + 1 == len(r):      # consecutive rows: write in place
+                    rs = slice(int(r[0]), int(r[-1]) + 1)
+                    token_nll(self._head(hs[rs], w), tgt[rs], nll[rs], hit[rs])
+                    continue
                 nl, ht = np.empty(len(r)), np.empty(len(r))
-                token_nll(self._head(hs[rs], w), tgt[rs], nl, ht)
-                nll[rs], hit[rs] = nl, ht
+                token_nll(self._head(hs[r], w), tgt[r], nl, ht)
+                nll[r], hit[r] = nl, ht
 
         run_slices(run, split_slices(len(chunks), 0, 1))
         wd = wt.astype(np.float64)
