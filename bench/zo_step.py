@@ -15,7 +15,9 @@ tensor trainable, as in MeZO), a batch of the first ``--batch`` fortunes padded 
    table, ``zo.dist = "gaussian-fast"``); one parameter pass: the plain fused
    read-modify-write (no z) against the perturbation with Gaussian and Rademacher z (goal: a
    pass that generates z costs <= 1.2x the plain pass); the streamed step with and without
-   the z cache (``zo.cache_z``: pass 2 reads the z pass 1 made for the stage);
+   the z cache (``zo.cache_z``: pass 2 reads the z pass 1 made for the stage), and with
+   every word-embedding row in both passes against the default, which defers the rows the
+   batch does not read (same bits; docs/finetune.md);
 2. semzo step time vs the MeZO-style torch step (MeZO's trainer: per tensor an out-of-place
    ``torch.normal`` perturbation +eps, forward, -2 eps, forward, +eps restore, then the update
    with z regenerated from the same seed), same model and batch, same threads;
@@ -228,6 +230,12 @@ def timings(args) -> dict:
                 eng.cache_z = False
                 out[f"step_{sched}_{dist}_nocache_s"] = best(zo, args.reps)
                 eng.cache_z = True
+            if sched == "streamed":          # every embedding row in both passes
+                eng.flush()
+                eng.defer_rows = False
+                out[f"step_{sched}_{dist}_allrows_s"] = best(zo, args.reps)
+                eng.flush()
+                eng.defer_rows = True
     eng.flush()
     eng.dist, eng.schedule = "gaussian", "streamed"
     out["passes"] = pass_times(eng, args.reps)
@@ -236,6 +244,8 @@ def timings(args) -> dict:
     for k in range(task.stage_count()):
         task.stage_run(k, st)
     out["branch_state_bytes"] = st.nbytes_live()
+    emb = m.params["embeddings.word_embeddings.weight"]
+    out["rows_read"] = (int(np.unique(ids).size), int(emb.shape[0]), int(emb.size))
     t = _child_json("--torch-times", args)
     out.update(torch_forward_s=t["torch_forward_s"], mezo_torch_step_s=t["mezo_torch_step_s"])
     return out
@@ -477,6 +487,14 @@ def main() -> None:
           f"{ps['gaussian_first_cache'] * ms:.1f} ms (not storing {ps['gaussian_first'] * ms:.1f}"
           f"), second pass reading it {ps['cached'] * ms:.1f} ms (generating: Gaussian "
           f"{ps['gaussian'] * ms:.1f})")
+    ra, rf, rr = (t[f"step_streamed_{d}_allrows_s"]
+                  for d in ("gaussian", "gaussian-fast", "rademacher"))
+    nread, nrows, nel = t["rows_read"]
+    print(f"  deferred embedding rows (the batch reads {nread} of {nrows} word-embedding rows, "
+          f"{nel / t['trainable']:.0%} of the parameters): streamed Gaussian step {sg:.3f} s "
+          f"deferring the rest, {ra:.3f} s with every row in both passes (ratio "
+          f"{ra / (2 * fw):.3f}); gaussian-fast {sf:.3f} s against {rf:.3f} s; Rademacher "
+          f"{sr:.3f} s against {rr:.3f} s")
     print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
           f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
     pb = mem["semzo-step"]["param_bytes"]

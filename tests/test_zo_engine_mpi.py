@@ -64,9 +64,10 @@ def test_zo_streamed_equals_three_pass_mpi(tiny, nranks):
         assert "ok: streamed hybrid/copy offload=True" in proc.stdout
 
 
-@pytest.mark.parametrize("kind", ["llama_tied", "opt"])
+@pytest.mark.parametrize("kind", ["llama_tied", "opt", "llama"])
 def test_zo_streamed_causal_lm_mpi(tmp_path, kind):
-    """The same at 2 ranks for CausalLM decoders with tied heads (next-token loss):
+    """The same at 2 ranks for CausalLM decoders with tied heads and an untied one (whose
+    embedding rows that a rank's batch does not read are deferred; next-token loss):
     perturbation and hybrid modes, resident and simulated host offload."""
     folder = make_model(tmp_path / kind, kind=kind)
     proc = check(mpirun(2, [str(SCRIPTS / "zo_streamed.py"), str(folder), "perturbation,hybrid"],

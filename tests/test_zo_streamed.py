@@ -486,3 +486,158 @@ def test_simulated_offload_with_the_z_cache_bit_identical(folders, kind, task_ki
     for n in pref:
         assert pgot[n].tobytes() == pref[n].tobytes(), n
     assert eng._zcache[1].stages and eng._zcache[1]._buf is not None
+
+
+# ----------------------------------------------------------------------------- deferred rows
+def _separate_row_passes(a, code, op, post_seed, dist):
+    """The reference of apply_rows, by separate whole passes on copies of each row."""
+    from semzo.finetune.perturb import multi_update
+
+    out = a.copy()
+    for r in range(a.shape[0]):
+        row = [ZTensor(9, out[r].copy(), r * a.shape[1], True)]
+        if code[r] & kernels.PRE:
+            perturb(row, op.seed, op.eps, dist=dist)
+            perturb(row, op.seed, -2.0 * op.eps, dist=dist)
+        if op.kind == "restore_update":
+            restore_update(row, op.seed, op.eps, op.lr, op.g, op.wd, dist=dist)
+        elif op.kind == "perturb":
+            perturb(row, op.seed, op.eps, dist=dist)
+        else:
+            multi_update(row, op.seeds, op.gs, op.lr, op.wd, eps=op.eps, dist=dist,
+                         restore_seed=op.seed)
+        if code[r] & kernels.POST:
+            perturb(row, post_seed, 1e-2, dist=dist)
+        out[r] = row[0].array
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, "bf16"])
+@pytest.mark.parametrize("kind", ["restore_update", "perturb", "multi_restore"])
+@pytest.mark.parametrize("dist", ["gaussian", "rademacher", "gaussian-fast"])
+def test_row_pass_equals_separate_passes(dtype, kind, dist):
+    """apply_rows: per row, the deferred + eps and - 2 eps (PRE), the pending operation and
+    the new + eps z (POST) in one pass equal the separate passes bit for bit; the z it stores
+    for POST rows is that z, and perturb_rows (regenerated or from that z) touches only the
+    rows it is given."""
+    from semzo.finetune.perturb import apply_rows, perturb_rows
+    from semzo.model.storage import to_bits
+
+    r = np.random.default_rng(2)
+    rows, width = 37, 300                      # rows start inside Philox blocks
+    a = r.normal(0, 0.1, (rows, width)).astype(np.float32)
+    a = to_bits(a) if dtype == "bf16" else a.astype(dtype)
+    code = r.integers(0, 4, rows).astype(np.uint8)
+    code[:3], code[-3:] = 3, 0                 # runs of equal classes, both ends covered
+    op = Pending(kind, 77, 1e-2, 0.1, 0.3, 0.05, (5, 6) if kind.startswith("multi") else (),
+                 (0.2, -0.4) if kind.startswith("multi") else ())
+    want = _separate_row_passes(a, code, op, 1234, dist)
+    got = a.copy()
+    zc = np.full(a.size, np.nan, np.float32)
+    for th in (1, 2):
+        got = a.copy()
+        apply_rows(ZTensor(9, got), code, op, 1234, 1e-2, pre=op.eps, dist=dist, threads=th,
+                   zcache=zc)
+        assert got.tobytes() == want.tobytes(), th
+    post = (code & kernels.POST) != 0
+    from semzo.finetune.perturb import zvec
+    zfull = zvec(1234, 9, 0, a.size, dist).reshape(rows, width)
+    zc2 = zc.reshape(rows, width)
+    assert zc2[post].tobytes() == zfull[post].tobytes() and np.isnan(zc2[~post]).all()
+    # pass 2 on the POST rows only, regenerated and from the stored z
+    x, y = got.copy(), got.copy()
+    perturb_rows(ZTensor(9, x), post, 1234, -2e-2, dist=dist)
+    perturb_rows(ZTensor(9, y), post, 1234, -2e-2, dist=dist, zcache=zc)
+    ref = got.copy()
+    for i in np.flatnonzero(post):
+        row = [ZTensor(9, ref[i].copy(), i * width)]
+        perturb(row, 1234, -2e-2, dist=dist)
+        ref[i] = row[0].array
+    assert x.tobytes() == y.tobytes() == ref.tobytes()
+    assert x[~post].tobytes() == got[~post].tobytes()
+
+
+def test_row_pass_refuses_bad_spans_and_codes():
+    from semzo.finetune.perturb import apply_rows
+
+    a = np.zeros((4, 8), np.float32)
+    with pytest.raises(ValueError, match="spans must be"):
+        kernels.run_spans(a.reshape(-1), 0, 1, 0.0, np.array([0, 4]), np.array([8, 8]),
+                          np.zeros(2, np.uint8), kernels.PERTURB, 0, 1, 2, a=1.0)
+    with pytest.raises(ValueError, match="spans must be"):
+        kernels.run_spans(a.reshape(-1), 0, 1, 0.0, np.array([30]), np.array([8]),
+                          np.zeros(1, np.uint8), kernels.PERTURB, 0, 1, 2, a=1.0)
+    with pytest.raises(ValueError, match="own z"):
+        apply_rows(ZTensor(1, a), np.full(4, kernels.PRE, np.uint8), Pending(), None)
+    with pytest.raises(ValueError, match="one code per row"):
+        apply_rows(ZTensor(1, a), np.zeros(3, np.uint8), Pending("perturb", 1, 1.0), None)
+    assert not a.any()
+
+
+@pytest.mark.parametrize("sizes", [[5], [40000, 3, 384, 384, 100000, 7], [32768] * 3,
+                                   [384] * 500 + [1 << 20] + [384] * 500])
+def test_task_plan_covers_every_element_once_in_balanced_tasks(sizes):
+    """The parallel tasks cover each tensor's elements exactly once, in order, and hold
+    about CHUNK elements each whatever the tensor sizes (numba splits the tasks statically)."""
+    tstart, pj, pc0, pm = kernels.task_plan(np.array(sizes))
+    assert tstart[0] == 0 and tstart[-1] == pj.size and (np.diff(tstart) > 0).all()
+    for j, n in enumerate(sizes):
+        q = pj == j
+        assert pc0[q][0] == 0 and (pc0[q][1:] == (pc0[q] + pm[q])[:-1]).all()
+        assert (pc0[q] + pm[q])[-1] == n and (pm[q] > 0).all() and (pm[q] <= kernels.CHUNK).all()
+    # task c starts at element c * CHUNK of all tensors together, give or take one CHUNK:
+    # splitting the tasks by count splits the elements to within a CHUNK
+    first = np.concatenate(([0], np.cumsum(pm)))[tstart[:-1]]
+    c = np.arange(first.size) * kernels.CHUNK
+    assert ((first >= c) & (first < c + kernels.CHUNK)).all()
+    assert first.size == -(-sum(sizes) // kernels.CHUNK)
+
+
+def test_rows_the_batch_does_not_read_are_deferred(folders):
+    """The streamed step defers the perturbation of the token-embedding rows a batch does
+    not read: after step s those rows hold the three-pass parameters after s steps (no
+    + eps, no - 2 eps yet); the rows it reads hold theta - eps z; the flush (and the next
+    step's first pass) then give the three-pass bits."""
+    name = "embeddings.word_embeddings.weight"
+    m, names, task = _setup(folders, "bert", "classify", "all")
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
+                   weight_decay=WD, run_seed=3, schedule="streamed")
+    for s in range(3):
+        b = task.batch(np.arange(8 * s, 8 * s + 8) % len(task.train_rows))
+        eng.step_streamed(task, b, s, LR, 8)
+        read = np.zeros(m.params[name].shape[0], bool)
+        read[np.unique(b[0])] = True
+        assert 0 < read.sum() < read.size
+        i = names.index(name)
+        assert eng.owed[i].tobytes() == (~read).tobytes()
+        _, before, _ = _run(folders, "bert", "classify", "all", {}, "three-pass", steps=s,
+                            nan_at=-1)
+        _, after, _ = _run(folders, "bert", "classify", "all", {}, "three-pass", steps=s + 1,
+                           nan_at=-1)
+        e = m.params[name]
+        assert e[~read].tobytes() == before[name][~read].tobytes()
+        assert (e[read] != before[name][read]).any()
+    eng.flush()
+    assert not eng.owed and m.params[name].tobytes() == after[name].tobytes()
+    for n in names:
+        assert m.params[n].tobytes() == after[n].tobytes(), n
+
+
+def test_no_rows_are_deferred_with_a_tied_head_or_a_reference_copy(folders):
+    m, names, task = _setup(folders, "gpt2", "lm", "all")
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
+                   run_seed=3, schedule="streamed")
+    from semzo.finetune.streamed import lazy_rows
+    b = task.batch(np.arange(8))
+    assert task.tied_head and lazy_rows(eng, task, b) == {}
+    m, names, task = _setup(folders, "bert", "classify", "all")
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
+                   run_seed=3, schedule="streamed")
+    b = task.batch(np.arange(8))
+    got = lazy_rows(eng, task, b)
+    assert list(got) == [names.index("embeddings.word_embeddings.weight")]
+    eng.copy = True                            # zo.restore = "copy" with several groups
+    assert lazy_rows(eng, task, b) == {}
+    empty = task.batch(np.arange(0))
+    eng.copy = False
+    assert not next(iter(lazy_rows(eng, task, empty).values())).any()

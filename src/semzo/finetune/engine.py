@@ -207,7 +207,8 @@ class ZOEngine:
     def __init__(self, tensors: Sequence[ZTensor], topo, *, mode: str = "data",
                  eps: float = 1e-3, weight_decay: float = 0.0, dist: str = "gaussian",
                  restore: str = "copy", run_seed: int = 0, threads: int | None = None,
-                 schedule: str = "three-pass", store=None, cache_z: bool = True) -> None:
+                 schedule: str = "three-pass", store=None, cache_z: bool = True,
+                 defer_rows: bool = True) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown ZO mode {mode!r}")
         if schedule not in SCHEDULES:
@@ -236,9 +237,13 @@ class ZOEngine:
         self.loss_hook: Callable[[int, float], float] | None = None   # tests: inject NaN
         self.schedule = schedule
         self.cache_z = bool(cache_z)           # streamed: pass 2 reads pass 1's z (streamed.py)
+        self.defer_rows = bool(defer_rows)     # streamed: rows the batch does not read wait
         self._zcache: tuple | None = None      # (task, streamed.ZCache) once made
         self.pending: Pending | None = None    # streamed: the update not applied yet
         self.pending_copy = False              # ... and it runs on the reference copy
+        # streamed: per engine tensor, the rows (bool) of a token embedding that the pending
+        # step's batch did not read: they still owe that step's + eps and - 2 eps
+        self.owed: dict[int, np.ndarray] = {}
         self._groups: tuple | None = None
         if store is None:
             from .offload import ResidentStore
@@ -323,9 +328,14 @@ class ZOEngine:
                 apply_then_perturb([r for r, _ in grp], self.pending, None,
                                    dst=[z for _, z in grp], dist=self.dist, threads=th)
         else:
+            from .streamed import flush_rows
+
             for grp, th in self._split(self.tensors):
-                apply_then_perturb(grp, self.pending, None, dist=self.dist, threads=th)
+                grp = flush_rows(self, grp)
+                if grp:
+                    apply_then_perturb(grp, self.pending, None, dist=self.dist, threads=th)
         self.pending, self.pending_copy = None, False
+        self.owed.clear()
 
     def stage_groups(self, task) -> list[list[int]]:
         """Indices of ``self.tensors`` per stage of ``task`` (cached per task)."""

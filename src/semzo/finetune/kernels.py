@@ -19,9 +19,10 @@ follow, are:
     multi_update:    pr = p + eps * z_r (if restoring);  acc = sum_k gs[k] * z_k  (k = 0, 1, ...)
                      p <- pr - lr * (acc + wd * pr)
 
-Parallel over chunks of ``CHUNK`` elements (of all tensors together) with ``numba.prange``;
-each element's value depends on its own index only, so results are bit-identical for any
-thread count (:func:`num_threads`). The kernels are compiled on first use per storage dtype and
+Parallel with ``numba.prange`` over tasks of about ``CHUNK`` consecutive elements of all
+tensors together (:func:`task_plan`: many small tensors or row spans share a task, so that
+numba's static split of the tasks is a split by elements); each element's value depends on
+its own index only, so results are bit-identical for any thread count (:func:`num_threads`). The kernels are compiled on first use per storage dtype and
 cached on disk (``cache=True``). numba's cache does not see edits to rng.py: touch this file
 after changing the generator.
 """
@@ -323,6 +324,7 @@ def zvec_kernel(out, e0, t, k0, k1, dist, tab):
 
 # ----------------------------------------------------------------------------- fused updates
 PERTURB, RESTORE_UPDATE, MULTI_RESTORE, MULTI, NONE, PLAIN, CACHED = 0, 1, 2, 3, 4, 5, 6
+POST, PRE = 1, 2      # bits of an entry's flags (fused_kernel)
 _PROTO_Z = np.empty(0, np.float32)
 _NO_KEYS = np.zeros(0, np.uint64)
 _NO_GS = np.zeros(0, np.float64)
@@ -343,12 +345,13 @@ def _as_pointer(typingctx, addr, proto):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")
-def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr, g, k0s, k1s,
-                 gs, mode, dsts, post, pk0, pk1, pa, tab, zouts, zproto):
+def fused_kernel(proto, addrs, sizes, offs, ts, wds, plan, dist, k0, k1, a, lr, g, k0s, k1s,
+                 gs, mode, dsts, flags, pk0, pk1, pa, qa1, qa2, tab, zouts, zproto):
     """One in-place pass over a list of tensors of proto's dtype, all chunks in one launch.
 
     Tensor j: flat array of sizes[j] elements at address addrs[j]; its element i is element
-    offs[j] + i of tensor ts[j]; weight decay wds[j]; its chunks are cstart[j] .. cstart[j+1]-1.
+    offs[j] + i of tensor ts[j]; weight decay wds[j]. ``plan`` (:func:`task_plan`): the
+    parallel tasks, each a run of pieces (tensor, first element, length).
     z = z(k0, k1); z_k keyed by (k0s[k], k1s[k]).
 
     mode PERTURB:        p <- p + a z
@@ -359,7 +362,12 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
     mode PLAIN:          p <- p + a (no z: the memory-speed baseline of bench/zo_step.py)
     mode CACHED:         p <- p + a zc, zc = the float32 array at zouts[j] (a z written by an
                          earlier pass: PERTURB's bits without generating z)
-    then, if ``post``:   q <- p + pa z(pk0, pk1), q = the array at dsts[j] (p itself when 0),
+    before the mode, if ``flags[j] & PRE`` (modes PERTURB, RESTORE_UPDATE, MULTI_RESTORE):
+                         p <- p + qa1 z, then p <- p + qa2 z, each rounded to the storage type
+                         and read back, with the mode's own z (made once): the +eps and -2 eps
+                         passes of the step whose update the mode applies, for rows of a
+                         token embedding the step's batch did not read (streamed.py);
+    then, if ``flags[j] & POST``: q <- p + pa z(pk0, pk1), q = the array at dsts[j] (p itself when 0),
     reading p as stored (rounded): the same bits as a second pass, in the same memory pass
     (the block-streamed schedule's first pass: the pending update, then the new +eps z);
     that z is also stored, as float32 (exact: every z of every distribution is a float32
@@ -368,74 +376,125 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, cstart, dist, k0, k1, a, lr
     One kernel for every mode and tensor: one compilation per dtype, one thread-pool launch per
     pass (many small tensors cost no more launches than one large one).
     """
-    npert = gs.size
-    for c in prange(cstart[cstart.size - 1]):
-        j = np.searchsorted(cstart, c, side="right") - 1
-        p = numba.carray(_as_pointer(addrs[j], proto), sizes[j])
-        q = p if dsts[j] == 0 else numba.carray(_as_pointer(dsts[j], proto), sizes[j])
-        zc = numba.carray(_as_pointer(zouts[j], zproto), sizes[j])   # used only if not 0
-        c0 = (c - cstart[j]) * CHUNK
-        mc = min(CHUNK, sizes[j] - c0)
-        t = ts[j]
-        wd = wds[j]
+    tstart = plan[0]
+    pj = plan[1]
+    pc0 = plan[2]
+    pm = plan[3]
+    for c in prange(tstart.size - 1):
         zbuf = np.empty(SUB, np.float64)
         abuf = np.empty(SUB, np.float64)
+        obuf = np.empty(SUB, np.float64)
         ws = np.empty(WS, np.uint64)
-        for s0 in range(0, mc, SUB):          # z of SUB elements at a time stays in L1
-            i0 = c0 + s0
-            m = min(SUB, mc - s0)
-            e0 = offs[j] + np.uint64(i0)
-            z = zbuf[:m]
-            # views indexed by loop counters (known >= 0): no negative-index wraparound code
-            # in the loops below, which LLVM then vectorizes
-            pv = p[i0:i0 + m]
+        for piece in range(tstart[c], tstart[c + 1]):
+            j = pj[piece]
+            _fused_piece(proto, addrs[j], sizes[j], offs[j], ts[j], wds[j], pc0[piece],
+                         pm[piece], dist, k0, k1, a, lr, g, k0s, k1s, gs, mode, dsts[j],
+                         flags[j], pk0, pk1, pa, qa1, qa2, tab, zouts[j], zproto, zbuf, abuf,
+                         obuf, ws)
+
+
+@njit(cache=True, error_model="numpy")
+def _fused_piece(proto, addr, size, off, t, wd, c0, mc, dist, k0, k1, a, lr, g, k0s, k1s, gs,
+                 mode, dst, flag, pk0, pk1, pa, qa1, qa2, tab, zout, zproto, zbuf, abuf, obuf,
+                 ws):
+    """Elements c0 .. c0 + mc - 1 of one tensor: the body of :func:`fused_kernel`."""
+    npert = gs.size
+    p = numba.carray(_as_pointer(addr, proto), size)
+    q = p if dst == 0 else numba.carray(_as_pointer(dst, proto), size)
+    zc = numba.carray(_as_pointer(zout, zproto), size)   # used only if not 0
+    post = (flag & POST) != 0
+    pre = (flag & PRE) != 0
+    for s0 in range(0, mc, SUB):          # z of SUB elements at a time stays in L1
+        i0 = c0 + s0
+        m = min(SUB, mc - s0)
+        e0 = off + np.uint64(i0)
+        z = zbuf[:m]
+        # views indexed by loop counters (known >= 0): no negative-index wraparound code
+        # in the loops below, which LLVM then vectorizes
+        pv = p[i0:i0 + m]
+        if mode == 0 or mode == 1:
+            fill_z(z, e0, t, k0, k1, dist, tab, ws)
+            if pre:
+                for i in range(m):
+                    _store(pv, i, _load(pv, i) + qa1 * z[i])
+                for i in range(m):
+                    _store(pv, i, _load(pv, i) + qa2 * z[i])
             if mode == 0:
-                fill_z(z, e0, t, k0, k1, dist, tab, ws)
                 for i in range(m):
                     _store(pv, i, _load(pv, i) + a * z[i])
-            elif mode == 1:
-                fill_z(z, e0, t, k0, k1, dist, tab, ws)
+            else:
                 for i in range(m):
                     zi = z[i]
                     pr = _load(pv, i) + a * zi
                     _store(pv, i, pr - lr * (g * zi + wd * pr))
-            elif mode == 5:
+        elif mode == 5:
+            for i in range(m):
+                _store(pv, i, _load(pv, i) + a)
+        elif mode == 6:
+            zcv = zc[i0:i0 + m]
+            for i in range(m):
+                _store(pv, i, _load(pv, i) + a * np.float64(zcv[i]))
+        elif mode != 4:
+            if mode == 2 and pre:
+                zo = obuf[:m]
+                fill_z(zo, e0, t, k0, k1, dist, tab, ws)
                 for i in range(m):
-                    _store(pv, i, _load(pv, i) + a)
-            elif mode == 6:
+                    _store(pv, i, _load(pv, i) + qa1 * zo[i])
+                for i in range(m):
+                    _store(pv, i, _load(pv, i) + qa2 * zo[i])
+            acc = abuf[:m]
+            acc[:] = 0.0
+            for k in range(npert):
+                fill_z(z, e0, t, k0s[k], k1s[k], dist, tab, ws)
+                gk = gs[k]
+                for i in range(m):
+                    acc[i] = acc[i] + gk * z[i]
+            if mode == 2 and pre:
+                for i in range(m):
+                    pr = _load(pv, i) + a * zo[i]
+                    _store(pv, i, pr - lr * (acc[i] + wd * pr))
+            elif mode == 2:
+                fill_z(z, e0, t, k0, k1, dist, tab, ws)
+                for i in range(m):
+                    pr = _load(pv, i) + a * z[i]
+                    _store(pv, i, pr - lr * (acc[i] + wd * pr))
+            else:
+                for i in range(m):
+                    pr = _load(pv, i)
+                    _store(pv, i, pr - lr * (acc[i] + wd * pr))
+        if post:
+            fill_z(z, e0, t, pk0, pk1, dist, tab, ws)
+            if zout != 0:
                 zcv = zc[i0:i0 + m]
                 for i in range(m):
-                    _store(pv, i, _load(pv, i) + a * np.float64(zcv[i]))
-            elif mode != 4:
-                acc = abuf[:m]
-                acc[:] = 0.0
-                for k in range(npert):
-                    fill_z(z, e0, t, k0s[k], k1s[k], dist, tab, ws)
-                    gk = gs[k]
-                    for i in range(m):
-                        acc[i] = acc[i] + gk * z[i]
-                if mode == 2:
-                    fill_z(z, e0, t, k0, k1, dist, tab, ws)
-                    for i in range(m):
-                        pr = _load(pv, i) + a * z[i]
-                        _store(pv, i, pr - lr * (acc[i] + wd * pr))
-                else:
-                    for i in range(m):
-                        pr = _load(pv, i)
-                        _store(pv, i, pr - lr * (acc[i] + wd * pr))
-            if post:
-                fill_z(z, e0, t, pk0, pk1, dist, tab, ws)
-                if zouts[j] != 0:
-                    zcv = zc[i0:i0 + m]
-                    for i in range(m):
-                        zcv[i] = np.float32(z[i])
-                if dsts[j] == 0:          # in place: one array, the loop LLVM vectorizes best
-                    for i in range(m):    # (through q = p it cost 9 ms more per Gaussian pass)
-                        _store(pv, i, _load(pv, i) + pa * z[i])
-                else:
-                    qv = q[i0:i0 + m]
-                    for i in range(m):
-                        _store(qv, i, _load(pv, i) + pa * z[i])
+                    zcv[i] = np.float32(z[i])
+            if dst == 0:          # in place: one array, the loop LLVM vectorizes best
+                for i in range(m):    # (through q = p it cost 9 ms more per Gaussian pass)
+                    _store(pv, i, _load(pv, i) + pa * z[i])
+            else:
+                qv = q[i0:i0 + m]
+                for i in range(m):
+                    _store(qv, i, _load(pv, i) + pa * z[i])
+
+
+def task_plan(sizes: np.ndarray) -> tuple:
+    """The parallel tasks of a pass over tensors of ``sizes`` elements: (tstart, pj, pc0,
+    pm). Piece q is elements pc0[q] .. pc0[q] + pm[q] - 1 of tensor pj[q] (tensors cut into
+    CHUNK pieces); task c runs pieces tstart[c] .. tstart[c + 1] - 1, consecutive pieces of
+    about CHUNK elements in all, so that numba's static split of the tasks between threads
+    is a split by elements, however small the tensors (a row span of a token embedding) are.
+    """
+    sizes = np.asarray(sizes, np.int64)
+    nch = (sizes + CHUNK - 1) // CHUNK
+    pj = np.repeat(np.arange(sizes.size, dtype=np.int64), nch)
+    first = np.cumsum(nch) - nch
+    pc0 = (np.arange(pj.size, dtype=np.int64) - np.repeat(first, nch)) * CHUNK
+    pm = np.minimum(CHUNK, sizes[pj] - pc0)
+    task = (np.cumsum(pm) - pm) // CHUNK          # start of the piece, in CHUNKs
+    cut = np.flatnonzero(task[1:] != task[:-1]) + 1
+    tstart = np.concatenate(([0], cut, [pj.size])).astype(np.int64) if pj.size else \
+        np.zeros(1, np.int64)
+    return tstart, pj, pc0, pm
 
 
 def _u(x) -> np.uint64:
@@ -498,17 +557,69 @@ def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 
     pk0, pk1, pa = post if post is not None else (0, 0, 0.0)
     for dt, items in groups.items():
         sizes = np.array([it[0].size for it in items], np.int64)
-        cstart = np.zeros(len(items) + 1, np.int64)
-        np.cumsum((sizes + CHUNK - 1) // CHUNK, out=cstart[1:])
         dsts = np.array([0 if it[4] is None else it[4].ctypes.data for it in items], np.uint64)
         zouts = np.array([0 if it[5] is None else it[5].ctypes.data for it in items], np.uint64)
         fused_kernel(np.empty(0, dt), np.array([it[0].ctypes.data for it in items], np.uint64),
                      sizes, np.array([it[1] for it in items], np.uint64),
                      np.array([it[2] for it in items], np.uint64),
-                     np.array([it[3] for it in items], np.float64), cstart, int(dist),
+                     np.array([it[3] for it in items], np.float64), task_plan(sizes),
+                     int(dist),
                      _u(k0), _u(k1), float(a), float(lr), float(g), k0s, k1s, gs, int(mode),
-                     dsts, post is not None, _u(pk0), _u(pk1), float(pa), FAST_TABLE, zouts,
-                     _PROTO_Z)
+                     dsts, np.full(len(items), POST if post is not None else 0, np.uint8),
+                     _u(pk0), _u(pk1), float(pa), 0.0, 0.0, FAST_TABLE, zouts, _PROTO_Z)
+
+
+def run_spans(p: np.ndarray, off: int, t: int, wd: float, starts: np.ndarray,
+              sizes: np.ndarray, flags: np.ndarray, mode: int, dist: int, k0, k1,
+              a: float = 0.0, lr: float = 0.0, g: float = 0.0, k0s: np.ndarray = _NO_KEYS,
+              k1s: np.ndarray = _NO_KEYS, gs: np.ndarray = _NO_GS, post: tuple | None = None,
+              pre: tuple = (0.0, 0.0), zbuf: np.ndarray | None = None) -> None:
+    """One fused pass (``mode``) over spans of ONE flat tensor, in place, one launch.
+
+    Span s is elements ``starts[s] .. starts[s] + sizes[s] - 1`` of ``p`` (element ``off + i``
+    of tensor ``t``); spans must be increasing and disjoint. ``flags[s]``: :data:`POST` (then
+    ``post`` = (pk0, pk1, pa) applies to the span) and :data:`PRE` (``pre`` = (qa1, qa2)
+    applies first: see :func:`fused_kernel`). ``zbuf``: a float32 array of ``p``'s size; a
+    POST span stores its z at the same elements of it (mode CACHED reads them). The rows of a
+    token embedding the step's batch read and did not read are such spans (streamed.py).
+    """
+    if p.dtype not in STORAGE or p.ndim != 1 or not p.flags.c_contiguous \
+            or not p.flags.writeable:
+        raise ValueError(f"tensor {t}: need a flat, C-contiguous, writeable storage array")
+    starts = np.ascontiguousarray(starts, np.int64)
+    sizes = np.ascontiguousarray(sizes, np.int64)
+    flags = np.ascontiguousarray(flags, np.uint8)
+    if not starts.shape == sizes.shape == flags.shape or starts.ndim != 1:
+        raise ValueError("starts, sizes and flags must be 1-D of one length")
+    if starts.size == 0:
+        return
+    ends = starts + sizes
+    if (sizes <= 0).any() or starts[0] < 0 or ends[-1] > p.size \
+            or (starts[1:] < ends[:-1]).any():
+        raise ValueError(f"tensor {t}: spans must be non-empty, increasing, disjoint and "
+                         f"inside its {p.size} elements")
+    if zbuf is not None and (not isinstance(zbuf, np.ndarray) or zbuf.dtype != np.float32
+                             or zbuf.ndim != 1 or zbuf.size != p.size
+                             or not zbuf.flags.c_contiguous or not zbuf.flags.writeable):
+        raise ValueError(f"tensor {t}: the z buffer must be a flat, C-contiguous, writeable "
+                         f"float32 array of {p.size} elements")
+    if zbuf is None and mode == CACHED:
+        raise ValueError(f"tensor {t}: mode CACHED needs a z buffer")
+    if zbuf is not None and np.shares_memory(zbuf, p):
+        raise ValueError(f"tensor {t}: the z buffer shares memory with the tensor")
+    n = starts.size
+    base = p.ctypes.data
+    zouts = (np.zeros(n, np.uint64) if zbuf is None
+             else (zbuf.ctypes.data + 4 * starts).astype(np.uint64))
+    pk0, pk1, pa = post if post is not None else (0, 0, 0.0)
+    fused_kernel(np.empty(0, p.dtype), (base + p.itemsize * starts).astype(np.uint64), sizes,
+                 (int(off) + starts).astype(np.uint64), np.full(n, t, np.uint64),
+                 np.full(n, wd, np.float64), task_plan(sizes), int(dist), _u(k0), _u(k1),
+                 float(a),
+                 float(lr), float(g), np.ascontiguousarray(k0s, np.uint64),
+                 np.ascontiguousarray(k1s, np.uint64), np.ascontiguousarray(gs, np.float64),
+                 int(mode), np.zeros(n, np.uint64), flags, _u(pk0), _u(pk1), float(pa),
+                 float(pre[0]), float(pre[1]), FAST_TABLE, zouts, _PROTO_Z)
 
 
 def perturb(p: np.ndarray, off: int, t: int, k0, k1, dist: int, scale: float) -> None:

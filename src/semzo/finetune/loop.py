@@ -133,6 +133,19 @@ class _Task:
         ids, mask, _, n = batch
         return self.model.stage_start(ids, mask) if n else None
 
+    def stage_rows(self, batch) -> dict:
+        """``{name: rows}``: the rows of each matrix that stage 0 reads only by the batch's
+        token ids (``model.gather_rows``); the streamed schedule defers the other rows'
+        perturbations. Empty with a tied head (the loss reads every row) or when stage 0 is
+        not the model's embedding stage."""
+        if self.tied_head:
+            return {}
+        ids, _, _, n = batch[:4]
+        if not n:                                      # no forward: no row is read
+            return {k: np.zeros(0, np.int64)
+                    for k in self.model.gather_rows(np.zeros(0, np.int64))}
+        return self.model.gather_rows(ids)
+
     def stage_fork(self, state):
         return None if state is None else state.fork()
 
@@ -276,6 +289,9 @@ class FeatureClassifyTask(_Task):
     def stage_params(self, k: int) -> list[str]:
         return ["classifier.weight", "classifier.bias"]
 
+    def stage_rows(self, batch) -> dict:
+        return {}                  # the features are fixed: no embedding matrix is read
+
     def stage_begin(self, batch):
         return batch[0] if batch[3] else None
 
@@ -358,6 +374,9 @@ class PrefixCachedClassifyTask(_Task):
 
     def stage_params(self, k: int) -> list[str]:
         return self.model.stage_names(self.layer + 1 + k)
+
+    def stage_rows(self, batch) -> dict:
+        return {}                  # stage 0 starts from the cached hidden states
 
     def stage_begin(self, batch):
         x, mask, _, n = batch

@@ -276,6 +276,81 @@ def apply_then_perturb(params: Sequence, op: Pending, post_seed: int | None,
         _gpu_apply_then_perturb(z, d, op, mode, post, code, k0, k1, k0s, k1s, gsa)
 
 
+def _row_spans(code: np.ndarray, width: int, skip: int | None):
+    """Element spans (starts, sizes, classes) of the runs of equal ``code`` over the rows of a
+    (rows, width) tensor, leaving out runs of class ``skip``."""
+    code = np.asarray(code, np.uint8)
+    cut = np.flatnonzero(code[1:] != code[:-1]) + 1
+    lo = np.concatenate(([0], cut))
+    hi = np.concatenate((cut, [code.size]))
+    cls = code[lo]
+    if skip is not None:
+        keep = cls != skip
+        lo, hi, cls = lo[keep], hi[keep], cls[keep]
+    return lo * width, (hi - lo) * width, cls
+
+
+def _row_tensor(z: ZTensor, code: np.ndarray) -> tuple[np.ndarray, int]:
+    a = z.array
+    if is_cupy(a) or a.ndim != 2 or code.shape != (a.shape[0],):
+        raise ValueError(f"tensor {z.t}: row passes take a 2-D numpy tensor and one code per "
+                         f"row")
+    return _flat_numpy(a, z.t), int(a.shape[1])
+
+
+def apply_rows(z: ZTensor, code: np.ndarray, op: Pending, post_seed: int | None,
+               post_scale: float = 0.0, *, pre: float = 0.0, dist: str = "gaussian",
+               threads: int | None = None, zcache: np.ndarray | None = None) -> None:
+    """:func:`apply_then_perturb` on the rows of one 2-D numpy tensor, row by row as
+    ``code`` says (one launch, one memory pass): every row gets ``op``; a row whose code has
+    bit ``kernels.PRE`` first gets ``+ pre z`` and then ``- 2 pre z``, each rounded to the
+    storage type, with op's own z (the perturbation pair of the step whose update ``op`` is,
+    deferred for rows that step's batch did not read); a row whose code has bit
+    ``kernels.POST`` then gets ``+ post_scale z(post_seed)``, its z stored in ``zcache`` (a
+    float32 array of the tensor's size) when given. The same bits as those separate passes."""
+    rng.check_tensor_index(z.t)
+    flat, width = _row_tensor(z, code)
+    if np.any(code & kernels.PRE) and op.kind not in ("perturb", "restore_update",
+                                                      "multi_restore"):
+        raise ValueError(f"a deferred perturbation pair needs an operation with its own z, "
+                         f"not {op.kind!r}")
+    mode = _MODES[op.kind]
+    starts, sizes, cls = _row_spans(code, width, 0 if mode == kernels.NONE else None)
+    post = None
+    if post_seed is not None:
+        pk0, pk1 = rng.split_seed(post_seed)
+        post = (pk0, pk1, float(post_scale))
+    elif np.any(code & kernels.POST):
+        raise ValueError("rows marked POST need a post_seed")
+    k0, k1 = rng.split_seed(op.seed)
+    keys = [rng.split_seed(s) for s in op.seeds]
+    with kernels.num_threads(threads):
+        kernels.run_spans(flat, int(z.offset), int(z.t), float(op.wd) if z.decay else 0.0,
+                          starts, sizes, cls, mode, rng.dist_code(dist), k0, k1, a=op.eps,
+                          lr=op.lr, g=op.g, k0s=np.array([k[0] for k in keys], np.uint64),
+                          k1s=np.array([k[1] for k in keys], np.uint64),
+                          gs=np.asarray(op.gs, np.float64).reshape(-1), post=post,
+                          pre=(float(pre), -2.0 * float(pre)),
+                          zbuf=None if zcache is None else zcache.reshape(-1))
+
+
+def perturb_rows(z: ZTensor, rows: np.ndarray, seed: int, scale: float, *,
+                 dist: str = "gaussian", threads: int | None = None,
+                 zcache: np.ndarray | None = None) -> None:
+    """:func:`perturb` (or, with ``zcache``, :func:`perturb_cached`) on the rows of one 2-D
+    numpy tensor where ``rows`` (bool, one per row) is True; the others are left alone."""
+    rng.check_tensor_index(z.t)
+    code = np.asarray(rows, bool).astype(np.uint8)
+    flat, width = _row_tensor(z, code)
+    starts, sizes, _ = _row_spans(code, width, 0)
+    k0, k1 = rng.split_seed(seed)
+    mode = kernels.CACHED if zcache is not None else kernels.PERTURB
+    with kernels.num_threads(threads):
+        kernels.run_spans(flat, int(z.offset), int(z.t), 0.0, starts, sizes,
+                          np.zeros(starts.size, np.uint8), mode, rng.dist_code(dist), k0, k1,
+                          a=scale, zbuf=None if zcache is None else zcache.reshape(-1))
+
+
 def _gpu_apply_then_perturb(z: ZTensor, d, op: Pending, mode, post, code, k0, k1, k0s, k1s,
                             gsa) -> None:
     """CuPy: one fused launch (``kernels_gpu.stream_pass``, the CUDA twin of the CPU pass);
@@ -325,4 +400,5 @@ def zvec(seed: int, t: int, start: int, count: int, dist: str = "gaussian",
     return out
 
 
-__all__ = ["Pending", "ZTensor", "apply_then_perturb", "decays", "is_cupy", "multi_update", "perturb", "perturb_cached", "restore_update", "zvec"]
+__all__ = ["Pending", "ZTensor", "apply_rows", "apply_then_perturb", "decays", "is_cupy",
+           "multi_update", "perturb", "perturb_cached", "perturb_rows", "restore_update", "zvec"]

@@ -226,6 +226,9 @@ class PromptTask(_Task):
     def stage_params(self, k: int) -> list[str]:
         return self.model.stage_names(self._first() + k)
 
+    def stage_rows(self, batch) -> dict:
+        return {} if self.cache is not None else super().stage_rows(batch)
+
     def stage_begin(self, batch):
         ids, mask, _, n, rows = batch
         if n == 0:

@@ -294,6 +294,13 @@ class TransformerBase:
         if not 0 <= int(k) < self.n_stages:
             raise ValueError(f"stage must lie in [0, {self.n_stages}), got {k}")
 
+    def gather_rows(self, input_ids) -> dict:
+        """``{name: sorted unique rows}`` of the parameters that stage 0 reads only at the rows
+        ``input_ids`` index (the token embedding matrix), for a batch of those ids. A ZO pass
+        may defer the other rows' perturbations (finetune/streamed.py); a task whose loss reads
+        such a matrix otherwise (a tied LM head) must not ask. Empty: none."""
+        return {}
+
     def stage_start(self, input_ids, attention_mask=None, **kwargs) -> StageState:
         """A :class:`StageState` for the batch (ids checked; no parameter read). On CPU the rows
         are cut into the blocks :meth:`hidden_states` would use at the current thread count."""

@@ -178,6 +178,11 @@ class CausalLM(TransformerBase):
             self.params["classifier.weight"] = self.to_param(w)
 
     # ------------------------------------------------------------------ stages
+    def gather_rows(self, input_ids) -> dict:
+        """The token embedding matrix (see the base class; the LM head reads it too when
+        tied)."""
+        return {self.prefix + self.config.names.embed: np.unique(np.asarray(input_ids))}
+
     def stage_start(self, input_ids, attention_mask=None) -> DecoderState:
         """Checked inputs and positions (reads no parameter). SemzoError-free ValueError for
         malformed arrays; token ids outside [0, vocab) raise naming the id."""

@@ -7,6 +7,8 @@ attention mask and no position ids). Only one layer's activations live at a time
 
 from __future__ import annotations
 
+import numpy as np
+
 from semzo.model.base import TransformerBase
 from semzo.model.kernels import (
     bias_act,
@@ -57,6 +59,10 @@ class Decoder(TransformerBase):
     def tied_head(self) -> bool:
         """True when the LM head reads ``wte.weight`` (no ``lm_head.weight`` of its own)."""
         return "lm_head.weight" not in self.params
+
+    def gather_rows(self, input_ids) -> dict:
+        """``wte`` (see the base class; the LM head reads it too when tied)."""
+        return {f"{self.prefix}wte.weight": np.unique(np.asarray(input_ids))}
 
     def _base_stage(self, name: str) -> int | None:
         pre = self.prefix

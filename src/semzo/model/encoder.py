@@ -9,6 +9,8 @@ layer to layer.
 
 from __future__ import annotations
 
+import numpy as np
+
 from semzo.model.base import TransformerBase
 from semzo.model.kernels import (
     bias_act,
@@ -230,6 +232,11 @@ class Encoder(TransformerBase):
             return run(slice(0, bsz))
         parts = run_split(run, bsz, self.split_min_tokens, t)
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+
+    def gather_rows(self, input_ids) -> dict:
+        """The word embedding matrix (see the base class)."""
+        return {f"{self.prefix}embeddings.word_embeddings.weight":
+                np.unique(np.asarray(input_ids))}
 
     def _embeddings(self, ids, token_type_ids=None):
         """Embedding sum and LayerNorm: the residual stream (B*T, H) entering block 0."""
