@@ -641,3 +641,21 @@ def test_no_rows_are_deferred_with_a_tied_head_or_a_reference_copy(folders):
     empty = task.batch(np.arange(0))
     eng.copy = False
     assert not next(iter(lazy_rows(eng, task, empty).values())).any()
+
+
+def test_deferred_rows_survive_a_step_that_defers_none(folders):
+    """Rows owed from one step are completed by the next step's first pass even when that
+    step defers nothing (deferral switched off between steps, no flush): the bits stay the
+    three-pass step's."""
+    _, want, _ = _run(folders, "bert", "classify", "all", {}, "three-pass", steps=4, nan_at=-1)
+    m, names, task = _setup(folders, "bert", "classify", "all")
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
+                   weight_decay=WD, run_seed=3, schedule="streamed")
+    for s in range(4):
+        eng.defer_rows = s % 2 == 0
+        b = task.batch(np.arange(8 * s, 8 * s + 8) % len(task.train_rows))
+        eng.step_streamed(task, b, s, LR, 8)
+        assert bool(eng.owed) == (s % 2 == 0)
+    eng.flush()
+    for n in names:
+        assert m.params[n].tobytes() == want[n].tobytes(), n

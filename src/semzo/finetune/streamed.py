@@ -162,7 +162,8 @@ def _lazy_first(engine, i: int, z, active: np.ndarray, seed: int, zc) -> None:
     th = 1 if z.array.size < SMALL else engine.threads
     apply_rows(z, code, engine.pending or Pending(), seed, engine.eps, pre=engine.eps,
                dist=engine.dist, threads=th, zcache=zc)
-    engine.owed[i] = ~active
+    if not active.all():
+        engine.owed[i] = ~active
 
 
 def first_pass(engine, idx: list[int], seed: int, dev=None, zc=None, rows=None) -> None:
@@ -267,6 +268,10 @@ def run_branches(engine, task, batch, seed: int) -> tuple[float, float]:
     sp = task.stage_begin(batch)
     sm = None if tied else task.stage_fork(sp)
     rows = None if tied else lazy_rows(engine, task, batch)
+    for i, owed in engine.owed.items():
+        if rows is None or i not in rows:   # rows owed from the last step, none deferred now
+            rows = rows if rows is not None else {}
+            rows[i] = np.ones(owed.size, bool)
     for k in range(n):
         dev = store.acquire(k, groups[k])
         zc = None
