@@ -367,8 +367,8 @@ def fused_kernel(proto, addrs, sizes, offs, ts, wds, plan, dist, k0, k1, a, lr, 
                          and read back, with the mode's own z (made once): the +eps and -2 eps
                          passes of the step whose update the mode applies, for rows of a
                          token embedding the step's batch did not read (streamed.py);
-    then, if ``flags[j] & POST``: q <- p + pa z(pk0, pk1), q = the array at dsts[j] (p itself when 0),
-    reading p as stored (rounded): the same bits as a second pass, in the same memory pass
+    then, if ``flags[j] & POST``: q <- p + pa z(pk0, pk1), q = the array at dsts[j] (p
+    itself when 0), reading p as stored (rounded): the same bits as a second pass, in the same memory pass
     (the block-streamed schedule's first pass: the pending update, then the new +eps z);
     that z is also stored, as float32 (exact: every z of every distribution is a float32
     value), at zouts[j] when it is not 0, for the stage's second pass (mode CACHED).

@@ -130,8 +130,8 @@ def lazy_rows(engine, task, batch) -> dict[int, np.ndarray]:
     from .engine import tensor_index
 
     get = getattr(task, "stage_rows", None)
-    if not engine.defer_rows or engine.copy or get is None or getattr(engine.store, "gpu",
-                                                                        False):
+    if not engine.defer_rows or engine.copy or get is None or getattr(
+            engine.store, "gpu", False) or any(is_cupy(z.array) for z in engine.tensors):
         return {}
     pos = {z.t: i for i, z in enumerate(engine.tensors)}
     out = {}
