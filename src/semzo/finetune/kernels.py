@@ -477,7 +477,7 @@ def _fused_piece(proto, addr, size, off, t, wd, c0, mc, dist, k0, k1, a, lr, g, 
                     _store(qv, i, _load(pv, i) + pa * z[i])
 
 
-def task_plan(sizes: np.ndarray) -> tuple:
+def task_plan(sizes: np.ndarray, cache: bool = True) -> tuple:
     """The parallel tasks of a pass over tensors of ``sizes`` elements: (tstart, pj, pc0,
     pm). Piece q is elements pc0[q] .. pc0[q] + pm[q] - 1 of tensor pj[q] (tensors cut into
     CHUNK pieces); task c runs pieces tstart[c] .. tstart[c + 1] - 1, consecutive pieces of
@@ -485,6 +485,21 @@ def task_plan(sizes: np.ndarray) -> tuple:
     is a split by elements, however small the tensors (a row span of a token embedding) are.
     """
     sizes = np.asarray(sizes, np.int64)
+    if not cache:                         # row spans: new sizes every step
+        return _task_plan(sizes)
+    key = sizes.tobytes()
+    got = _PLANS.get(key)
+    if got is None:
+        if len(_PLANS) >= 256:            # the passes of a run use a handful of tensor lists
+            _PLANS.clear()
+        got = _PLANS[key] = _task_plan(sizes)
+    return got
+
+
+_PLANS: dict[bytes, tuple] = {}
+
+
+def _task_plan(sizes: np.ndarray) -> tuple:
     nch = (sizes + CHUNK - 1) // CHUNK
     pj = np.repeat(np.arange(sizes.size, dtype=np.int64), nch)
     first = np.cumsum(nch) - nch
@@ -614,10 +629,9 @@ def run_spans(p: np.ndarray, off: int, t: int, wd: float, starts: np.ndarray,
     pk0, pk1, pa = post if post is not None else (0, 0, 0.0)
     fused_kernel(np.empty(0, p.dtype), (base + p.itemsize * starts).astype(np.uint64), sizes,
                  (int(off) + starts).astype(np.uint64), np.full(n, t, np.uint64),
-                 np.full(n, wd, np.float64), task_plan(sizes), int(dist), _u(k0), _u(k1),
-                 float(a),
-                 float(lr), float(g), np.ascontiguousarray(k0s, np.uint64),
-                 np.ascontiguousarray(k1s, np.uint64), np.ascontiguousarray(gs, np.float64),
+                 np.full(n, wd, np.float64), task_plan(sizes, cache=False), int(dist),
+                 _u(k0), _u(k1), float(a), float(lr), float(g),
+                 np.ascontiguousarray(k0s, np.uint64), np.ascontiguousarray(k1s, np.uint64), np.ascontiguousarray(gs, np.float64),
                  int(mode), np.zeros(n, np.uint64), flags, _u(pk0), _u(pk1), float(pa),
                  float(pre[0]), float(pre[1]), FAST_TABLE, zouts, _PROTO_Z)
 
