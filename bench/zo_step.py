@@ -17,7 +17,7 @@ tensor trainable, as in MeZO), a batch of the first ``--batch`` fortunes padded 
    pass that generates z costs <= 1.2x the plain pass); the streamed step with and without
    the z cache (``zo.cache_z``: pass 2 reads the z pass 1 made for the stage), and with
    every word-embedding row in both passes against the default, which defers the rows the
-   batch does not read (same bits; docs/finetune.md);
+   batch does not read (same bits; docs/finetune.md), also timed in alternating pairs;
 2. semzo step time vs the MeZO-style torch step (MeZO's trainer: per tensor an out-of-place
    ``torch.normal`` perturbation +eps, forward, -2 eps, forward, +eps restore, then the update
    with z regenerated from the same seed), same model and batch, same threads;
@@ -238,6 +238,22 @@ def timings(args) -> dict:
                 eng.defer_rows = True
     eng.flush()
     eng.dist, eng.schedule = "gaussian", "streamed"
+    # deferred embedding rows against every row, paired: each round times one step of each
+    # (after a flush and an untimed step, so both carry a pending update), best and median
+    zo = zo_step_fn(m, eng, ids, mask, labels, args.batch)
+    pair: dict[bool, list] = {True: [], False: []}
+    for r in range(2 * args.reps + 1):              # round 0: warm-up
+        for flag in (True, False):
+            eng.flush()
+            eng.defer_rows = flag
+            zo()
+            t = once(zo)
+            if r:
+                pair[flag].append(t)
+    eng.flush()
+    eng.defer_rows = True
+    out["deferred_pair"] = [float(np.min(pair[True])), float(np.median(pair[True])),
+                            float(np.min(pair[False])), float(np.median(pair[False]))]
     out["passes"] = pass_times(eng, args.reps)
     task, b = bench_task(m, ids, mask, labels)
     st = task.stage_begin(b)
@@ -490,11 +506,14 @@ def main() -> None:
     ra, rf, rr = (t[f"step_streamed_{d}_allrows_s"]
                   for d in ("gaussian", "gaussian-fast", "rademacher"))
     nread, nrows, nel = t["rows_read"]
+    db, dm, ab, am = t["deferred_pair"]
     print(f"  deferred embedding rows (the batch reads {nread} of {nrows} word-embedding rows, "
           f"{nel / t['trainable']:.0%} of the parameters): streamed Gaussian step {sg:.3f} s "
           f"deferring the rest, {ra:.3f} s with every row in both passes (ratio "
           f"{ra / (2 * fw):.3f}); gaussian-fast {sf:.3f} s against {rf:.3f} s; Rademacher "
-          f"{sr:.3f} s against {rr:.3f} s")
+          f"{sr:.3f} s against {rr:.3f} s; paired, alternating ({2 * args.reps} rounds): "
+          f"Gaussian {db:.3f} s best, {dm:.3f} s median deferring, {ab:.3f} s best, "
+          f"{am:.3f} s median with every row: {ab / db:.3f}x best, {am / dm:.3f}x median")
     print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
           f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
     pb = mem["semzo-step"]["param_bytes"]
