@@ -516,6 +516,18 @@ def _u(x) -> np.uint64:
     return np.uint64(x)
 
 
+def _check_zbuf(zb, p: np.ndarray, t: int, mode: int) -> None:
+    """A z buffer (None, or a flat, C-contiguous, writeable float32 array of p's size);
+    mode CACHED needs one."""
+    if zb is not None and (not isinstance(zb, np.ndarray) or zb.dtype != np.float32
+                           or zb.ndim != 1 or zb.size != p.size
+                           or not zb.flags.c_contiguous or not zb.flags.writeable):
+        raise ValueError(f"tensor {t}: the z buffer must be a flat, C-contiguous, writeable "
+                         f"float32 array of {p.size} elements")
+    if zb is None and mode == CACHED:
+        raise ValueError(f"tensor {t}: mode CACHED needs a z buffer")
+
+
 def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 0.0,
              g: float = 0.0, k0s: np.ndarray = _NO_KEYS, k1s: np.ndarray = _NO_KEYS,
              gs: np.ndarray = _NO_GS, post: tuple | None = None,
@@ -539,13 +551,7 @@ def run_pass(entries, mode: int, dist: int, k0, k1, a: float = 0.0, lr: float = 
         p, off, t, wd = ent[:4]
         dst = ent[4] if len(ent) > 4 else None
         zb = zbufs[n] if zbufs is not None else None
-        if zb is not None and (not isinstance(zb, np.ndarray) or zb.dtype != np.float32
-                               or zb.ndim != 1 or zb.size != p.size
-                               or not zb.flags.c_contiguous or not zb.flags.writeable):
-            raise ValueError(f"tensor {t}: the z buffer must be a flat, C-contiguous, writeable "
-                             f"float32 array of {p.size} elements")
-        if zb is None and mode == CACHED:
-            raise ValueError(f"tensor {t}: mode CACHED needs a z buffer")
+        _check_zbuf(zb, p, t, mode)
         for arr in (p,) if dst is None else (p, dst):
             if arr.dtype not in STORAGE or arr.ndim != 1 or not arr.flags.c_contiguous \
                     or not arr.flags.writeable:
@@ -613,13 +619,7 @@ def run_spans(p: np.ndarray, off: int, t: int, wd: float, starts: np.ndarray,
             or (starts[1:] < ends[:-1]).any():
         raise ValueError(f"tensor {t}: spans must be non-empty, increasing, disjoint and "
                          f"inside its {p.size} elements")
-    if zbuf is not None and (not isinstance(zbuf, np.ndarray) or zbuf.dtype != np.float32
-                             or zbuf.ndim != 1 or zbuf.size != p.size
-                             or not zbuf.flags.c_contiguous or not zbuf.flags.writeable):
-        raise ValueError(f"tensor {t}: the z buffer must be a flat, C-contiguous, writeable "
-                         f"float32 array of {p.size} elements")
-    if zbuf is None and mode == CACHED:
-        raise ValueError(f"tensor {t}: mode CACHED needs a z buffer")
+    _check_zbuf(zbuf, p, t, mode)
     if zbuf is not None and np.shares_memory(zbuf, p):
         raise ValueError(f"tensor {t}: the z buffer shares memory with the tensor")
     n = starts.size

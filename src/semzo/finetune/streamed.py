@@ -151,6 +151,11 @@ def lazy_rows(engine, task, batch) -> dict[int, np.ndarray]:
     return out
 
 
+def _threads(engine, z) -> int | None:
+    """Kernel threads for one tensor: one below ``SMALL`` elements (engine._split's rule)."""
+    return 1 if z.array.size < SMALL else engine.threads
+
+
 def _lazy_first(engine, i: int, z, active: np.ndarray, seed: int, zc) -> None:
     """Pass 1 over the rows of engine tensor ``i`` (``z``: its array here): the pending
     operation on every row, preceded by the previous step's + eps and - 2 eps on the rows
@@ -159,9 +164,8 @@ def _lazy_first(engine, i: int, z, active: np.ndarray, seed: int, zc) -> None:
     code = active.astype(np.uint8) * np.uint8(kernels.POST)
     if owed is not None:
         code |= owed.astype(np.uint8) * np.uint8(kernels.PRE)
-    th = 1 if z.array.size < SMALL else engine.threads
     apply_rows(z, code, engine.pending or Pending(), seed, engine.eps, pre=engine.eps,
-               dist=engine.dist, threads=th, zcache=zc)
+               dist=engine.dist, threads=_threads(engine, z), zcache=zc)
     if not active.all():
         engine.owed[i] = ~active
 
@@ -207,7 +211,7 @@ def second_pass(engine, idx: list[int], seed: int, dev=None, zc=None, rows=None)
             if i in rows:
                 z = tens[n]
                 perturb_rows(z, rows[i], seed, -2.0 * engine.eps, dist=engine.dist,
-                             threads=1 if z.array.size < SMALL else engine.threads,
+                             threads=_threads(engine, z),
                              zcache=zc[n] if zc is not None else None)
             else:
                 keep.append(n)
@@ -238,7 +242,7 @@ def flush_rows(engine, grp) -> list:
             continue
         apply_rows(z, owed.astype(np.uint8) * np.uint8(kernels.PRE), engine.pending, None,
                    pre=engine.eps, dist=engine.dist,
-                   threads=1 if z.array.size < SMALL else engine.threads)
+                   threads=_threads(engine, z))
     return rest
 
 
