@@ -9,7 +9,11 @@ bytes: the plain pass (``kernels.PLAIN``: p <- p + a, no z; the peer figure) and
 perturbation p <- p + a z with Gaussian, Gaussian-fast and Rademacher z (our figures). The
 four passes are interleaved, ``--reps`` rounds, best and median of each printed with the ratio
 to the plain pass. Default 1 thread: on a shared machine the best of several 1-thread runs is a
-steadier figure than 2 threads. Other people's processes make timings noisy: say so.
+steadier figure than 2 threads. Also timed: the same number of z generated alone, summed
+in L1 and never written to memory (:func:`z_alone_s`): the generator's own cost, the floor
+under any pass that makes z, whatever the memory does (``bench/zo_step.py`` turns it into a
+floor under the step / (2 x forward) ratio). Other people's processes make timings noisy:
+say so.
 """
 
 from __future__ import annotations  # noqa: I001 (semzo is imported before numpy)
@@ -19,6 +23,45 @@ import time
 
 import semzo  # noqa: F401  (before numpy: the thread-pool defaults)
 import numpy as np
+from numba import njit, prange
+
+from semzo.finetune import kernels, rng
+
+
+@njit(parallel=True, cache=True, error_model="numpy")
+def _z_alone(n, dist, k0, k1, tab):
+    """Sum of z(seed, 3, e) for e < n, made SUB at a time into an L1 buffer and never stored:
+    tasks of CHUNK elements, as the fused pass runs them."""
+    nt = (n + kernels.CHUNK - 1) // kernels.CHUNK
+    part = np.zeros(nt)
+    for c in prange(nt):
+        z = np.empty(kernels.SUB, np.float64)
+        acc = np.zeros(kernels.SUB, np.float64)
+        ws = np.empty(kernels.WS, np.uint64)
+        hi = min(n, (c + 1) * kernels.CHUNK)
+        for i0 in range(c * kernels.CHUNK, hi, kernels.SUB):
+            m = min(kernels.SUB, hi - i0)
+            zz = z[:m]
+            kernels.fill_z(zz, np.uint64(i0), np.uint64(3), k0, k1, dist, tab, ws)
+            for i in range(m):          # element-wise (vectorized), not a serial sum
+                acc[i] += zz[i]
+        part[c] = acc.sum()
+    return part.sum()
+
+
+def z_alone_s(n: int, dist: str, threads: int, reps: int) -> float:
+    """Best of ``reps`` times to generate ``n`` z of ``dist`` on ``threads`` threads with
+    nothing read or written but an L1 buffer (the generator's floor; after a warm-up)."""
+    code = rng.dist_code(dist)
+    k0, k1 = rng.split_seed(12345)
+    with kernels.num_threads(threads):
+        _z_alone(kernels.CHUNK, code, k0, k1, kernels.FAST_TABLE)
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            _z_alone(n, code, k0, k1, kernels.FAST_TABLE)
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def main() -> None:
@@ -27,8 +70,6 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--n", type=int, default=22_700_000)
     args = ap.parse_args()
-    from semzo.finetune import kernels, rng
-
     p = np.zeros(args.n, np.float32)
     ent = [(p, 0, 3, 0.0)]
     k0, k1 = rng.split_seed(12345)
@@ -52,6 +93,11 @@ def main() -> None:
         print(f"  {k:14s} best {v:7.1f} ms = {v / base:.2f}x plain (goal <= 1.2x), "
               f"median {np.median(res[k]) * 1e3:.1f} ms")
     print(f"  gaussian-fast / gaussian = {best['gaussian-fast'] / best['gaussian']:.2f}")
+    for d in ("gaussian", "gaussian-fast", "rademacher"):
+        za = z_alone_s(args.n, d, args.threads, args.reps) * 1e3
+        print(f"  {d:14s} z alone (made in L1, never stored) {za:7.1f} ms = "
+              f"{za / base:.2f}x plain, {za * 1e6 / args.n * args.threads:.2f} ns per z "
+              f"per thread")
 
 
 if __name__ == "__main__":

@@ -17,7 +17,9 @@ tensor trainable, as in MeZO), a batch of the first ``--batch`` fortunes padded 
    pass that generates z costs <= 1.2x the plain pass); the streamed step with and without
    the z cache (``zo.cache_z``: pass 2 reads the z pass 1 made for the stage), and with
    every word-embedding row in both passes against the default, which defers the rows the
-   batch does not read (same bits; docs/finetune.md), also timed in alternating pairs;
+   batch does not read (same bits; docs/finetune.md), also timed in alternating pairs; the
+   z floor: the fewest z a two-pass step keeping no z between steps makes, generated alone
+   (bench/zo_pass.py), and the ratio that leaves even with free memory passes;
 2. semzo step time vs the MeZO-style torch step (MeZO's trainer: per tensor an out-of-place
    ``torch.normal`` perturbation +eps, forward, -2 eps, forward, +eps restore, then the update
    with z regenerated from the same seed), same model and batch, same threads;
@@ -135,6 +137,16 @@ def pass_times(eng, reps: int) -> dict:
         out["cached"] = best(lambda: kernels.run_pass(cpu, kernels.CACHED, 0, 0, 0, a=0.0,
                                                       zbufs=zb), reps)
     return out
+
+
+def z_floor(count: int, threads: int, reps: int) -> dict:
+    """Seconds to generate ``count`` z alone (no memory traffic; bench/zo_pass.py), for each
+    distribution: with ``count`` the fewest z a step can make (see the printed line), a floor
+    under the step's time above its two forwards."""
+    from zo_pass import z_alone_s
+
+    return {"count": count, **{d: z_alone_s(count, d, threads, reps)
+                               for d in ("gaussian", "gaussian-fast", "rademacher")}}
 
 
 def torch_setup(threads: int):
@@ -255,12 +267,14 @@ def timings(args) -> dict:
     out["deferred_pair"] = [float(np.min(pair[True])), float(np.median(pair[True])),
                             float(np.min(pair[False])), float(np.median(pair[False]))]
     out["passes"] = pass_times(eng, args.reps)
+    emb = m.params["embeddings.word_embeddings.weight"]
+    unread = emb.size - int(np.unique(ids).size) * emb.shape[1]
+    out["z_floor"] = z_floor(2 * eng.n_trainable - unread, args.threads, args.reps)
     task, b = bench_task(m, ids, mask, labels)
     st = task.stage_begin(b)
     for k in range(task.stage_count()):
         task.stage_run(k, st)
     out["branch_state_bytes"] = st.nbytes_live()
-    emb = m.params["embeddings.word_embeddings.weight"]
     out["rows_read"] = (int(np.unique(ids).size), int(emb.shape[0]), int(emb.size))
     t = _child_json("--torch-times", args)
     out.update(torch_forward_s=t["torch_forward_s"], mezo_torch_step_s=t["mezo_torch_step_s"])
@@ -514,6 +528,15 @@ def main() -> None:
           f"{sr:.3f} s against {rr:.3f} s; paired, alternating ({2 * args.reps} rounds): "
           f"Gaussian {db:.3f} s best, {dm:.3f} s median deferring, {ab:.3f} s best, "
           f"{am:.3f} s median with every row: {ab / db:.3f}x best, {am / dm:.3f}x median")
+    zf = t["z_floor"]
+    print(f"  z floor: a two-pass step that keeps no z from one step to the next makes at "
+          f"least {zf['count']:,} z (two per element the batch reads: the last update's and "
+          f"this step's; one per deferred row element); made alone, never stored: Gaussian "
+          f"{zf['gaussian'] * ms:.1f} ms, gaussian-fast {zf['gaussian-fast'] * ms:.1f} ms, "
+          f"Rademacher {zf['rademacher'] * ms:.1f} ms; so step / (2 x forward) >= "
+          f"{1 + zf['gaussian'] / (2 * fw):.3f} with Gaussian z, "
+          f"{1 + zf['gaussian-fast'] / (2 * fw):.3f} gaussian-fast, "
+          f"{1 + zf['rademacher'] / (2 * fw):.3f} Rademacher, on this machine")
     print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
           f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
     pb = mem["semzo-step"]["param_bytes"]

@@ -23,7 +23,9 @@ sets:
    update with z regenerated from the seed), same model (transformers' LlamaForCausalLM from
    the same folder; LoRA by a small wrapper, B @ A added to q/v as PEFT does), same batch and
    threads;
-3. memory, each in a fresh process: the transient peak above the parameters (tracemalloc:
+3. the z floor: the fewest z a two-pass step that keeps no z between steps makes (two per
+   trainable element), generated alone (bench/zo_pass.py), and the ratio that leaves;
+4. memory, each in a fresh process: the transient peak above the parameters (tracemalloc:
    numpy's allocations) of a forward and of a streamed ZO step, (parameters + step peak) /
    (parameters + forward peak) (issue 15's goal: <= 1.15), what the lockstep's second branch
    state adds, and the RSS footprints (peak RSS during the operation minus the RSS before the
@@ -180,13 +182,16 @@ def llm_timings(args, which: str) -> dict:
     for k in range(task.stage_count()):
         st = task.stage_run(k, st)
     n = eng.n_trainable
+    from zo_step import z_floor
+    # the next-token loss reads every row of the tied embedding: no row can be deferred
+    floor = z_floor(2 * n, args.threads, args.reps)
     t = _child(args, "--llm-torch", which)
     zc = eng._zcache
     return {"semzo_forward_s": fwd, "semzo_step_s": step, "semzo_step_3pass_s": step3,
             "semzo_step_nocache_s": stepn, "zcache_bytes": 4 * zc[1].elements if zc else 0,
             "passes_cached_s": pw, "passes_regen_s": pwo, "cached_elements": pn,
             "trainable": n, "branch_state_bytes": st.nbytes_live(),
-            "padding": 1.0 - float(mask.mean()), **t}
+            "padding": 1.0 - float(mask.mean()), "z_floor": floor, **t}
 
 
 def cached_stage_passes(eng, task, reps: int) -> tuple[float, float, int]:
@@ -318,6 +323,12 @@ def llm_main(args) -> None:
               f"both passes over the {t['cached_elements']:,} elements it covers "
               f"{t['passes_cached_s'] * 1e3:.0f} ms with, {t['passes_regen_s'] * 1e3:.0f} ms "
               f"without")
+        zf = t["z_floor"]
+        print(f"  z floor: at least {zf['count']:,} z per step (two per trainable element: the "
+              f"last update's and this step's), made alone: Gaussian "
+              f"{zf['gaussian'] * 1e3:.0f} ms, gaussian-fast {zf['gaussian-fast'] * 1e3:.0f} ms; "
+              f"so step / (2 x forward) >= {1 + zf['gaussian'] / (2 * fw):.3f} with Gaussian "
+              f"z, {1 + zf['gaussian-fast'] / (2 * fw):.3f} gaussian-fast, on this machine")
         print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
               f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
     for which in args.sets.split(","):
