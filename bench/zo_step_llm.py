@@ -25,7 +25,11 @@ sets:
    threads;
 3. the z floor: the fewest z a two-pass step that keeps no z between steps makes (two per
    trainable element), generated alone (bench/zo_pass.py), and the ratio that leaves;
-4. memory, each in a fresh process: the transient peak above the parameters (tracemalloc:
+4. with the full set, MeZO's prompt task (inputs/llm.toml's template and label words; tied
+   head, whose loss reads only the label words' rows): the streamed step deferring the
+   embedding rows neither prompts nor label words read, against every row, in alternating
+   pairs (the same bits), and its step / (2 x forward);
+5. memory, each in a fresh process: the transient peak above the parameters (tracemalloc:
    numpy's allocations) of a forward and of a streamed ZO step, (parameters + step peak) /
    (parameters + forward peak) (issue 15's goal: <= 1.15), what the lockstep's second branch
    state adds, and the RSS footprints (peak RSS during the operation minus the RSS before the
@@ -37,9 +41,11 @@ Timings on a shared machine are noisy: say so when reporting.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -194,6 +200,94 @@ def llm_timings(args, which: str) -> dict:
             "padding": 1.0 - float(mask.mean()), "z_floor": floor, **t}
 
 
+PROMPT_LABELS = ("food", "love", "sports")          # inputs/llm.toml's task
+PROMPT_TEMPLATE = "{text}\nThis quote is about"
+
+
+def prompt_pair(args) -> dict:
+    """MeZO's prompt task (inputs/llm.toml's template and label words, the first ``--batch``
+    fortunes of its three categories, at most ``--length`` prompt tokens), every parameter
+    trained, tied head: the streamed step deferring the embedding rows neither the prompts nor
+    the label words read, against every row in both passes (``engine.defer_rows``; the same
+    bits), timed in alternating pairs (2 x ``--reps`` rounds after a warm-up; each step after
+    a flush and an untimed step, so both carry a pending update), and the task's forward."""
+    import numpy as np
+    from zo_step import once
+
+    from semzo.finetune.prompt import PromptTask, encode_prompts, label_word_ids
+    from semzo.model import Tokenizer
+
+    m, eng = semzo_llm("all", args.threads)
+    tok = Tokenizer.from_folder("smollm2", max_length=None)
+    tok.tk.no_truncation()
+    texts, labels = [], []
+    with open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("label") in PROMPT_LABELS and len(texts) < args.batch:
+                texts.append(r["text"])
+                labels.append(PROMPT_LABELS.index(r["label"]))
+    wid = label_word_ids(tok, list(PROMPT_LABELS), [], PROMPT_TEMPLATE, "bench")
+    seqs = encode_prompts(tok, texts, PROMPT_TEMPLATE, args.length,
+                          int(m.config.max_positions), "bench")
+    n = len(seqs)
+    task = PromptTask(m, seqs, np.array(labels), np.arange(n), np.arange(n), 0, n, wid)
+    b = task.batch(np.arange(n))
+    k = [0]
+
+    def zo():
+        k[0] += 1
+        eng.step_streamed(task, b, k[0], LR, n)
+    pair: dict = {True: [], False: [], "fwd": [], "p1": [], "p0": []}
+    for r in range(2 * args.reps + 1):                  # round 0: warm-up
+        for flag in (True, False):
+            eng.flush()
+            eng.defer_rows = flag
+            zo()
+            with pass_clock() as clock:
+                t = once(zo)
+            if r:
+                pair[flag].append(t)
+                pair["p1" if flag else "p0"].append(clock[0])
+        t = once(lambda: task.loss(b))
+        if r:
+            pair["fwd"].append(t)
+    rows = task.stage_rows(b)[m.head_weight_name()]
+    return {"n": n, "tokens": int(b[1].sum()), "padding": 1.0 - float(b[1].mean()),
+            "rows": int(rows.size), "vocab": int(m.params[m.head_weight_name()].shape[0]),
+            "fwd": float(np.min(pair["fwd"])),
+            "passes": [float(np.median(pair["p1"])), float(np.median(pair["p0"]))],
+            **{k: [float(np.min(pair[f])), float(np.median(pair[f]))]
+               for k, f in (("deferred", True), ("every_row", False))}}
+
+
+@contextlib.contextmanager
+def pass_clock():
+    """Seconds spent in the ZO kernels' launches (``kernels.run_pass`` and ``run_spans``)
+    while the block runs, in ``clock[0]``: the parameter passes of a step without its
+    forwards, whose noise on a shared machine hides a few percent of the step."""
+    from semzo.finetune import kernels
+
+    clock = [0.0]
+    saved = {nm: getattr(kernels, nm) for nm in ("run_pass", "run_spans")}
+
+    def timed(f):
+        def g(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                clock[0] += time.perf_counter() - t0
+        return g
+    for nm, f in saved.items():
+        setattr(kernels, nm, timed(f))
+    try:
+        yield clock
+    finally:
+        for nm, f in saved.items():
+            setattr(kernels, nm, f)
+
+
 def cached_stage_passes(eng, task, reps: int) -> tuple[float, float, int]:
     """Seconds of both passes (+eps z, then -2 eps z) over the stages the z cache covers, with
     the cache and regenerating (best of ``reps`` interleaved rounds after a warm-up), and the
@@ -224,8 +318,6 @@ def cached_stage_passes(eng, task, reps: int) -> tuple[float, float, int]:
 
 def best_once(f) -> float:
     """Seconds of one call of ``f``."""
-    import time
-
     t0 = time.perf_counter()
     f()
     return time.perf_counter() - t0
@@ -331,6 +423,22 @@ def llm_main(args) -> None:
               f"z, {1 + zf['gaussian-fast'] / (2 * fw):.3f} gaussian-fast, on this machine")
         print(f"  peer MeZO-style torch step {t['mezo_torch_step_s']:.3f} s (torch forward "
               f"{t['torch_forward_s']:.3f} s): semzo is {sp:.2f}x faster")
+    if "all" in args.sets.split(","):
+        p = prompt_pair(args)
+        (db, dm), (ab, am) = p["deferred"], p["every_row"]
+        print(f"ZO step, SmolLM2-135M-Instruct, all, MeZO's prompt task (inputs/llm.toml's "
+              f"template and label words, {p['n']} fortunes, {p['tokens']} tokens, "
+              f"{p['padding']:.0%} padding), tied head: the prompts and label words read "
+              f"{p['rows']} of {p['vocab']} embedding rows; paired, alternating "
+              f"({2 * args.reps} rounds)")
+        print(f"  deferring the other rows {db:.3f} s best, {dm:.3f} s median; every row in "
+              f"both passes {ab:.3f} s best, {am:.3f} s median: {ab / db:.3f}x best, "
+              f"{am / dm:.3f}x median; forward {p['fwd']:.3f} s, step / (2 x forward) = "
+              f"{db / (2 * p['fwd']):.3f} deferring, {ab / (2 * p['fwd']):.3f} every row")
+        p1, p0 = p["passes"]
+        print(f"  the step's parameter passes alone (time in the kernel launches, median): "
+              f"{p1 * 1e3:.0f} ms deferring, {p0 * 1e3:.0f} ms every row: "
+              f"{(p0 - p1) * 1e3:.0f} ms less per step")
     for which in args.sets.split(","):
         f = _child(args, "--llm-mem", f"fwd-{which}")
         s = _child(args, "--llm-mem", f"step-{which}")

@@ -152,22 +152,29 @@ def test_finetune_stage_lm_llama_streamed_offload(run):
         assert "model.embed_tokens.weight" in json.loads(f.attrs["trainable"])
 
 
-def test_finetune_stage_untied_streamed_equals_three_pass(run):
-    """An untied CausalLM (tiny Llama), every parameter trained, data mode at 2 ranks (a
-    different batch on each): the streamed schedule, which defers the embedding rows a rank's
-    batch does not read, saves the model and losses of the three-pass schedule bit for bit,
-    with replica checksums along the way."""
+@pytest.mark.parametrize("kind,task", [("llama", "lm"), ("llama_tied", "prompt")],
+                         ids=["untied-lm", "tied-prompt"])
+def test_finetune_stage_streamed_with_deferred_rows_equals_three_pass(run, kind, task):
+    """A CausalLM (tiny Llama), every parameter trained, data mode at 2 ranks (a different
+    batch on each): the streamed schedule, which defers the embedding rows a rank's batch
+    does not read (untied, next-token loss; tied, prompt task: the head reads only the label
+    words' rows), saves the model and losses of the three-pass schedule bit for bit, with
+    replica checksums and held-out evaluations along the way."""
     tmp, shared, _ = run
-    llama = make_model(tmp / "llama_untied", kind="llama")
+    llama = make_model(tmp / f"{kind}_{task}", kind=kind)
+    extra = ["--set", "train.task=lm"]
+    if task == "prompt":
+        extra = ["--set", "train.task=prompt", "--set", 'prompt.template="{text} is"',
+                 "--set", 'prompt.label_words=["sea", "code", "cake"]']
     got = {}
     for sched in ("streamed", "three-pass"):
-        out = tmp / f"out_untied_{sched}"
+        out = tmp / f"out_{kind}_{task}_{sched}"
         out.mkdir()
         shutil.copy(shared / "shards.h5", out / "shards.h5")
         check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
                          "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
                          "--set", f"corpus.path={tmp / 'corpus.jsonl'}",
-                         "--set", f"model.path={llama}", "--set", "train.task=lm",
+                         "--set", f"model.path={llama}", *extra,
                          "--set", "train.params=all", "--set", "train.steps=6",
                          "--set", "train.eval_every=3", "--set", f"zo.schedule={sched}",
                          "--set", "zo.mode=data", "--set", "zo.checksum_every=2",
@@ -175,6 +182,7 @@ def test_finetune_stage_untied_streamed_equals_three_pass(run):
         rows = _metrics(out / "metrics.csv")
         with h5py.File(out / "model.h5") as f:
             params = {k: f[k][()] for k in f}
+            assert f.attrs["task"] == task
         got[sched] = ([(r["kind"], r["step"], r["loss"], r["heldout_loss"]) for r in rows],
                       params)
     (rs, ps), (rt, pt) = got["streamed"], got["three-pass"]

@@ -332,13 +332,17 @@ def test_generate_from_gguf_in_memory(tmp_path):
 
 
 # ----------------------------------------------------------------------------- streamed schedule
-@pytest.mark.parametrize("params,layer,offload", [("all", 0, False), ("lora", 0, True),
-                                                  ("lora", 1, True)],
-                         ids=["full-tied", "lora-offload", "lora-prefix-cache-offload"])
+@pytest.mark.parametrize("params,layer,offload", [("all", 0, False), ("all", 0, True),
+                                                  ("lora", 0, True), ("lora", 1, True)],
+                         ids=["full-tied", "full-tied-offload", "lora-offload",
+                              "lora-prefix-cache-offload"])
 def test_prompt_task_streamed_equals_three_pass(llama, params, layer, offload):
     """The prompt task under the default streamed schedule (tied head: the tied path; with the
     frozen-prefix cache: the stages above it) equals the three-pass step bit for bit, with a
-    skipped step, resident and with the simulated host offload."""
+    skipped step, resident and with the simulated host offload. Full-parameter on the tied
+    head, the embedding rows neither the batch nor the label words read are deferred (the
+    head's loss reads only the label words' rows): the rows owed after each step are
+    exactly those."""
     import math
 
     from semzo.finetune.offload import HostStore
@@ -357,11 +361,24 @@ def test_prompt_task_streamed_equals_three_pass(llama, params, layer, offload):
             eng.store = HostStore(m, task, eng)
         eng.loss_hook = lambda s, x: math.nan if s == 1 else x
         out = []
+        emb = m.head_weight_name()
+        missing = set()                   # label words some batch's prompts do not contain
         for s in range(3):
             b = task.batch(np.arange(6 * s, 6 * s + 6))
             r = (eng.step_streamed(task, b, s, 1e-2, 6) if schedule == "streamed"
                  else eng.step(lambda b=b: task.loss(b), s, 1e-2, 6))
             out.append((r.lp, r.lm, r.g if r.ok else 0.0))
+            if schedule == "streamed" and params == "all":
+                read = np.zeros(m.params[emb].shape[0], bool)
+                read[np.unique(b[0])] = True
+                read[task.word_ids] = True
+                missing.update(np.setdiff1d(task.word_ids, b[0]).tolist())
+                owed = eng.owed[names.index(emb)]
+                assert owed.tobytes() == (~read).tobytes() and 0 < owed.sum() < owed.size
+            elif schedule == "streamed":
+                assert not eng.owed
+        if schedule == "streamed" and params == "all":
+            assert missing        # so the head's own rows were needed to pass the check
         eng.flush()
         return np.array(out), {n: m.params[n].copy() for n in names}
 

@@ -227,7 +227,22 @@ class PromptTask(_Task):
         return self.model.stage_names(self._first() + k)
 
     def stage_rows(self, batch) -> dict:
-        return {} if self.cache is not None else super().stage_rows(batch)
+        """The embedding rows the batch reads (see :meth:`_Task.stage_rows`); with a tied
+        head also the label words' rows, the only rows of it the loss reads (so the
+        streamed step can defer the others' perturbation, as for an untied model). Empty
+        with the prefix cache (stage 0 starts from cached states)."""
+        if self.cache is not None:
+            return {}
+        ids, n = batch[0], batch[3]
+        if not self.tied_head:
+            return super().stage_rows(batch)
+        got = self.model.gather_rows(ids if n else np.zeros(0, np.int64))
+        head = self.model.head_weight_name()
+        if head not in got:
+            return {}                     # the head reads a matrix stage 0 does not gather
+        if n:
+            got[head] = np.union1d(got[head], self.word_ids)
+        return got
 
     def stage_begin(self, batch):
         ids, mask, _, n, rows = batch

@@ -42,8 +42,10 @@ same without the last). Pass 2 touches only the rows the batch reads. Every row 
 the roundings of the three-pass step in the same order, so the bits do not change; a row not
 read costs one z and one memory pass per step instead of three z and two passes (MiniLM's
 word embeddings are half its parameters and a 16 x 64 batch reads about 1 % of their rows).
-``engine.owed`` holds the rows that still owe step t's pair. Not deferred: a tied head (its
-loss reads every row), ``zo.restore = "copy"`` with several groups, arrays on a GPU.
+``engine.owed`` holds the rows that still owe step t's pair. A tied head is read by the loss
+too: the prompt task's loss reads only the label words' rows, which then count as read (the
+tied path above defers the rest the same way); a next-token loss reads every row, so nothing
+is deferred. Not deferred either: ``zo.restore = "copy"`` with several groups, arrays on a GPU.
 
 z cache (``zo.cache_z``, on by default): pass 1 stores the z it generates for stage k (float32,
 exact), and pass 2 reads it instead of generating it again, the same bits (:class:`ZCache`). The
@@ -126,7 +128,8 @@ def lazy_rows(engine, task, batch) -> dict[int, np.ndarray]:
     """``{index into engine.tensors: bool per row, True where the batch reads the row}`` for
     the trainable matrices that stage 0 reads only by token id (``task.stage_rows``; see the
     module docstring, "Rows the batch does not read"). Empty when rows cannot be deferred:
-    ``zo.restore = "copy"`` with several groups, device arrays, a tied head."""
+    ``zo.restore = "copy"`` with several groups, device arrays, a task that names no rows
+    (a tied head whose loss reads every row)."""
     from .engine import tensor_index
 
     get = getattr(task, "stage_rows", None)
@@ -271,7 +274,7 @@ def run_branches(engine, task, batch, seed: int) -> tuple[float, float]:
     cache = zcache_for(engine, task, groups, tied)
     sp = task.stage_begin(batch)
     sm = None if tied else task.stage_fork(sp)
-    rows = None if tied else lazy_rows(engine, task, batch)
+    rows = lazy_rows(engine, task, batch)
     for i, owed in engine.owed.items():
         if rows is None or i not in rows:   # rows owed from the last step, none deferred now
             rows = rows if rows is not None else {}
@@ -298,7 +301,7 @@ def run_branches(engine, task, batch, seed: int) -> tuple[float, float]:
     if tied:
         sp = None
         dev = store.acquire(0, groups[0])
-        second_pass(engine, groups[0], seed, dev)
+        second_pass(engine, groups[0], seed, dev, None, rows)
         sm = task.stage_begin(batch)
         for k in range(n):
             if k:
