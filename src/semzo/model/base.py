@@ -298,7 +298,8 @@ class TransformerBase:
         """``{name: sorted unique rows}`` of the parameters that stage 0 reads only at the rows
         ``input_ids`` index (the token embedding matrix), for a batch of those ids. A ZO pass
         may defer the other rows' perturbations (finetune/streamed.py); a task whose loss reads
-        such a matrix otherwise (a tied LM head) must not ask. Empty: none."""
+        such a matrix otherwise (a tied LM head) must add the rows it reads (the prompt task's
+        label words) or not ask. Empty: none."""
         return {}
 
     def stage_start(self, input_ids, attention_mask=None, **kwargs) -> StageState:
