@@ -276,8 +276,7 @@ def run_branches(engine, task, batch, seed: int) -> tuple[float, float]:
     sm = None if tied else task.stage_fork(sp)
     rows = lazy_rows(engine, task, batch)
     for i, owed in engine.owed.items():
-        if rows is None or i not in rows:   # rows owed from the last step, none deferred now
-            rows = rows if rows is not None else {}
+        if i not in rows:                   # rows owed from the last step, none deferred now
             rows[i] = np.ones(owed.size, bool)
     for k in range(n):
         dev = store.acquire(k, groups[k])
