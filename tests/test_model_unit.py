@@ -185,6 +185,39 @@ def test_thread_split_forward_equals_single(minilm, tok, tmp_path):
     assert np.max(np.abs(many - one)) < 1e-5 and np.max(np.abs(z3 - z1)) < 1e-5
 
 
+def test_encoder_skips_padding(minilm, tok, monkeypatch):
+    """With at least 1/16 of a batch's tokens padding, the encoder's blocks run their
+    projections, LayerNorms and MLP on the real tokens only (packed): that many rows reach
+    the QKV projection of every layer; real tokens equal the padded computation's within
+    float32 rounding (bit-identical where OpenBLAS rows do not depend on the row count,
+    not asserted); so do the pooled embeddings and the frozen-prefix split; a batch without
+    padding is not packed."""
+    texts = [SENTENCES[0], SENTENCES[1] * 3, "short", SENTENCES[2] + " " + SENTENCES[3]]
+    ids, mask = tok.pad(tok.encode_batch(texts))
+    assert 1 - mask.mean() >= 1 / 16
+    seen = []
+    qkv = minilm._qkv
+    monkeypatch.setattr(minilm, "_qkv", lambda x, i, out: (seen.append(x.shape[0]),
+                                                           qkv(x, i, out))[1])
+    packed = minilm.hidden_states(ids, mask)
+    assert seen == [int(mask.sum())] * minilm.config.num_layers
+    pooled = minilm.embed(ids, mask)
+    pre = minilm.hidden_from(minilm.hidden_at(ids, mask, 2), mask, 2)
+    seen.clear()
+    monkeypatch.setattr(minilm, "pack_min_share", 2.0)          # never pack
+    padded = minilm.hidden_states(ids, mask)
+    assert seen == [mask.size] * minilm.config.num_layers
+    v = mask.astype(bool)
+    assert np.allclose(packed[v], padded[v], rtol=1e-5, atol=1e-6)
+    assert np.allclose(pre[v], padded[v], rtol=1e-5, atol=1e-6)
+    assert np.allclose(pooled, minilm.embed(ids, mask), rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(minilm, "pack_min_share", 1 / 16)
+    seen.clear()
+    full = np.ones_like(mask)
+    minilm.hidden_states(ids, full)
+    assert seen == [full.size] * minilm.config.num_layers
+
+
 # ----------------------------------------------------------------------------- parameters
 
 def test_parameter_collection_contract(minilm):

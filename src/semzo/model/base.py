@@ -360,6 +360,32 @@ class TransformerBase:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ projections
+    #: pack the real rows when at least this share of a row block is padding
+    pack_min_share = 1.0 / 16
+
+    def _pack_rows(self, qmask):
+        """Rows (flat indices into the (B*T) rows of ``qmask`` (B, T)) that a block computes,
+        or None for all of them: the real tokens, when padding is at least
+        :attr:`pack_min_share` of the rows (a lone real token takes a padded row along: a
+        one-row product is a GEMV; no real token: empty). Padded rows are never read by a
+        real token (attention gives them exact zeros, the losses and pooling skip them), so
+        skipping them changes a real row by float32 rounding at most, and not at all where a
+        GEMM row does not depend on the rows around it (OpenBLAS's AVX-512 kernels on
+        products of an LLM's sizes; docs/guide.md, "BLAS kernels"). On the GPU this reads
+        the mask's count once per batch. Used by the decoder forward (:class:`CausalLM`) and
+        the encoder's blocks on the CPU (:class:`Encoder`)."""
+        xp = self.xp
+        real = (qmask > 0).reshape(-1)
+        n = real.shape[0]
+        k = int(real.sum())
+        if n - k < max(1, n * self.pack_min_share) or n < 2:
+            return None
+        rows = xp.flatnonzero(real)
+        if k == 1:                                  # keep a GEMM: add the first padded row
+            pad = int(xp.flatnonzero(~real)[0])
+            rows = xp.sort(xp.concatenate([rows, xp.asarray([pad], dtype=rows.dtype)]))
+        return rows
+
     def _layer_buffers(self, bsz: int, t: int):
         """Per-layer scratch arrays, reused by every layer (only one layer's activations live):
         qkv (n, 3h), scores (B*heads, t, t) and its 4-D view, ctx (B, t, heads, d), tmp (n, h),

@@ -256,28 +256,55 @@ class Encoder(TransformerBase):
 
     def _blocks(self, x, maskf, bsz: int, t: int, first: int, stop: int, bufs=None) -> None:
         """Blocks ``first .. stop-1`` on the residual stream x (B*T, H), in place (``bufs``:
-        scratch from :meth:`_layer_buffers` of the same shape, made here when None)."""
+        scratch from :meth:`_layer_buffers` of the same shape, made here when None).
+
+        Padding skipped (CPU): when at least :attr:`pack_min_share` of the rows are padding
+        (:meth:`_pack_rows`), the projections, LayerNorms and MLP run on the real tokens only,
+        packed into one matrix; attention runs on the padded layout (padded queries, keys and
+        values zero, padded keys masked as before) and the packed rows are gathered back.
+        Padded rows of x are then left as they are (finite: nothing reads them). A real
+        token changes by float32 rounding at most (docs/guide.md, "Padding")."""
         if first >= stop:
             return
-        cfg, p, pre = self.config, self.fparam, self.prefix
+        xp, cfg, p, pre = self.xp, self.config, self.fparam, self.prefix
         n, h, nh, d = bsz * t, cfg.hidden_size, cfg.num_heads, cfg.head_dim
         eps = cfg.layer_norm_eps
         qkv, scores, ctx, tmp, inter, scale, s4 = bufs or self._layer_buffers(bsz, t)
+        rows = self._pack_rows(maskf) if xp is np else None
+        if rows is not None and not len(rows):
+            return                                  # padding only: nothing to compute
+        if rows is None:
+            xr, qkv_r = x, qkv
+        else:
+            xr = x[rows]
+            qkv_r = xp.empty((xr.shape[0], 3 * h), dtype=qkv.dtype)
+            pad = np.ones(n, bool)
+            pad[rows] = False
+            qkv[pad] = 0.0                          # padded q, k, v: zero for every layer
+        nr = xr.shape[0]
+        tmp_r, inter_r = tmp[:nr], inter[:nr]
         for i in range(first, stop):
             pl = f"{pre}encoder.layer.{i}."
-            self._qkv(x, i, qkv)
+            self._qkv(xr, i, qkv_r)
+            if rows is not None:
+                qkv[rows] = qkv_r
             q5 = qkv.reshape(bsz, t, 3, nh, d)
             matmul_into(q5[:, :, 0].transpose(0, 2, 1, 3), q5[:, :, 1].transpose(0, 2, 3, 1),
                         s4)
             masked_softmax(scores, maskf, scale, nh, causal=False)
             matmul_into(s4, q5[:, :, 2].transpose(0, 2, 1, 3), ctx.transpose(0, 2, 1, 3))
+            c = ctx.reshape(n, h)
+            if rows is not None:
+                c = c[rows]
             m = f"{pl}attention.output."
-            self._proj(ctx.reshape(n, h), f"{m}dense", tmp)
-            bias_residual_layernorm(tmp, p(f"{m}dense.bias"), x, p(f"{m}LayerNorm.weight"),
-                                    p(f"{m}LayerNorm.bias"), eps, out=x)
-            self._proj(x, f"{pl}intermediate.dense", inter)
-            bias_act(inter, p(f"{pl}intermediate.dense.bias"), cfg.hidden_act)
+            self._proj(c, f"{m}dense", tmp_r)
+            bias_residual_layernorm(tmp_r, p(f"{m}dense.bias"), xr, p(f"{m}LayerNorm.weight"),
+                                    p(f"{m}LayerNorm.bias"), eps, out=xr)
+            self._proj(xr, f"{pl}intermediate.dense", inter_r)
+            bias_act(inter_r, p(f"{pl}intermediate.dense.bias"), cfg.hidden_act)
             m = f"{pl}output."
-            self._proj(inter, f"{m}dense", tmp)
-            bias_residual_layernorm(tmp, p(f"{m}dense.bias"), x, p(f"{m}LayerNorm.weight"),
-                                    p(f"{m}LayerNorm.bias"), eps, out=x)
+            self._proj(inter_r, f"{m}dense", tmp_r)
+            bias_residual_layernorm(tmp_r, p(f"{m}dense.bias"), xr, p(f"{m}LayerNorm.weight"),
+                                    p(f"{m}LayerNorm.bias"), eps, out=xr)
+        if rows is not None:
+            x[rows] = xr
