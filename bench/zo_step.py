@@ -43,6 +43,7 @@ Other people's processes on a shared machine make timings noisy: say so when rep
 from __future__ import annotations  # noqa: I001 (semzo is imported before numpy)
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
@@ -137,6 +138,59 @@ def pass_times(eng, reps: int) -> dict:
             cpu, kernels.RESTORE_UPDATE, 0, k0, k1, a=0.0, post=(k1, k0, 0.0), zbufs=zb), reps)
         out["cached"] = best(lambda: kernels.run_pass(cpu, kernels.CACHED, 0, 0, 0, a=0.0,
                                                       zbufs=zb), reps)
+    return out
+
+
+@contextlib.contextmanager
+def pass_clock():
+    """Seconds spent in the ZO kernels' launches (``kernels.run_pass`` and ``run_spans``)
+    while the block runs, in ``clock[0]``: the parameter passes of a step without its
+    forwards, whose noise on a shared machine hides a few percent of the step."""
+    from semzo.finetune import kernels
+
+    clock = [0.0]
+    saved = {nm: getattr(kernels, nm) for nm in ("run_pass", "run_spans")}
+
+    def timed(f):
+        def g(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                clock[0] += time.perf_counter() - t0
+        return g
+    for nm, f in saved.items():
+        setattr(kernels, nm, timed(f))
+    try:
+        yield clock
+    finally:
+        for nm, f in saved.items():
+            setattr(kernels, nm, f)
+
+
+def deferral_pairs(eng, zo, rounds: int, fwd=None) -> dict:
+    """Deferred embedding rows (``eng.defer_rows``) against every row, in alternating pairs:
+    ``rounds`` rounds after a warm-up, each timing one step of ``zo`` each way (after a flush
+    and an untimed step, so both carry a pending update) and, with ``fwd``, one call of it.
+    Returns lists per round: ``{True: step s, False: step s, "pass": {True:, False:} (time in
+    the kernel launches, :func:`pass_clock`), "fwd": s}``; leaves deferral on, flushed."""
+    out: dict = {True: [], False: [], "pass": {True: [], False: []}, "fwd": []}
+    for r in range(rounds + 1):                     # round 0: warm-up
+        for flag in (True, False):
+            eng.flush()
+            eng.defer_rows = flag
+            zo()
+            with pass_clock() as clock:
+                t = once(zo)
+            if r:
+                out[flag].append(t)
+                out["pass"][flag].append(clock[0])
+        if fwd is not None:
+            t = once(fwd)
+            if r:
+                out["fwd"].append(t)
+    eng.flush()
+    eng.defer_rows = True
     return out
 
 
@@ -253,18 +307,8 @@ def timings(args) -> dict:
     eng.dist, eng.schedule = "gaussian", "streamed"
     # deferred embedding rows against every row, paired: each round times one step of each
     # (after a flush and an untimed step, so both carry a pending update), best and median
-    zo = zo_step_fn(m, eng, ids, mask, labels, args.batch)
-    pair: dict[bool, list] = {True: [], False: []}
-    for r in range(2 * args.reps + 1):              # round 0: warm-up
-        for flag in (True, False):
-            eng.flush()
-            eng.defer_rows = flag
-            zo()
-            t = once(zo)
-            if r:
-                pair[flag].append(t)
-    eng.flush()
-    eng.defer_rows = True
+    pair = deferral_pairs(eng, zo_step_fn(m, eng, ids, mask, labels, args.batch),
+                          2 * args.reps)
     out["deferred_pair"] = [float(np.min(pair[True])), float(np.median(pair[True])),
                             float(np.min(pair[False])), float(np.median(pair[False]))]
     out["passes"] = pass_times(eng, args.reps)

@@ -41,7 +41,6 @@ Timings on a shared machine are noisy: say so when reporting.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
@@ -212,7 +211,7 @@ def prompt_pair(args) -> dict:
     bits), timed in alternating pairs (2 x ``--reps`` rounds after a warm-up; each step after
     a flush and an untimed step, so both carry a pending update), and the task's forward."""
     import numpy as np
-    from zo_step import once
+    from zo_step import deferral_pairs
 
     from semzo.finetune.prompt import PromptTask, encode_prompts, label_word_ids
     from semzo.model import Tokenizer
@@ -238,54 +237,14 @@ def prompt_pair(args) -> dict:
     def zo():
         k[0] += 1
         eng.step_streamed(task, b, k[0], LR, n)
-    pair: dict = {True: [], False: [], "fwd": [], "p1": [], "p0": []}
-    for r in range(2 * args.reps + 1):                  # round 0: warm-up
-        for flag in (True, False):
-            eng.flush()
-            eng.defer_rows = flag
-            zo()
-            with pass_clock() as clock:
-                t = once(zo)
-            if r:
-                pair[flag].append(t)
-                pair["p1" if flag else "p0"].append(clock[0])
-        t = once(lambda: task.loss(b))
-        if r:
-            pair["fwd"].append(t)
+    pair = deferral_pairs(eng, zo, 2 * args.reps, fwd=lambda: task.loss(b))
     rows = task.stage_rows(b)[m.head_weight_name()]
     return {"n": n, "tokens": int(b[1].sum()), "padding": 1.0 - float(b[1].mean()),
             "rows": int(rows.size), "vocab": int(m.params[m.head_weight_name()].shape[0]),
             "fwd": float(np.min(pair["fwd"])),
-            "passes": [float(np.median(pair["p1"])), float(np.median(pair["p0"]))],
+            "passes": [float(np.median(pair["pass"][f])) for f in (True, False)],
             **{k: [float(np.min(pair[f])), float(np.median(pair[f]))]
                for k, f in (("deferred", True), ("every_row", False))}}
-
-
-@contextlib.contextmanager
-def pass_clock():
-    """Seconds spent in the ZO kernels' launches (``kernels.run_pass`` and ``run_spans``)
-    while the block runs, in ``clock[0]``: the parameter passes of a step without its
-    forwards, whose noise on a shared machine hides a few percent of the step."""
-    from semzo.finetune import kernels
-
-    clock = [0.0]
-    saved = {nm: getattr(kernels, nm) for nm in ("run_pass", "run_spans")}
-
-    def timed(f):
-        def g(*a, **kw):
-            t0 = time.perf_counter()
-            try:
-                return f(*a, **kw)
-            finally:
-                clock[0] += time.perf_counter() - t0
-        return g
-    for nm, f in saved.items():
-        setattr(kernels, nm, timed(f))
-    try:
-        yield clock
-    finally:
-        for nm, f in saved.items():
-            setattr(kernels, nm, f)
 
 
 def cached_stage_passes(eng, task, reps: int) -> tuple[float, float, int]:
