@@ -23,6 +23,8 @@ from semzo.model.kernels import (
     _fexp,
     _ftanh,
     _is_cpu32,
+    _key_masks,
+    _softmax_row,
     get_xp,
 )
 
@@ -117,32 +119,20 @@ def _nb_rope_split(qkv, bq, bk, bv, pos, cos, sin, nh, nkv, d, rot, q, k, v, pas
                     v[b, hh, past + t, j] = y
 
 
-@njit(fastmath=True, cache=True, nogil=True)
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def _nb_attn_softmax(s, maskf, scale, nkv, past, window):
     g_, grp, tq, tk = s.shape
+    keep = np.empty(tk, np.int32)
+    mk = np.empty(tk, np.float32)
     for gi in range(g_):
-        b = gi // nkv
+        if gi % nkv == 0:
+            _key_masks(maskf, gi // nkv, keep, mk)
         for hq in range(grp):
             for i in range(tq):
                 qi = past + i
                 hi = min(qi + 1, tk)
                 lo = max(0, qi - window + 1) if window > 0 else 0
-                m = F32(-3.0e38)
-                for j in range(lo, hi):
-                    v = s[gi, hq, i, j] if maskf[b, j] > 0 else F32(-3.0e38)
-                    m = max(m, v)
-                tot = F32(0.0)
-                for j in range(lo, hi):
-                    e = _fexp((s[gi, hq, i, j] - m) * scale) * maskf[b, j]
-                    s[gi, hq, i, j] = e
-                    tot += e
-                inv = F32(1.0) / tot if tot > 0 else F32(0.0)
-                for j in range(lo, hi):
-                    s[gi, hq, i, j] *= inv
-                for j in range(lo):
-                    s[gi, hq, i, j] = F32(0.0)
-                for j in range(hi, tk):
-                    s[gi, hq, i, j] = F32(0.0)
+                _softmax_row(s[gi, hq, i], lo, hi, keep, mk, scale)
 
 
 @njit(inline="always", fastmath=True, cache=True)
