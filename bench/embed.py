@@ -232,6 +232,7 @@ def main() -> int:
     path = default_model_path()
     set_threads(nt)
     model = load_model(path)
+    model.inference_layout()         # as the embed stage does
     tok = Tokenizer.from_folder(path)
     seqs = tok.encode_batch(docs)
     ntok = sum(len(s) for s in seqs)

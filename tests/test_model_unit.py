@@ -219,6 +219,40 @@ def test_encoder_skips_padding(minilm, tok, monkeypatch):
     assert seen == [full.size] * minilm.config.num_layers
 
 
+def test_inference_layout_same_bits(minilm, tok):
+    """inference_layout stores the block projection weights in Fortran order, so the GEMM
+    operand W.T is C-contiguous: same names, shapes and values, bit-identical hidden states
+    (padded batch, packed rows, thread split) and pooled embeddings; the ZO kernels refuse the
+    laid-out tensors instead of perturbing a copy."""
+    from semzo.finetune.perturb import perturb
+    from semzo.model.kernels import set_threads
+    model = load_model()
+    assert model.inference_layout() is True
+    assert list(model.params) == list(minilm.params)
+    moved = [n for n, a in model.params.items() if not a.flags.c_contiguous]
+    assert len(moved) == 6 * minilm.config.num_layers
+    for n in moved:                 # Q, K, V: row blocks of the fused (3H, H) buffer
+        a = model.params[n]
+        assert np.array_equal(a, minilm.params[n])
+        assert a.T.flags.c_contiguous or ".attention.self." in n
+    assert all(w.T.flags.c_contiguous for w, _, _ in model._fused)
+    texts = [SENTENCES[0], SENTENCES[1] * 3, "short", SENTENCES[2] + " " + SENTENCES[3]]
+    ids, mask = tok.pad(tok.encode_batch(texts))
+    for threads in (1, 2):
+        set_threads(threads)
+        try:
+            assert np.array_equal(model.hidden_states(ids, mask), minilm.hidden_states(ids, mask))
+            assert np.array_equal(model.embed(ids, mask), minilm.embed(ids, mask))
+        finally:
+            set_threads(1)
+    w = model.params[moved[0]]
+    before = w.copy()
+    with pytest.raises(ValueError, match="C-contiguous"):
+        perturb([(0, w)], seed=1, scale=1e-3)
+    assert np.array_equal(w, before)
+    assert load_model(dtype="bfloat16").inference_layout() is False
+
+
 # ----------------------------------------------------------------------------- parameters
 
 def test_parameter_collection_contract(minilm):

@@ -134,6 +134,7 @@ def run_embed_stage(ctx) -> dict:
                          f"got a {model.kind}")
         err.all_ranks = True
         raise err
+    model.inference_layout()    # transposed projection weights: faster GEMMs, same bits
     tok = Tokenizer.from_folder(model_path, max_length=deck.model.max_length)
     set_threads(ctx.threads)    # a rank owning several cores splits each batch over them
     t0 = time.perf_counter()
