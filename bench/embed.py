@@ -7,7 +7,8 @@ holding only "%"), a fixed random sample of N quotes. Prints documents per secon
 of --repeat timed passes, runs interleaved, plus the range), their ratio, semzo's achieved
 GFLOP/s (multiply-adds of the padded batches it ran) against a measured NumPy float32 sgemm of
 a similar shape, the smallest cosine between semzo's and each peer's embeddings, and the best
-time of a fixed 16 x 64 forward of each.
+time of a fixed 16 x 64 forward of each. ``--profile REPS``: where that forward's CPU time goes,
+part by part, for semzo and for ONNX Runtime (from its own per-node profile).
 
 ONNX Runtime: the transformers BertModel of the same folder (eager attention by default,
 ``--ort-attention sdpa`` for the other export) exported by
@@ -49,6 +50,10 @@ def parse() -> argparse.Namespace:
                          "ran faster in ONNX Runtime here than sdpa)")
     ap.add_argument("--forward-reps", type=int, default=10,
                     help="timed 16x64 forward passes of each, same batch (default 10; 0: skip)")
+    ap.add_argument("--profile", type=int, default=0, metavar="REPS",
+                    help="also print where the 16x64 forward's CPU time goes, for semzo (its "
+                         "kernels timed by wrappers) and ONNX Runtime (its own per-node "
+                         "profile), over REPS forwards each (default 0: skip)")
     return ap.parse_args()
 
 
@@ -195,9 +200,7 @@ def fixed_batch_forward(model, st, sess, reps: int) -> tuple[dict, dict]:
     sentence-transformers, and the ONNX Runtime session, interleaved. The CPU time (all
     threads of the process) moves much less than the wall time when other processes load the
     machine; a spinning thread pool (torch, ONNX Runtime) counts its spinning in it."""
-    rng = np.random.default_rng(1)
-    ids = rng.integers(1000, model.config.vocab_size, size=(16, 64))
-    mask = np.ones_like(ids)
+    ids, mask = _forward_batch(model)
     wall: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
 
@@ -223,6 +226,112 @@ def fixed_batch_forward(model, st, sess, reps: int) -> tuple[dict, dict]:
             timed("onnxruntime", lambda: sess.run(None, feed))
             time.sleep(SWITCH_PAUSE)
     return ({k: min(v[1:]) for k, v in wall.items()}, {k: min(v[1:]) for k, v in cpu.items()})
+
+
+def _forward_batch(model):
+    """The fixed 16 x 64 batch of :func:`fixed_batch_forward` (no padding)."""
+    rng = np.random.default_rng(1)
+    ids = rng.integers(1000, model.config.vocab_size, size=(16, 64))
+    return ids, np.ones_like(ids)
+
+
+def profile_semzo(model, reps: int, nt: int) -> dict:
+    """Seconds per 16 x 64 forward in each part of semzo's encoder blocks: every kernel the
+    blocks call is wrapped to add its thread's CPU time (``time.thread_time``), summed over the
+    split's threads and divided by their number ``nt`` (the threads run each part side by
+    side, so this is the part's share of the wall time); the rest of the process CPU time is
+    "other" (embeddings, packing, Python glue, thread hand-offs)."""
+    import threading
+
+    import semzo.model.encoder as enc
+    ids, mask = _forward_batch(model)
+    acc: dict[str, float] = {}
+    lock, local = threading.Lock(), threading.local()
+
+    def wrap(name, f):
+        def g(*a, **k):
+            if getattr(local, "inside", False):         # a GEMM inside the QKV projection
+                return f(*a, **k)
+            t0 = time.thread_time()
+            local.inside = name == "projection GEMMs"
+            try:
+                return f(*a, **k)
+            finally:
+                local.inside = False
+                with lock:
+                    acc[name] = acc.get(name, 0.0) + time.thread_time() - t0
+        return g
+
+    saved = {n: getattr(enc, n) for n in ("matmul_into", "masked_softmax", "bias_act",
+                                          "bias_residual_layernorm")}
+    qkv, proj = enc.Encoder._qkv, enc.Encoder._proj
+    try:
+        enc.matmul_into = wrap("attention products", saved["matmul_into"])
+        enc.masked_softmax = wrap("softmax", saved["masked_softmax"])
+        enc.bias_act = wrap("bias + GELU", saved["bias_act"])
+        enc.bias_residual_layernorm = wrap("bias + residual + LayerNorm",
+                                           saved["bias_residual_layernorm"])
+        enc.Encoder._qkv = wrap("projection GEMMs", qkv)
+        enc.Encoder._proj = wrap("projection GEMMs", proj)
+        model.hidden_states(ids, mask)
+        acc.clear()
+        c0 = time.process_time()
+        for _ in range(reps):
+            model.hidden_states(ids, mask)
+        total = time.process_time() - c0
+    finally:
+        for n, f in saved.items():
+            setattr(enc, n, f)
+        enc.Encoder._qkv, enc.Encoder._proj = qkv, proj
+    out = {k: v / reps / nt for k, v in acc.items()}
+    out["other"] = max(total / reps / nt - sum(out.values()), 0.0)
+    out["total"] = total / reps / nt
+    return out
+
+
+def profile_ort(onnx_path: str, nt: int, model, reps: int) -> dict:
+    """Seconds per 16 x 64 forward in each ONNX Runtime operator, from the session's own
+    profile (``enable_profiling``: each node's kernel time, wall clock, its intra-op threads
+    working on it together), with the MatMul nodes split into the projections and the
+    attention products by node name."""
+    import json
+
+    import onnxruntime as ort
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = nt
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.enable_profiling = True
+    so.profile_file_prefix = os.path.join(os.path.dirname(onnx_path), "profile")
+    sess = ort.InferenceSession(onnx_path, so, providers=["CPUExecutionProvider"])
+    ids, mask = _forward_batch(model)
+    feed = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
+    for _ in range(reps):
+        sess.run(None, feed)
+    with open(sess.end_profiling()) as f:
+        events = json.load(f)
+    acc: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+            continue
+        op = e["args"].get("op_name", "?")
+        if op == "MatMul":
+            attn = "/attention/self/MatMul" in e["name"]
+            op = "attention products" if attn else "projection GEMMs"
+        elif op == "FusedMatMul":
+            op = "attention products"
+        acc[op] = acc.get(op, 0.0) + e["dur"] * 1e-6
+    out = {k: v / reps for k, v in sorted(acc.items(), key=lambda kv: -kv[1])}
+    out["total"] = sum(out.values())
+    return out
+
+
+def print_profile(name: str, prof: dict) -> None:
+    tot = prof["total"]
+    parts = [f"{k} {v * 1e3:.1f} ms ({v / tot:.0%})" for k, v in prof.items()
+             if k != "total" and v * 1e3 >= 0.05]
+    print(f"  {name} (total {tot * 1e3:.1f} ms): " + ", ".join(parts))
 
 
 def main() -> int:
@@ -326,6 +435,16 @@ def main() -> int:
             if k != "semzo":
                 print(f"forward ratio semzo / {k}: {v / fw['semzo']:.2f}x wall "
                       f"(goal >= 1.0x), {fc[k] / fc['semzo']:.2f}x CPU time")
+    if ARGS.profile:
+        print(f"where the 16x64 forward's time goes (per forward, mean of {ARGS.profile}, "
+              f"{nt} threads):")
+        with threadpool_limits(limits=nt):
+            print_profile("semzo (CPU time of each part / threads)",
+                          profile_semzo(model, ARGS.profile, nt))
+            if sess is not None:
+                print_profile("onnxruntime (its per-node profile: kernel wall time)",
+                              profile_ort(os.path.join(tmp.name, "model.onnx"), nt, model,
+                                          ARGS.profile))
     print("note: the machine is shared; timings are noisy, compare within one run")
     return 0
 
