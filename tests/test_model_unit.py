@@ -455,15 +455,17 @@ def test_token_nll_kernel_and_thread_independent_loss(tmp_path):
     rng = np.random.default_rng(8)
     z = (rng.standard_normal((37, 1001)) * 4).astype(np.float32)
     z[5, 17] = z[5, 3] = z[5].max() + 1                    # a tie: the first index wins
+    z[6, 4] = z[6, 9] = z[6].max() + 1
     lab = rng.integers(0, 1001, 37)
-    lab[5] = 17
+    lab[5], lab[6] = 17, 4
     nll, hit = np.empty(37), np.empty(37)
     token_nll(z, lab, nll, hit)
     zz = z.astype(np.float64)
     m = zz.max(1)
     ref = m + np.log(np.exp(zz - m[:, None]).sum(1)) - zz[np.arange(37), lab]
     assert np.max(np.abs(nll - ref) / np.abs(ref)) < 1e-13
-    assert np.array_equal(hit, (np.argmax(z, 1) == lab).astype(np.float64)) and hit[5] == 0
+    assert np.array_equal(hit, (np.argmax(z, 1) == lab).astype(np.float64))
+    assert hit[5] == 0 and hit[6] == 1
     # a NaN or +inf logit gives NaN (the ZO loop skips such steps); a -inf target, +inf
     z[1, 9], z[2, 9] = np.nan, np.inf
     z[3, lab[3]] = -np.inf

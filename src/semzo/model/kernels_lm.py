@@ -16,6 +16,7 @@ import numpy as np
 from numba import njit
 
 from semzo.model.kernels import (
+    _KEY_MIN,
     SAFE_FAST,
     _dexp,
     _f32,
@@ -24,6 +25,8 @@ from semzo.model.kernels import (
     _ftanh,
     _is_cpu32,
     _key_masks,
+    _key_value,
+    _order_key,
     _softmax_row,
     get_xp,
 )
@@ -297,21 +300,29 @@ def gated_act(gu, bg, bu, act: str, out):
 def _nb_token_nll(z, labels, nll, hit):
     """Per row of float32 logits z (N, V): nll[i] = logsumexp(z[i]) - z[i, labels[i]] and
     hit[i] = 1.0 when labels[i] is the first maximal index, else 0.0 (float64 arithmetic).
-    Labels were checked by the caller."""
+    Labels were checked by the caller. The row max is taken over integer order keys (a
+    vectorized reduction); the first maximal index is searched only when the label's logit
+    equals the max. A NaN logit gives a NaN loss."""
     n, v = z.shape
     for i in range(n):
-        m = z[i, 0]
-        am = 0
-        for j in range(1, v):
-            if z[i, j] > m:
-                m = z[i, j]
-                am = j
+        row = z[i]
+        best = np.int64(_KEY_MIN)
+        for j in range(v):
+            best = max(best, _order_key(row[j]))
+        m = _key_value(best)
+        lab = labels[i]
+        first = row[lab] == m
+        if first:
+            for j in range(lab):
+                if row[j] == m:
+                    first = False
+                    break
         m64 = np.float64(m)
         s = 0.0
         for j in range(v):
-            s += _dexp(np.float64(z[i, j]) - m64)
-        nll[i] = m64 + math.log(s) - np.float64(z[i, labels[i]])
-        hit[i] = 1.0 if am == labels[i] else 0.0
+            s += _dexp(np.float64(row[j]) - m64)
+        nll[i] = m64 + math.log(s) - np.float64(row[lab])
+        hit[i] = 1.0 if first else 0.0
 
 
 def token_nll(z, labels, nll, hit) -> None:
