@@ -449,6 +449,45 @@ def test_decoder_loss_matches_logits_and_prefix(tmp_path):
     assert np.max(np.abs(short[0] - za[2, :3])) < 1e-5
 
 
+def test_gpt2_decoder_skips_padding(tmp_path, monkeypatch):
+    """With at least 1/16 of a batch's tokens padding, the GPT-2 decoder's blocks run their
+    projections on the real tokens only (packed at stage 0): that many rows reach every
+    block's c_attn projection; real tokens' hidden states and the next-token loss equal the
+    padded computation's within float32 rounding; padded positions come out zero; the
+    staged forward equals the one-call forward bit for bit; a batch without padding is not
+    packed, and a row block of padding only is computed without error."""
+    model = load_model(tiny_gpt2(tmp_path / "g"))
+    rng = np.random.default_rng(6)
+    ids = rng.integers(0, 97, size=(4, 12))
+    mask = np.ones((4, 12), np.int64)
+    mask[1, 5:] = 0
+    mask[3, 2:] = 0
+    seen = []
+    proj = model._proj
+    monkeypatch.setattr(model, "_proj", lambda x, mod, out: (
+        seen.append(x.shape[0]) if mod.endswith("attn.c_attn") else None, proj(x, mod, out))[1])
+    packed = model.hidden_states(ids, mask)
+    assert seen == [int(mask.sum())] * model.config.num_layers
+    loss = model.next_token_loss(ids, mask)
+    assert np.array_equal(model.stage_hidden_states(ids, mask), packed)
+    v = mask.astype(bool)
+    assert not packed[~v].any()
+    seen.clear()
+    monkeypatch.setattr(model, "pack_min_share", 2.0)           # never pack
+    padded = model.hidden_states(ids, mask)
+    assert seen == [mask.size] * model.config.num_layers
+    assert np.allclose(packed[v], padded[v], rtol=1e-5, atol=1e-6)
+    assert abs(model.next_token_loss(ids, mask) - loss) < 1e-6 * max(1.0, abs(loss))
+    monkeypatch.setattr(model, "pack_min_share", 1 / 16)
+    seen.clear()
+    model.hidden_states(ids, np.ones_like(mask))
+    assert seen == [mask.size] * model.config.num_layers
+    none = np.zeros_like(mask)
+    none[0, 0] = 1
+    out = model.hidden_states(ids[1:], none[1:])                 # no real token at all
+    assert out.shape == (3, 12, model.config.hidden_size) and not out.any()
+
+
 def test_token_nll_kernel_and_thread_independent_loss(tmp_path):
     from semzo.model.kernels_lm import token_nll
 

@@ -372,8 +372,9 @@ class TransformerBase:
         skipping them changes a real row by float32 rounding at most, and not at all where a
         GEMM row does not depend on the rows around it (OpenBLAS's AVX-512 kernels on
         products of an LLM's sizes; docs/guide.md, "BLAS kernels"). On the GPU this reads
-        the mask's count once per batch. Used by the decoder forward (:class:`CausalLM`) and
-        the encoder's blocks on the CPU (:class:`Encoder`)."""
+        the mask's count once per batch. Used by the decoder forwards (:class:`CausalLM`;
+        GPT-2's :class:`Decoder` on the CPU) and the encoder's blocks on the CPU
+        (:class:`Encoder`)."""
         xp = self.xp
         real = (qmask > 0).reshape(-1)
         n = real.shape[0]

@@ -77,51 +77,77 @@ class Decoder(TransformerBase):
     def _stage_run(self, k: int, part: dict) -> None:
         """Stage k on one row block. The residual stream ``x`` and the last sub-block's output
         with its bias added (``pend``, not yet in ``x``) travel between stages, so the next
-        block's ``ln_1`` (or ``ln_f``) is read by the stage it belongs to."""
+        block's ``ln_1`` (or ``ln_f``) is read by the stage it belongs to.
+
+        Padding skipped (CPU, as :class:`~semzo.model.encoder.Encoder` and ``CausalLM``):
+        when at least :attr:`pack_min_share` of the rows are padding, stage 0 packs the real
+        tokens' rows (:meth:`_pack_rows`, kept in ``part["rows"]``) and ``x`` and ``pend``
+        hold those rows only; attention runs on the padded layout (padded q, k, v zero,
+        padded keys masked as before); the last stage writes the real rows of ``out`` and
+        zeros elsewhere. A real token changes by float32 rounding at most."""
         xp, cfg, p, pre = self.xp, self.config, self.fparam, self.prefix
         bsz, t, ids, maskf = part["b"], part["t"], part["ids"], part["maskf"]
         n, h, nh, d = bsz * t, cfg.hidden_size, cfg.num_heads, cfg.head_dim
         dt, eps = self.dtype, cfg.layer_norm_eps
         zero = xp.zeros(h, dtype=dt)
         if k == 0:
-            part["x"] = x = xp.empty((n, h), dtype=dt)        # residual stream
+            x = xp.empty((n, h), dtype=dt)        # residual stream
             embed_sum(ids, self.params[f"{pre}wte.weight"], self.params[f"{pre}wpe.weight"],
                       zero, x)
+            rows = self._pack_rows(maskf) if xp is np else None
+            part["rows"] = rows
+            part["x"] = x if rows is None else x[rows]
             part["pend"] = None
             return
-        x, pend = part["x"], part["pend"]
+        x, pend, rows = part["x"], part["pend"], part.get("rows")
+        nr = x.shape[0]
         if k == cfg.num_layers + 1:
-            out = xp.empty((n, h), dtype=dt)
+            out = xp.empty((nr, h), dtype=dt)
             if pend is None:
                 layernorm(x, p(f"{pre}ln_f.weight"), p(f"{pre}ln_f.bias"), eps, out=out)
             else:
                 bias_residual_layernorm(pend, zero, x, p(f"{pre}ln_f.weight"),
                                         p(f"{pre}ln_f.bias"), eps, out=out)
+            if rows is not None:
+                full = xp.zeros((n, h), dtype=dt)
+                full[rows] = out
+                out = full
             part["out"] = out.reshape(bsz, t, h)
+            return
+        if nr == 0:                               # padding only: nothing to compute
             return
         bufs = part["bufs"]
         if bufs[0] is None:
             bufs[0] = (*self._layer_buffers(bsz, t), xp.empty((n, h), dtype=dt))
         qkv, scores, ctx, tmp, inter, scale, s4, a = bufs[0]
+        a, tmp, inter = a[:nr], tmp[:nr], inter[:nr]
         pl = f"{pre}h.{k - 1}."
         if pend is None:
             layernorm(x, p(f"{pl}ln_1.weight"), p(f"{pl}ln_1.bias"), eps, out=a)
         else:
             bias_residual_layernorm(pend, zero, x, p(f"{pl}ln_1.weight"), p(f"{pl}ln_1.bias"),
                                     eps, out=a)
-        self._proj(a, f"{pl}attn.c_attn", qkv)
-        qkv += p(f"{pl}attn.c_attn.bias")
+        if rows is None:
+            self._proj(a, f"{pl}attn.c_attn", qkv)
+            qkv += p(f"{pl}attn.c_attn.bias")
+        else:
+            qkv_r = xp.empty((nr, 3 * h), dtype=dt)
+            self._proj(a, f"{pl}attn.c_attn", qkv_r)
+            qkv_r += p(f"{pl}attn.c_attn.bias")
+            qkv[...] = 0.0                        # padded q, k, v: zero
+            qkv[rows] = qkv_r
         q5 = qkv.reshape(bsz, t, 3, nh, d)
         matmul_into(q5[:, :, 0].transpose(0, 2, 1, 3), q5[:, :, 1].transpose(0, 2, 3, 1), s4)
         masked_softmax(scores, maskf, self.attn_scale(k - 1, scale), nh, causal=True)
         matmul_into(s4, q5[:, :, 2].transpose(0, 2, 1, 3), ctx.transpose(0, 2, 1, 3))
-        self._proj(ctx.reshape(n, h), f"{pl}attn.c_proj", tmp)
+        c = ctx.reshape(n, h)
+        self._proj(c if rows is None else c[rows], f"{pl}attn.c_proj", tmp)
         bias_residual_layernorm(tmp, p(f"{pl}attn.c_proj.bias"), x, p(f"{pl}ln_2.weight"),
                                 p(f"{pl}ln_2.bias"), eps, out=a)
         self._proj(a, f"{pl}mlp.c_fc", inter)
         bias_act(inter, p(f"{pl}mlp.c_fc.bias"), cfg.hidden_act)
         if pend is None:
-            part["pend"] = pend = xp.empty((n, h), dtype=dt)
+            part["pend"] = pend = xp.empty((nr, h), dtype=dt)
         self._proj(inter, f"{pl}mlp.c_proj", pend)
         pend += p(f"{pl}mlp.c_proj.bias")
 
