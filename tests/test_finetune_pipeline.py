@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -212,6 +213,9 @@ def test_finetune_stage_offloaded_without_prefix_cache(run):
                             "--set", "zo.checksum_every=5", "--set", "zo.schedule=streamed",
                             "--set", "zo.offload=host", *COMMON], timeout=180, env=ENV))
     assert "no frozen-prefix cache, every step streams the whole model" in proc.stderr
+    slots = re.search(r"simulated device \(zo.offload = \"host\" on the CPU\): stage slots "
+                      r"([0-9.]+) MiB", proc.stderr)
+    assert slots and float(slots.group(1)) > 0, proc.stderr[-2000:]
     assert "computed once per text" not in proc.stderr
     want = [r for r in _metrics(tmp / "metrics_first.csv") if r["kind"] == "eval"]
     got = [r for r in _metrics(out / "metrics.csv") if r["kind"] == "eval"]

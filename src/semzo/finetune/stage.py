@@ -331,6 +331,7 @@ def run_finetune_stage(ctx) -> dict:
     ran = state.step - first_step
     log.info("finetune: %d steps in %.1f s (%.2f steps/s), %d skipped", ran, secs,
              ran / max(secs, 1e-9), state.skips)
+    _log_device_memory(ctx, topo, engine, model)
     log.info("HELD-OUT %s before %.4f -> after %.4f (%+.2f points); loss %.4f -> %.4f "
              "(%d samples)", what.upper(), before[1], after[1], 100 * (after[1] - before[1]),
              before[0], after[0], after[2])
@@ -340,6 +341,31 @@ def run_finetune_stage(ctx) -> dict:
     if resumed_from is not None:
         out["resumed from step"] = resumed_from
     return out
+
+
+def _log_device_memory(ctx, topo, engine, model) -> None:
+    """One line on the device memory the run held, the largest rank's (collective): on a GPU
+    the high-water mark of CuPy's memory pool (the pool keeps freed blocks, so this bounds the
+    peak from above), the parameters held there, and with ``zo.offload = "host"`` the stage
+    slots (stage 0, the last stage, two blocks); on the CPU with offload, the simulated
+    device's slots."""
+    from mpi4py import MPI
+
+    store = engine.store
+    slots = store.device_bytes() if getattr(store, "offloads", False) else 0
+    gpu = ctx.xp is not np
+    pool = int(ctx.xp.get_default_memory_pool().total_bytes()) if gpu else 0
+    params = sum(int(a.nbytes) for a in model.params.values() if not isinstance(a, np.ndarray))
+    buf = np.array([pool, params, slots], np.int64)
+    topo.allreduce(buf, op=MPI.MAX)
+    mib = 2.0 ** 20
+    if gpu:
+        log.info("finetune: device memory (largest rank): pool high-water %.1f MiB, "
+                 "parameters resident %.1f MiB%s", buf[0] / mib, buf[1] / mib,
+                 f", offload stage slots {buf[2] / mib:.1f} MiB" if buf[2] else "")
+    elif buf[2]:
+        log.info("finetune: simulated device (zo.offload = \"host\" on the CPU): stage slots "
+                 "%.1f MiB (largest rank)", buf[2] / mib)
 
 
 # ----------------------------------------------------------------------------- checkpoints
