@@ -186,7 +186,7 @@ def test_check_on_cpu(tmp_path, kit):
     proc = _check(out, "all", KIT=str(kit), PREFIX=str(prefix),
                   SEMZO_GPU_KIT_PYTEST_ARGS="-k test_forward_harness_on_cpu",
                   SEMZO_GPU_KIT_BENCH_ARGS="--only minilm_forward_f16,kmeans_vs_torch_floor,"
-                                           "offload_vs_resident,largest_model")
+                                           "zo_pass_gpu,offload_vs_resident,largest_model")
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = sorted(p.name for p in out.iterdir())
     assert names == ["bench.jsonl", "bench.log", "env.txt", "setup.log", "summary.md",
@@ -199,8 +199,8 @@ def test_check_on_cpu(tmp_path, kit):
     assert "2 passed, 0 failed" in summary
     bench = [json.loads(ln) for ln in (out / "bench.jsonl").read_text().splitlines()]
     by = {r["name"]: r for r in bench}
-    assert set(by) == {"minilm_forward_f16", "kmeans_vs_torch_floor", "offload_vs_resident",
-                       "largest_model"}
+    assert set(by) == {"minilm_forward_f16", "kmeans_vs_torch_floor", "zo_pass_gpu",
+                       "offload_vs_resident", "largest_model"}
     for name, rec in by.items():
         assert rec["ours_s"] > 0 and rec["peer_s"] > 0, rec
         assert f"| {name} | " in summary

@@ -376,6 +376,8 @@ def cmd_run(args) -> None:
         ]
     if feats["demo_llm"] and (smol / "config.json").is_file():
         items.append(("demo_llm_gpu", lambda: bench_demo_llm(args, dev, smol), None))
+    if (ROOT / "bench" / "zo_pass.py").is_file():
+        items.append(("zo_pass_gpu", lambda: bench_zo_pass(args, dev), "<= 1.2"))
     if feats["offload"] and (ROOT / "bench" / "zo_offload.py").is_file():
         items += [("offload_vs_resident", lambda: bench_offload(args, dev), "<= 1.10"),
                   ("largest_model", lambda: bench_largest(args, dev), None)]
@@ -447,6 +449,27 @@ def bench_demo_llm(args, dev, smol: Path) -> dict:
         raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-300:]}")
     return {"ours_s": wall, "peer_s": wall, "ratio": 1.0, "ratio_is": "wall time only",
             "note": "demo-llm deck, 20 steps, 2 ranks, random SmolLM2 weights"}
+
+
+def bench_zo_pass(args, dev) -> dict:
+    """Issue 15's generator goal on the device: one pass that generates Gaussian z against the
+    plain read-modify-write pass over the same bytes (bench/zo_pass.py), float32 and
+    bfloat16; goal <= 1.2. The note gives Gaussian-fast and Rademacher."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import zo_pass
+    notes, first = [], None
+    n, reps = (1 << 20, 3) if dev.cpu else (1 << 28, 7)
+    for dtype in ("float32",) if dev.cpu else ("float32", "bfloat16"):
+        res = zo_pass.cpu_passes(n, 1, reps)[0] if dev.cpu else \
+            zo_pass.gpu_passes(n, reps, dtype)
+        best = {k: min(v) for k, v in res.items()}
+        plain = best["plain (no z)"]
+        first = first or (best["gaussian"], plain)
+        notes.append(f"{dtype}: plain {plain * 1e3:.3f} ms, " + ", ".join(
+            f"{k} {best[k] / plain:.2f}x" for k in ("gaussian", "gaussian-fast", "rademacher")))
+    return {"ours_s": first[0], "peer_s": first[1], "ratio": first[0] / first[1],
+            "ratio_is": "ours/peer (float32 Gaussian pass / plain pass)",
+            "note": f"{n} elements, best of {reps}; " + "; ".join(notes)}
 
 
 def _zo_offload(dev, extra: list[str]) -> list[dict]:
