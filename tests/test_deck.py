@@ -150,3 +150,26 @@ def test_demo_decks_are_valid(tmp_path):
                           ["run.stages=[\"topology\"]"])
         assert d.run.output_dir
         assert Path(deck).read_text().count("[") >= 1
+
+
+@pytest.mark.parametrize("config,want", [
+    ("{not json", "config.json: cannot read"),
+    ('{"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]}', "t5"),
+    (('{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 10, '
+     '"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 3, '
+     '"num_key_value_heads": 2, "intermediate_size": 16}'), "num_key_value_heads"),
+], ids=["not json", "unsupported architecture", "bad values"])
+@pytest.mark.parametrize("stages", ['["embed"]', '["finetune"]'])
+def test_model_config_is_read_when_the_deck_is_checked(corpus, tmp_path, config, want,
+                                                       stages):
+    """model.path's config.json is parsed with the deck (before any stage writes a file):
+    not JSON, an architecture semzo does not run or values it refuses give one line naming
+    model.path, for the embed stage (which would otherwise have sharded with the packaged
+    MiniLM instead) and for the finetune stage alone."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(config)
+    with pytest.raises(DeckError, match=r"^x.toml: model.path: ") as exc:
+        deckmod.build({"corpus": {"path": str(corpus)}}, "x.toml",
+                      [f"model.path={folder}", f"run.stages={stages}"])
+    assert want in str(exc.value) and "\n" not in str(exc.value)

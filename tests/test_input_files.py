@@ -120,3 +120,65 @@ def test_offsets_error_accepts_exactly_sorted_offsets_in_range(offs, hi):
     ok = all(0 <= v <= hi for v in offs) and all(x <= y for x, y in itertools.pairwise(offs))
     assert (offsets_error("f.h5", "o", a, 0, hi) is None) == ok
     assert offsets_error("f.h5", "o", a.astype(np.float64), 0, hi) is not None
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+
+
+def _folder(path):
+    path.unlink()
+    path.mkdir()
+
+
+# (stage, file damaged, how, extra --set overrides, text of the one error line)
+FILE_CASES = {
+    "cluster: embeddings.h5 missing": (
+        "cluster", "embeddings.h5", lambda p: p.unlink(), [],
+        "embeddings.h5: not found (run the embed stage first)"),
+    "cluster: embeddings.h5 is a folder": (
+        "cluster", "embeddings.h5", _folder, [], "embeddings.h5: not a regular file"),
+    "place: clusters.h5 truncated": (
+        "place", "clusters.h5", _truncate, [], "clusters.h5: HDF5 cannot open it"),
+    "place: clusters.h5 not HDF5": (
+        "place", "clusters.h5", lambda p: p.write_bytes(b"x" * 700), [],
+        "clusters.h5: not an HDF5 file"),
+    "cluster: an embedding is NaN": (
+        "cluster", "embeddings.h5", lambda p: _set(p, "embeddings", (3, 3), np.nan), [],
+        "embeddings.h5: dataset embeddings: row 3 is not finite"),
+    "place: clusters.h5 made from another embeddings.h5": (
+        "place", "embeddings.h5", lambda p: _set(p, "@semzo_file_id", None, "0" * 32), [],
+        "clusters.h5 was made from another embeddings.h5 than the one beside it"),
+    "place: cluster.k changed since the cluster stage": (
+        "place", "clusters.h5", lambda p: None, ["--set", f"cluster.k={K + 1}"],
+        (f"cluster.k = {K + 1}, but {{d}}/clusters.h5 was made with cluster.k = {K}: rerun the "
+        "cluster stage")),
+    "cluster: corpus.max_records changed since the embed stage": (
+        "cluster", "embeddings.h5", lambda p: None, ["--set", f"corpus.max_records={N // 2}"],
+        (f"corpus.max_records = {N // 2}, but {{d}}/embeddings.h5 was made with "
+        f"corpus.max_records = {N}: rerun the embed stage")),
+}
+
+
+@pytest.mark.parametrize("case", list(FILE_CASES))
+def test_missing_damaged_or_stale_input_file_is_one_clean_error(good, tmp_path, case):
+    """A stage input that is missing, not a file, not HDF5 or truncated, holds a NaN
+    embedding, was made from another upstream file, or was made with other values of the
+    keys of the stage that wrote it (a stage rerun alone after a deck change): exit 2, one
+    line naming the file (and the key), no traceback, and the stage's output not written."""
+    stage, fname, damage, extra, want = FILE_CASES[case]
+    d = tmp_path / "run"
+    shutil.copytree(good, d)
+    out = d / {"cluster": "clusters.h5", "place": "shards.h5"}[stage]
+    out.unlink()
+    damage(d / fname)
+    proc = mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml", "--set", f"run.output_dir={d}",
+                      "--set", f"run.stages=[\"{stage}\"]", "--set", f"cluster.k={K}",
+                      "--set", f"corpus.max_records={N}", *TOPO, *extra], timeout=180)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert want.format(d=d) in errors[0], errors
+    assert "Traceback" not in proc.stderr and "Segmentation" not in proc.stderr
+    assert not out.exists() and not out.with_name(out.name + ".tmp").exists()

@@ -510,6 +510,8 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
             _check_model_path(d, d.model.path, "model.path")
         if d.embed.model:
             _check_model_path(d, d.embed.model, "embed.model")
+    elif check_inputs and "finetune" in d.run.stages and d.model.path:
+        _check_model_path(d, d.model.path, "model.path")
     if "{text}" not in d.prompt.template:
         raise DeckError(f"{d.source}: prompt.template: must contain {{text}} (where each text "
                         f"goes), got {d.prompt.template!r}")
@@ -527,6 +529,19 @@ def _check_model_path(d: Deck, path: str, key: str) -> None:
         raise DeckError(f"{d.source}: {key}: {exc}") from None
     if not (folder / "config.json").is_file():
         raise DeckError(f"{d.source}: {key}: no config.json in folder {path}")
+    # config.json is read now (not when the stage that loads the model starts, after earlier
+    # stages wrote their files): unreadable, an unsupported architecture or bad values
+    from .model import families
+    from .model.config import read_config, read_raw
+    try:
+        raw = read_raw(folder)
+        fam = families.find(raw)
+        if fam is not None:
+            families.read_spec(fam, raw, folder / "config.json")
+        else:
+            read_config(folder)
+    except SemzoError as exc:
+        raise DeckError(f"{d.source}: {key}: {exc}") from None
 
 
 def check_world(d: Deck, size: int) -> None:

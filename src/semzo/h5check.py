@@ -15,6 +15,10 @@ rank) but go through :func:`agree` too.
 
 from __future__ import annotations
 
+import os
+import tomllib
+from collections.abc import Sequence
+
 import numpy as np
 
 from .runtime import SemzoError
@@ -60,6 +64,22 @@ def range_error(path, name: str, a: np.ndarray, lo: int, hi: int | None, *, row0
             f"{f' ({what})' if what else ''}: {DAMAGED}")
 
 
+def finite_error(path, name: str, a: np.ndarray, *, row0: int = 0) -> str | None:
+    """None if every value of ``a`` (floats, rows from ``row0``) is finite."""
+    a = np.asarray(a)
+    if a.dtype.kind != "f":
+        return f"{path}: dataset {name}: expected floats, got {a.dtype} ({DAMAGED})"
+    if a.size == 0:
+        return None
+    bad = ~np.isfinite(a)
+    if not bad.any():
+        return None
+    if bad.ndim > 1:
+        bad = bad.reshape(bad.shape[0], -1).any(axis=1)
+    i = _first(bad)
+    return f"{path}: dataset {name}: row {row0 + i} is not finite (NaN or Inf): {DAMAGED}"
+
+
 def offsets_error(path, name: str, offs: np.ndarray, lo: int, hi: int, *,
                   row0: int = 0) -> str | None:
     """None if ``offs`` (integers) is non-decreasing and within ``[lo, hi]``."""
@@ -102,3 +122,52 @@ def attr_int(path, f, name: str) -> tuple[int | None, str | None]:
     if iv < 0 or iv != v:
         return None, f"{path}: attribute {name}: {v!r} is not a non-negative integer: {DAMAGED}"
     return iv, None
+
+
+#: deck keys of the stage that made a file, checked by the next stage when it reads the file:
+#: a stage run alone (``run.stages``) after one of them changed would otherwise ignore the
+#: change silently and store a deck in its own output that its data were not made with. Keys
+#: of stages further up are left alone (a fine-tuning run may name another corpus or model
+#: than the sharding stages used: it reads only shards.h5); the file ids catch a file made
+#: again upstream.
+CORPUS_KEYS = ("corpus.path", "corpus.max_records", "corpus.labels")
+CLUSTER_KEYS = ("cluster.k", "cluster.max_iter", "cluster.tol", "cluster.spherical",
+                "cluster.oversampling", "cluster.init_rounds", "cluster.algorithm")
+SHARD_KEYS = ("place.mode", "place.balance_tol")
+
+
+def _same_path(a, b) -> bool:
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(str(a), str(b))
+    except (OSError, TypeError, ValueError):
+        return False
+
+
+def deck_drift(path, stored, deck, keys: Sequence[str], hint: str) -> str | None:
+    """None if each ``section.key`` of ``keys`` has the same value in ``deck`` as in the deck
+    ``path`` was made with (``stored``: its ``semzo_deck`` attribute, TOML); else one line
+    naming the first key that differs and what to do (``hint``). A key the stored deck lacks
+    (a file from an older semzo) is not compared; paths that name the same file are equal."""
+    if isinstance(stored, bytes):
+        stored = stored.decode("utf-8", "replace")
+    if not stored:
+        return None
+    try:
+        made = tomllib.loads(str(stored))
+    except tomllib.TOMLDecodeError:
+        return f"{path}: attribute semzo_deck is not a TOML deck: {DAMAGED}"
+    for key in keys:
+        sec, name = key.split(".", 1)
+        if not isinstance(made.get(sec), dict) or name not in made[sec]:
+            continue
+        old, new = made[sec][name], getattr(getattr(deck, sec), name)
+        if isinstance(new, tuple):
+            new = list(new)
+        if name == "path" and _same_path(old, new):
+            continue
+        if old != new:
+            return (f"{deck.source}: {key} = {new!r}, but {path} was made with {key} = "
+                    f"{old!r}: {hint}")
+    return None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,17 +33,21 @@ def create_collective(path: str | Path, comm: MPI.Intracomm, deck_toml: str,
                       **attrs) -> Iterator[h5py.File]:
     """Create ``path`` collectively and atomically; yields the open file. Collective.
 
-    The resolved deck, the semzo version and the world size are stored as root attributes.
+    The resolved deck, the semzo version, the world size and a random id of this file
+    (``semzo_file_id``: a later stage's output records the ids of the files it was made from,
+    so a file made again upstream is noticed) are stored as root attributes.
     On an exception the temporary file is left for inspection and never renamed.
     """
     require_mpi_h5py()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
+    file_id = comm.bcast(uuid.uuid4().hex if comm.Get_rank() == 0 else None, root=0)
     f = h5py.File(tmp, "w", driver="mpio", comm=comm)
     try:
         f.attrs["semzo_deck"] = deck_toml
         f.attrs["semzo_version"] = __version__
         f.attrs["world_size"] = comm.Get_size()
+        f.attrs["semzo_file_id"] = file_id
         for k, v in attrs.items():
             f.attrs[k] = v
         yield f
@@ -63,10 +68,41 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def open_collective(path: str | Path, comm: MPI.Intracomm) -> h5py.File:
-    """Open an existing file read-only with the ``mpio`` driver. Collective."""
+def open_collective(path: str | Path, comm: MPI.Intracomm, missing: str = "") -> h5py.File:
+    """Open an existing file read-only with the ``mpio`` driver. Collective.
+
+    A file that is missing (``missing``: what to do about it, e.g. "run the embed stage
+    first"), not a regular file, not HDF5, or that HDF5 cannot open (truncated, damaged
+    superblock) raises :class:`~semzo.h5check.InputFileError` on every rank: one line naming
+    the file, exit 2. Rank 0 looks at the file before anyone opens it (so no rank reaches
+    MPI-IO with a path that is a folder or absent), then every rank's open result is agreed."""
+    from .h5check import DAMAGED, InputFileError, agree
+
     require_mpi_h5py()
-    return h5py.File(path, "r", driver="mpio", comm=comm)
+    p = Path(path)
+    err = None
+    if comm.Get_rank() == 0:
+        if not p.exists():
+            err = f"{p}: not found" + (f" ({missing})" if missing else "")
+        elif not p.is_file():
+            err = f"{p}: not a regular file"
+        else:
+            try:
+                if not h5py.is_hdf5(str(p)):
+                    err = f"{p}: not an HDF5 file: {DAMAGED}"
+            except OSError as exc:
+                err = f"{p}: cannot be read ({exc.strerror or exc})"
+    err = comm.bcast(err, root=0)
+    if err:
+        raise InputFileError(err)
+    f = None
+    try:
+        f = h5py.File(p, "r", driver="mpio", comm=comm)
+    except OSError as exc:
+        why = str(exc).split("\n")[0][:200]
+        err = f"{p}: HDF5 cannot open it ({why}): {DAMAGED}"
+    agree(comm, err)
+    return f
 
 
 def _collective_dxpl() -> h5py.h5p.PropDXID:

@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..embed import read_embeddings
-from ..h5check import DAMAGED, agree, range_error, shape_error
+from ..h5check import CORPUS_KEYS, DAMAGED, agree, deck_drift, range_error, shape_error
 from ..h5io import create_collective, open_collective, read_slab, write_rows
 from ..runtime import SemzoError, get_logger
 from .kmeans import kmeans
@@ -54,6 +54,8 @@ def run_cluster_stage(ctx) -> dict:
     comm = topo.world
     cfg = deck.cluster
     rows = read_embeddings(ctx.path("embeddings.h5"), comm, with_text=False)
+    agree(comm, deck_drift(ctx.path("embeddings.h5"), rows.deck_toml, deck, CORPUS_KEYS,
+                           "rerun the embed stage (run.stages) or set the key back"))
     if cfg.k > rows.n_total:
         err = SemzoError(f"{deck.source}: cluster.k: {cfg.k} clusters for only "
                          f"{rows.n_total} samples")
@@ -72,7 +74,8 @@ def run_cluster_stage(ctx) -> dict:
                          dtype=np.float32)
     attrs = {"inertia": float(res.inertia), "n_iter": int(res.n_iter),
              "converged": bool(res.converged), "algorithm": res.algorithm,
-             "seconds": seconds, "k": int(cfg.k), "spherical": bool(cfg.spherical)}
+             "seconds": seconds, "k": int(cfg.k), "spherical": bool(cfg.spherical),
+             "embeddings_file_id": rows.file_id}
     if rows.label_names:
         c = contingency(labels, rows.labels, cfg.k, len(rows.label_names), comm)
         attrs["nmi"], attrs["purity"] = nmi_purity(c)
@@ -100,7 +103,7 @@ def read_clusters(path, comm, lo: int, hi: int, n_total: int | None = None,
     Checked before use (one-line :class:`semzo.h5check.InputFileError` on every rank):
     ``centers`` is (k, d) with k >= 1 (``d`` given: that width) and finite, ``labels`` has
     ``n_total`` rows (given: the rows of embeddings.h5) and every label read lies in [0, k)."""
-    with open_collective(path, comm) as f:
+    with open_collective(path, comm, missing="run the cluster stage first") as f:
         err = shape_error(path, f, {"centers": (-1, 2), "labels": (-1 if n_total is None
                                                                   else n_total, 1)})
         if err is None:

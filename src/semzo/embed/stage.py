@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..corpus import label_codes, label_vocab, read_jsonl_slice
-from ..h5check import agree, attr_int, range_error, shape_error
+from ..h5check import DAMAGED, agree, attr_int, finite_error, range_error, shape_error
 from ..h5io import (
     create_collective,
     offsets,
@@ -30,7 +30,7 @@ from ..h5io import (
     write_rows,
     write_texts,
 )
-from ..runtime import get_logger
+from ..runtime import SemzoError, get_logger
 
 log = get_logger(__name__)
 
@@ -46,6 +46,8 @@ class EmbeddedRows:
     offset: int                # global index of the first row
     n_total: int
     label_names: list[str]
+    file_id: str = ""          # semzo_file_id of embeddings.h5 ("" for older files)
+    deck_toml: str = ""        # the deck embeddings.h5 was made with
 
 
 def subset_mask(first: int, n_local: int, n_total: int, m: int) -> np.ndarray:
@@ -63,14 +65,19 @@ def embed_model_path(deck) -> tuple[str | None, str]:
     if deck.embed.model:
         return deck.embed.model, "embed.model"
     if deck.model.path:
-        from ..model.config import EncoderConfig, read_config
+        from ..deck import DeckError
+        from ..model import families
+        from ..model.config import EncoderConfig, read_config, read_raw
         from ..model.zoo import resolve_model_path
 
         try:
-            if isinstance(read_config(resolve_model_path(deck.model.path)), EncoderConfig):
+            folder = resolve_model_path(deck.model.path)
+            if families.find(read_raw(folder)) is not None:
+                return None, "embed.model"              # a decoder family: MiniLM shards
+            if isinstance(read_config(folder), EncoderConfig):
                 return deck.model.path, "model.path"
-        except Exception:  # noqa: BLE001, S110 - an unsupported [model] is not the embedder
-            pass
+        except SemzoError as exc:       # unreadable or unsupported: say so before any work
+            raise DeckError(f"{deck.source}: model.path: {exc}") from None
     return None, "embed.model"
 
 
@@ -172,10 +179,13 @@ def write_embeddings(path, comm, deck_toml: str, emb, ids, labels, texts, off: i
 def read_embeddings(path, comm, *, lo: int | None = None, hi: int | None = None,
                     with_text: bool = True) -> EmbeddedRows:
     """Read rows [lo, hi) of embeddings.h5 (default: this rank's balanced block). Collective."""
-    with open_collective(path, comm) as f:
+    with open_collective(path, comm, missing="run the embed stage first") as f:
         n, err = attr_int(path, f, "n_total")
         err = err or shape_error(path, f, {"embeddings": (n, 2), "ids": (n, 1), "labels": (n, 1),
                                            "text_offsets": (n + 1, 1), "text_bytes": (-1, 1)})
+        if err is None and f["embeddings"].dtype.kind != "f":
+            err = (f"{path}: dataset embeddings: expected floats, got "
+                   f"{f['embeddings'].dtype} ({DAMAGED})")
         agree(comm, err)
         if lo is None or hi is None:
             lo, hi = row_range(n, comm)
@@ -186,7 +196,14 @@ def read_embeddings(path, comm, *, lo: int | None = None, hi: int | None = None,
                  for s in f.attrs.get("label_names", [])]
         agree(comm, range_error(path, "labels", labels, -1, len(names), row0=lo,
                                 what=f"-1 = no label, {len(names)} label names")
-              or range_error(path, "ids", ids, 0, None, row0=lo))
+              or range_error(path, "ids", ids, 0, None, row0=lo)
+              or finite_error(path, "embeddings", emb, row0=lo))
         texts = read_texts(f, lo, hi, comm, path) if with_text else []
+        file_id, deck = f.attrs.get("semzo_file_id", ""), f.attrs.get("semzo_deck", "")
     return EmbeddedRows(embeddings=np.ascontiguousarray(emb, np.float32), ids=ids,
-                        labels=labels, texts=texts, offset=lo, n_total=n, label_names=names)
+                        labels=labels, texts=texts, offset=lo, n_total=n, label_names=names,
+                        file_id=_text(file_id), deck_toml=_text(deck))
+
+
+def _text(v) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)

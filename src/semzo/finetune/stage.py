@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..h5check import SHARD_KEYS, agree, deck_drift
 from ..h5io import create_collective, row_range, write_slab
 from ..model.storage import BF16, storage_name
 from ..runtime import SemzoError, get_logger
@@ -206,6 +207,8 @@ def run_finetune_stage(ctx) -> dict:
                           f"in model.path, got an {model.kind}")
     use_emb = task_kind == "classify" and t.head_init == "class_means"
     rows = read_shard(shards, comm, with_embeddings=task_kind == "classify")
+    agree(comm, deck_drift(shards, rows.deck_toml, deck, SHARD_KEYS,
+                           "rerun the place stage (run.stages) or set the key back"))
     split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
     held = heldout_mask(rows.ids, split_seed, t.heldout_fraction)
     n_classes = len(rows.label_names)

@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 from ..cluster.stage import read_clusters
 from ..embed import read_embeddings
+from ..h5check import CLUSTER_KEYS, agree, deck_drift
 from ..h5io import create_collective, offsets, write_rows, write_texts
 from ..runtime import get_logger
 from . import (
@@ -59,8 +60,19 @@ def run_place_stage(ctx) -> dict:
     comm = topo.world
     rows = read_embeddings(ctx.path("embeddings.h5"), comm, with_text=True)
     lo, hi = rows.offset, rows.offset + rows.embeddings.shape[0]
-    centers, labels, _ = read_clusters(ctx.path("clusters.h5"), comm, lo, hi, rows.n_total,
-                                       rows.embeddings.shape[1])
+    cpath = ctx.path("clusters.h5")
+    centers, labels, cattrs = read_clusters(cpath, comm, lo, hi, rows.n_total,
+                                            rows.embeddings.shape[1])
+    # the inputs must belong together and to this deck (a stage run alone after a change
+    # upstream would place other data, or store a deck its shards were not made with)
+    made_from = cattrs.get("embeddings_file_id", "")
+    made_from = made_from.decode() if isinstance(made_from, bytes) else str(made_from)
+    err = None
+    if made_from and rows.file_id and made_from != rows.file_id:
+        err = (f"{cpath} was made from another embeddings.h5 than the one beside it (the "
+               f"embed stage ran again since): rerun the cluster stage")
+    agree(comm, err or deck_drift(cpath, cattrs.get("semzo_deck", ""), deck, CLUSTER_KEYS,
+                                  "rerun the cluster stage (run.stages) or set the key back"))
     k = centers.shape[0]
     with ctx.timer.comm():
         where = cluster_counts(labels, k, comm)
