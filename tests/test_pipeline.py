@@ -4,6 +4,7 @@ depend on the number of ranks beyond rounding."""
 
 import subprocess
 import sys
+import time
 
 import h5py
 import numpy as np
@@ -107,3 +108,30 @@ def test_unwritable_output_dir_is_clean_error(tmp_path):
                       "--set", "topology.nodes_per_switch=1"], timeout=60)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "run.output_dir: cannot write" in proc.stderr
+
+
+@pytest.mark.parametrize("where", ["write", "read"])
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_error_on_one_rank_inside_a_collective_file_ends_the_job(tmp_path, where, nranks):
+    """One rank raises inside ``create_collective`` / ``open_collective`` while the others
+    are in a collective write or read of the same file (a full disk on one rank, a bug):
+    the job ends within seconds with that rank's error and exit 1. Closing the file there
+    (collective) used to hang every rank until the wall-clock limit, with no message."""
+    t0 = time.perf_counter()
+    proc = mpirun(nranks, ["tests/mpi/h5_one_rank_fails.py", str(tmp_path), where],
+                  timeout=90)
+    took = time.perf_counter() - t0
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert took < 60, took
+    assert f"injected on rank {nranks - 1}" in proc.stderr
+    assert not (tmp_path / "x.h5").exists() or where == "read"
+
+
+def test_output_file_that_cannot_be_created_is_one_line(tmp_path):
+    """An output whose temporary name cannot be created (here a folder holds it): one line
+    from rank 0 naming the file, exit 2 (was one raw HDF5 traceback per rank)."""
+    proc = mpirun(2, ["tests/mpi/h5_one_rank_fails.py", str(tmp_path), "create"], timeout=90)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and f"{tmp_path / 'x.h5.tmp'}: cannot create it" in errors[0], errors
+    assert "Traceback" not in proc.stderr

@@ -32,6 +32,12 @@ class InputFileError(SemzoError):
     all_ranks = True
 
 
+class OutputFileError(SemzoError):
+    """An output file that cannot be created; raised identically on every rank (exit 2)."""
+
+    all_ranks = True
+
+
 def agree(comm, err: str | None) -> None:
     """Raise :class:`InputFileError` on every rank if any rank has an error (the lowest rank's
     message). Collective over ``comm`` (one allgather of the message or None)."""

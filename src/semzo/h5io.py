@@ -38,11 +38,21 @@ def create_collective(path: str | Path, comm: MPI.Intracomm, deck_toml: str,
     so a file made again upstream is noticed) are stored as root attributes.
     On an exception the temporary file is left for inspection and never renamed.
     """
+    from .h5check import OutputFileError
+
     require_mpi_h5py()
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     file_id = comm.bcast(uuid.uuid4().hex if comm.Get_rank() == 0 else None, root=0)
-    f = h5py.File(tmp, "w", driver="mpio", comm=comm)
+    f, err = None, None
+    try:
+        f = h5py.File(tmp, "w", driver="mpio", comm=comm)
+    except OSError as exc:          # MPI_File_open is collective: it fails on every rank
+        err = f"{tmp}: cannot create it ({str(exc).splitlines()[0][:200]})"
+    errors = comm.allgather(err)
+    first = next((e for e in errors if e), None)
+    if first:                       # (a file opened here but not elsewhere stays open)
+        raise OutputFileError(first)
     try:
         f.attrs["semzo_deck"] = deck_toml
         f.attrs["semzo_version"] = __version__
@@ -51,13 +61,26 @@ def create_collective(path: str | Path, comm: MPI.Intracomm, deck_toml: str,
         for k, v in attrs.items():
             f.attrs[k] = v
         yield f
-    finally:
-        f.close()
+    except BaseException as exc:
+        close_after_error(f, comm, exc)
+        raise
+    f.close()
     comm.Barrier()
     if comm.Get_rank() == 0:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     comm.Barrier()
+
+
+def close_after_error(f, comm: MPI.Intracomm, exc: BaseException) -> None:
+    """Close the collective (``mpio``) file ``f`` while ``exc`` propagates, unless the other
+    ranks may not be closing it too. Closing is collective: after an exception raised on this
+    rank alone, another rank may be waiting inside a collective write or read on the same
+    file, and both would hang. So the file is closed only when one rank runs, or when ``exc``
+    is an error every rank raised together (``all_ranks``); otherwise it is left open and the
+    exception reaches :func:`semzo.runtime.run_spmd`, which aborts every rank."""
+    if comm.Get_size() == 1 or getattr(exc, "all_ranks", False):
+        f.close()
 
 
 def _fsync_dir(d: Path) -> None:
@@ -68,8 +91,12 @@ def _fsync_dir(d: Path) -> None:
         os.close(fd)
 
 
-def open_collective(path: str | Path, comm: MPI.Intracomm, missing: str = "") -> h5py.File:
-    """Open an existing file read-only with the ``mpio`` driver. Collective.
+@contextlib.contextmanager
+def open_collective(path: str | Path, comm: MPI.Intracomm,
+                    missing: str = "") -> Iterator[h5py.File]:
+    """Open an existing file read-only with the ``mpio`` driver, as a context manager that
+    closes it (collectively; after an error on one rank it does not, see
+    :func:`close_after_error`). Collective.
 
     A file that is missing (``missing``: what to do about it, e.g. "run the embed stage
     first"), not a regular file, not HDF5, or that HDF5 cannot open (truncated, damaged
@@ -102,7 +129,12 @@ def open_collective(path: str | Path, comm: MPI.Intracomm, missing: str = "") ->
         why = str(exc).split("\n")[0][:200]
         err = f"{p}: HDF5 cannot open it ({why}): {DAMAGED}"
     agree(comm, err)
-    return f
+    try:
+        yield f
+    except BaseException as exc:
+        close_after_error(f, comm, exc)
+        raise
+    f.close()
 
 
 def _collective_dxpl() -> h5py.h5p.PropDXID:

@@ -29,6 +29,20 @@ class SemzoError(Exception):
     exit_code = EXIT_USAGE
 
 
+class AllRanksError(SemzoError):
+    """A :class:`SemzoError` every rank raises together, after a collective agreed on it
+    (a bcast or allgather of the message): rank 0 prints it once and every rank exits."""
+
+    all_ranks = True
+
+
+class InvariantError(AllRanksError):
+    """A broken internal invariant that a collective check found on every rank at once
+    (samples lost in a redistribution, replicas passing other arrays): one line, exit 1."""
+
+    exit_code = EXIT_FAILURE
+
+
 def _rank_size() -> tuple[int, int]:
     """Rank and size of the world, without initializing MPI if it is not initialized yet."""
     mpi = sys.modules.get("mpi4py.MPI")

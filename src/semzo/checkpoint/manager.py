@@ -37,7 +37,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..deck import CheckpointSection, DeckError
-from ..runtime import SemzoError, get_logger
+from ..runtime import AllRanksError, SemzoError, get_logger
 from . import format as fmt
 from .reader import Loaded, load, verify
 from .writer import WriteOptions, fsync_dir, prepare, write_file
@@ -220,7 +220,7 @@ class Checkpointer:
                 p.unlink(missing_ok=True)
         manifest, err = self.comm.bcast((manifest, err), root=0)
         if err:
-            raise SemzoError(err)
+            raise AllRanksError(err)
         self.shards_manifest = manifest
 
     # ------------------------------------------------------------------ public API
@@ -362,7 +362,7 @@ class Checkpointer:
                 err = f"checkpoint dir {self.dir}: cannot update {LATEST}: {exc.strerror}"
         err = comm.bcast(err, root=0)
         if err:
-            raise SemzoError(err)
+            raise AllRanksError(err)
         total = time.perf_counter() - t0
         mib = payload.nbytes / 2**20
         self.history.append({"step": payload.step, "bytes": payload.nbytes, "seconds": total,

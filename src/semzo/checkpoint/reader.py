@@ -22,7 +22,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from ..h5io import require_mpi_h5py
+from ..h5io import close_after_error, require_mpi_h5py
 from ..runtime import get_logger
 from . import filesum, legacy, mpio, packed
 from . import format as fmt
@@ -254,9 +254,14 @@ def _read(path: Path, comm: MPI.Intracomm, keep: bool, verify: bool, transfer: s
         if keep:
             for e in entries:
                 arrays[e.path] = flats[e.packed][e.offset:e.offset + e.count].reshape(e.shape)
-        return attrs, arrays, groups, {e.path: e.kind for e in entries}
-    finally:
+    except CheckpointError:            # raised on every rank after _agree: close together
         f.close()
+        raise
+    except BaseException as exc:       # maybe this rank alone: see close_after_error
+        close_after_error(f, comm, exc)
+        raise
+    f.close()
+    return attrs, arrays, groups, {e.path: e.kind for e in entries}
 
 
 def verify(path: str | Path, comm: MPI.Intracomm, *,

@@ -39,11 +39,16 @@ from mpi4py import MPI
 
 from .. import __version__
 from ..h5io import require_mpi_h5py
-from ..runtime import SemzoError, get_logger
+from ..runtime import AllRanksError, InvariantError, SemzoError, get_logger
 from . import filesum, mpio, packed
 from . import format as fmt
 
 log = get_logger(__name__)
+
+
+class PayloadError(InvariantError, ValueError):
+    """The ranks passed a checkpoint payload that is invalid or not replicated (found by a
+    collective check, raised on every rank: printed once, exit 1)."""
 
 #: test hook: seconds to sleep after each dataset is written (used to kill a write midway)
 SLEEP_ENV = "SEMZO_CKPT_TEST_SLEEP"
@@ -169,12 +174,13 @@ def prepare(comm: MPI.Intracomm, step: int, params: dict, state: dict | None = N
         err, sig = f"rank {rank}: {exc}", 0
     errs = comm.allgather(err)
     if any(errs):
-        raise ValueError(f"checkpoint at step {step}: {next(e for e in errs if e)}")
+        raise PayloadError(f"checkpoint at step {step}: {next(e for e in errs if e)}")
     sigs = comm.allgather(sig)
     if len(set(sigs)) != 1:
         bad = [r for r in range(size) if sigs[r] != sigs[0]]
-        raise ValueError(f"checkpoint at step {step}: ranks {bad} pass other names, shapes, "
-                         f"dtypes or scalar values than rank 0 (all must be replicated)")
+        raise PayloadError(f"checkpoint at step {step}: ranks {bad} pass other names, "
+                           f"shapes, dtypes or scalar values than rank 0 (all must be "
+                           f"replicated)")
     for k, v in local_rows.items():
         table = np.empty((size, *v.shape), dtype=v.dtype)
         comm.Allgather(np.ascontiguousarray(v).view(np.uint8).reshape(-1),
@@ -273,7 +279,7 @@ def write_file(payload: Payload, path: str | Path, comm: MPI.Intracomm) -> Path:
     filesum.quiet_barrier(comm)      # the others sleep while rank 0 seals: no spinning
     err = comm.bcast(err, root=0)
     if err:
-        raise SemzoError(err)
+        raise AllRanksError(err)
     return path
 
 

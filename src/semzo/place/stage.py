@@ -24,7 +24,7 @@ from ..cluster.stage import read_clusters
 from ..embed import read_embeddings
 from ..h5check import CLUSTER_KEYS, agree, deck_drift
 from ..h5io import create_collective, offsets, write_rows, write_texts
-from ..runtime import get_logger
+from ..runtime import InvariantError, get_logger
 from . import (
     cluster_counts,
     destinations,
@@ -100,7 +100,7 @@ def run_place_stage(ctx) -> dict:
     moved_s = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
     after = _fingerprint(cols["ids"], comm)
     if not np.array_equal(before, after):
-        raise RuntimeError(f"redistribution lost or duplicated samples: ids fingerprint "
+        raise InvariantError(f"redistribution lost or duplicated samples: ids fingerprint "
                            f"{before.tolist()} before, {after.tolist()} after")
     mine = np.bincount(cols["clusters"], minlength=k)
     if not np.array_equal(mine, plan.quota[:, topo.rank]):
