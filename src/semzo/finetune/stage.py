@@ -38,6 +38,7 @@ from .loop import (
     train,
 )
 from .report import Metrics
+from .resume import check_same_dist, check_same_seeds, dist_name, split_meta
 
 log = get_logger(__name__)
 
@@ -391,7 +392,10 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     if model.lora:
         meta["lora"] = {"rank": deck.train.lora_rank, "alpha": deck.train.lora_alpha,
                         "targets": sorted(model.lora)}
-    meta["zo"] = {"dist": _dist_name(deck.zo.dist)}      # the z stream the state refers to
+    meta["zo"] = {"dist": dist_name(deck.zo.dist)}       # the z stream the state refers to
+    t = deck.train                                        # the held-out split it trained beside
+    split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
+    meta["split"] = split_meta(split_seed, t.heldout_fraction)
     ck = Checkpointer(topo, deck.checkpoint, deck.run.output_dir, deck.to_toml(),
                       shards_path=ctx.path("shards.h5"), model_meta=meta)
     state = TrainState(run_seed=deck.run.seed)
@@ -405,7 +409,8 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     if loaded is None:
         log.info("finetune: no valid checkpoint in %s: starting from the model", ck.dir)
         return ck, state, None
-    _check_same_dist(loaded, meta["zo"]["dist"])
+    check_same_dist(loaded, meta["zo"]["dist"])
+    check_same_seeds(loaded, deck.run.seed, split_seed, t.heldout_fraction)
     missing = sorted(set(names) - set(loaded.params))
     extra = sorted(set(loaded.params) - set(names))
     bad = [n for n in names if n in loaded.params and
@@ -436,38 +441,6 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
         log.info("finetune: resumed from %s (step %d, same world size %d)", loaded.path.name,
                  loaded.step, topo.size)
     return ck, state, int(loaded.step)
-
-
-def _dist_name(dist: str) -> str:
-    """The canonical name of a z distribution ('normal' is 'gaussian')."""
-    from .rng import NAMES, dist_code
-
-    return NAMES[dist_code(dist)]
-
-
-def _check_same_dist(loaded, dist: str) -> None:
-    """Refuse (one line naming ``zo.dist``, exit 2) a checkpoint written with another z
-    distribution: its deferred update and its seed history regenerate z from that stream.
-    Reads ``model_meta["zo"]["dist"]``, or for checkpoints written before it was recorded the
-    saved deck's ``zo.dist``; neither there: nothing to compare."""
-    saved = json.loads(loaded.attrs.get("model_meta") or "{}").get("zo", {}).get("dist")
-    if saved is None and loaded.deck_toml.strip():
-        import tomllib
-
-        try:
-            saved = tomllib.loads(loaded.deck_toml).get("zo", {}).get("dist")
-        except (tomllib.TOMLDecodeError, AttributeError):   # unreadable: nothing to compare
-            saved = None
-    if saved is None:
-        return
-    try:
-        saved = _dist_name(saved)
-    except ValueError:                           # a name this version does not know
-        pass
-    if saved != dist:
-        raise _deck_error(f"{loaded.path}: zo.dist = {saved!r} in the checkpoint, "
-                          f"{dist!r} in this deck; resume with the deck it was written with "
-                          f"or set checkpoint.resume = \"never\"")
 
 
 def _centroids(ctx) -> dict:
