@@ -149,11 +149,14 @@ def test_killed_rank_then_resume(base, reference4):
     assert proc.returncode != 0 and time.monotonic() - t0 < 60, proc.returncode
     assert "signal 9" in proc.stdout + proc.stderr
     assert not (out / "model.h5").exists()
+    # no metrics.csv of a run that failed: its rows up to the kill are in metrics.csv.tmp
+    assert not (out / "metrics.csv").exists() and (out / "metrics.csv.tmp").is_file()
     assert (out / "checkpoints" / "ckpt-000000010.h5").is_file()
     assert not (out / "checkpoints" / "ckpt-000000015.h5").exists()
     proc = _ft(base, 4, out, N, "--resume")
     assert "resumed from ckpt-000000010.h5" in proc.stderr
     _same_params(out / "model.h5", reference4 / "model.h5")
+    assert (out / "metrics.csv").is_file() and not (out / "metrics.csv.tmp").exists()
 
 
 def test_corrupt_newest_checkpoint_falls_back(base, reference4):

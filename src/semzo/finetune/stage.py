@@ -325,9 +325,9 @@ def run_finetune_stage(ctx) -> dict:
     after = evaluate(task, topo, engine.store)
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": after[0],
                  "heldout_acc": after[1], "heldout_n": after[2]})
-    metrics.plot(f"({task_kind}, {z.mode}, {topo.size} ranks)")
     if t.save != "none":
         save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after)
+    metrics.finish(f"({task_kind}, {z.mode}, {topo.size} ranks)")   # renamed once it all worked
     what = "next-token accuracy" if task_kind == "lm" else "accuracy"
     ran = state.step - first_step
     log.info("finetune: %d steps in %.1f s (%.2f steps/s), %d skipped", ran, secs,
