@@ -226,6 +226,26 @@ def test_finetune_stage_offloaded_without_prefix_cache(run):
         assert abs(float(g["heldout_acc"]) - float(w["heldout_acc"])) <= 0.05
 
 
+def test_finetune_without_heldout_samples_is_refused(run):
+    """A split that holds out no sample (a tiny train.heldout_fraction or few records) would
+    evaluate nothing (accuracy nan) and exit 0: refused before any work like a split that
+    leaves no training sample, one line naming the key, exit 2, nothing written."""
+    tmp, shared, _ = run
+    out = tmp / "out_noheld"
+    out.mkdir()
+    shutil.copy(shared / "shards.h5", out / "shards.h5")
+    proc = mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
+                      "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
+                      "--set", f"model.path={tmp / 'bert'}", "--set", "train.params=head+last",
+                      "--set", "train.steps=2", "--set", "train.heldout_fraction=1e-6",
+                      *COMMON], timeout=120, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "inputs/demo.toml: train.heldout_fraction: no held-out samples " \
+        "(1e-06 of 240 samples drew none)" in lines[0], proc.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["shards.h5"]
+
+
 def test_metrics_replace_the_previous_run_only_on_success(tmp_path):
     """Rows go to metrics.csv.tmp while the stage runs; metrics.csv and the plots of an
     earlier run stay untouched until finish() (a failed rerun leaves them matching the earlier

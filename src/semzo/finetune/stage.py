@@ -218,6 +218,16 @@ def run_finetune_stage(ctx) -> dict:
                               f"every record and at least 2 classes ({int(unlabeled[0])} "
                               f"unlabeled, {n_classes} classes); use a labelled corpus or "
                               f"task = \"lm\" with a decoder")
+    # both sides of the split must be non-empty (summed over ranks), before any work: without
+    # held-out samples every evaluation would be nan/0 and the run would still "succeed"
+    counts = np.array([int((~held).sum()), int(held.sum())], np.int64)
+    topo.allreduce(counts)
+    if counts[0] == 0:
+        raise _deck_error(f"{deck.source}: train.heldout_fraction: no training samples left")
+    if counts[1] == 0:
+        raise _deck_error(f"{deck.source}: train.heldout_fraction: no held-out samples "
+                          f"({t.heldout_fraction:g} of {int(counts[0])} samples drew none); "
+                          f"raise it or use a larger corpus")
     if task_kind == "classify":
         model.add_classifier(n_classes, init="zeros" if use_emb else "normal",
                              seed=deck.run.seed, normalize=True)
@@ -269,10 +279,6 @@ def run_finetune_stage(ctx) -> dict:
             task = cls(model, seqs, rows.labels, train_idx, held_idx, tok.pad_id,
                        t.eval_batch_size)
 
-    counts = np.array([train_idx.size, held_idx.size], np.int64)
-    topo.allreduce(counts)
-    if counts[0] == 0:
-        raise _deck_error(f"{deck.source}: train.heldout_fraction: no training samples left")
     steps = t.steps
     if t.max_epochs > 0:
         per_epoch = counts[0] / (topo.size * t.batch_size)
