@@ -37,6 +37,10 @@ BAD_DECKS = [
     ("set unknown key", "", ["cluster.kay=3"], "cluster.kay: unknown key"),
     ("set bad value", "", ["run.threads=-1"], "run.threads: must be >= 0"),
     ("set no section", "", ["threads=2"], "expected section.key=value"),
+    ("set nan", "", ["zo.eps=nan"], "zo.eps: must be a finite number, got nan"),
+    ("set inf", "", ["zo.eps=inf"], "zo.eps: must be a finite number, got inf"),
+    ("lr inf", "[zo]\nlr = inf\n", [], "zo.lr: must be a finite number, got inf"),
+    ("tol -inf", "[cluster]\ntol = -inf\n", [], "cluster.tol: must be a finite number"),
     ("zo dist", "[zo]\ndist = \"gaussian_fast\"\n", [], "zo.dist: 'gaussian_fast' is not one"),
     ("zo schedule", "[zo]\nschedule = \"twopass\"\n", [], "zo.schedule: 'twopass' is not one"),
     ("zo offload", "", ["zo.offload=disk"], "zo.offload: 'disk' is not one"),
@@ -95,7 +99,7 @@ def test_bad_deck_in_process(tmp_path, corpus, name, text, sets, expect):
 # the layout, a --set): the MPI exit path is the same for all, and every message is checked in
 # process above.
 MPI_BAD = ("toml syntax", "unknown key", "missing corpus", "ranks per node", "nodes per switch",
-           "set bad value")
+           "set bad value", "set inf")
 
 
 def test_bad_decks_exit_2_on_4_ranks(tmp_path, corpus):

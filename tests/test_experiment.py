@@ -167,6 +167,23 @@ def test_report_only_rebuilds_and_missing_folder_is_exit_2(experiment, tmp_path)
     assert proc.stderr.count("error:") == 1 and "run.output_dir" in proc.stderr
 
 
+def test_run_stages_other_than_all_is_refused(tmp_path):
+    """The experiment runs every stage whatever run.stages says, so a deck that sets another
+    list is refused by name (exit 2, one line, before any work) rather than ignored; every
+    stage listed explicitly is the default and passes this check."""
+    out = tmp_path / "exp"
+    proc = mpirun(2, _args(out, "--set", 'run.stages=["place", "finetune"]'), timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "inputs/experiment.toml: run.stages: `semzo experiment` runs " \
+        "every stage" in lines[0] and "['place', 'finetune']" in lines[0], proc.stderr
+    assert not out.exists()
+    every = '["topology", "embed", "cluster", "place", "finetune"]'
+    proc = mpirun(2, _args(out, "--set", f"run.stages={every}", "--set", "train.steps=1"),
+                  timeout=60)
+    assert proc.returncode == 2 and "train.steps: the experiment needs" in proc.stderr
+
+
 def test_resume_reruns_only_what_is_missing(experiment):
     out, _ = experiment
     redo = out / "shuffle" / "hybrid" / "seed1" / "metrics.csv"

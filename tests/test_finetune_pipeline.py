@@ -224,3 +224,49 @@ def test_finetune_stage_offloaded_without_prefix_cache(run):
         assert g["heldout_n"] == w["heldout_n"]
         assert math.isclose(float(g["heldout_loss"]), float(w["heldout_loss"]), rel_tol=1e-4)
         assert abs(float(g["heldout_acc"]) - float(w["heldout_acc"])) <= 0.05
+
+
+def test_finetune_without_heldout_samples_is_refused(run):
+    """A split that holds out no sample (a tiny train.heldout_fraction or few records) would
+    evaluate nothing (accuracy nan) and exit 0: refused before any work like a split that
+    leaves no training sample, one line naming the key, exit 2, nothing written."""
+    tmp, shared, _ = run
+    out = tmp / "out_noheld"
+    out.mkdir()
+    shutil.copy(shared / "shards.h5", out / "shards.h5")
+    proc = mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
+                      "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
+                      "--set", f"model.path={tmp / 'bert'}", "--set", "train.params=head+last",
+                      "--set", "train.steps=2", "--set", "train.heldout_fraction=1e-6",
+                      *COMMON], timeout=120, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "inputs/demo.toml: train.heldout_fraction: no held-out samples " \
+        "(1e-06 of 240 samples drew none)" in lines[0], proc.stderr[-2000:]
+    assert sorted(p.name for p in out.iterdir()) == ["shards.h5"]
+
+
+def test_metrics_replace_the_previous_run_only_on_success(tmp_path):
+    """Rows go to metrics.csv.tmp while the stage runs; metrics.csv and the plots of an
+    earlier run stay untouched until finish() (a failed rerun leaves them matching the earlier
+    model.h5), which renames it whole."""
+    from semzo.finetune.report import COLUMNS, Metrics
+
+    (tmp_path / "metrics.csv").write_text("earlier run\n")
+    (tmp_path / "loss.png").write_bytes(b"earlier")
+    m = Metrics(tmp_path, active=True, flush_every=1)
+    m.add({"kind": "eval", "step": 0, "heldout_loss": 1.5, "heldout_acc": 0.5, "heldout_n": 4})
+    m.add({"kind": "train", "step": 0, "loss": 1.25, "g": 0.5, "lr": 1e-3, "skipped": 0})
+    assert (tmp_path / "metrics.csv").read_text() == "earlier run\n"
+    assert (tmp_path / "loss.png").read_bytes() == b"earlier"
+    rows = _metrics(tmp_path / "metrics.csv.tmp")             # progress, readable mid-run
+    assert [r["kind"] for r in rows] == ["eval", "train"] and rows[1]["loss"] == "1.25"
+    paths = m.finish("(test)")
+    assert {p.name for p in paths} == {"metrics.csv", "loss.png", "accuracy.png"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["accuracy.png", "loss.png",
+                                                           "metrics.csv"]
+    assert tuple(_metrics(tmp_path / "metrics.csv")[0]) == COLUMNS
+    assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    other = Metrics(tmp_path, active=False)                 # ranks > 0 write nothing
+    other.add({"kind": "train", "step": 1})
+    assert other.finish() == [] and not (tmp_path / "metrics.csv.tmp").exists()

@@ -149,11 +149,14 @@ def test_killed_rank_then_resume(base, reference4):
     assert proc.returncode != 0 and time.monotonic() - t0 < 60, proc.returncode
     assert "signal 9" in proc.stdout + proc.stderr
     assert not (out / "model.h5").exists()
+    # no metrics.csv of a run that failed: its rows up to the kill are in metrics.csv.tmp
+    assert not (out / "metrics.csv").exists() and (out / "metrics.csv.tmp").is_file()
     assert (out / "checkpoints" / "ckpt-000000010.h5").is_file()
     assert not (out / "checkpoints" / "ckpt-000000015.h5").exists()
     proc = _ft(base, 4, out, N, "--resume")
     assert "resumed from ckpt-000000010.h5" in proc.stderr
     _same_params(out / "model.h5", reference4 / "model.h5")
+    assert (out / "metrics.csv").is_file() and not (out / "metrics.csv.tmp").exists()
 
 
 def test_corrupt_newest_checkpoint_falls_back(base, reference4):
@@ -182,3 +185,56 @@ def test_resume_with_another_zo_dist_is_refused(base):
            "deck" in proc.stderr
     proc = _ft(base, 2, out, 10, "--resume", "--set", "zo.dist=gaussian")
     assert "resumed from ckpt-000000005.h5" in proc.stderr
+
+
+def test_resume_with_another_seed_or_split_is_refused(base):
+    """run.seed sets the z stream, the data order and (train.split_seed = -1) the held-out
+    split; train.split_seed and train.heldout_fraction set the split too: a resume under
+    other values would move training rows into the held-out set. Each is refused with one
+    line naming the key, exit 2; the same effective split seed given explicitly resumes."""
+    out = _outdir(base, "seeds")
+    _ft(base, 2, out, 5)
+    written = (out / "model.h5").stat().st_mtime_ns
+    with h5py.File(out / "checkpoints" / "ckpt-000000005.h5") as f:
+        assert '"split": {"heldout_fraction": 0.1, "seed": 0}' in f.attrs["model_meta"]
+    ck = "ckpt-000000005.h5: "
+    cases = [("run.seed=1", ck + "run.seed = 0 in the checkpoint, 1 in this deck"),
+             ("train.split_seed=7", ck + "train.split_seed: the held-out split was drawn with "
+              "seed 0 in the checkpoint, 7 in this deck"),
+             ("train.heldout_fraction=0.2", ck + "train.heldout_fraction = 0.1 in the "
+              "checkpoint, 0.2 in this deck")]
+    for setting, expect in cases:
+        proc = _ft(base, 2, out, 10, "--resume", "--set", setting, ok=False)
+        assert proc.returncode == 2, (setting, proc.stderr[-2000:])
+        lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+        assert len(lines) == 1 and expect in lines[0], (setting, proc.stderr[-2000:])
+        assert (out / "model.h5").stat().st_mtime_ns == written      # not rewritten
+    proc = _ft(base, 2, out, 10, "--resume", "--set", "train.split_seed=0")
+    assert "resumed from ckpt-000000005.h5" in proc.stderr
+
+
+def test_split_of_older_checkpoints():
+    """Checkpoints written before model_meta["split"]: the saved deck's split seed (-1: its
+    run.seed) and held-out fraction, else the saved run seed."""
+    from types import SimpleNamespace
+
+    from semzo.finetune.resume import check_same_seeds
+    from semzo.runtime import SemzoError
+
+    def ck(deck_toml: str, meta: str = "{}"):
+        return SimpleNamespace(path=Path("ckpt-000000005.h5"), state={"run_seed": 3},
+                               attrs={"model_meta": meta}, deck_toml=deck_toml)
+
+    check_same_seeds(ck(""), 3, 3, 0.1)                           # nothing but the run seed
+    with pytest.raises(SemzoError, match="seed 3 in the checkpoint, 5 in this deck"):
+        check_same_seeds(ck(""), 3, 5, 0.1)
+    old = "[run]\nseed = 3\n[train]\nsplit_seed = 9\nheldout_fraction = 0.25\n"
+    check_same_seeds(ck(old), 3, 9, 0.25)
+    with pytest.raises(SemzoError, match="seed 9 in the checkpoint, 3 in this deck"):
+        check_same_seeds(ck(old), 3, 3, 0.25)
+    with pytest.raises(SemzoError, match="train.heldout_fraction = 0.25 in the checkpoint"):
+        check_same_seeds(ck(old), 3, 9, 0.1)
+    with pytest.raises(SemzoError, match="run.seed = 3 in the checkpoint, 4 in this deck"):
+        check_same_seeds(ck(old), 4, 9, 0.25)
+    new = '{"split": {"heldout_fraction": 0.1, "seed": 3}}'
+    check_same_seeds(ck(old, new), 3, 3, 0.1)                     # model_meta comes first

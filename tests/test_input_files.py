@@ -101,6 +101,32 @@ def test_damaged_file_is_one_clean_error(good, tmp_path, case):
     assert "Traceback" not in proc.stderr and "Segmentation" not in proc.stderr
 
 
+@pytest.mark.parametrize("dset,dtype,value,want", [
+    ("ids", np.float64, 3.5, "shards.h5: dataset ids: expected integers, got float64"),
+    ("labels", np.float32, 1.0, "shards.h5: dataset labels: expected integers, got float32"),
+    ("ids", np.uint64, 2**63 + 5, f"shards.h5: dataset ids: row 4 holds {2**63 + 5}, outside"),
+])
+def test_shards_ids_and_labels_are_checked_as_stored(good, tmp_path, dset, dtype, value, want):
+    """shards.h5 ids or labels stored as floats (3.5, or even 1.0) are refused, not truncated
+    to integers; uint64 ids beyond int64 are refused, not wrapped to negative ones."""
+    d = tmp_path / "run"
+    shutil.copytree(good, d)
+    with h5py.File(d / "shards.h5", "r+") as f:
+        a = f[dset][...].astype(dtype)
+        a[4] = value
+        del f[dset]
+        f[dset] = a
+    proc = mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml", "--set", f"run.output_dir={d}",
+                      "--set", 'run.stages=["finetune"]', "--set", f"cluster.k={K}", *TOPO],
+                  timeout=180)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert len(errors) == 1 and str(d / "shards.h5") in errors[0], proc.stderr[-3000:]
+    assert want in errors[0], errors
+    assert "Traceback" not in proc.stderr
+    assert not (d / "metrics.csv").exists() and not (d / "model.h5").exists()
+
+
 @given(st.lists(st.integers(-5, 20), max_size=30), st.integers(-3, 3), st.integers(0, 20))
 def test_range_error_finds_the_first_bad_row(values, lo, width):
     a = np.array(values, dtype=np.int64)

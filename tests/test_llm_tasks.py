@@ -273,6 +273,29 @@ def test_sampling_seed_eos_and_chat(llama):
         load_for_generation(str(llama / "nothing"))
 
 
+@pytest.mark.parametrize("opt,value,want", [
+    ("--temperature", "nan", "--temperature: must be a finite number >= 0 (0 = greedy), got nan"),
+    ("--temperature", "inf", "--temperature: must be a finite number >= 0 (0 = greedy), got inf"),
+    ("--temperature", "-0.5", "--temperature: must be a finite number >= 0"),
+    ("--top-p", "nan", "--top-p: must be a number in (0, 1], got nan"),
+    ("--top-p", "0", "--top-p: must be a number in (0, 1], got 0.0"),
+    ("--max-new-tokens", "0", "--max-new-tokens: must be >= 1, got 0"),
+    ("--seed", "-1", "--seed: must be >= 0, got -1"),
+])
+def test_generate_refuses_bad_sampling_options(llama, opt, value, want):
+    """Checked before the model loads: one line naming the option, exit 2 (nan was a
+    traceback, inf was accepted)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-m", "semzo", "generate", str(llama),
+                           "--prompt", "the moon", f"{opt}={value}"],
+                          check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: generate: {want}"), proc.stderr
+    assert not proc.stdout
+
+
 # ----------------------------------------------------------------------------- learning
 def _learn(folder, seed: int, steps: int):
     texts, labels = synthetic(400)

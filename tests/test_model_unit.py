@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -395,6 +396,28 @@ def test_lora_hook_and_merged_export(tmp_path, tok):
     assert not back.lora and "encoder.layer.0.attention.self.query.lora_A.weight" \
         not in back.params
     assert np.max(np.abs(back.hidden_states(ids, mask) - adapted)) < 1e-4
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_export_files_honour_the_umask(minilm, tmp_path, umask):
+    """Every exported file gets the mode ``open()`` would give it (safetensors alone wrote
+    model.safetensors and semzo_head.safetensors 0600); no ``*.tmp`` is left."""
+    import stat
+
+    minilm.add_classifier(3, seed=1)
+    old = os.umask(umask)
+    try:
+        out = export_hf(minilm, tmp_path / "exp")
+    finally:
+        os.umask(old)
+        del minilm.params["classifier.weight"], minilm.params["classifier.bias"]
+        minilm.head = None
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert {"model.safetensors", "semzo_head.safetensors", "config.json"} <= \
+        {p.name for p in files}
+    assert not [p for p in files if p.name.endswith(".tmp")]
+    for p in files:
+        assert stat.S_IMODE(p.stat().st_mode) == 0o666 & ~umask, (p.name, oct(p.stat().st_mode))
 
 
 def test_export_roundtrip_bit_identical_with_head(minilm, tmp_path, tok):

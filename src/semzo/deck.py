@@ -416,8 +416,8 @@ def _check_value(src: str, path: str, f: dataclasses.Field, value: Any) -> Any:
         raise bad(f"expected {_type_name(want)}, got {type(value).__name__} {value!r}")
     if want == "tuple":
         value = tuple(value)
-    if want == "float" and math.isnan(value):
-        raise bad("must be a number, got nan")
+    if want == "float" and not math.isfinite(value):
+        raise bad(f"must be a finite number, got {value}")
     lo, hi = meta["min"], meta["max"]
     if lo is not None and (value < lo or (meta["min_excl"] and value == lo)):
         raise bad(f"must be {'>' if meta['min_excl'] else '>='} {lo}, got {value}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,11 +302,28 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, *, temperature: float =
     return out
 
 
+def check_options(args) -> None:
+    """The sampling options, before any model is loaded: :class:`SemzoError` (exit 2) naming
+    the first bad one. ``nan`` and ``inf`` are refused (argparse's float() accepts them)."""
+    t, p = args.temperature, args.top_p
+    err = None
+    if not (math.isfinite(t) and t >= 0):
+        err = f"--temperature: must be a finite number >= 0 (0 = greedy), got {t}"
+    elif not (math.isfinite(p) and 0 < p <= 1):
+        err = f"--top-p: must be a number in (0, 1], got {p}"
+    elif args.max_new_tokens < 1:
+        err = f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}"
+    elif args.seed < 0:
+        err = f"--seed: must be >= 0, got {args.seed}"
+    if err:
+        exc = SemzoError(f"generate: {err}")
+        exc.all_ranks = True          # the command line: the same on any rank ("error: ...")
+        raise exc
+
+
 def run_generate(args) -> str:
     """The CLI command: load, encode (chat template on request), generate, decode."""
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.max_new_tokens < 1:
-        raise SemzoError("generate: need --temperature >= 0, 0 < --top-p <= 1, "
-                         "--max-new-tokens >= 1")
+    check_options(args)
     loaded = load_for_generation(args.model, getattr(args, "dtype", None))
     text = chat_prompt(loaded, args.prompt) if args.chat else args.prompt
     ids = loaded.tk.encode(text, add_special_tokens=not args.chat).ids

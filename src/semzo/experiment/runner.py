@@ -11,7 +11,8 @@ One SPMD job runs, in ``run.output_dir`` (``OUT``)::
 
 Every configuration gets the deck's settings with only ``place.mode``, ``zo.mode`` and
 ``run.seed`` changed, and the same budget: exactly ``train.steps`` steps (``train.max_epochs``
-is ignored), i.e. ``2 x ranks x steps`` forward passes of ``train.batch_size`` texts, so every
+is ignored; a deck whose ``run.stages`` is not every stage is refused, exit 2), i.e.
+``2 x ranks x steps`` forward passes of ``train.batch_size`` texts, so every
 mode and sharding sees the same number of forward passes. Held-out evaluations are spaced so
 that the report's budgets fall on them. ``timings.csv`` records the wall time of every stage of
 every configuration as it finishes (rank 0); ``--report-only`` rebuilds the report from the
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from mpi4py import MPI
 
-from ..deck import Deck
+from ..deck import STAGES, Deck
 from ..pipeline import RunContext, run_stage, start
 from ..runtime import SemzoError, StageTimer, get_logger
 
@@ -157,10 +158,17 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm, resume: bool = False) -> Pat
     their recorded times. The output folder is locked for the whole run (exit 2 at once if
     another run holds it; see :mod:`semzo.outdir`)."""
     e = deck.experiment
+    msg = None
     if deck.train.steps < e.report_points:
-        err = SemzoError(f"{deck.source}: train.steps: the experiment needs at least "
-                         f"experiment.report_points = {e.report_points} steps, got "
-                         f"{deck.train.steps}")
+        msg = (f"{deck.source}: train.steps: the experiment needs at least "
+               f"experiment.report_points = {e.report_points} steps, got {deck.train.steps}")
+    elif tuple(deck.run.stages) != STAGES:
+        msg = (f"{deck.source}: run.stages: `semzo experiment` runs every stage (topology, "
+               f"embed and cluster once, place per sharding, finetune per configuration), got "
+               f"{list(deck.run.stages)}; leave run.stages out of the deck (`--resume` keeps "
+               f"what an interrupted experiment finished) or use `semzo run`")
+    if msg:
+        err = SemzoError(msg)
         err.all_ranks = True
         raise err
     timer = StageTimer()

@@ -66,15 +66,18 @@ def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> Sh
                             "balanced blocks instead of the placement's shards", path,
                             len(offs) - 1, comm.Get_size())
             lo, hi = row_range(n_total, comm)
-        ids = read_slab(f["ids"], lo, hi).astype(np.int64)
-        labels = read_slab(f["labels"], lo, hi).astype(np.int64)
+        # checked as stored (float ids such as 3.5 are refused, not truncated), then cast
+        ids = read_slab(f["ids"], lo, hi)
+        labels = read_slab(f["labels"], lo, hi)
         emb = read_slab(f["embeddings"], lo, hi) if with_embeddings else \
             np.zeros((hi - lo, 0), np.float32)
         names = [s.decode() if isinstance(s, bytes) else str(s)
                  for s in f.attrs.get("label_names", [])]
         agree(comm, range_error(path, "labels", labels, -1, len(names), row0=lo,
                                 what=f"-1 = no label, {len(names)} label names")
-              or range_error(path, "ids", ids, 0, None, row0=lo))
+              or range_error(path, "ids", ids, 0, None, row0=lo)
+              or range_error(path, "ids", ids, 0, 2**63, row0=lo, what="sample ids are int64"))
+        ids, labels = ids.astype(np.int64), labels.astype(np.int64)
         texts = read_texts(f, lo, hi, comm, path)
         deck = f.attrs.get("semzo_deck", "")
     return ShardRows(ids=ids, labels=labels, embeddings=np.ascontiguousarray(emb, np.float32),

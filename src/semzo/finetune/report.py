@@ -5,12 +5,18 @@ L- over the global batch), ``g`` (projected gradient), ``lr``, ``compute_s`` and
 (rank 0's time in forward/parameter passes and in the exchange collectives), ``skipped``
 (1 for a NaN/Inf step), ``heldout_loss``, ``heldout_acc``, ``heldout_n`` (eval rows; step 0 is
 the model before training). Empty cells are fields a row does not have.
+
+While the stage runs the rows go to ``metrics.csv.tmp`` (follow progress there); only when the
+stage has finished (``model.h5`` saved) do the plots and ``metrics.csv`` take their final
+names, so a run that fails leaves the previous run's ``metrics.csv``, plots and ``model.h5``
+together, plus the failed run's rows in ``metrics.csv.tmp``.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -20,17 +26,19 @@ COLUMNS = ("kind", "step", "loss", "g", "lr", "compute_s", "comm_s", "skipped",
 
 
 class Metrics:
-    """Collects rows; rank 0 appends them to ``metrics.csv`` (flushed every ``flush_every``
-    rows) and draws the plots. Other ranks keep nothing."""
+    """Collects rows; rank 0 appends them to ``metrics.csv.tmp`` (flushed every
+    ``flush_every`` rows), and :meth:`finish` draws the plots and renames it to
+    ``metrics.csv``. Other ranks keep nothing."""
 
     def __init__(self, outdir: str | Path, active: bool, flush_every: int = 50) -> None:
         self.active = active
         self.path = Path(outdir) / "metrics.csv"
+        self.tmp = self.path.with_name(self.path.name + ".tmp")    # the run in progress
         self.rows: list[dict] = []
         self._pending: list[dict] = []
         self.flush_every = flush_every
         if active:
-            with open(self.path, "w", newline="", encoding="utf-8") as f:
+            with open(self.tmp, "w", newline="", encoding="utf-8") as f:
                 csv.writer(f).writerow(COLUMNS)
 
     def add(self, row: dict) -> None:
@@ -44,18 +52,22 @@ class Metrics:
     def flush(self) -> None:
         if not self.active or not self._pending:
             return
-        with open(self.path, "a", newline="", encoding="utf-8") as f:
+        with open(self.tmp, "a", newline="", encoding="utf-8") as f:
             w = csv.writer(f)
             for r in self._pending:
                 w.writerow([_fmt(r.get(c)) for c in COLUMNS])
         self._pending = []
 
-    def plot(self, title: str = "") -> list[Path]:
-        """Write loss.png and accuracy.png next to metrics.csv; returns their paths."""
+    def finish(self, title: str = "") -> list[Path]:
+        """The run succeeded: write loss.png and accuracy.png next to metrics.csv, then
+        rename ``metrics.csv.tmp`` to ``metrics.csv`` (each file appears whole). Returns the
+        paths written."""
         if not self.active:
             return []
         self.flush()
-        return plot_metrics(self.rows, self.path.parent, title)
+        paths = plot_metrics(self.rows, self.path.parent, title)
+        os.replace(self.tmp, self.path)
+        return [self.path, *paths]
 
 
 def _fmt(v) -> str:
@@ -77,6 +89,14 @@ def _smooth(y: list[float], k: int) -> list[float]:
             acc -= q.pop(0)
         out.append(acc / len(q))
     return out
+
+
+def _save(fig, path: Path) -> Path:
+    """Save ``fig`` as PNG under ``path`` whole: written to ``path.tmp``, then renamed."""
+    tmp = path.with_name(path.name + ".tmp")
+    fig.savefig(tmp, dpi=100, format="png")
+    os.replace(tmp, path)
+    return path
 
 
 def plot_metrics(rows: list[dict], outdir: Path, title: str = "") -> list[Path]:
@@ -105,8 +125,7 @@ def plot_metrics(rows: list[dict], outdir: Path, title: str = "") -> list[Path]:
     ax.set_ylabel("loss")
     ax.set_title(f"semzo ZO fine-tuning: loss {title}".strip())
     ax.legend()
-    paths.append(outdir / "loss.png")
-    fig.savefig(paths[-1], dpi=100)
+    paths.append(_save(fig, outdir / "loss.png"))
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
@@ -117,7 +136,6 @@ def plot_metrics(rows: list[dict], outdir: Path, title: str = "") -> list[Path]:
     ax.set_ylabel("accuracy")
     ax.set_title(f"semzo ZO fine-tuning: held-out accuracy {title}".strip())
     ax.legend()
-    paths.append(outdir / "accuracy.png")
-    fig.savefig(paths[-1], dpi=100)
+    paths.append(_save(fig, outdir / "accuracy.png"))
     plt.close(fig)
     return paths

@@ -39,6 +39,7 @@ from .loop import (
     train,
 )
 from .report import Metrics
+from .resume import check_same_dist, check_same_seeds, dist_name, split_meta
 
 log = get_logger(__name__)
 
@@ -220,6 +221,16 @@ def run_finetune_stage(ctx) -> dict:
                               f"every record and at least 2 classes ({int(unlabeled[0])} "
                               f"unlabeled, {n_classes} classes); use a labelled corpus or "
                               f"task = \"lm\" with a decoder")
+    # both sides of the split must be non-empty (summed over ranks), before any work: without
+    # held-out samples every evaluation would be nan/0 and the run would still "succeed"
+    counts = np.array([int((~held).sum()), int(held.sum())], np.int64)
+    topo.allreduce(counts)
+    if counts[0] == 0:
+        raise _deck_error(f"{deck.source}: train.heldout_fraction: no training samples left")
+    if counts[1] == 0:
+        raise _deck_error(f"{deck.source}: train.heldout_fraction: no held-out samples "
+                          f"({t.heldout_fraction:g} of {int(counts[0])} samples drew none); "
+                          f"raise it or use a larger corpus")
     if task_kind == "classify":
         model.add_classifier(n_classes, init="zeros" if use_emb else "normal",
                              seed=deck.run.seed, normalize=True)
@@ -271,10 +282,6 @@ def run_finetune_stage(ctx) -> dict:
             task = cls(model, seqs, rows.labels, train_idx, held_idx, tok.pad_id,
                        t.eval_batch_size)
 
-    counts = np.array([train_idx.size, held_idx.size], np.int64)
-    topo.allreduce(counts)
-    if counts[0] == 0:
-        raise _deck_error(f"{deck.source}: train.heldout_fraction: no training samples left")
     steps = t.steps
     if t.max_epochs > 0:
         per_epoch = counts[0] / (topo.size * t.batch_size)
@@ -327,9 +334,9 @@ def run_finetune_stage(ctx) -> dict:
     after = evaluate(task, topo, engine.store)
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": after[0],
                  "heldout_acc": after[1], "heldout_n": after[2]})
-    metrics.plot(f"({task_kind}, {z.mode}, {topo.size} ranks)")
     if t.save != "none":
         save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after)
+    metrics.finish(f"({task_kind}, {z.mode}, {topo.size} ranks)")   # renamed once it all worked
     what = "next-token accuracy" if task_kind == "lm" else "accuracy"
     ran = state.step - first_step
     log.info("finetune: %d steps in %.1f s (%.2f steps/s), %d skipped", ran, secs,
@@ -394,7 +401,10 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     if model.lora:
         meta["lora"] = {"rank": deck.train.lora_rank, "alpha": deck.train.lora_alpha,
                         "targets": sorted(model.lora)}
-    meta["zo"] = {"dist": _dist_name(deck.zo.dist)}      # the z stream the state refers to
+    meta["zo"] = {"dist": dist_name(deck.zo.dist)}       # the z stream the state refers to
+    t = deck.train                                        # the held-out split it trained beside
+    split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
+    meta["split"] = split_meta(split_seed, t.heldout_fraction)
     ck = Checkpointer(topo, deck.checkpoint, deck.run.output_dir, deck.to_toml(),
                       shards_path=ctx.path("shards.h5"), model_meta=meta)
     state = TrainState(run_seed=deck.run.seed)
@@ -408,7 +418,8 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     if loaded is None:
         log.info("finetune: no valid checkpoint in %s: starting from the model", ck.dir)
         return ck, state, None
-    _check_same_dist(loaded, meta["zo"]["dist"])
+    check_same_dist(loaded, meta["zo"]["dist"])
+    check_same_seeds(loaded, deck.run.seed, split_seed, t.heldout_fraction)
     missing = sorted(set(names) - set(loaded.params))
     extra = sorted(set(loaded.params) - set(names))
     bad = [n for n in names if n in loaded.params and
@@ -439,38 +450,6 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
         log.info("finetune: resumed from %s (step %d, same world size %d)", loaded.path.name,
                  loaded.step, topo.size)
     return ck, state, int(loaded.step)
-
-
-def _dist_name(dist: str) -> str:
-    """The canonical name of a z distribution ('normal' is 'gaussian')."""
-    from .rng import NAMES, dist_code
-
-    return NAMES[dist_code(dist)]
-
-
-def _check_same_dist(loaded, dist: str) -> None:
-    """Refuse (one line naming ``zo.dist``, exit 2) a checkpoint written with another z
-    distribution: its deferred update and its seed history regenerate z from that stream.
-    Reads ``model_meta["zo"]["dist"]``, or for checkpoints written before it was recorded the
-    saved deck's ``zo.dist``; neither there: nothing to compare."""
-    saved = json.loads(loaded.attrs.get("model_meta") or "{}").get("zo", {}).get("dist")
-    if saved is None and loaded.deck_toml.strip():
-        import tomllib
-
-        try:
-            saved = tomllib.loads(loaded.deck_toml).get("zo", {}).get("dist")
-        except (tomllib.TOMLDecodeError, AttributeError):   # unreadable: nothing to compare
-            saved = None
-    if saved is None:
-        return
-    try:
-        saved = _dist_name(saved)
-    except ValueError:                           # a name this version does not know
-        pass
-    if saved != dist:
-        raise _deck_error(f"{loaded.path}: zo.dist = {saved!r} in the checkpoint, "
-                          f"{dist!r} in this deck; resume with the deck it was written with "
-                          f"or set checkpoint.resume = \"never\"")
 
 
 def _centroids(ctx) -> dict:

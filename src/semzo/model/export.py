@@ -7,7 +7,8 @@ files, so ``SentenceTransformer(outdir)`` works too), and, when the model has a 
 head, ``semzo_head.safetensors`` (``classifier.weight``/``classifier.bias``; :func:`load_model`
 restores it; float32, the exact values of a float16 or bfloat16 head). LoRA deltas are merged into their base weights (``W + scale * B @ A``), so the
 exported model computes what the adapted model computes (rounded once to the storage dtype:
-bfloat16 from float32, to nearest even).
+bfloat16 from float32, to nearest even). Every file gets the mode the process umask gives a
+new file (``0o666 & ~umask``; safetensors alone would create its files 0600).
 """
 
 from __future__ import annotations
@@ -65,6 +66,28 @@ def save_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray],
                 tensors[name].dtype.newbyteorder("<"), copy=False).tobytes())
 
 
+def _umask_mode() -> int:
+    """``0o666`` less the process umask: the mode ``open()`` gives a new file."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _save_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: dict[str, str],
+                      bf16: bool = False) -> None:
+    """Write ``path`` whole (``path.tmp``, then a rename) with the mode of the other files of
+    the folder (``safetensors`` creates its files 0600, whatever the umask)."""
+    from safetensors.numpy import save_file
+
+    tmp = path.with_name(path.name + ".tmp")
+    if bf16:
+        save_bf16_safetensors(tmp, tensors, metadata)
+    else:
+        save_file(tensors, str(tmp), metadata=metadata)
+    os.chmod(tmp, _umask_mode())
+    os.replace(tmp, path)
+
+
 def merged_weights(model: TransformerBase) -> dict[str, np.ndarray]:
     """Host copies of the checkpoint tensors with LoRA deltas merged (no adapters, no head)."""
     added = {s.a for s in model.lora.values()} | {s.b for s in model.lora.values()}
@@ -94,17 +117,12 @@ def export_hf(model: TransformerBase, outdir: str | Path,
     (one per class of the head) go to config.json as ``id2label`` / ``label2id`` and to the
     head file's metadata as a JSON list.
     """
-    from safetensors.numpy import save_file
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = merged_weights(model)
     tensors.update({n: np.ascontiguousarray(b) for n, b in model.buffers.items()})
-    tmp = out / "model.safetensors.tmp"
-    if model.storage == "bfloat16":
-        save_bf16_safetensors(tmp, tensors, {"format": "pt"})
-    else:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, out / "model.safetensors")
+    _save_safetensors(tensors, out / "model.safetensors", {"format": "pt"},
+                      bf16=model.storage == "bfloat16")
 
     cfg = dict(model.config.raw)
     dname = model.storage
@@ -129,7 +147,7 @@ def export_hf(model: TransformerBase, outdir: str | Path,
                 "normalize": "true" if model.head.normalize else "false", "pooling": "mean"}
         if labels is not None:
             meta["label_names"] = json.dumps(labels)
-        save_file(head, str(out / HEAD_FILE), metadata=meta)
+        _save_safetensors(head, out / HEAD_FILE, meta)
 
     src = Path(tokenizer_folder) if tokenizer_folder is not None else model.source
     if src is not None and src.resolve() != out.resolve():
@@ -138,5 +156,6 @@ def export_hf(model: TransformerBase, outdir: str | Path,
                 shutil.copyfile(src / name, out / name)
         for name in TOKENIZER_DIRS:
             if (src / name).is_dir():
-                shutil.copytree(src / name, out / name, dirs_exist_ok=True)
+                shutil.copytree(src / name, out / name, dirs_exist_ok=True,
+                                copy_function=shutil.copyfile)     # new files: the umask
     return out

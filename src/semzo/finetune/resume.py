@@ -1,0 +1,127 @@
+"""What a resumed finetune must share with the checkpoint it continues from.
+
+A checkpoint's seed history and deferred update regenerate z from the stream of ``zo.dist``
+and ``run.seed``; its data cursors and the rows it trained on follow the held-out split
+(``train.split_seed``, or ``run.seed`` when that is -1, and ``train.heldout_fraction``). A
+resume under other values would silently train on another stream, or on rows that were
+held out before (and evaluate on rows it trained on), so each check here refuses the
+mismatch with one line naming the key (exit 2). Every rank holds the same loaded
+checkpoint, so every rank raises the same error.
+
+Where a value comes from: ``model_meta`` (``"zo": {"dist"}``, ``"split": {"seed",
+"heldout_fraction"}``), the saved ``TrainState``'s ``run_seed``, and for checkpoints written
+before a value was recorded the saved deck; neither there: nothing to compare.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..runtime import SemzoError
+
+_HINT = "resume with the deck it was written with or set checkpoint.resume = \"never\""
+
+
+def _deck_error(msg: str) -> SemzoError:
+    err = SemzoError(msg)
+    err.all_ranks = True
+    return err
+
+
+def dist_name(dist: str) -> str:
+    """The canonical name of a z distribution ('normal' is 'gaussian')."""
+    from .rng import NAMES, dist_code
+
+    return NAMES[dist_code(dist)]
+
+
+def _meta(loaded) -> dict:
+    try:
+        meta = json.loads(loaded.attrs.get("model_meta") or "{}")
+    except ValueError:
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _saved_deck(loaded) -> dict:
+    """The checkpoint's deck as a dict ({} when absent or unreadable)."""
+    import tomllib
+
+    text = loaded.deck_toml
+    if not text.strip():
+        return {}
+    try:
+        d = tomllib.loads(text)
+    except tomllib.TOMLDecodeError:
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _section(d: dict, name: str) -> dict:
+    s = d.get(name, {})
+    return s if isinstance(s, dict) else {}
+
+
+def check_same_dist(loaded, dist: str) -> None:
+    """Refuse (one line naming ``zo.dist``, exit 2) a checkpoint written with another z
+    distribution: its deferred update and its seed history regenerate z from that stream.
+    Reads ``model_meta["zo"]["dist"]``, or for checkpoints written before it was recorded the
+    saved deck's ``zo.dist``; neither there: nothing to compare."""
+    zo = _meta(loaded).get("zo", {})
+    saved = zo.get("dist") if isinstance(zo, dict) else None
+    if saved is None:
+        saved = _section(_saved_deck(loaded), "zo").get("dist")
+    if saved is None:
+        return
+    try:
+        saved = dist_name(saved)
+    except ValueError:                           # a name this version does not know
+        pass
+    if saved != dist:
+        raise _deck_error(f"{loaded.path}: zo.dist = {saved!r} in the checkpoint, "
+                          f"{dist!r} in this deck; {_HINT}")
+
+
+def split_meta(split_seed: int, heldout_fraction: float) -> dict:
+    """``model_meta["split"]``: how the held-out rows were chosen."""
+    return {"seed": int(split_seed), "heldout_fraction": float(heldout_fraction)}
+
+
+def _saved_split(loaded, run_seed: int | None) -> tuple[int | None, float | None]:
+    """(split seed, held-out fraction) the checkpoint's run used: ``model_meta["split"]``,
+    else its deck's ``train.split_seed`` (-1 or absent: its ``run.seed``) and
+    ``train.heldout_fraction``, else the saved run seed and nothing."""
+    split = _meta(loaded).get("split")
+    if isinstance(split, dict) and "seed" in split:
+        frac = split.get("heldout_fraction")
+        return int(split["seed"]), None if frac is None else float(frac)
+    deck = _saved_deck(loaded)
+    train, run = _section(deck, "train"), _section(deck, "run")
+    seed = train.get("split_seed", -1)
+    if not isinstance(seed, int) or seed < 0:
+        seed = run.get("seed", run_seed)
+    frac = train.get("heldout_fraction")
+    return (None if seed is None else int(seed),
+            float(frac) if isinstance(frac, (int, float)) else None)
+
+
+def check_same_seeds(loaded, run_seed: int, split_seed: int, heldout_fraction: float) -> None:
+    """Refuse (one line naming the key, exit 2) a checkpoint written under another
+    ``run.seed`` (the z stream of every step and the data order derive from it), another
+    held-out split seed (``train.split_seed``, or ``run.seed`` when it is -1) or another
+    ``train.heldout_fraction`` (either would move training rows into the held-out set)."""
+    saved_run = loaded.state.get("run_seed")
+    saved_run = None if saved_run is None else int(saved_run)
+    if saved_run is not None and saved_run != int(run_seed):
+        raise _deck_error(f"{loaded.path}: run.seed = {saved_run} in the checkpoint, "
+                          f"{int(run_seed)} in this deck (it sets the z stream, the data order "
+                          f"and the held-out split); {_HINT}")
+    seed, frac = _saved_split(loaded, saved_run)
+    if seed is not None and seed != int(split_seed):
+        raise _deck_error(f"{loaded.path}: train.split_seed: the held-out split was drawn "
+                          f"with seed {seed} in the checkpoint, {int(split_seed)} in this deck "
+                          f"(train.split_seed, or run.seed when it is -1); {_HINT}")
+    if frac is not None and frac != float(heldout_fraction):
+        raise _deck_error(f"{loaded.path}: train.heldout_fraction = {frac:g} in the "
+                          f"checkpoint, {float(heldout_fraction):g} in this deck (another "
+                          f"held-out split); {_HINT}")
