@@ -180,6 +180,9 @@ FILE_CASES = {
         "place", "clusters.h5", lambda p: None, ["--set", f"cluster.k={K + 1}"],
         (f"cluster.k = {K + 1}, but {{d}}/clusters.h5 was made with cluster.k = {K}: rerun the "
         "cluster stage")),
+    "finetune: a shard embedding is not finite": (
+        "finetune", "shards.h5", lambda p: _set(p, "embeddings", (5, 0), np.inf), [],
+        "shards.h5: dataset embeddings: row 5 is not finite"),
     "cluster: corpus.max_records changed since the embed stage": (
         "cluster", "embeddings.h5", lambda p: None, ["--set", f"corpus.max_records={N // 2}"],
         (f"corpus.max_records = {N // 2}, but {{d}}/embeddings.h5 was made with "
@@ -196,8 +199,8 @@ def test_missing_damaged_or_stale_input_file_is_one_clean_error(good, tmp_path, 
     stage, fname, damage, extra, want = FILE_CASES[case]
     d = tmp_path / "run"
     shutil.copytree(good, d)
-    out = d / {"cluster": "clusters.h5", "place": "shards.h5"}[stage]
-    out.unlink()
+    out = d / {"cluster": "clusters.h5", "place": "shards.h5", "finetune": "model.h5"}[stage]
+    out.unlink(missing_ok=True)
     damage(d / fname)
     proc = mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml", "--set", f"run.output_dir={d}",
                       "--set", f"run.stages=[\"{stage}\"]", "--set", f"cluster.k={K}",

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from ..h5check import DAMAGED, agree, attr_int, offsets_error, range_error, shape_error
+from ..h5check import (
+    DAMAGED,
+    agree,
+    attr_int,
+    finite_error,
+    offsets_error,
+    range_error,
+    shape_error,
+)
 from ..h5io import open_collective, read_slab, read_texts, row_range
 from ..runtime import get_logger
 from .engine import philox_hash
@@ -44,7 +52,7 @@ class ShardRows:
 
 def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> ShardRows:
     """Read this rank's shard of ``shards.h5``. Collective over comm."""
-    with open_collective(path, comm) as f:
+    with open_collective(path, comm, missing="run the place stage first") as f:
         n_total, err = attr_int(path, f, "n_total")
         err = err or shape_error(path, f, {
             "ids": (n_total, 1), "labels": (n_total, 1), "embeddings": (n_total, 2),
@@ -76,7 +84,8 @@ def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> Sh
         agree(comm, range_error(path, "labels", labels, -1, len(names), row0=lo,
                                 what=f"-1 = no label, {len(names)} label names")
               or range_error(path, "ids", ids, 0, None, row0=lo)
-              or range_error(path, "ids", ids, 0, 2**63, row0=lo, what="sample ids are int64"))
+              or range_error(path, "ids", ids, 0, 2**63, row0=lo, what="sample ids are int64")
+              or (finite_error(path, "embeddings", emb, row0=lo) if with_embeddings else None))
         ids, labels = ids.astype(np.int64), labels.astype(np.int64)
         texts = read_texts(f, lo, hi, comm, path)
         deck = f.attrs.get("semzo_deck", "")
