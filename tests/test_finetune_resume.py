@@ -238,3 +238,63 @@ def test_split_of_older_checkpoints():
         check_same_seeds(ck(old), 4, 9, 0.25)
     new = '{"split": {"heldout_fraction": 0.1, "seed": 3}}'
     check_same_seeds(ck(old, new), 3, 3, 0.1)                     # model_meta comes first
+
+
+@pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
+def test_signal_on_one_rank_checkpoints_stops_and_resumes(base, reference4, sig):
+    """A batch system's warning signal reaching one rank of 4 after step 7 (between the
+    checkpoints of steps 5 and 10): every rank stops after the same step, the checkpoint of
+    that step is written, exit 75 with one line; --resume ends with the uninterrupted run's
+    parameters bit for bit."""
+    out = _outdir(base, f"signal_{sig}")
+    proc = _ft(base, 4, out, N, env={"SEMZO_TEST_SIGNAL": f"1:7:{sig}"}, ok=False, timeout=90)
+    assert proc.returncode == 75, (proc.returncode, proc.stderr[-3000:])
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(("stopped:", "error"))]
+    assert len(lines) == 1 and lines[0].startswith(f"stopped: finetune: {sig} received"), lines
+    # rank 1 gets it in the hook after step 7, after that step's agreement had started: the
+    # ranks agree on it at the end of step 8
+    stopped = int(lines[0].split("stopped after step ")[1].split(" ")[0])
+    assert stopped == 8, lines
+    assert (out / "checkpoints" / f"ckpt-{stopped:09d}.h5").is_file()
+    assert not (out / "model.h5").exists() and not (out / "metrics.csv").exists()
+    proc = _ft(base, 4, out, N, "--resume")
+    assert f"resumed from ckpt-{stopped:09d}.h5" in proc.stderr
+    _same_params(out / "model.h5", reference4 / "model.h5")
+
+
+def test_sigusr1_to_mpirun_is_forwarded_and_stops_with_a_checkpoint(base):
+    """The way a job script or a user stops a run under Open MPI: SIGUSR1 to the mpirun
+    process, which forwards it to every rank; the run stops with a checkpoint, exit 75."""
+    import os
+    import signal
+    import subprocess
+
+    from mpiutil import MPI_ENV
+
+    out = _outdir(base, "usr1")
+    cmd = ["timeout", "-k", "5", "120", "mpirun", "-n", "2", sys.executable, "-m", "semzo",
+           "run", "inputs/demo.toml", "--set", f"run.output_dir={out}",
+           "--set", 'run.stages=["finetune"]', "--set", f"model.path={base[1]}",
+           "--set", "train.params=head+last", "--set", "train.last_layers=0",
+           "--set", "train.steps=100000", "--set", "train.max_epochs=0",
+           "--set", "train.eval_every=0",
+           "--set", "checkpoint.every_steps=0", *COMMON]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env={**os.environ, **MPI_ENV, **ENV},
+                            cwd=Path(__file__).resolve().parents[1])
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "step 10/100000" in line:
+            break
+    kids = subprocess.run(["pgrep", "-P", str(proc.pid), "mpirun"], capture_output=True,
+                          text=True, check=False).stdout.split()
+    assert kids, "".join(seen[-20:])
+    os.kill(int(kids[0]), signal.SIGUSR1)
+    rest = proc.stderr.read()
+    rc = proc.wait(timeout=60)
+    assert rc == 75, (rc, rest[-3000:])
+    assert "stopped: finetune: SIGUSR1 received: stopped after step " in rest
+    step = int(rest.split("stopped after step ")[1].split(" ")[0])
+    assert 10 <= step < 100000
+    assert (out / "checkpoints" / f"ckpt-{step:09d}.h5").is_file()

@@ -153,6 +153,10 @@ def run(deck: Deck, comm: MPI.Intracomm) -> dict[str, float]:
     log.info("semzo run: deck %s, %d ranks, %d threads per rank, device %s, output %s",
              deck.source, topo.size, ctx.threads, deck.run.device, ctx.outdir)
     summary: dict[str, dict] = {}
+    if "finetune" in deck.run.stages:
+        from .finetune.loop import hold_stop_signal
+
+        hold_stop_signal()      # SIGUSR1 before training: remembered, not fatal
     with ctx.lock:
         for name in deck.run.stages:
             summary[name] = run_stage(ctx, name)

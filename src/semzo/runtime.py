@@ -27,6 +27,7 @@ class SemzoError(Exception):
     """
 
     exit_code = EXIT_USAGE
+    label = "error"       # the word before the message in the one line run_spmd prints
 
 
 class AllRanksError(SemzoError):
@@ -154,7 +155,7 @@ def run_spmd(main: Callable[[], int | None]) -> None:
     except SemzoError as exc:
         if getattr(exc, "all_ranks", False):
             if rank == 0:
-                print(f"error: {exc}", file=sys.stderr, flush=True)
+                print(f"{exc.label}: {exc}", file=sys.stderr, flush=True)
             sys.exit(exc.exit_code)
         print(f"error (rank {rank} of {size}): {exc}", file=sys.stderr, flush=True)
         abort_world(exc.exit_code)

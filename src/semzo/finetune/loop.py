@@ -13,6 +13,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from typing import Self
 
 import numpy as np
 
@@ -24,6 +25,103 @@ from .engine import ZOEngine
 from .schedule import lr_at
 
 log = get_logger(__name__)
+
+
+_PENDING = np.zeros(1, np.int64)     # a stop signal that came before training started
+
+
+def hold_stop_signal() -> None:
+    """Until training starts, SIGUSR1 (a batch system's warning that the time limit is near)
+    is remembered instead of ending the process (its default action): training then stops
+    after its first step, with a checkpoint. Main thread only (elsewhere: nothing)."""
+    import signal
+    import threading
+
+    def remember(signum, _frame) -> None:
+        _PENDING[0] = signum
+        log.warning("%s received before training: the finetune stage will checkpoint and "
+                    "stop after its first step", signal.Signals(signum).name)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, remember)
+
+
+class StopRequest:
+    """A request to stop training early, by signal (a batch system about to end the job):
+    ``SIGUSR1`` (what ``#SBATCH --signal=USR1@SECONDS`` sends, and what ``mpirun`` forwards
+    to every rank) or ``SIGTERM`` (what ``scancel`` and preemption send first).
+
+    Used as a context manager around :func:`train`: the handlers are installed only while the
+    steps run (a signal during any other stage ends the process as before), and restored at
+    exit. A rank that receives the signal only sets a flag; after every step the ranks agree
+    on it with a nonblocking allreduce (MAX) started when the step starts and completed when
+    it ends, on a duplicate of the world communicator, so the agreement costs no extra
+    latency and every rank stops after the same step. ``signum``: the signal the ranks agreed
+    on (0: none). Collective over ``comm`` (enter, exit and every step)."""
+
+    def __init__(self, comm) -> None:
+        self.world = comm
+        self.signum = 0
+        self._mine = np.zeros(1, np.int64)
+        self._send = np.zeros(1, np.int64)
+        self._got = np.zeros(1, np.int64)
+        self._req = None
+        self._old: dict = {}
+        self.comm = None
+
+    def __enter__(self) -> Self:
+        import signal
+        import threading
+
+        self.comm = self.world.Dup()
+        self._mine[0] = _PENDING[0]
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGUSR1, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def _handler(self, signum, _frame) -> None:
+        self._mine[0] = signum
+
+    def __exit__(self, *exc) -> None:
+        import signal
+
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old.clear()
+        # after an error every rank raised at the same step (TooManySkips, ReplicaMismatch),
+        # every rank has started the same allreduce: complete it before MPI_Finalize; after
+        # an error of one rank, leave it (run_spmd aborts the world)
+        agreed = exc[0] is None or getattr(exc[1], "all_ranks", False)
+        if self._req is not None and agreed:
+            self._req.Wait()
+        self._req = None
+        if agreed:
+            self.comm.Free()
+
+    def start(self) -> None:
+        """At the start of a step: share this rank's flag (nonblocking)."""
+        from mpi4py import MPI
+
+        self._send[0] = self._mine[0]
+        self._req = self.comm.Iallreduce(self._send, self._got, op=MPI.MAX)
+
+    def agreed(self) -> int:
+        """At the end of the step: the signal any rank had received when it started (0:
+        none), the same on every rank."""
+        self._req.Wait()
+        self._req = None
+        self.signum = int(self._got[0])
+        return self.signum
+
+
+class Preempted(SemzoError):
+    """Training stopped early on a signal, after a checkpoint (every rank; exit 75, the
+    ``EX_TEMPFAIL`` of sysexits.h: a job script may requeue the job on it)."""
+
+    all_ranks = True
+    exit_code = 75
+    label = "stopped"
 
 
 class TooManySkips(SemzoError):
@@ -447,8 +545,12 @@ class LoopConfig:
 def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
           cfg: LoopConfig, *, on_row: Callable[[dict], None] | None = None,
           on_comm: Callable[[float], None] | None = None,
-          on_step: Callable[[TrainState], None] | None = None) -> TrainState:
+          on_step: Callable[[TrainState], None] | None = None,
+          stop: StopRequest | None = None) -> TrainState:
     """Run steps ``state.step .. cfg.steps - 1``. Collective over ``engine.topo.world``.
+
+    ``stop``: an entered :class:`StopRequest`; training ends after the first step at whose
+    start any rank had received its signal (``stop.signum`` then says which), on every rank.
 
     ``on_row(row)`` receives every metrics row (train rows every step, eval rows every
     ``cfg.eval_every`` steps), on every rank. ``on_step(state)`` is called on every rank after
@@ -461,6 +563,8 @@ def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
     last_log = (t_start, first)
     while state.step < cfg.steps:
         step = state.step
+        if stop is not None:
+            stop.start()
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio)
         positions, state.epoch, state.pos = batcher.next(state.epoch, state.pos)
         batch = task.batch(positions)
@@ -513,6 +617,9 @@ def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
             last_log = (now, done)
         if on_step is not None:
             on_step(state)
+        if stop is not None and stop.agreed():
+            log.info("step %d: signal %d received: training stops here", done, stop.signum)
+            break
     engine.verify(state.step)
     return state
 

@@ -33,7 +33,9 @@ from .loop import (
     FeatureClassifyTask,
     LMTask,
     LoopConfig,
+    Preempted,
     PrefixCachedClassifyTask,
+    StopRequest,
     TrainState,
     evaluate,
     train,
@@ -327,10 +329,17 @@ def run_finetune_stage(ctx) -> dict:
     cfg.steps = steps
     saver = _StepSaver(ck, model, names, train_idx.size, centroids=_centroids(ctx), topo=topo,
                        flush=engine.flush)
-    state = train(engine, task, batcher, state, cfg,
-                  on_row=saver.on_row(metrics.add), on_comm=add_comm, on_step=saver)
+    with StopRequest(topo.world) as stop:       # SIGUSR1 / SIGTERM: checkpoint, then stop
+        state = train(engine, task, batcher, state, cfg, on_row=saver.on_row(metrics.add),
+                      on_comm=add_comm, on_step=saver, stop=stop)
     secs = time.perf_counter() - t0
     saver.final(state)
+    if stop.signum:
+        import signal
+
+        raise Preempted(f"finetune: {signal.Signals(stop.signum).name} received: stopped after "
+                        f"step {state.step} of {steps}, checkpoint {ck.last_path} written; "
+                        f"the same command with --resume continues")
     after = evaluate(task, topo, engine.store)
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": after[0],
                  "heldout_acc": after[1], "heldout_n": after[2]})
@@ -475,7 +484,8 @@ class _StepSaver:
     """The ``on_step`` hook: checkpoint every ``checkpoint.every_steps`` steps. The last
     train row's loss and g feed the metrics (averaged over ranks first, so every rank
     passes the same numbers). ``SEMZO_TEST_KILL`` = ``"rank:step"`` SIGKILLs that rank after
-    that step (fault tests only)."""
+    that step, ``SEMZO_TEST_SIGNAL`` = ``"rank:step:SIGNAME"`` sends it that signal (fault
+    tests only)."""
 
     def __init__(self, ck, model, names, n_local, *, centroids, topo, flush=None) -> None:
         import os
@@ -486,6 +496,9 @@ class _StepSaver:
         self.last: dict = {}
         kill = os.environ.get("SEMZO_TEST_KILL", "")
         self.kill = tuple(int(x) for x in kill.split(":")) if kill else None
+        sig = os.environ.get("SEMZO_TEST_SIGNAL", "")      # "rank:step:SIGNAME" (tests only)
+        self.signal = (int(sig.split(":")[0]), int(sig.split(":")[1]),
+                       sig.split(":")[2]) if sig else None
 
     def on_row(self, inner):
         def add(row: dict) -> None:
@@ -512,6 +525,11 @@ class _StepSaver:
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.signal and self.signal[:2] == (self.topo.rank, state.step):
+            import os
+            import signal
+
+            os.kill(os.getpid(), getattr(signal, self.signal[2]))
         if self.ck.due(state.step):
             self.flush()                          # save exactly the updated model
             params, d, per_rank, metrics = self._payload(state)
