@@ -242,19 +242,18 @@ def test_split_of_older_checkpoints():
 
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])
 def test_signal_on_one_rank_checkpoints_stops_and_resumes(base, reference4, sig):
-    """A batch system's warning signal reaching one rank of 4 after step 7 (between the
-    checkpoints of steps 5 and 10): every rank stops after the same step, the checkpoint of
-    that step is written, exit 75 with one line; --resume ends with the uninterrupted run's
-    parameters bit for bit."""
+    """A batch system's warning signal reaching one rank of 4 after step 7: every rank stops
+    after the same later step, the checkpoint of that step is written, exit 75 with one line;
+    --resume ends with the uninterrupted run's parameters bit for bit."""
     out = _outdir(base, f"signal_{sig}")
     proc = _ft(base, 4, out, N, env={"SEMZO_TEST_SIGNAL": f"1:7:{sig}"}, ok=False, timeout=90)
     assert proc.returncode == 75, (proc.returncode, proc.stderr[-3000:])
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith(("stopped:", "error"))]
     assert len(lines) == 1 and lines[0].startswith(f"stopped: finetune: {sig} received"), lines
-    # rank 1 gets it in the hook after step 7, after that step's agreement had started: the
-    # ranks agree on it at the end of step 8
+    # rank 1 gets it in the hook after step 7: the ranks agree on it at the end of the first
+    # check step that starts after that (checks are about StopRequest.PERIOD_S apart)
     stopped = int(lines[0].split("stopped after step ")[1].split(" ")[0])
-    assert stopped == 8, lines
+    assert 8 <= stopped < N, lines
     assert (out / "checkpoints" / f"ckpt-{stopped:09d}.h5").is_file()
     assert not (out / "model.h5").exists() and not (out / "metrics.csv").exists()
     proc = _ft(base, 4, out, N, "--resume")

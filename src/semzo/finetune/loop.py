@@ -52,20 +52,28 @@ class StopRequest:
     to every rank) or ``SIGTERM`` (what ``scancel`` and preemption send first).
 
     Used as a context manager around :func:`train`: the handlers are installed only while the
-    steps run (a signal during any other stage ends the process as before), and restored at
-    exit. A rank that receives the signal only sets a flag; after every step the ranks agree
-    on it with a nonblocking allreduce (MAX) started when the step starts and completed when
-    it ends, on a duplicate of the world communicator, so the agreement costs no extra
-    latency and every rank stops after the same step. ``signum``: the signal the ranks agreed
-    on (0: none). Collective over ``comm`` (enter, exit and every step)."""
+    steps run (a signal during any other stage ends the process as before, but see
+    :func:`hold_stop_signal`), and restored at exit. A rank that receives the signal only sets
+    a flag. The ranks agree on it at check steps, by a nonblocking allreduce (MAX) on a
+    duplicate of the world communicator, started when the check step starts and completed
+    when it ends, so it overlaps the step. Checks are spaced about :attr:`PERIOD_S` apart:
+    with the flag each rank proposes the number of steps to the next check from its own step
+    time, and the smallest proposal is taken (the same allreduce), so every rank checks at the
+    same steps and stops after the same one, at most about ``PERIOD_S`` plus a step after the
+    signal. ``signum``: the signal the ranks agreed on (0: none). Collective over ``comm``
+    (enter, exit and every check)."""
+
+    PERIOD_S = 0.25
 
     def __init__(self, comm) -> None:
         self.world = comm
         self.signum = 0
         self._mine = np.zeros(1, np.int64)
-        self._send = np.zeros(1, np.int64)
-        self._got = np.zeros(1, np.int64)
+        self._send = np.zeros(2, np.int64)     # (flag, -steps to the next check): MAX
+        self._got = np.zeros(2, np.int64)
         self._req = None
+        self._next: int | None = None           # step index of the next check
+        self._last = (0, 0.0)                   # (step, time) of the last check
         self._old: dict = {}
         self.comm = None
 
@@ -99,19 +107,32 @@ class StopRequest:
         if agreed:
             self.comm.Free()
 
-    def start(self) -> None:
-        """At the start of a step: share this rank's flag (nonblocking)."""
+    def start(self, step: int) -> None:
+        """At the start of step ``step``: at a check step, share this rank's flag and its
+        proposal for the next check (nonblocking)."""
         from mpi4py import MPI
 
-        self._send[0] = self._mine[0]
+        now = time.perf_counter()
+        if self._next is None:
+            self._next, self._last = step, (step, now)
+        if step != self._next:
+            return
+        done, t = self._last
+        per = (now - t) / (step - done) if step > done else 0.0
+        k = 1 if per <= 0.0 else min(10_000, max(1, math.ceil(self.PERIOD_S / per)))
+        self._last = (step, now)
+        self._send[0], self._send[1] = self._mine[0], -k
         self._req = self.comm.Iallreduce(self._send, self._got, op=MPI.MAX)
 
-    def agreed(self) -> int:
-        """At the end of the step: the signal any rank had received when it started (0:
-        none), the same on every rank."""
+    def agreed(self, step: int) -> int:
+        """At the end of step ``step``: at a check step, the signal any rank had received when
+        the check started (0: none), the same on every rank; else 0."""
+        if self._req is None:
+            return 0
         self._req.Wait()
         self._req = None
         self.signum = int(self._got[0])
+        self._next = step + int(-self._got[1])
         return self.signum
 
 
@@ -549,8 +570,8 @@ def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
           stop: StopRequest | None = None) -> TrainState:
     """Run steps ``state.step .. cfg.steps - 1``. Collective over ``engine.topo.world``.
 
-    ``stop``: an entered :class:`StopRequest`; training ends after the first step at whose
-    start any rank had received its signal (``stop.signum`` then says which), on every rank.
+    ``stop``: an entered :class:`StopRequest`; training ends, on every rank, after the first
+    check step at whose start any rank had received its signal (``stop.signum`` says which).
 
     ``on_row(row)`` receives every metrics row (train rows every step, eval rows every
     ``cfg.eval_every`` steps), on every rank. ``on_step(state)`` is called on every rank after
@@ -564,7 +585,7 @@ def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
     while state.step < cfg.steps:
         step = state.step
         if stop is not None:
-            stop.start()
+            stop.start(step)
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio)
         positions, state.epoch, state.pos = batcher.next(state.epoch, state.pos)
         batch = task.batch(positions)
@@ -617,7 +638,7 @@ def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
             last_log = (now, done)
         if on_step is not None:
             on_step(state)
-        if stop is not None and stop.agreed():
+        if stop is not None and stop.agreed(step):
             log.info("step %d: signal %d received: training stops here", done, stop.signum)
             break
     engine.verify(state.step)
