@@ -246,15 +246,21 @@ def write_file(payload: Payload, path: str | Path, comm: MPI.Intracomm) -> Path:
     opts = payload.opts
     sleep = float(os.environ.get(SLEEP_ENV, "0") or 0)
     info = mpio.info(opts.hints)
+    f, err = None, None
     try:
         f = h5py.File(tmp, "w", driver="mpio", comm=comm, info=info,
                       userblock_size=filesum.USERBLOCK,
                       alignment_threshold=max(1, opts.alignment_threshold),
                       alignment_interval=max(1, opts.alignment_interval))
     except OSError as exc:
-        raise _os_error(tmp, exc) from None
+        err = str(_os_error(tmp, exc))
     finally:
         info.Free()
+    # MPI_File_open is collective and fails on every rank alike (a read-only or full file
+    # system): agree, so rank 0 prints one line
+    first = next((e for e in comm.allgather(err) if e), None)
+    if first:
+        raise AllRanksError(first)
     try:
         data = _write_contents(f, payload, comm, sleep)
         f.flush()          # H5Fflush -> MPI_File_sync on every rank: data on the device
