@@ -589,3 +589,30 @@ def test_unsupported_architecture_and_bad_inputs(tmp_path):
     assert isinstance(enc, Encoder)
     with pytest.raises(ValueError, match="exceeds"):
         enc.hidden_states(np.zeros((1, 513), np.int64))
+
+
+def test_embedding_does_not_depend_on_the_batch(minilm, tok):
+    """A text's embedding has the same bits whatever batch it is embedded in: alone, in
+    batches of 5 or 64 (other padded lengths, other texts, packed or not), or split over two
+    threads. The encoder runs attention per text length (L x L products: BLAS shapes that
+    depend on the text alone) and each softmax row up to its last real key; so embeddings,
+    and the k-means on them, are bit-identical at any rank count (docs/guide.md)."""
+    from semzo.backend import set_threads
+    from semzo.model.embed import embed_texts
+
+    texts = [f"{SENTENCES[i % len(SENTENCES)]} {' '.join(['word'] * (i % 23))}"
+             for i in range(70)]
+    one = np.stack([embed_texts(minilm, tok, [t], batch_size=1)[0] for t in texts[:12]])
+    for bs in (5, 64):
+        got = embed_texts(minilm, tok, texts, batch_size=bs)
+        assert np.array_equal(got[:12], one), bs
+    set_threads(2)
+    try:
+        assert np.array_equal(embed_texts(minilm, tok, texts, batch_size=64)[:12], one)
+    finally:
+        set_threads(1)
+    ids, mask = tok.pad(tok.encode_batch(texts[:4]))
+    wide = np.zeros((4, ids.shape[1] + 9), ids.dtype)
+    wmask = np.zeros(wide.shape, mask.dtype)
+    wide[:, :ids.shape[1]], wmask[:, :ids.shape[1]] = ids, mask
+    assert np.array_equal(minilm.embed(ids, mask), minilm.embed(wide, wmask))

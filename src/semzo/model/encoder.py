@@ -25,6 +25,16 @@ from semzo.model.storage import to_float32
 _QKV = ("query", "key", "value")
 
 
+def _length_groups(maskf) -> list[tuple[int, np.ndarray]] | None:
+    """``[(L, rows of the batch whose mask is L ones then zeros), ...]``, or None when a row's
+    mask is not of that form (then attention runs on the padded layout)."""
+    m = np.asarray(maskf)
+    lens = (m > 0).sum(axis=1)
+    if not np.array_equal(m > 0, np.arange(m.shape[1])[None, :] < lens[:, None]):
+        return None
+    return [(int(n), np.flatnonzero(lens == n)) for n in np.unique(lens)]
+
+
 def expected_names(cfg, prefix: str) -> list[str]:
     """Names of the tensors the forward pass reads, in module order."""
     e = f"{prefix}embeddings."
@@ -283,6 +293,28 @@ class Encoder(TransformerBase):
                   cfg.layer_norm_eps, out=x)
         return x
 
+    def _attention_by_length(self, qkv, groups, bsz: int, t: int, scale: float, ctx) -> None:
+        """Self-attention of the texts of each length L apart, on L x L scores: the BLAS calls
+        then have shapes that depend on the text alone, not on the batch's padded length T
+        (OpenBLAS picks its sgemm kernel by size, so a batched (T x T) product gave a text's
+        scores other last bits in another batch: docs/guide.md, "BLAS kernels"), and padded
+        keys and queries cost nothing. ``groups``: :func:`_length_groups`. ctx (B, T, nh, d);
+        rows of padded positions are set to 0."""
+        nh, d = self.config.num_heads, self.config.head_dim
+        q5 = qkv.reshape(bsz, t, 3, nh, d)
+        for n_tok, idx in groups:
+            if n_tok == 0:
+                ctx[idx] = 0.0
+                continue
+            blk = q5[idx, :n_tok]                            # (g, L, 3, nh, d), a copy
+            sc = np.matmul(blk[:, :, 0].transpose(0, 2, 1, 3), blk[:, :, 1].transpose(0, 2, 3, 1))
+            masked_softmax(sc.reshape(-1, n_tok, n_tok), np.ones((len(idx), n_tok), np.float32),
+                           scale, nh, causal=False)
+            o = np.matmul(sc, blk[:, :, 2].transpose(0, 2, 1, 3))           # (g, nh, L, d)
+            ctx[idx, :n_tok] = o.transpose(0, 2, 1, 3)
+            if n_tok < t:
+                ctx[idx, n_tok:] = 0.0
+
     def _blocks(self, x, maskf, bsz: int, t: int, first: int, stop: int, bufs=None) -> None:
         """Blocks ``first .. stop-1`` on the residual stream x (B*T, H), in place (``bufs``:
         scratch from :meth:`_layer_buffers` of the same shape, made here when None).
@@ -312,16 +344,20 @@ class Encoder(TransformerBase):
             qkv[pad] = 0.0                          # padded q, k, v: zero for every layer
         nr = xr.shape[0]
         tmp_r, inter_r = tmp[:nr], inter[:nr]
+        groups = _length_groups(maskf) if xp is np else None
         for i in range(first, stop):
             pl = f"{pre}encoder.layer.{i}."
             self._qkv(xr, i, qkv_r)
             if rows is not None:
                 qkv[rows] = qkv_r
-            q5 = qkv.reshape(bsz, t, 3, nh, d)
-            matmul_into(q5[:, :, 0].transpose(0, 2, 1, 3), q5[:, :, 1].transpose(0, 2, 3, 1),
-                        s4)
-            masked_softmax(scores, maskf, scale, nh, causal=False)
-            matmul_into(s4, q5[:, :, 2].transpose(0, 2, 1, 3), ctx.transpose(0, 2, 1, 3))
+            if groups is not None:
+                self._attention_by_length(qkv, groups, bsz, t, scale, ctx)
+            else:
+                q5 = qkv.reshape(bsz, t, 3, nh, d)
+                matmul_into(q5[:, :, 0].transpose(0, 2, 1, 3),
+                            q5[:, :, 1].transpose(0, 2, 3, 1), s4)
+                masked_softmax(scores, maskf, scale, nh, causal=False)
+                matmul_into(s4, q5[:, :, 2].transpose(0, 2, 1, 3), ctx.transpose(0, 2, 1, 3))
             c = ctx.reshape(n, h)
             if rows is not None:
                 c = c[rows]

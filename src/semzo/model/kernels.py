@@ -279,14 +279,23 @@ def _key_masks(maskf, b, keep, mk):
 
 @njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def _nb_masked_softmax(s, maskf, scale, heads, causal):
+    """Rows run only up to the last kept key (the entries after it are set to 0): the
+    vectorized sum of a row then has the same shape whatever padding follows, so a text's
+    probabilities do not depend on the padded length of its batch."""
     g, tq, tk = s.shape
     keep = np.empty(tk, np.int32)
     mk = np.empty(tk, np.float32)
+    last = 0
     for gi in range(g):
         if gi % heads == 0:
             _key_masks(maskf, gi // heads, keep, mk)
+            last = 0
+            for j in range(tk):
+                if keep[j] != 0:
+                    last = j + 1
         for i in range(tq):
-            _softmax_row(s[gi, i], 0, min(i + 1, tk) if causal else tk, keep, mk, scale)
+            hi = min(i + 1, tk, last) if causal else last
+            _softmax_row(s[gi, i], 0, hi, keep, mk, scale)
 
 
 @njit(cache=True, nogil=True)
