@@ -153,6 +153,14 @@ def _truncate(path):
         f.truncate(path.stat().st_size // 2)
 
 
+def _uint64_ids(path):
+    with h5py.File(path, "r+") as f:
+        a = f["ids"][...].astype(np.uint64)
+        a[4] = 2**63 + 5
+        del f["ids"]
+        f["ids"] = a
+
+
 def _folder(path):
     path.unlink()
     path.mkdir()
@@ -170,6 +178,10 @@ FILE_CASES = {
     "place: clusters.h5 not HDF5": (
         "place", "clusters.h5", lambda p: p.write_bytes(b"x" * 700), [],
         "clusters.h5: not an HDF5 file"),
+    "cluster: a uint64 sample id beyond int64": (
+        "cluster", "embeddings.h5", _uint64_ids, [],
+        ("embeddings.h5: dataset ids: row 4 holds 9223372036854775813, outside [0, "
+        "9223372036854775808)")),
     "cluster: an embedding is NaN": (
         "cluster", "embeddings.h5", lambda p: _set(p, "embeddings", (3, 3), np.nan), [],
         "embeddings.h5: dataset embeddings: row 3 is not finite"),

@@ -197,6 +197,7 @@ def read_embeddings(path, comm, *, lo: int | None = None, hi: int | None = None,
         agree(comm, range_error(path, "labels", labels, -1, len(names), row0=lo,
                                 what=f"-1 = no label, {len(names)} label names")
               or range_error(path, "ids", ids, 0, None, row0=lo)
+              or range_error(path, "ids", ids, 0, 2**63, row0=lo, what="sample ids are int64")
               or finite_error(path, "embeddings", emb, row0=lo))
         texts = read_texts(f, lo, hi, comm, path) if with_text else []
         file_id, deck = f.attrs.get("semzo_file_id", ""), f.attrs.get("semzo_deck", "")
