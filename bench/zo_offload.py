@@ -234,7 +234,7 @@ def _is_oom(exc: BaseException) -> bool:
     from semzo.finetune.offload import DeviceMemoryError
     name = type(exc).__name__
     return isinstance(exc, (MemoryError, DeviceMemoryError)) or "OutOfMemory" in name or \
-        "memoryAllocation" in str(exc) or "out of memory" in str(exc).lower()
+        "MemoryAllocation" in str(exc) or "out of memory" in str(exc).lower()
 
 
 def largest(dev: Device, args, shape: dict, offload: bool) -> dict:
