@@ -48,6 +48,17 @@ def nmi_purity(c: np.ndarray) -> tuple[float, float]:
     return nmi, float(c.max(1).sum() / n)
 
 
+def check_k(deck, n_total: int) -> None:
+    """``cluster.k`` against the number of samples (the same on every rank): more clusters
+    than samples is an error every rank raises together. The embed stage runs it too, on the
+    corpus, when this run goes on to cluster."""
+    if deck.cluster.k > n_total:
+        err = SemzoError(f"{deck.source}: cluster.k: {deck.cluster.k} clusters for only "
+                         f"{n_total} samples")
+        err.all_ranks = True
+        raise err
+
+
 def run_cluster_stage(ctx) -> dict:
     """Collective. k-means over this rank's block of embeddings.h5; writes clusters.h5."""
     deck, topo = ctx.deck, ctx.topo
@@ -56,11 +67,7 @@ def run_cluster_stage(ctx) -> dict:
     rows = read_embeddings(ctx.path("embeddings.h5"), comm, with_text=False)
     agree(comm, deck_drift(ctx.path("embeddings.h5"), rows.deck_toml, deck, CORPUS_KEYS,
                            "rerun the embed stage (run.stages) or set the key back"))
-    if cfg.k > rows.n_total:
-        err = SemzoError(f"{deck.source}: cluster.k: {cfg.k} clusters for only "
-                         f"{rows.n_total} samples")
-        err.all_ranks = True
-        raise err
+    check_k(deck, rows.n_total)
     t0 = time.perf_counter()
     x = ctx.xp.asarray(rows.embeddings)
     res = kmeans(x, cfg.k, comm, global_offset=rows.offset, allreduce=topo.allreduce,

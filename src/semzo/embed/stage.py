@@ -112,6 +112,27 @@ def filter_labels(deck, comm, texts, ids, labels_s):
     return texts, ids[keep], labels_s, int(first), int(n_total)
 
 
+def check_later_stages(ctx, ids: np.ndarray, labels: np.ndarray, n_classes: int) -> None:
+    """Before any embedding work, what the later stages of this run check of the samples:
+    ``cluster.k`` against their number, the finetune stage's labels and held-out split (and
+    that ``train.task`` suits the model). A deck those stages refuse then fails in seconds
+    with their message, not after the corpus has been embedded. ``ids``, ``labels``: this
+    rank's samples as they will be written. Collective; every rank raises together."""
+    deck, topo = ctx.deck, ctx.topo
+    if "cluster" in deck.run.stages:
+        from ..cluster.stage import check_k
+
+        n = np.array([len(ids)], np.int64)
+        topo.allreduce(n)
+        check_k(deck, int(n[0]))
+    if "finetune" in deck.run.stages:
+        from ..finetune.stage import check_samples, resolve_task
+        from ..model.loader import model_kind
+
+        task = resolve_task(deck, model_kind(deck.model.path or None))
+        check_samples(deck, task, ids, labels, n_classes, topo.allreduce)
+
+
 def run_embed_stage(ctx) -> dict:
     """Collective. Reads the corpus slice, embeds it, writes embeddings.h5."""
     from ..model import Tokenizer, embed_texts, load_model, set_threads
@@ -132,6 +153,7 @@ def run_embed_stage(ctx) -> dict:
     vocab = label_vocab(labels_s, comm)
     labels = (label_codes(labels_s, vocab) if labels_s is not None
               else np.full(len(texts), -1, np.int64))
+    check_later_stages(ctx, ids, labels, len(vocab))
     model_path, key = embed_model_path(deck)
     model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype)
     if model.kind != "encoder":

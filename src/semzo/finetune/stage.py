@@ -54,6 +54,45 @@ def _deck_error(msg: str) -> SemzoError:
     return err
 
 
+def resolve_task(deck, model_kind: str) -> str:
+    """``train.task`` with ``"auto"`` resolved for a model of ``model_kind`` ("lm" for a
+    decoder, else "classify"); a task the model cannot run is an error on every rank."""
+    task = deck.train.task
+    kind = task if task != "auto" else ("lm" if model_kind == "decoder" else "classify")
+    if kind in ("lm", "prompt") and model_kind != "decoder":
+        raise _deck_error(f"{deck.source}: train.task: {kind} fine-tuning needs a decoder "
+                          f"in model.path, got an {model_kind}")
+    return kind
+
+
+def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_classes: int,
+                  allreduce) -> tuple[int, int]:
+    """What the finetune stage needs of its samples (this rank's ``ids`` and ``labels``, -1
+    unlabeled; ``n_classes`` the same on every rank): labels on every sample and two classes
+    for a classify or prompt task, and both sides of the held-out split non-empty (without
+    held-out samples every evaluation would be nan and the run would still "succeed").
+    Collective (``allreduce``: an in-place sum over the ranks); every rank raises together.
+    The embed stage runs it too, on the corpus, when this run goes on to fine-tune.
+    Returns the numbers of training and held-out samples over all ranks."""
+    t = deck.train
+    split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
+    held = heldout_mask(ids, split_seed, t.heldout_fraction)
+    counts = np.array([int((~held).sum()), int(held.sum()), int((labels < 0).sum())], np.int64)
+    allreduce(counts)
+    if task_kind in ("classify", "prompt") and (counts[2] or n_classes < 2):
+        raise _deck_error(f"{deck.corpus.path}: train.task = {task_kind} needs a label on "
+                          f"every record and at least 2 classes ({int(counts[2])} "
+                          f"unlabeled, {n_classes} classes); use a labelled corpus or "
+                          f"task = \"lm\" with a decoder")
+    if counts[0] == 0:
+        raise _deck_error(f"{deck.source}: train.heldout_fraction: no training samples left")
+    if counts[1] == 0:
+        raise _deck_error(f"{deck.source}: train.heldout_fraction: no held-out samples "
+                          f"({t.heldout_fraction:g} of {int(counts[0])} samples drew none); "
+                          f"raise it or use a larger corpus")
+    return int(counts[0]), int(counts[1])
+
+
 def default_lora_targets(model) -> tuple[str, ...] | None:
     """MeZO's choice on decoders: q and v (``q_proj``/``v_proj``; GPT-2's fused ``c_attn``);
     None (every attention projection) for encoders."""
@@ -204,10 +243,7 @@ def run_finetune_stage(ctx) -> dict:
     offload = z.offload == "host"
     model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype,
                        host_params=offload and deck.run.device == "gpu")
-    task_kind = t.task if t.task != "auto" else ("lm" if model.kind == "decoder" else "classify")
-    if task_kind in ("lm", "prompt") and model.kind != "decoder":
-        raise _deck_error(f"{deck.source}: train.task: {task_kind} fine-tuning needs a decoder "
-                          f"in model.path, got an {model.kind}")
+    task_kind = resolve_task(deck, model.kind)
     use_emb = task_kind == "classify" and t.head_init == "class_means"
     rows = read_shard(shards, comm, with_embeddings=task_kind == "classify")
     agree(comm, deck_drift(shards, rows.deck_toml, deck, SHARD_KEYS,
@@ -215,24 +251,7 @@ def run_finetune_stage(ctx) -> dict:
     split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
     held = heldout_mask(rows.ids, split_seed, t.heldout_fraction)
     n_classes = len(rows.label_names)
-    if task_kind in ("classify", "prompt"):
-        unlabeled = np.array([int((rows.labels < 0).sum())], np.int64)
-        topo.allreduce(unlabeled)
-        if unlabeled[0] or n_classes < 2:
-            raise _deck_error(f"{deck.corpus.path}: train.task = {task_kind} needs a label on "
-                              f"every record and at least 2 classes ({int(unlabeled[0])} "
-                              f"unlabeled, {n_classes} classes); use a labelled corpus or "
-                              f"task = \"lm\" with a decoder")
-    # both sides of the split must be non-empty (summed over ranks), before any work: without
-    # held-out samples every evaluation would be nan/0 and the run would still "succeed"
-    counts = np.array([int((~held).sum()), int(held.sum())], np.int64)
-    topo.allreduce(counts)
-    if counts[0] == 0:
-        raise _deck_error(f"{deck.source}: train.heldout_fraction: no training samples left")
-    if counts[1] == 0:
-        raise _deck_error(f"{deck.source}: train.heldout_fraction: no held-out samples "
-                          f"({t.heldout_fraction:g} of {int(counts[0])} samples drew none); "
-                          f"raise it or use a larger corpus")
+    counts = check_samples(deck, task_kind, rows.ids, rows.labels, n_classes, topo.allreduce)
     if task_kind == "classify":
         model.add_classifier(n_classes, init="zeros" if use_emb else "normal",
                              seed=deck.run.seed, normalize=True)

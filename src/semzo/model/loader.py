@@ -173,6 +173,17 @@ def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32", *,
     return model
 
 
+def model_kind(path: str | Path | None = None) -> str:
+    """``"encoder"`` or ``"decoder"``: what :func:`load_model` would build from ``path``
+    (None: the packaged MiniLM), read from config.json alone, no weights."""
+    from semzo.model.zoo import resolve_model_path
+    folder = default_model_path() if path is None else resolve_model_path(path)
+    raw = read_raw(folder)
+    if families.find(raw) is not None:
+        return "decoder"
+    return "decoder" if isinstance(read_config(folder), DecoderConfig) else "encoder"
+
+
 def load_causal(folder: Path, fam, raw: dict, xp, dt, host_params: bool = False) -> CausalLM:
     """A :class:`CausalLM` of family module ``fam``, read tensor by tensor (each checked
     against the shape config.json implies; SemzoError naming the file and the tensor)."""
