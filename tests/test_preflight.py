@@ -9,7 +9,6 @@ import json
 import time
 
 import pytest
-
 from mpiutil import mpirun
 
 
@@ -29,11 +28,11 @@ CASES = [
      ["run.stages=[\"embed\", \"cluster\"]", "cluster.k=6", "corpus.max_records=5"],
      "cluster.k: 6 clusters for only 5 samples"),
     ("unlabelled corpus, classify", False, ["cluster.k=2"],
-     "train.task = classify needs a label on every record and at least 2 classes "
-     "(12 unlabeled, 0 classes)"),
+     ("train.task = classify needs a label on every record and at least 2 classes "
+     "(12 unlabeled, 0 classes)")),
     ("one class", True, ["cluster.k=2", "corpus.labels=[\"class1\"]"],
-     "train.task = classify needs a label on every record and at least 2 classes "
-     "(0 unlabeled, 1 classes)"),
+     ("train.task = classify needs a label on every record and at least 2 classes "
+     "(0 unlabeled, 1 classes)")),
     ("lm on an encoder", True, ["cluster.k=2", "train.task=\"lm\""],
      "train.task: lm fine-tuning needs a decoder in model.path, got an encoder"),
     ("no held-out samples", True, ["cluster.k=2", "train.heldout_fraction=1e-6"],

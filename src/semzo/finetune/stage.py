@@ -66,14 +66,15 @@ def resolve_task(deck, model_kind: str) -> str:
 
 
 def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_classes: int,
-                  allreduce) -> tuple[int, int]:
+                  allreduce) -> tuple[np.ndarray, int, int]:
     """What the finetune stage needs of its samples (this rank's ``ids`` and ``labels``, -1
     unlabeled; ``n_classes`` the same on every rank): labels on every sample and two classes
     for a classify or prompt task, and both sides of the held-out split non-empty (without
     held-out samples every evaluation would be nan and the run would still "succeed").
     Collective (``allreduce``: an in-place sum over the ranks); every rank raises together.
     The embed stage runs it too, on the corpus, when this run goes on to fine-tune.
-    Returns the numbers of training and held-out samples over all ranks."""
+    Returns this rank's held-out mask and the numbers of training and held-out samples over
+    all ranks."""
     t = deck.train
     split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
     held = heldout_mask(ids, split_seed, t.heldout_fraction)
@@ -90,7 +91,7 @@ def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_c
         raise _deck_error(f"{deck.source}: train.heldout_fraction: no held-out samples "
                           f"({t.heldout_fraction:g} of {int(counts[0])} samples drew none); "
                           f"raise it or use a larger corpus")
-    return int(counts[0]), int(counts[1])
+    return held, int(counts[0]), int(counts[1])
 
 
 def default_lora_targets(model) -> tuple[str, ...] | None:
@@ -248,10 +249,9 @@ def run_finetune_stage(ctx) -> dict:
     rows = read_shard(shards, comm, with_embeddings=task_kind == "classify")
     agree(comm, deck_drift(shards, rows.deck_toml, deck, SHARD_KEYS,
                            "rerun the place stage (run.stages) or set the key back"))
-    split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
-    held = heldout_mask(rows.ids, split_seed, t.heldout_fraction)
     n_classes = len(rows.label_names)
-    counts = check_samples(deck, task_kind, rows.ids, rows.labels, n_classes, topo.allreduce)
+    held, n_train, n_held = check_samples(deck, task_kind, rows.ids, rows.labels, n_classes,
+                                          topo.allreduce)
     if task_kind == "classify":
         model.add_classifier(n_classes, init="zeros" if use_emb else "normal",
                              seed=deck.run.seed, normalize=True)
@@ -305,7 +305,7 @@ def run_finetune_stage(ctx) -> dict:
 
     steps = t.steps
     if t.max_epochs > 0:
-        per_epoch = counts[0] / (topo.size * t.batch_size)
+        per_epoch = n_train / (topo.size * t.batch_size)
         steps = min(steps, max(1, math.ceil(t.max_epochs * per_epoch)))
     ck, state, resumed_from = _open_checkpoints(ctx, model, names, task_kind, n_classes,
                                                 train_idx.size, rows.label_names)
@@ -328,7 +328,7 @@ def run_finetune_stage(ctx) -> dict:
              "batch %d per rank, max_length %d, %d steps, lr %.2e (%s), eps %.1e, z %s",
              task_kind, model.kind, t.params if t.params != "head+last"
              else f"head+last:{t.last_layers}", len(names), n_tr, n_all,
-             100.0 * n_tr / max(n_all, 1), counts[0], counts[1], z.mode, engine.n_groups,
+             100.0 * n_tr / max(n_all, 1), n_train, n_held, z.mode, engine.n_groups,
              "s" if engine.n_groups > 1 else "", t.batch_size, max_len, steps, z.lr,
              t.schedule, z.eps, z.dist)
 
