@@ -168,7 +168,7 @@ def checksum(dev: Device, tensors) -> list[int]:
     """The first two (exact, order-independent) words of the replica checksum; on a GPU each
     host tensor is summed on the device (the words add modulo 2**64 across tensors), which
     is far faster than NumPy over host memory."""
-    from semzo.finetune.engine import param_checksum
+    from semzo.zo.engine import param_checksum
     if not dev.gpu:
         return [int(x) for x in param_checksum(tensors)[:2]]
     s = [0, 0]
@@ -183,10 +183,11 @@ def run_case(dev: Device, cfg: dict, args, offload: bool, steps: int, warm: int,
              batch: int, length: int, check: bool = True) -> dict:
     """Build the model, run ``warm`` + ``steps`` streamed steps; times, memory and (``check``)
     the checksum after the pending update is applied."""
-    from semzo.finetune.engine import ZOEngine, ztensors
-    from semzo.finetune.loop import LMTask
-    from semzo.finetune.offload import HostStore
-
+    from semzo.tasks.lm import LMTask
+    from semzo.zo.engine import ZOEngine
+    from semzo.zo.offload import HostStore
+    from semzo.zo.perturb import ztensors
+    from semzo.zo.streamed import step_streamed
     dev.reset()
     t0 = time.perf_counter()
     m = synthetic_model(cfg, dev.xp, args.dtype, host_params=offload and dev.gpu,
@@ -207,7 +208,7 @@ def run_case(dev: Device, cfg: dict, args, offload: bool, steps: int, warm: int,
         b = task.batch(np.arange(s * batch, (s + 1) * batch))
         dev.sync()
         t1 = time.perf_counter()
-        r = eng.step_streamed(task, b, s, args.lr, batch)
+        r = step_streamed(eng, task, b, s, args.lr, batch)
         eng.store.sync()
         dev.sync()
         if s >= warm:
@@ -231,7 +232,7 @@ def run_case(dev: Device, cfg: dict, args, offload: bool, steps: int, warm: int,
 
 
 def _is_oom(exc: BaseException) -> bool:
-    from semzo.finetune.offload import DeviceMemoryError
+    from semzo.zo.offload import DeviceMemoryError
     name = type(exc).__name__
     return isinstance(exc, (MemoryError, DeviceMemoryError)) or "OutOfMemory" in name or \
         "MemoryAllocation" in str(exc) or "out of memory" in str(exc).lower()
@@ -297,7 +298,9 @@ def main(argv=None) -> list[dict]:
     dev = Device(args.device)
     if args.threads:
         from semzo.backend import set_threads
+        from semzo.model import set_threads as split_forwards
         set_threads(args.threads)
+        split_forwards(args.threads)
     base = GPU_SHAPE if dev.gpu else CPU_SHAPE
     shape = {k: (getattr(args, k) if getattr(args, k) is not None else v)
              for k, v in base.items()}

@@ -28,9 +28,8 @@ import semzo  # noqa: F401  (before numpy: the thread-pool defaults)
 import numpy as np
 from numba import njit, prange
 
-from semzo.finetune import kernels, rng
-
-
+from semzo.zo import kernels
+from semzo import rng
 @njit(parallel=True, cache=True, error_model="numpy")
 def _z_alone(n, dist, k0, k1, tab):
     """Sum of z(seed, 3, e) for e < n, made SUB at a time into an L1 buffer and never stored:
@@ -97,8 +96,8 @@ def gpu_passes(n: int, reps: int, dtype: str = "float32") -> dict[str, list[floa
     bytes read and written, no z), each timed with CUDA events."""
     import cupy
 
-    from semzo.finetune import kernels_gpu
     from semzo.model.storage import STORAGE
+    from semzo.zo import kernels_gpu
 
     p = cupy.zeros(n, STORAGE[dtype])
     k0, k1 = rng.split_seed(12345)

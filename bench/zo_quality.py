@@ -40,8 +40,7 @@ class Solo:
 
 
 def load_data(args):
-    from semzo.finetune.data import heldout_mask
-
+    from semzo.preflight import heldout_mask
     with open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8") as f:
         recs = [json.loads(line) for line in f]
     top = [c for c, _ in Counter(r["label"] for r in recs).most_common(args.classes)]
@@ -57,7 +56,7 @@ def load_data(args):
 
 
 def semzo_model(params: str, args, head):
-    from semzo.finetune.stage import select_trainable
+    from semzo.finetune.trainable import select_trainable
     from semzo.model import load_model
 
     m = load_model(None)
@@ -69,8 +68,7 @@ def semzo_model(params: str, args, head):
 
 
 def semzo_acc(m, tok, data, args) -> float:
-    from semzo.finetune.data import pad_batch
-
+    from semzo.tasks.base import pad_batch
     texts, lab = data
     seqs = tok.encode_batch(texts)
     hits = 0
@@ -81,9 +79,9 @@ def semzo_acc(m, tok, data, args) -> float:
 
 
 def run_zo(params, lr, eps, args, head, tok, train, held, batches):
-    from semzo.finetune.data import pad_batch
-    from semzo.finetune.engine import ZOEngine, ztensors
-
+    from semzo.tasks.base import pad_batch
+    from semzo.zo.engine import ZOEngine
+    from semzo.zo.perturb import ztensors
     m, names = semzo_model(params, args, head)
     eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), Solo(), eps=eps,
                    threads=args.threads)
@@ -102,8 +100,8 @@ def run_torch(params, lr, args, head, tok, train, held, batches):
     import torch
     from transformers import AutoModel
 
-    from semzo.finetune.data import pad_batch
     from semzo.model import default_model_path
+    from semzo.tasks.base import pad_batch
 
     torch.manual_seed(0)
     body = AutoModel.from_pretrained(str(default_model_path()))
@@ -190,8 +188,11 @@ def _threads(n: int, torch_only: bool = False) -> None:
     runtimes configured in one process make torch's attention many times slower)."""
     if not torch_only:
         from semzo.backend import set_threads
+        from semzo.model import set_threads as split_forwards
 
         set_threads(n)
+
+        split_forwards(n)
     import torch
     torch.set_num_threads(n)
 

@@ -79,10 +79,14 @@ class Solo:
 
 def semzo_setup(threads: int, schedule: str = "streamed"):
     from semzo.backend import set_threads
-    from semzo.finetune.engine import ZOEngine, ztensors
     from semzo.model import load_model
+    from semzo.model import set_threads as split_forwards
+    from semzo.zo.engine import ZOEngine
+    from semzo.zo.perturb import ztensors
 
     set_threads(threads)
+
+    split_forwards(threads)
     m = load_model(None)
     m.add_classifier(16, normalize=True)
     tensors = ztensors(list(m.named_parameters()))
@@ -92,21 +96,21 @@ def semzo_setup(threads: int, schedule: str = "streamed"):
 def bench_task(m, ids, mask, labels):
     """A classification task over one fixed batch (the stage interface for the streamed
     step) and that batch."""
-    from semzo.finetune.loop import ClassifyTask
-
+    from semzo.tasks.classify import ClassifyTask
     none = np.zeros(0, np.int64)
     return ClassifyTask(m, [], labels, none, none, 0, 16), (ids, mask, labels, len(labels))
 
 
 def zo_step_fn(m, eng, ids, mask, labels, n):
     """A function running one ZO step of ``eng``'s schedule per call (fresh step index)."""
+    from semzo.zo.streamed import step_streamed
     task, b = bench_task(m, ids, mask, labels)
     k = [0]
 
     def zo():
         k[0] += 1
         if eng.schedule == "streamed":
-            eng.step_streamed(task, b, k[0], LR, n)
+            step_streamed(eng, task, b, k[0], LR, n)
         else:
             eng.step(lambda: m.classify(ids, mask, labels)[0], k[0], LR, n)
     return zo
@@ -119,9 +123,9 @@ def pass_times(eng, reps: int) -> dict:
     streamed schedule's first pass (restore + update of one z, then + eps of another), that
     first pass also storing its second z (the z cache; Gaussian), and the pass that reads it
     back (pass 2 with the z cache: p <- p + a z_cached)."""
-    from semzo.finetune import kernels, rng
-    from semzo.finetune.perturb import _split
-
+    from semzo import rng
+    from semzo.zo import kernels
+    from semzo.zo.perturb import _split
     cpu, _ = _split(eng.tensors, 0.0)
     k0, k1 = rng.split_seed(12345)
     out = {}
@@ -146,8 +150,7 @@ def pass_clock():
     """Seconds spent in the ZO kernels' launches (``kernels.run_pass`` and ``run_spans``)
     while the block runs, in ``clock[0]``: the parameter passes of a step without its
     forwards, whose noise on a shared machine hides a few percent of the step."""
-    from semzo.finetune import kernels
-
+    from semzo.zo import kernels
     clock = [0.0]
     saved = {nm: getattr(kernels, nm) for nm in ("run_pass", "run_spans")}
 
@@ -453,15 +456,18 @@ def comm_share(args) -> None:
 
     from semzo.backend import set_threads
     from semzo.deck import TopologySection
-    from semzo.finetune.engine import ZOEngine, ztensors
     from semzo.model import load_model
+    from semzo.model import set_threads as split_forwards
     from semzo.runtime import run_spmd
     from semzo.topology import build_topology
+    from semzo.zo.engine import ZOEngine
+    from semzo.zo.perturb import ztensors
 
     def main():
         comm = MPI.COMM_WORLD
         topo = build_topology(comm, TopologySection(ranks_per_node=1, nodes_per_switch=2))
         set_threads(1)
+        split_forwards(1)
         ids, mask, labels = batch(args.batch, args.length)
         m = load_model(None)
         m.add_classifier(16, normalize=True)

@@ -77,11 +77,15 @@ def semzo_llm(which: str, threads: int, schedule: str = "streamed"):
     from zo_step import Solo
 
     from semzo.backend import set_threads
-    from semzo.finetune.engine import ZOEngine, ztensors
-    from semzo.finetune.stage import select_trainable
+    from semzo.finetune.trainable import select_trainable
     from semzo.model import load_model
+    from semzo.model import set_threads as split_forwards
+    from semzo.zo.engine import ZOEngine
+    from semzo.zo.perturb import ztensors
 
     set_threads(threads)
+
+    split_forwards(threads)
     m = load_model("smollm2")
     names = select_trainable(m, "lora" if which == "lora" else "all", lora_rank=RANK,
                              lora_alpha=ALPHA)
@@ -96,8 +100,8 @@ def llm_step_fn(m, eng, ids, mask):
     batch."""
     import numpy as np
 
-    from semzo.finetune.loop import LMTask
-
+    from semzo.tasks.lm import LMTask
+    from semzo.zo.streamed import step_streamed
     none = np.zeros(0, np.int64)
     task = LMTask(m, [], none, none, none, 0, 16)
     b = (ids, mask, None, len(ids))
@@ -107,7 +111,7 @@ def llm_step_fn(m, eng, ids, mask):
     def zo():
         k[0] += 1
         if eng.schedule == "streamed":
-            eng.step_streamed(task, b, k[0], LR, n)
+            step_streamed(eng, task, b, k[0], LR, n)
         else:
             eng.step(lambda: task.loss(b), k[0], LR, n)
     return zo, task, b
@@ -213,8 +217,9 @@ def prompt_pair(args) -> dict:
     import numpy as np
     from zo_step import deferral_pairs
 
-    from semzo.finetune.prompt import PromptTask, encode_prompts, label_word_ids
     from semzo.model import Tokenizer
+    from semzo.tasks.prompt import PromptTask, encode_prompts, label_word_ids
+    from semzo.zo.streamed import step_streamed
 
     m, eng = semzo_llm("all", args.threads)
     tok = Tokenizer.from_folder("smollm2", max_length=None)
@@ -236,7 +241,7 @@ def prompt_pair(args) -> dict:
 
     def zo():
         k[0] += 1
-        eng.step_streamed(task, b, k[0], LR, n)
+        step_streamed(eng, task, b, k[0], LR, n)
     pair = deferral_pairs(eng, zo, 2 * args.reps, fwd=lambda: task.loss(b))
     rows = task.stage_rows(b)[m.head_weight_name()]
     return {"n": n, "tokens": int(b[1].sum()), "padding": 1.0 - float(b[1].mean()),
@@ -251,9 +256,9 @@ def cached_stage_passes(eng, task, reps: int) -> tuple[float, float, int]:
     """Seconds of both passes (+eps z, then -2 eps z) over the stages the z cache covers, with
     the cache and regenerating (best of ``reps`` interleaved rounds after a warm-up), and the
     number of elements those stages hold."""
-    from semzo.finetune import streamed as S
-
-    groups = eng.stage_groups(task)
+    from semzo.zo import streamed as S
+    from semzo.zo.streamed import stage_groups
+    groups = stage_groups(eng, task)
     eng.cache_z = True
     cache = S.zcache_for(eng, task, groups, bool(task.tied_head) and bool(groups[0]))
     ks = sorted(cache.stages)

@@ -152,7 +152,7 @@ def test_checkpoint_inspect_and_export_keep_bf16_bits(tmp_path, tmp_path_factory
     from semzo.checkpoint import Checkpointer, load
     from semzo.checkpoint.tools import export, summary
     from semzo.deck import CheckpointSection
-    from semzo.finetune.perturb import perturb
+    from semzo.zo.perturb import perturb
     folder, _ = build("qwen2", tmp_path_factory)
     model = load_model(folder, dtype="bfloat16")
     trained = [n for n in model.params if "layers.1." in n]
@@ -178,8 +178,9 @@ def test_checkpoint_inspect_and_export_keep_bf16_bits(tmp_path, tmp_path_factory
 
 def test_dtype_rules_agree(tmp_path_factory):
     from semzo import deck as deckmod
+    from semzo.checkpoint.tools import checkpoint_dtype
     from semzo.deck import DeckError
-    from semzo.generate import checkpoint_dtype, load_for_generation
+    from semzo.generate import load_for_generation
     d = deckmod.load(None, ["model.dtype=\"bfloat16\""], check_inputs=False)
     assert d.model.dtype == "bfloat16" and d.run.device == "cpu"
     with pytest.raises(DeckError, match=r"model.dtype: float16 .*\(bfloat16 runs on the CPU\)"):

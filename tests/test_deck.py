@@ -9,6 +9,7 @@ import pytest
 from mpiutil import ROOT, check, mpirun
 
 from semzo import deck as deckmod
+from semzo import preflight
 from semzo.deck import DeckError
 
 BAD_DECKS = [
@@ -88,6 +89,7 @@ def test_bad_deck_in_process(tmp_path, corpus, name, text, sets, expect):
     deck = _deck(tmp_path, text, corpus)
     with pytest.raises(DeckError) as info:
         d = deckmod.load(deck, sets)
+        preflight.check_inputs(d)
         deckmod.check_world(d, 4)
     msg = str(info.value)
     assert expect in msg, msg
@@ -174,6 +176,7 @@ def test_model_config_is_read_when_the_deck_is_checked(corpus, tmp_path, config,
     folder.mkdir()
     (folder / "config.json").write_text(config)
     with pytest.raises(DeckError, match=r"^x.toml: model.path: ") as exc:
-        deckmod.build({"corpus": {"path": str(corpus)}}, "x.toml",
-                      [f"model.path={folder}", f"run.stages={stages}"])
+        preflight.check_inputs(deckmod.build({"corpus": {"path": str(corpus)}}, "x.toml",
+                                             [f"model.path={folder}",
+                                              f"run.stages={stages}"]))
     assert want in str(exc.value) and "\n" not in str(exc.value)

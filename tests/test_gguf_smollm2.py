@@ -161,6 +161,7 @@ def test_greedy_paris(smol_dir):
 
 def test_named_model_alias(smol_dir, tmp_path, monkeypatch):
     from semzo import deck as deckmod
+    from semzo import preflight
     from semzo.model import zoo
     from semzo.runtime import SemzoError
 
@@ -168,7 +169,8 @@ def test_named_model_alias(smol_dir, tmp_path, monkeypatch):
     with pytest.raises(SemzoError, match="make setup"):
         zoo.resolve_model_path("smollm2")
     with pytest.raises(deckmod.DeckError, match="make setup"):
-        deckmod.load(None, ["model.path=smollm2", f"corpus.path={FORTUNES}"])
+        preflight.check_inputs(deckmod.load(None, ["model.path=smollm2",
+                                                   f"corpus.path={FORTUNES}"]))
     (tmp_path / NAMED["smollm2"].folder).symlink_to(smol_dir)
     folder, converted = zoo.ensure("smollm2")  # the stamp matches: nothing converted
     assert not converted and folder == tmp_path / NAMED["smollm2"].folder

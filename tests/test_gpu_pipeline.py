@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 from gpu_common import GPU_REASON, cupy_or_none, host
 from zo_common import make_model, write_corpus
 
-from semzo.finetune.loop import ClassifyTask, PrefixCachedClassifyTask
-from semzo.finetune.stage import select_trainable
+from semzo.finetune.trainable import select_trainable
 from semzo.model import Tokenizer, load_model
+from semzo.tasks.classify import ClassifyTask, PrefixCachedClassifyTask
 
 ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 COMMON = ["--set", "topology.ranks_per_node=1", "--set", "topology.nodes_per_switch=1",

@@ -20,13 +20,14 @@ sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 from gpu_common import cupy_or_none, gpu_skip, host
 from zo_common import SoloTopo, corpus, make_model
 
-from semzo.finetune import perturb as P
-from semzo.finetune.data import pad_batch
-from semzo.finetune.engine import ZOEngine, param_checksum, ztensors
-from semzo.finetune.loop import FeatureClassifyTask
-from semzo.finetune.stage import select_trainable
+from semzo.finetune.trainable import select_trainable
 from semzo.model import Tokenizer, load_model
 from semzo.model.storage import to_bits, to_float32
+from semzo.tasks.base import pad_batch
+from semzo.tasks.classify import FeatureClassifyTask
+from semzo.zo import perturb as P
+from semzo.zo.engine import ZOEngine, param_checksum
+from semzo.zo.perturb import ztensors
 
 BF16 = np.uint16        # bfloat16 storage: uint16 arrays of bfloat16 bits (a model's params)
 
@@ -101,7 +102,8 @@ def test_gpu_kernels_numba_cuda_close_to_cpu(dtype, monkeypatch):
 
 @gpu_skip()
 def test_gpu_zvec_equals_cpu():
-    from semzo.finetune import kernels_gpu, rng
+    from semzo import rng
+    from semzo.zo import kernels_gpu
     cp = cupy_or_none()
     k0, k1 = rng.split_seed(99)
     for dist in (0, 1):

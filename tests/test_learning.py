@@ -25,11 +25,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 from zo_common import SoloTopo, corpus, make_model
 
-from semzo.finetune.data import Batcher, heldout_mask
-from semzo.finetune.engine import ZOEngine, ztensors
-from semzo.finetune.loop import ClassifyTask, LoopConfig, TrainState, evaluate, train
-from semzo.finetune.stage import select_trainable
+from semzo.finetune.data import Batcher
+from semzo.finetune.loop import LoopConfig, TrainState, evaluate, train
+from semzo.finetune.trainable import select_trainable
 from semzo.model import Tokenizer, load_model
+from semzo.preflight import heldout_mask
+from semzo.tasks.classify import ClassifyTask
+from semzo.zo.engine import ZOEngine
+from semzo.zo.perturb import ztensors
 
 SEEDS, STEPS, LR, BATCH = 4, 300, 0.05, 16
 MARGIN, PER_SEED = 0.06, 0.04

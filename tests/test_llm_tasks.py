@@ -14,19 +14,23 @@ sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 from llmutil import tiny_gpt2_hf, tiny_llama
 from zo_common import SoloTopo
 
-from semzo.finetune.data import Batcher, pad_batch
-from semzo.finetune.engine import ZOEngine, ztensors
-from semzo.finetune.loop import LMTask, LoopConfig, TrainState, evaluate, train
-from semzo.finetune.prompt import (
+from semzo.finetune.data import Batcher
+from semzo.finetune.loop import LoopConfig, TrainState, evaluate, train
+from semzo.finetune.trainable import select_trainable
+from semzo.model import Tokenizer, export_hf, load_model
+from semzo.runtime import SemzoError
+from semzo.tasks.base import pad_batch
+from semzo.tasks.lm import LMTask
+from semzo.tasks.prompt import (
     PromptTask,
     default_label_words,
     encode_prompts,
     first_trained_block,
     label_word_ids,
 )
-from semzo.finetune.stage import select_trainable
-from semzo.model import Tokenizer, export_hf, load_model
-from semzo.runtime import SemzoError
+from semzo.zo.engine import ZOEngine
+from semzo.zo.perturb import ztensors
+from semzo.zo.streamed import step_streamed
 
 torch = pytest.importorskip("torch")
 TPL = "{text} It was"
@@ -368,8 +372,7 @@ def test_prompt_task_streamed_equals_three_pass(llama, params, layer, offload):
     exactly those."""
     import math
 
-    from semzo.finetune.offload import HostStore
-
+    from semzo.zo.offload import HostStore
     texts, labels = synthetic(24, seed=5)
 
     def run(schedule, off):
@@ -388,7 +391,7 @@ def test_prompt_task_streamed_equals_three_pass(llama, params, layer, offload):
         missing = set()                   # label words some batch's prompts do not contain
         for s in range(3):
             b = task.batch(np.arange(6 * s, 6 * s + 6))
-            r = (eng.step_streamed(task, b, s, 1e-2, 6) if schedule == "streamed"
+            r = (step_streamed(eng, task, b, s, 1e-2, 6) if schedule == "streamed"
                  else eng.step(lambda b=b: task.loss(b), s, 1e-2, 6))
             out.append((r.lp, r.lm, r.g if r.ok else 0.0))
             if schedule == "streamed" and params == "all":

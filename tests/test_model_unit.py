@@ -225,8 +225,8 @@ def test_inference_layout_same_bits(minilm, tok):
     operand W.T is C-contiguous: same names, shapes and values, bit-identical hidden states
     (padded batch, packed rows, thread split) and pooled embeddings; the ZO kernels refuse the
     laid-out tensors instead of perturbing a copy."""
-    from semzo.finetune.perturb import perturb
     from semzo.model.kernels import set_threads
+    from semzo.zo.perturb import perturb
     model = load_model()
     assert model.inference_layout() is True
     assert list(model.params) == list(minilm.params)
@@ -598,6 +598,7 @@ def test_embedding_does_not_depend_on_the_batch(minilm, tok):
     depend on the text alone) and each softmax row up to its last real key; so embeddings,
     and the k-means on them, are bit-identical at any rank count (docs/guide.md)."""
     from semzo.backend import set_threads
+    from semzo.model import set_threads as split_forwards
     from semzo.model.embed import embed_texts
 
     texts = [f"{SENTENCES[i % len(SENTENCES)]} {' '.join(['word'] * (i % 23))}"
@@ -607,10 +608,12 @@ def test_embedding_does_not_depend_on_the_batch(minilm, tok):
         got = embed_texts(minilm, tok, texts, batch_size=bs)
         assert np.array_equal(got[:12], one), bs
     set_threads(2)
+    split_forwards(2)
     try:
         assert np.array_equal(embed_texts(minilm, tok, texts, batch_size=64)[:12], one)
     finally:
         set_threads(1)
+        split_forwards(1)
     ids, mask = tok.pad(tok.encode_batch(texts[:4]))
     wide = np.zeros((4, ids.shape[1] + 9), ids.dtype)
     wmask = np.zeros(wide.shape, mask.dtype)

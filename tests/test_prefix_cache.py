@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from mpiutil import ROOT
 
-from semzo.finetune.data import pad_batch
-from semzo.finetune.loop import ClassifyTask, PrefixCachedClassifyTask
-from semzo.finetune.stage import _first_trained_block, select_trainable
+from semzo.finetune.trainable import first_trained_block as _first_trained_block
+from semzo.finetune.trainable import select_trainable
 from semzo.model import Tokenizer, load_model
+from semzo.tasks.base import pad_batch
+from semzo.tasks.classify import ClassifyTask, PrefixCachedClassifyTask
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from semzo.finetune.engine import step_seed
+from semzo.zo.engine import step_seed
 
 M = 0xFFFFFFFF
 

@@ -15,14 +15,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 from zo_common import SoloTopo, corpus, make_model
 
-from semzo.finetune import rng
-from semzo.finetune.data import Batcher, epoch_permutation, heldout_mask, pad_batch
-from semzo.finetune.engine import ZOEngine, param_checksum, step_seed, ztensors
-from semzo.finetune.loop import ClassifyTask, LoopConfig, TooManySkips, TrainState, train
-from semzo.finetune.perturb import zvec
+from semzo import rng
+from semzo.finetune.data import Batcher, epoch_permutation
+from semzo.finetune.loop import LoopConfig, TooManySkips, TrainState, train
 from semzo.finetune.schedule import lr_at
-from semzo.finetune.stage import init_head_class_means, select_trainable
+from semzo.finetune.trainable import select_trainable
 from semzo.model import Tokenizer, load_model
+from semzo.preflight import heldout_mask
+from semzo.tasks.base import pad_batch
+from semzo.tasks.classify import ClassifyTask, init_head_class_means
+from semzo.zo.engine import ZOEngine, param_checksum, step_seed
+from semzo.zo.perturb import ztensors, zvec
 
 EPS, LR, WD = 1e-3, 1e-2, 0.1
 

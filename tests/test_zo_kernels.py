@@ -22,9 +22,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from semzo.finetune import kernels, perturb, rng
-from semzo.finetune.perturb import ZTensor, decays, multi_update, restore_update, zvec
+from semzo import rng
+from semzo.backend import is_device_array
 from semzo.model.storage import to_bits, to_float32
+from semzo.zo import kernels, perturb, zgen
+from semzo.zo.perturb import ZTensor, decays, multi_update, restore_update, zvec
 
 #: bfloat16 storage in these tests: uint16 arrays of bfloat16 bits (a bfloat16 model's params)
 BF16 = np.uint16
@@ -153,7 +155,7 @@ KAT = [  # Random123 kat_vectors: counter[4], key[2] -> output[4]
 def test_philox_known_answers(ctr, key, want):
     args = [np.uint64(v) for v in ctr + key]
     assert tuple(int(x) for x in rng.philox4x32_10(*args)) == want          # Python
-    assert tuple(int(x) for x in kernels._dev["philox4x32_10"](*args)) == want   # numba
+    assert tuple(int(x) for x in zgen._dev["philox4x32_10"](*args)) == want   # numba
     assert tuple(int(x[0]) for x in np_philox(*[[v] for v in ctr], *key)) == want
 
 
@@ -164,7 +166,7 @@ def test_transform_accuracy_and_log_variants():
                          np.array([0, 1, 2, 3, 2 ** 31, 2 ** 32 - 1], np.uint64),
                          np.array([2 ** k + d for k in range(1, 32) for d in (-2, -1, 0, 1)],
                                   np.uint64)])
-    logj = kernels._dev["neg2_log_u"]            # compiled from neg2_log_u_bits
+    logj = zgen._dev["neg2_log_u"]            # compiled from neg2_log_u_bits
     for x in xs:
         v = rng.neg2_log_u(x)
         assert v == rng.neg2_log_u_bits(x) == logj(x)
@@ -440,13 +442,13 @@ def test_input_checks():
     with pytest.raises(ValueError):
         multi_update([(0, p)], [1, 2], [0.5], 0.1)
     perturb.perturb([(0, np.zeros(0, np.float32))], 1, 1e-3)      # empty is fine
-    assert not perturb.is_cupy(p)
+    assert not is_device_array(p)
 
 
 def test_half_conversions_exact():
     h = np.arange(2 ** 16, dtype=np.uint16)
     ref = h.view(np.float16).astype(np.float64)
-    got = np.array([kernels.half_bits_to_f64(x) for x in h[::7]])
+    got = np.array([zgen.half_bits_to_f64(x) for x in h[::7]])
     assert bits_equal(got, ref[::7]) or np.array_equal(got, ref[::7], equal_nan=True)
     r = np.random.default_rng(0)
     xs = np.concatenate([r.normal(0, 1, 3000), r.normal(0, 1e-5, 2000), r.normal(0, 1e4, 1000),
@@ -455,7 +457,7 @@ def test_half_conversions_exact():
     hs = h.view(np.float16).astype(np.float32)[::5]
     hs = hs[np.isfinite(hs)]
     xs = np.concatenate([xs, hs * np.float32(1 + 2 ** -11)])         # exact ties
-    got = np.array([kernels.f32_to_half_bits(x) for x in xs], np.uint16)
+    got = np.array([zgen.f32_to_half_bits(x) for x in xs], np.uint16)
     with np.errstate(over="ignore"):
         want = xs.astype(np.float16).view(np.uint16)
     assert bits_equal(got, want)
@@ -469,7 +471,7 @@ def test_bfloat16_conversions_exact():
     want = torch.from_numpy(h.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
     up = to_float32(h)
     assert np.array_equal(up, want, equal_nan=True)
-    got = np.array([kernels.bf16_bits_to_f64(x) for x in h.view(np.int16)[::7]])
+    got = np.array([zgen.bf16_bits_to_f64(x) for x in h.view(np.int16)[::7]])
     with np.errstate(invalid="ignore"):                 # signalling NaN patterns
         assert np.array_equal(got, want[::7].astype(np.float64), equal_nan=True)
     r = np.random.default_rng(1)
@@ -481,11 +483,11 @@ def test_bfloat16_conversions_exact():
     xs = np.concatenate([xs, fin, ties[np.isfinite(ties)]])
     want = torch.from_numpy(xs).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     assert bits_equal(to_bits(xs), want)
-    got = np.array([kernels.f32_to_bf16_bits(x) for x in xs], np.int16).view(np.uint16)
+    got = np.array([zgen.f32_to_bf16_bits(x) for x in xs], np.int16).view(np.uint16)
     assert bits_equal(got, want)
     nan = np.array([np.nan, -np.nan], np.float32)
     assert np.isnan(to_float32(to_bits(nan))).all()
-    assert np.isnan([kernels.bf16_bits_to_f64(kernels.f32_to_bf16_bits(x)) for x in nan]).all()
+    assert np.isnan([zgen.bf16_bits_to_f64(zgen.f32_to_bf16_bits(x)) for x in nan]).all()
 
 
 # ----------------------------------------------------------------------------- drift bound
@@ -541,7 +543,7 @@ def test_repeated_steps_drift_like_a_random_walk():
 
 # ----------------------------------------------------------------------------- GPU sources
 def _compile_c(tmp_path: Path) -> ctypes.CDLL:
-    from semzo.finetune import kernels_gpu
+    from semzo.zo import kernels_gpu
     cc = shutil.which("gcc") or shutil.which("cc")
     assert cc, "a C compiler is needed to test the CUDA C source on the CPU"
     src = tmp_path / "zo.c"
@@ -611,8 +613,9 @@ SIM_SCRIPT = textwrap.dedent("""
     import os, sys
     import numpy as np
     assert os.environ["NUMBA_ENABLE_CUDASIM"] == "1"
-    from semzo.finetune import kernels_gpu, perturb, rng
-    from semzo.finetune.perturb import ZTensor
+    from semzo.zo import kernels_gpu, perturb
+    from semzo import rng
+    from semzo.zo.perturb import ZTensor
     K = kernels_gpu.numba_cuda_kernels(32)
     n, off, t, seed = 300, 2 ** 32 - 5, 12, 2 ** 63 + 11
     k0, k1 = rng.split_seed(seed)
@@ -657,7 +660,7 @@ def test_numba_cuda_kernels_under_simulator_give_cpu_bits():
 
 
 def test_cuda_source_constants_come_from_rng():
-    from semzo.finetune import kernels_gpu
+    from semzo.zo import kernels_gpu
     src = kernels_gpu.cuda_source()
     assert "@" not in src
     for c in rng.LOG_C + rng.SIN_C + rng.COS_C + (rng.LN2, rng.PI_2_M31, rng.PI_4):

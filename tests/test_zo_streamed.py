@@ -17,24 +17,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 from zo_common import CAUSAL, SoloTopo, corpus, make_model
 
-from semzo.finetune import kernels
-from semzo.finetune.data import Batcher, heldout_mask, pad_batch
-from semzo.finetune.engine import ZOEngine, ztensors
-from semzo.finetune.loop import (
-    ClassifyTask,
-    FeatureClassifyTask,
-    LMTask,
-    LoopConfig,
-    PrefixCachedClassifyTask,
-    TrainState,
-    evaluate,
-    train,
-)
-from semzo.finetune.offload import HostStore
-from semzo.finetune.perturb import Pending, ZTensor, apply_then_perturb, perturb, restore_update
-from semzo.finetune.stage import select_trainable
+from semzo.finetune.data import Batcher
+from semzo.finetune.loop import LoopConfig, TrainState, evaluate, train
+from semzo.finetune.trainable import select_trainable
 from semzo.model import Tokenizer, load_model
 from semzo.model.kernels import set_threads
+from semzo.preflight import heldout_mask
+from semzo.tasks.base import pad_batch
+from semzo.tasks.classify import ClassifyTask, FeatureClassifyTask, PrefixCachedClassifyTask
+from semzo.tasks.lm import LMTask
+from semzo.zo import kernels
+from semzo.zo.engine import ZOEngine
+from semzo.zo.offload import HostStore
+from semzo.zo.perturb import Pending, ZTensor, apply_then_perturb, perturb, restore_update, ztensors
+from semzo.zo.streamed import stage_groups, step_streamed
 
 EPS, LR, WD = 1e-3, 2e-2, 0.05
 
@@ -193,7 +189,7 @@ def _run(folders, kind, task_kind, params, kw, schedule, *, offload=False, dist=
     res = []
     for s in range(steps):
         b = task.batch(np.arange(8 * s, 8 * s + 8) % len(task.train_rows))
-        r = (eng.step_streamed(task, b, s, LR, 8) if schedule == "streamed"
+        r = (step_streamed(eng, task, b, s, LR, 8) if schedule == "streamed"
              else eng.step(lambda b=b: task.loss(b), s, LR, 8))
         res.append((r.lp, r.lm, r.g if r.ok else 0.0, r.ok))
     eng.flush()
@@ -281,7 +277,7 @@ def test_pending_update_and_flush(folders):
     m, names, task = _setup(folders, "bert", "classify", "all")
     eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
                    weight_decay=WD, run_seed=3, schedule="streamed")
-    eng.step_streamed(task, task.batch(np.arange(8)), 0, LR, 8)
+    step_streamed(eng, task, task.batch(np.arange(8)), 0, LR, 8)
     assert eng.pending is not None and eng.pending.kind == "restore_update"
     assert m.params["classifier.weight"].tobytes() != pref["classifier.weight"].tobytes()
     eng.flush()
@@ -304,7 +300,7 @@ def test_fused_first_pass_equals_two_passes(dtype, kind):
     elif kind == "perturb":
         perturb([(9, y)], 77, 1e-2)
     else:
-        from semzo.finetune.perturb import multi_update
+        from semzo.zo.perturb import multi_update
         multi_update([(9, y)], (5, 6), (0.2, -0.4), 0.1, 0.05, eps=1e-2,
                      restore_seed=77 if kind == "multi_restore" else None)
     perturb([(9, y)], 1234, 1e-2)
@@ -317,7 +313,7 @@ def test_fused_first_pass_equals_two_passes(dtype, kind):
 
 @pytest.mark.parametrize("kind", ["restore_update", "perturb", "multi_restore", "multi"])
 def test_fused_first_pass_equals_two_passes_gaussian_fast(kind):
-    from semzo.finetune.perturb import multi_update
+    from semzo.zo.perturb import multi_update
     r = np.random.default_rng(1)
     a = r.normal(0, 0.1, 5000).astype(np.float32)
     op = Pending(kind, 77, 1e-2, 0.1, 0.3, 0.05, (5, 6), (0.2, -0.4))
@@ -387,8 +383,8 @@ def test_checkpoint_resume_eval_equal_three_pass(folders):
 def test_cached_z_gives_the_bits_of_regenerated_z(dist, dtype):
     """Pass 1 with a z cache stores exactly z (zvec's float32 values), and pass 2 reading it
     equals pass 2 generating it, for every distribution and storage."""
-    from semzo.finetune.perturb import perturb_cached, zvec
     from semzo.model.storage import to_bits
+    from semzo.zo.perturb import perturb_cached, zvec
 
     r = np.random.default_rng(2)
     a = r.normal(0, 0.1, 70001)
@@ -407,8 +403,7 @@ def test_cached_z_gives_the_bits_of_regenerated_z(dist, dtype):
 
 
 def test_z_buffers_are_checked():
-    from semzo.finetune.perturb import perturb_cached
-
+    from semzo.zo.perturb import perturb_cached
     a = np.zeros(100, np.float32)
     with pytest.raises(ValueError, match="needs a z buffer"):
         kernels.run_pass([(a, 0, 1, 0.0)], kernels.CACHED, 0, 0, 0, a=1.0)
@@ -423,7 +418,7 @@ def test_z_buffers_are_checked():
 
 
 def test_zcache_holds_one_block():
-    from semzo.finetune.streamed import ZCache
+    from semzo.zo.streamed import ZCache
 
     # embeddings larger than a block: regenerated; blocks and a small head: cached
     c = ZCache([500, 40, 40, 10], tied=False)
@@ -445,17 +440,17 @@ def test_z_cache_on_and_off_give_the_same_bits(folders, kind, task_kind, params,
                                                monkeypatch):
     """The streamed step with and without the z cache (and the three-pass step) agree bit
     for bit, the cache is used for the blocks, and its buffer holds one stage."""
-    import semzo.finetune.streamed as S
+    import semzo.zo.streamed as S
 
     calls = []
     real = S.perturb_cached
     monkeypatch.setattr(S, "perturb_cached", lambda *a, **k: (calls.append(1), real(*a, **k)))
     got, pgot, eng = _run(folders, kind, task_kind, params, {}, "streamed")
-    n_stages = len(eng.stage_groups(eng._zcache[0]))
+    n_stages = len(stage_groups(eng, eng._zcache[0]))
     assert len(calls) >= 4 * (n_stages - 2)           # every block, every step
     cache = eng._zcache[1]
     sizes = [sum(eng.tensors[i].array.size for i in g)
-             for g in eng.stage_groups(eng._zcache[0])]
+             for g in stage_groups(eng, eng._zcache[0])]
     assert cache.elements == max(sizes[1:-1]) < sum(sizes)
     tied = kind == "llama_tied"
     assert (0 in cache.stages) == (not tied and sizes[0] <= max(sizes[1:-1]))
@@ -468,7 +463,7 @@ def test_z_cache_on_and_off_give_the_same_bits(folders, kind, task_kind, params,
     res = []
     for s in range(4):
         b = task.batch(np.arange(8 * s, 8 * s + 8) % len(task.train_rows))
-        r = eng2.step_streamed(task, b, s, LR, 8)
+        r = step_streamed(eng2, task, b, s, LR, 8)
         res.append((r.lp, r.lm, r.g if r.ok else 0.0, r.ok))
     eng2.flush()
     assert not calls
@@ -491,8 +486,7 @@ def test_simulated_offload_with_the_z_cache_bit_identical(folders, kind, task_ki
 # ----------------------------------------------------------------------------- deferred rows
 def _separate_row_passes(a, code, op, post_seed, dist):
     """The reference of apply_rows, by separate whole passes on copies of each row."""
-    from semzo.finetune.perturb import multi_update
-
+    from semzo.zo.perturb import multi_update
     out = a.copy()
     for r in range(a.shape[0]):
         row = [ZTensor(9, out[r].copy(), r * a.shape[1], True)]
@@ -520,8 +514,8 @@ def test_row_pass_equals_separate_passes(dtype, kind, dist):
     the new + eps z (POST) in one pass equal the separate passes bit for bit; the z it stores
     for POST rows is that z, and perturb_rows (regenerated or from that z) touches only the
     rows it is given."""
-    from semzo.finetune.perturb import apply_rows, perturb_rows
     from semzo.model.storage import to_bits
+    from semzo.zo.perturb import apply_rows, perturb_rows
 
     r = np.random.default_rng(2)
     rows, width = 37, 300                      # rows start inside Philox blocks
@@ -540,7 +534,7 @@ def test_row_pass_equals_separate_passes(dtype, kind, dist):
                    zcache=zc)
         assert got.tobytes() == want.tobytes(), th
     post = (code & kernels.POST) != 0
-    from semzo.finetune.perturb import zvec
+    from semzo.zo.perturb import zvec
     zfull = zvec(1234, 9, 0, a.size, dist).reshape(rows, width)
     zc2 = zc.reshape(rows, width)
     assert zc2[post].tobytes() == zfull[post].tobytes() and np.isnan(zc2[~post]).all()
@@ -558,8 +552,7 @@ def test_row_pass_equals_separate_passes(dtype, kind, dist):
 
 
 def test_row_pass_refuses_bad_spans_and_codes():
-    from semzo.finetune.perturb import apply_rows
-
+    from semzo.zo.perturb import apply_rows
     a = np.zeros((4, 8), np.float32)
     with pytest.raises(ValueError, match="spans must be"):
         kernels.run_spans(a.reshape(-1), 0, 1, 0.0, np.array([0, 4]), np.array([8, 8]),
@@ -604,7 +597,7 @@ def test_rows_the_batch_does_not_read_are_deferred(folders):
                    weight_decay=WD, run_seed=3, schedule="streamed")
     for s in range(3):
         b = task.batch(np.arange(8 * s, 8 * s + 8) % len(task.train_rows))
-        eng.step_streamed(task, b, s, LR, 8)
+        step_streamed(eng, task, b, s, LR, 8)
         read = np.zeros(m.params[name].shape[0], bool)
         read[np.unique(b[0])] = True
         assert 0 < read.sum() < read.size
@@ -627,7 +620,7 @@ def test_no_rows_are_deferred_with_a_tied_head_or_a_reference_copy(folders):
     m, names, task = _setup(folders, "gpt2", "lm", "all")
     eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=EPS,
                    run_seed=3, schedule="streamed")
-    from semzo.finetune.streamed import lazy_rows
+    from semzo.zo.streamed import lazy_rows
     b = task.batch(np.arange(8))
     assert task.tied_head and lazy_rows(eng, task, b) == {}
     m, names, task = _setup(folders, "bert", "classify", "all")
@@ -654,7 +647,7 @@ def test_deferred_rows_survive_a_step_that_defers_none(folders):
     for s in range(4):
         eng.defer_rows = s % 2 == 0
         b = task.batch(np.arange(8 * s, 8 * s + 8) % len(task.train_rows))
-        eng.step_streamed(task, b, s, LR, 8)
+        step_streamed(eng, task, b, s, LR, 8)
         assert bool(eng.owed) == (s % 2 == 0)
     eng.flush()
     for n in names:

@@ -173,7 +173,9 @@ class Dev:
             # one thread each: numba's and torch's OpenMP pools in one process slow each
             # other down badly (bench/zo_step.py runs torch in a process of its own)
             from semzo.backend import set_threads
+            from semzo.model import set_threads as split_forwards
             set_threads(1)
+            split_forwards(1)
             torch.set_num_threads(1)
         else:
             import cupy
@@ -249,10 +251,12 @@ def _zo_setup(args, dev, folder: Path, dtype: str, params: str):
     import numpy as np
     from zo_common import SoloTopo
 
-    from semzo.finetune.engine import ZOEngine, ztensors
-    from semzo.finetune.loop import ClassifyTask, LMTask
-    from semzo.finetune.stage import select_trainable
+    from semzo.finetune.trainable import select_trainable
     from semzo.model import load_model
+    from semzo.tasks.classify import ClassifyTask
+    from semzo.tasks.lm import LMTask
+    from semzo.zo.engine import ZOEngine
+    from semzo.zo.perturb import ztensors
     b, t, reps = _sizes(args)
     m = load_model(folder, xp=dev.xp, dtype="float32" if dev.cpu else dtype)
     if m.kind == "encoder":
@@ -271,11 +275,12 @@ def _zo_setup(args, dev, folder: Path, dtype: str, params: str):
 def _steps(dev, eng, task, batch, reps: int) -> tuple[float, float]:
     """Median seconds of the streamed step (the default schedule, its update deferred into
     the next step) and of the three-pass step, on the same engine."""
+    from semzo.zo.streamed import step_streamed
     k = [0]
 
     def streamed():
         k[0] += 1
-        eng.step_streamed(task, batch, k[0], 1e-7, 1)
+        step_streamed(eng, task, batch, k[0], 1e-7, 1)
 
     def three():
         k[0] += 1

@@ -291,7 +291,7 @@ run_tests() {   # one pytest per file (each with its junit file, merged into tes
   : > "$OUTDIR/tests.log"
   if [ "$CPU" != 1 ]; then   # the ZO kernels' module (0.8 MB of CUDA C) into CuPy's disk cache
     # once, before the 2-rank tests would compile it in every rank at the same time
-    (cd "$ROOT" && "$PY" -c "import cupy; from semzo.finetune import kernels_gpu as k; \
+    (cd "$ROOT" && "$PY" -c "import cupy; from semzo.zo import kernels_gpu as k; \
 k._cupy_function(cupy.cuda.runtime.getDevice(), 'zo_zvec'); print('zo kernels compiled')") \
       >> "$OUTDIR/tests.log" 2>&1
   fi

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
 from types import ModuleType
 
+import numba
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 
-def get_xp(device: str) -> ModuleType:
+def device_module(device: str) -> ModuleType:
     """The array module for ``device`` (``cpu`` -> numpy, ``gpu`` -> cupy)."""
     if device == "cpu":
         return np
@@ -17,18 +20,22 @@ def get_xp(device: str) -> ModuleType:
     return cupy
 
 
-def is_device_array(a: object) -> bool:
-    """True for a CuPy (or other ``__cuda_array_interface__``) array."""
-    return hasattr(a, "__cuda_array_interface__") and not isinstance(a, np.ndarray)
-
-
 def array_module(a: object) -> ModuleType:
-    """numpy or cupy, whichever owns ``a`` (without importing cupy for numpy arrays)."""
-    if is_device_array(a):
-        import cupy
+    """numpy or cupy, whichever owns ``a``: the one answer to "NumPy or CuPy?" in semzo.
 
-        return cupy.get_array_module(a)
+    It sits in the forward pass's hot path, so a NumPy array returns at the first test, and
+    cupy is never imported here: a cupy array can only exist once cupy has been imported."""
+    if isinstance(a, np.ndarray):
+        return np
+    cp = sys.modules.get("cupy")
+    if cp is not None and isinstance(a, cp.ndarray):
+        return cp
     return np
+
+
+def is_device_array(a: object) -> bool:
+    """True for a CuPy array (the arrays that live on a GPU)."""
+    return array_module(a) is not np
 
 
 def synchronize(a: object) -> None:
@@ -57,19 +64,9 @@ def bind_gpu(local_rank: int) -> int:
 
 
 def set_threads(n: int) -> int:
-    """Limit BLAS/OpenMP and numba to ``n`` threads in this process, and have CPU forward
-    passes split each batch into ``n`` row blocks run side by side
-    (:func:`semzo.model.kernels.set_threads`: the same bits as one block); return ``n``."""
-    from threadpoolctl import threadpool_limits
-
-    from semzo.model.kernels import set_threads as split_forwards
-
+    """Limit BLAS/OpenMP and numba to ``n`` threads in this process; return ``n``. (The driver
+    also has CPU forward passes split each batch into ``n`` row blocks:
+    :func:`semzo.model.kernels.set_threads`.)"""
     threadpool_limits(limits=n)
-    split_forwards(n)
-    try:
-        import numba
-
-        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
-    except ImportError:  # pragma: no cover - numba is a dependency
-        pass
+    numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     return n

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .runtime import EXIT_USAGE, SemzoError, run_spmd, setup_logging
+from .deck import markdown
+from .runtime import EXIT_USAGE, SemzoError, _rank_size, run_spmd, setup_logging
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,9 +88,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    # Each command imports what it runs inside its branch: importing mpi4py starts MPI, which
+    # `semzo convert`, `corpus` and `deck-doc` must not do, and the pipeline's modules pull in
+    # numba, h5py and every stage (seconds that `semzo --help` or `check` should not pay).
     if args.cmd == "deck-doc":
-        from .deck import markdown
-
         print(markdown())
         return 0
     if args.cmd == "corpus":
@@ -193,8 +195,6 @@ def _corpus(args: argparse.Namespace) -> int:
 
 def _convert(args: argparse.Namespace) -> int:
     """``semzo convert gguf IN OUTDIR``: one process, no MPI."""
-    from .runtime import _rank_size
-
     if _rank_size()[1] > 1:
         raise SemzoError("semzo convert runs on one process: launch it without mpirun")
     from .model.convert import convert_gguf

@@ -503,15 +503,9 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
                         f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")
     # inputs are checked only when a stage that reads them runs (so `semzo topology` works
     # without a corpus); defaults are checked too, not only the keys the deck sets
-    if check_inputs and "embed" in d.run.stages:
-        if not Path(d.corpus.path).is_file():
-            raise DeckError(f"{d.source}: corpus.path: file not found: {d.corpus.path}")
-        if d.model.path:
-            _check_model_path(d, d.model.path, "model.path")
-        if d.embed.model:
-            _check_model_path(d, d.embed.model, "embed.model")
-    elif check_inputs and "finetune" in d.run.stages and d.model.path:
-        _check_model_path(d, d.model.path, "model.path")
+    # (the model folders are the preflight's: semzo.preflight.check_inputs)
+    if check_inputs and "embed" in d.run.stages and not Path(d.corpus.path).is_file():
+        raise DeckError(f"{d.source}: corpus.path: file not found: {d.corpus.path}")
     if "{text}" not in d.prompt.template:
         raise DeckError(f"{d.source}: prompt.template: must contain {{text}} (where each text "
                         f"goes), got {d.prompt.template!r}")
@@ -519,29 +513,6 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
         raise DeckError(f"{d.source}: prompt.label_words: a word is listed twice")
     if len(set(d.corpus.labels)) != len(d.corpus.labels):
         raise DeckError(f"{d.source}: corpus.labels: a label is listed twice")
-
-
-def _check_model_path(d: Deck, path: str, key: str) -> None:
-    from .model.zoo import resolve_model_path
-    try:
-        folder = resolve_model_path(path)
-    except SemzoError as exc:
-        raise DeckError(f"{d.source}: {key}: {exc}") from None
-    if not (folder / "config.json").is_file():
-        raise DeckError(f"{d.source}: {key}: no config.json in folder {path}")
-    # config.json is read now (not when the stage that loads the model starts, after earlier
-    # stages wrote their files): unreadable, an unsupported architecture or bad values
-    from .model import families
-    from .model.config import read_config, read_raw
-    try:
-        raw = read_raw(folder)
-        fam = families.find(raw)
-        if fam is not None:
-            families.read_spec(fam, raw, folder / "config.json")
-        else:
-            read_config(folder)
-    except SemzoError as exc:
-        raise DeckError(f"{d.source}: {key}: {exc}") from None
 
 
 def check_world(d: Deck, size: int) -> None:

@@ -17,32 +17,27 @@ Runs on one process; nothing here is collective.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from mpi4py import MPI
+from tokenizers import Tokenizer as HFTokenizer
 
+from .checkpoint.format import CheckpointError
+from .checkpoint.manager import find_resumable
+from .checkpoint.reader import load
+from .checkpoint.tools import checkpoint_dtype, rebuild_model
+from .deck import from_toml_text
+from .model import families, load_model
+from .model.causal import CausalLM, expected_tensors
+from .model.gguf import GGUFModel
+from .model.gguf_tokenizer import build_tokenizer
+from .model.storage import STORAGE, same_storage_copy, to_storage
+from .model.zoo import NAMED, folder_checksum, resolve_model_path
 from .runtime import SemzoError
-
-
-def folder_checksum(folder: str | Path) -> str:
-    """BLAKE2b-128 hex digest of a model folder's config.json and weight files (names and
-    bytes, in sorted order): what a checkpoint records of the model it was trained from."""
-    folder = Path(folder)
-    files = sorted([p for p in folder.iterdir() if p.is_file() and
-                    (p.name == "config.json" or p.name.endswith(".safetensors") or
-                     p.name == "model.safetensors.index.json")
-                    and p.name != "semzo_head.safetensors"], key=lambda p: p.name)
-    h = hashlib.blake2b(digest_size=16)
-    for p in files:
-        h.update(p.name.encode() + b"\0")
-        with open(p, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -73,9 +68,7 @@ def _eos(*cfgs: dict) -> set:
 
 
 def _from_folder(folder: Path, what: str, dtype: str = "float32") -> Loaded:
-    from tokenizers import Tokenizer as HFTokenizer
 
-    from .model import load_model
 
     model = load_model(folder, dtype=dtype)
     if model.kind != "decoder":
@@ -92,11 +85,6 @@ def _from_folder(folder: Path, what: str, dtype: str = "float32") -> Loaded:
 
 
 def _from_gguf(path: Path, dtype: str = "float32") -> Loaded:
-    from .model import families
-    from .model.causal import CausalLM, expected_tensors
-    from .model.gguf import GGUFModel
-    from .model.gguf_tokenizer import build_tokenizer
-    from .model.storage import STORAGE, to_storage
 
     g = GGUFModel(path)
     cfg = g.hf_config()
@@ -125,32 +113,10 @@ def _from_gguf(path: Path, dtype: str = "float32") -> Loaded:
     return Loaded(model, tk, tok_cfg, _eos(cfg), f"{path} (GGUF, converted in memory)")
 
 
-def checkpoint_dtype(deck, asked: str | None, where) -> str:
-    """The weight storage to rebuild a checkpoint's model with on the CPU: bfloat16 when its
-    deck trained bfloat16 weights (the bits are restored as they are), else float32 (float16
-    weights convert exactly). ``asked`` (a --dtype) must agree: SemzoError naming it."""
-    stored = deck.model.dtype if deck is not None else "float32"
-    dt = "bfloat16" if stored == "bfloat16" else "float32"
-    if asked is not None and asked != dt:
-        raise SemzoError(f"--dtype {asked}: {where} holds {stored} weights, rebuilt as {dt} "
-                         f"(omit --dtype)")
-    return dt
-
-
 def _from_checkpoint(path: Path, dtype: str | None = None) -> Loaded:
-    from mpi4py import MPI
-
-    from .checkpoint.format import CheckpointError
-    from .checkpoint.reader import load
-    from .checkpoint.tools import _rebuild_model
-    from .deck import from_toml_text
-    from .model.storage import same_storage_copy
-    from .model.zoo import resolve_model_path
 
     comm = MPI.COMM_SELF
     if path.is_dir():
-        from .checkpoint.manager import find_resumable
-
         found = find_resumable(path, comm)
         if found is None:
             raise SemzoError(f"{path}: no valid checkpoint in this folder")
@@ -176,7 +142,7 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> Loaded:
                          f"recorded {want})")
     dt = checkpoint_dtype(deck, dtype, path)
     base = _from_folder(folder, "", dt)
-    model = _rebuild_model(loaded, meta)
+    model = rebuild_model(loaded, meta)
     if model.kind != "decoder":
         raise SemzoError(f"{path}: generate needs a decoder, the checkpoint's model is an "
                          f"{model.kind}")
@@ -198,7 +164,6 @@ def load_for_generation(source: str, dtype: str | None = None) -> Loaded:
     "float32" (default) or "bfloat16" (CPU: float16 is GPU only); a checkpoint's model is
     rebuilt with the storage it was trained with (:func:`checkpoint_dtype`). Raises
     :class:`SemzoError`."""
-    from .model.zoo import NAMED, resolve_model_path
 
     if dtype is not None and dtype not in ("float32", "bfloat16"):
         raise SemzoError(f"--dtype {dtype}: generate runs on the CPU, which stores float32 or "

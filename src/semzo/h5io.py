@@ -19,6 +19,8 @@ import numpy as np
 from mpi4py import MPI
 
 from . import __version__
+from .corpus.strings import decode_strings, encode_strings
+from .h5check import DAMAGED, InputFileError, OutputFileError, agree, offsets_error
 
 
 def require_mpi_h5py() -> None:
@@ -38,7 +40,6 @@ def create_collective(path: str | Path, comm: MPI.Intracomm, deck_toml: str,
     so a file made again upstream is noticed) are stored as root attributes.
     On an exception the temporary file is left for inspection and never renamed.
     """
-    from .h5check import OutputFileError
 
     require_mpi_h5py()
     path = Path(path)
@@ -103,7 +104,6 @@ def open_collective(path: str | Path, comm: MPI.Intracomm,
     superblock) raises :class:`~semzo.h5check.InputFileError` on every rank: one line naming
     the file, exit 2. Rank 0 looks at the file before anyone opens it (so no rank reaches
     MPI-IO with a path that is a folder or absent), then every rank's open result is agreed."""
-    from .h5check import DAMAGED, InputFileError, agree
 
     require_mpi_h5py()
     p = Path(path)
@@ -210,7 +210,6 @@ def write_texts(f: h5py.File, texts: list[str], off: int, total: int,
     """Write this rank's strings as rows [off, off + len(texts)) of ``text_offsets`` (N + 1,)
     and ``text_bytes`` (UTF-8): row i is ``text_bytes[text_offsets[i]:text_offsets[i+1]]``.
     Collective."""
-    from .corpus.strings import encode_strings
 
     data, lengths = encode_strings(texts)
     boff, btotal = offsets(int(data.size), comm)
@@ -228,8 +227,6 @@ def read_texts(f: h5py.File, lo: int, hi: int, comm: MPI.Intracomm | None = None
     With ``comm``: the offsets are checked (non-decreasing, inside ``text_bytes``) and the
     bytes decoded as UTF-8 with every rank agreeing on the outcome: a damaged file raises the
     same one-line :class:`semzo.h5check.InputFileError` on every rank (naming ``path``)."""
-    from .corpus.strings import decode_strings
-    from .h5check import DAMAGED, agree, offsets_error
 
     offs = read_slab(f["text_offsets"], lo, hi + 1)
     if comm is not None:

@@ -3,7 +3,6 @@ writing HDF5 in ``run.output_dir`` so any stage can be rerun alone."""
 
 from __future__ import annotations
 
-import importlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -13,11 +12,19 @@ from types import ModuleType
 from mpi4py import MPI
 
 from . import deck as deckmod
-from .backend import bind_gpu, get_xp, set_threads
+from . import preflight
+from .backend import bind_gpu, device_module, set_threads
+from .cluster.stage import run_cluster_stage
 from .deck import Deck, DeckError
+from .embed.stage import run_embed_stage
+from .finetune.loop import hold_stop_signal
+from .finetune.stage import run_finetune_stage
+from .model.kernels import set_threads as split_forwards
 from .outdir import OutputLock, check_writes
+from .place.stage import run_place_stage
 from .runtime import StageTimer, get_logger
 from .topology import Topology, build_topology
+from .topology.stage import run_topology_stage
 
 log = get_logger(__name__)
 
@@ -61,6 +68,8 @@ def load_deck_collective(path: str | None, overrides: list[str], comm: MPI.Intra
     deck, err = None, None
     try:
         deck = deckmod.load(path, overrides, check_inputs=check_inputs)
+        if check_inputs:
+            preflight.check_inputs(deck)
         if check_world:
             deckmod.check_world(deck, comm.Get_size())
     except DeckError as exc:
@@ -118,6 +127,7 @@ def start(deck: Deck, comm: MPI.Intracomm, timer: StageTimer, *,
     with timer.stage("topology"):
         topo = build_topology(comm, deck.topology, src=deck.source)
     threads = set_threads(_threads(deck, topo))
+    split_forwards(threads)     # CPU forward passes: each batch in `threads` row blocks
     if deck.run.device == "gpu":
         # the physical node's local rank: a deck-simulated hierarchy (topology.ranks_per_node)
         # groups ranks into pretend nodes, which must not decide which real GPU a rank takes
@@ -135,7 +145,7 @@ def start(deck: Deck, comm: MPI.Intracomm, timer: StageTimer, *,
         lock.release()
         raise
     return RunContext(deck=deck, topo=topo, outdir=outdir, timer=timer,
-                      xp=get_xp(deck.run.device), threads=threads, lock=lock)
+                      xp=device_module(deck.run.device), threads=threads, lock=lock)
 
 
 def run_stage(ctx: RunContext, name: str, label: str | None = None) -> dict:
@@ -154,8 +164,6 @@ def run(deck: Deck, comm: MPI.Intracomm) -> dict[str, float]:
              deck.source, topo.size, ctx.threads, deck.run.device, ctx.outdir)
     summary: dict[str, dict] = {}
     if "finetune" in deck.run.stages:
-        from .finetune.loop import hold_stop_signal
-
         hold_stop_signal()      # SIGUSR1 before training: remembered, not fatal
     with ctx.lock:
         for name in deck.run.stages:
@@ -167,13 +175,13 @@ def run(deck: Deck, comm: MPI.Intracomm) -> dict[str, float]:
     return dict(timer.wall)
 
 
-# Where each stage lives: one module per stage, imported only when the stage runs.
+# Where each stage lives: one module per stage.
 STAGE_FUNCTIONS = {
-    "topology": ("semzo.topology.stage", "run_topology_stage"),
-    "embed": ("semzo.embed.stage", "run_embed_stage"),
-    "cluster": ("semzo.cluster.stage", "run_cluster_stage"),
-    "place": ("semzo.place.stage", "run_place_stage"),
-    "finetune": ("semzo.finetune.stage", "run_finetune_stage"),
+    "topology": run_topology_stage,
+    "embed": run_embed_stage,
+    "cluster": run_cluster_stage,
+    "place": run_place_stage,
+    "finetune": run_finetune_stage,
 }
 
 
@@ -187,5 +195,4 @@ def format_summary(summary: dict[str, dict]) -> str:
 
 
 def _stage_function(name: str):
-    module, func = STAGE_FUNCTIONS[name]
-    return getattr(importlib.import_module(module), func)
+    return STAGE_FUNCTIONS[name]

@@ -16,12 +16,15 @@ from mpi4py import MPI
 from zo_common import corpus
 
 from semzo.deck import TopologySection
-from semzo.finetune.data import Batcher, heldout_mask
-from semzo.finetune.engine import ReplicaMismatch, ZOEngine, ztensors
-from semzo.finetune.loop import ClassifyTask, LoopConfig, TrainState, train
+from semzo.finetune.data import Batcher
+from semzo.finetune.loop import LoopConfig, TrainState, train
 from semzo.model import Tokenizer, load_model
+from semzo.preflight import heldout_mask
 from semzo.runtime import run_spmd
+from semzo.tasks.classify import ClassifyTask
 from semzo.topology import build_topology
+from semzo.zo.engine import ReplicaMismatch, ZOEngine
+from semzo.zo.perturb import ztensors
 
 
 def main() -> None:

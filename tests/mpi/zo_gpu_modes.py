@@ -17,10 +17,11 @@ from zo_common import corpus
 from zo_modes import batches, check_identical
 
 from semzo.deck import TopologySection
-from semzo.finetune.engine import ZOEngine, ztensors
 from semzo.model import Tokenizer, load_model
 from semzo.runtime import run_spmd
 from semzo.topology import build_topology
+from semzo.zo.engine import ZOEngine
+from semzo.zo.perturb import ztensors
 
 EPS, LR, WD, STEPS, B = 1e-3, 5e-2, 0.05, 3, 8
 

@@ -16,13 +16,13 @@ from mpi4py import MPI
 from zo_common import corpus
 
 from semzo.deck import TopologySection
-from semzo.finetune.data import pad_batch
-from semzo.finetune.engine import ZOEngine, step_seed, ztensors
-from semzo.finetune.perturb import multi_update, perturb, restore_update
 from semzo.model import Tokenizer, load_model
 from semzo.model.storage import to_float32
 from semzo.runtime import run_spmd
+from semzo.tasks.base import pad_batch
 from semzo.topology import build_topology
+from semzo.zo.engine import ZOEngine, step_seed
+from semzo.zo.perturb import multi_update, perturb, restore_update, ztensors
 
 EPS, LR, WD, STEPS, B = 1e-3, 5e-2, 0.05, 3, 8
 

@@ -20,12 +20,15 @@ from zo_common import corpus
 from zo_modes import check_identical
 
 from semzo.deck import TopologySection
-from semzo.finetune.engine import ZOEngine, ztensors
-from semzo.finetune.loop import ClassifyTask, LMTask
-from semzo.finetune.offload import HostStore
 from semzo.model import Tokenizer, load_model
 from semzo.runtime import run_spmd
+from semzo.tasks.classify import ClassifyTask
+from semzo.tasks.lm import LMTask
 from semzo.topology import build_topology
+from semzo.zo.engine import ZOEngine
+from semzo.zo.offload import HostStore
+from semzo.zo.perturb import ztensors
+from semzo.zo.streamed import stage_groups, step_streamed
 
 EPS, LR, WD, STEPS, B = 1e-3, 5e-2, 0.05, 3, 6
 
@@ -49,7 +52,7 @@ def run(folder, topo, mode, restore, schedule, offload, seqs, labels, pad_id):
         lo = ((s * topo.size + topo.rank) * B) % (len(seqs) - B)
         batch = task.batch(np.arange(lo, lo + B))
         if schedule == "streamed":
-            r = eng.step_streamed(task, batch, s, LR, B)
+            r = step_streamed(eng, task, batch, s, LR, B)
         else:
             r = eng.step(lambda b=batch: task.loss(b), s, LR, B)
         assert r.ok == (s != 1), (s, r.ok)
@@ -89,7 +92,7 @@ def main() -> None:
             if not (restore == "fused" and eng.n_groups > 1):
                 check_identical(comm, theta, what)
             if offload:
-                groups = eng.stage_groups(eng.store.task)
+                groups = stage_groups(eng, eng.store.task)
                 n = len(groups)
                 tied = eng.store.task.tied_head and groups[0]   # tied: blocks go up twice
                 per_step = 1 + 2 * (n - 1) if tied else n

@@ -18,11 +18,15 @@ from pathlib import Path
 import numpy as np
 from zo_common import SoloTopo, corpus, make_model
 
-from semzo.finetune.data import heldout_mask
-from semzo.finetune.engine import ZOEngine, ztensors
-from semzo.finetune.loop import ClassifyTask, LMTask, evaluate
-from semzo.finetune.offload import HostStore
+from semzo.finetune.loop import evaluate
 from semzo.model import Tokenizer, load_model
+from semzo.preflight import heldout_mask
+from semzo.tasks.classify import ClassifyTask
+from semzo.tasks.lm import LMTask
+from semzo.zo.engine import ZOEngine
+from semzo.zo.offload import HostStore
+from semzo.zo.perturb import ztensors
+from semzo.zo.streamed import step_streamed
 
 
 def run(folder, kind, schedule, offload, steps=5):
@@ -50,7 +54,7 @@ def run(folder, kind, schedule, offload, steps=5):
     out = []
     for s in range(steps):
         b = task.batch(np.arange(8 * s, 8 * s + 8))
-        r = (eng.step_streamed(task, b, s, 1e-2, 8) if schedule == "streamed"
+        r = (step_streamed(eng, task, b, s, 1e-2, 8) if schedule == "streamed"
              else eng.step(lambda b=b: task.loss(b), s, 1e-2, 8))
         out.append((r.lp, r.lm))
     eng.flush()

@@ -12,13 +12,12 @@ Public API::
 """
 
 from .filesum import check_file
-from .format import CheckpointError
+from .format import CheckpointError, manifest_checksum
 from .manager import (
                       CheckpointDirError,
                       Checkpointer,
                       find_resumable,
                       list_checkpoints,
-                      manifest_checksum,
                       read_latest,
                       resume,
 )

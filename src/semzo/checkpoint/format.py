@@ -34,9 +34,12 @@ import json
 import math
 import zlib
 from dataclasses import dataclass
+from pathlib import Path
 
 import h5py
 import numpy as np
+
+from .xxh64 import xxh64
 
 FORMAT = "semzo-checkpoint"
 FORMAT_VERSION = 2
@@ -50,13 +53,31 @@ class CheckpointError(Exception):
     """A checkpoint file that is incomplete, corrupt or of an unknown format."""
 
 
+# --------------------------------------------------------------------------- the manifest
+#: the datasets of shards.h5 that fix which samples each rank holds (a resume checks them)
+MANIFEST = ("rank_offsets", "quota", "cluster_rank", "cluster_node", "cluster_switch",
+            "rank_node", "node_switch")
+
+
+def manifest_checksum(shards_path: str | Path) -> str:
+    """crc32 over the manifest datasets of a ``shards.h5`` (placement and rank offsets), as
+    ``crc32:xxxxxxxx``. Reads on the calling rank only."""
+    c = 0
+    with h5py.File(shards_path, "r") as f:
+        for name in MANIFEST:
+            if name in f:
+                a = np.ascontiguousarray(f[name][()])
+                c = zlib.crc32(f"{name}:{a.dtype.str}:{a.shape};".encode(), c)
+                c = zlib.crc32(a.tobytes(), c)
+    return f"crc32:{c:08x}"
+
+
 # --------------------------------------------------------------------------- digests
 def digest(kind: str, buf) -> int:
     """Digest of a bytes-like object as an unsigned 64-bit integer: XXH64 (seed 0), crc32
     zero-extended, or the first 8 bytes of blake2b. All release the GIL for large buffers."""
     mv = memoryview(buf).cast("B")
     if kind == "xxh64":
-        from .xxh64 import xxh64  # numba: imported on first use only
         return xxh64(mv)
     if kind == "crc32":
         return zlib.crc32(mv)

@@ -28,25 +28,21 @@ import os
 import shutil
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any, Self
 
-import h5py
-import numpy as np
 from mpi4py import MPI
 
 from ..deck import CheckpointSection, DeckError
 from ..runtime import AllRanksError, SemzoError, get_logger
 from . import format as fmt
+from .format import CheckpointError, manifest_checksum
 from .reader import Loaded, load, verify
 from .writer import WriteOptions, fsync_dir, prepare, write_file
 
 log = get_logger(__name__)
 
 LATEST = "latest"
-MANIFEST = ("rank_offsets", "quota", "cluster_rank", "cluster_node", "cluster_switch",
-            "rank_node", "node_switch")
 _THREAD_LEVELS = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED:
                   "MPI_THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
                   MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
@@ -99,19 +95,6 @@ def prune(d: str | Path, keep: int) -> list[Path]:
             p.unlink(missing_ok=True)
             gone.append(p)
     return gone
-
-
-def manifest_checksum(shards_path: str | Path) -> str:
-    """crc32 over the manifest datasets of a ``shards.h5`` (placement and rank offsets), as
-    ``crc32:xxxxxxxx``. Reads on the calling rank only."""
-    c = 0
-    with h5py.File(shards_path, "r") as f:
-        for name in MANIFEST:
-            if name in f:
-                a = np.ascontiguousarray(f[name][()])
-                c = zlib.crc32(f"{name}:{a.dtype.str}:{a.shape};".encode(), c)
-                c = zlib.crc32(a.tobytes(), c)
-    return f"crc32:{c:08x}"
 
 
 def _agree_error(comm: MPI.Intracomm, err: str | None) -> None:
@@ -402,7 +385,6 @@ def resume(d: str | Path, comm: MPI.Intracomm, *, shard_size: int | None = None,
     """Load the newest valid checkpoint of ``d`` (one verified read; corrupt ones skipped
     with a warning), or None when there is none. Collective over ``comm``.
     ``shard_size``: this rank's shard size now (see :func:`load`)."""
-    from .format import CheckpointError
 
     for p in _candidates(Path(d), comm):
         try:

@@ -26,7 +26,7 @@ from ..h5io import close_after_error, require_mpi_h5py
 from ..runtime import get_logger
 from . import filesum, legacy, mpio, packed
 from . import format as fmt
-from .format import CheckpointError
+from .format import CheckpointError, manifest_checksum
 from .reshard import remap_per_rank
 
 log = get_logger(__name__)
@@ -68,7 +68,6 @@ class Loaded:
     def shards_match(self, shards_path: str | Path) -> bool:
         """True when ``shards_path``'s manifest has the checksum stored at save time (or no
         manifest was stored). Reads the file on the calling rank only."""
-        from .manager import manifest_checksum
 
         stored = str(self.attrs.get("shards_manifest", ""))
         return not stored or manifest_checksum(shards_path) == stored

@@ -9,14 +9,18 @@ describes the newest valid one.
 from __future__ import annotations
 
 import json
+import tomllib
 from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
 
+from ..deck import from_toml_text
+from ..model import export_hf, load_model
+from ..model.storage import same_storage_copy
 from ..runtime import SemzoError, get_logger
-from .format import CheckpointError
-from .manager import list_checkpoints, manifest_checksum, read_latest
+from .format import CheckpointError, manifest_checksum
+from .manager import find_resumable, list_checkpoints, read_latest
 from .reader import describe, load, verify
 
 log = get_logger(__name__)
@@ -41,7 +45,6 @@ def _damaged(exc) -> SemzoError:
 
 def _deck_dtype(deck_toml) -> str:
     """model.dtype of a stored deck ("float32" when absent or unreadable)."""
-    import tomllib
     try:
         return str(tomllib.loads(str(deck_toml or "")).get("model", {}).get("dtype", "float32"))
     except (tomllib.TOMLDecodeError, AttributeError):
@@ -132,12 +135,20 @@ def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tupl
     return "\n".join(lines), ok
 
 
-def _rebuild_model(loaded, meta: dict):
-    """The base model of the stored deck with the checkpoint's head and LoRA adapters."""
-    from ..deck import from_toml_text
-    from ..generate import checkpoint_dtype
-    from ..model import load_model
+def checkpoint_dtype(deck, asked: str | None, where) -> str:
+    """The weight storage to rebuild a checkpoint's model with on the CPU: bfloat16 when its
+    deck trained bfloat16 weights (the bits are restored as they are), else float32 (float16
+    weights convert exactly). ``asked`` (a --dtype) must agree: SemzoError naming it."""
+    stored = deck.model.dtype if deck is not None else "float32"
+    dt = "bfloat16" if stored == "bfloat16" else "float32"
+    if asked is not None and asked != dt:
+        raise SemzoError(f"--dtype {asked}: {where} holds {stored} weights, rebuilt as {dt} "
+                         f"(omit --dtype)")
+    return dt
 
+
+def rebuild_model(loaded, meta: dict):
+    """The base model of the stored deck with the checkpoint's head and LoRA adapters."""
     deck = from_toml_text(loaded.deck_toml) if loaded.deck_toml.strip() else None
     folder = deck.model.path if deck is not None and deck.model.path else None
     model = load_model(folder, dtype=checkpoint_dtype(deck, None, loaded.path))
@@ -166,8 +177,6 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
     is read and verified by every rank. Raises :class:`SemzoError` on every rank on error."""
     path = Path(path)
     if path.is_dir():
-        from .manager import find_resumable
-
         found = find_resumable(path, comm)
         if found is None:
             raise _damaged(f"{path}: no valid checkpoint in this folder")
@@ -179,11 +188,8 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
     err, out = None, Path(outdir)
     if comm.Get_rank() == 0:
         try:
-            from ..model import export_hf
-            from ..model.storage import same_storage_copy
-
             meta = json.loads(loaded.attrs.get("model_meta") or "{}")
-            model = _rebuild_model(loaded, meta)
+            model = rebuild_model(loaded, meta)
             missing = [n for n in loaded.params if n not in model.params]
             if missing:
                 raise SemzoError(f"{path}: tensor {missing[0]!r} is not in the model "

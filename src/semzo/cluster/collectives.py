@@ -10,13 +10,13 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from mpi4py import MPI
 
 Allreduce = Callable[[np.ndarray], None]
 
 
 def default_allreduce(comm) -> Allreduce:
     """``allreduce(buf)``: in-place sum of a contiguous numpy buffer over ``comm``."""
-    from mpi4py import MPI
 
     def allreduce(buf: np.ndarray) -> None:
         comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)

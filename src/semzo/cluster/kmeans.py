@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..runtime import get_logger
+from . import cpu
 from .collectives import allgatherv, default_allreduce, patient_barrier
 from .init import kmeans_parallel, normalize_rows
 
@@ -102,14 +103,13 @@ def kmeans(x_local, k: int, comm, *, global_offset: int, allreduce=None, init="k
     t_start = time.perf_counter()
     bad = False
     if _is_cupy(x_local):
-        from . import gpu
+        from . import gpu  # imports cupy: only when a GPU array is given
         data = gpu.LocalData(x_local, block_rows, k)
         if algorithm != "lloyd":
             log.warning("algorithm %r has no GPU path; running plain Lloyd", algorithm)
             algorithm = "lloyd"
         make = gpu.LloydGPU
     else:
-        from . import cpu
         x = np.ascontiguousarray(x_local, dtype=np.float32)
         bad = x.ndim != 2
         data = cpu.LocalData(x if not bad else np.zeros((0, 0), np.float32), block_rows)
@@ -218,10 +218,9 @@ def init_centers(x_local, k: int, comm, *, global_offset: int, allreduce=None, s
     if allreduce is None:
         allreduce = default_allreduce(comm)
     if _is_cupy(x_local):
-        from . import gpu
+        from . import gpu  # imports cupy: only when a GPU array is given
         data = gpu.LocalData(x_local, block_rows, k)
     else:
-        from . import cpu
         data = cpu.LocalData(np.ascontiguousarray(x_local, dtype=np.float32), block_rows)
     head = np.array([data.n], dtype=np.float64)
     allreduce(head)
@@ -291,9 +290,8 @@ def predict(x, centers, spherical: bool = False, block_rows: int = 1024) -> np.n
     score as the Lloyd E-step (largest dot product when ``spherical``). Local, no collectives.
     """
     if _is_cupy(x):
-        from . import gpu
+        from . import gpu  # imports cupy: only when a GPU array is given
         return gpu.predict(x, centers, spherical, block_rows)
-    from . import cpu
     data = cpu.LocalData(np.ascontiguousarray(x, dtype=np.float32), block_rows)
     c = np.ascontiguousarray(centers, dtype=np.float32)
     a = cpu.LloydCPU(data, c.shape[0], spherical)

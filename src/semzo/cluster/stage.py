@@ -15,7 +15,8 @@ from mpi4py import MPI
 from ..embed import read_embeddings
 from ..h5check import CORPUS_KEYS, DAMAGED, agree, deck_drift, range_error, shape_error
 from ..h5io import create_collective, open_collective, read_slab, write_rows
-from ..runtime import SemzoError, get_logger
+from ..preflight import check_k
+from ..runtime import get_logger
 from .kmeans import kmeans
 
 log = get_logger(__name__)
@@ -46,17 +47,6 @@ def nmi_purity(c: np.ndarray) -> tuple[float, float]:
     denom = (ha + hb) / 2
     nmi = mi / denom if denom > 0 else 1.0
     return nmi, float(c.max(1).sum() / n)
-
-
-def check_k(deck, n_total: int) -> None:
-    """``cluster.k`` against the number of samples (the same on every rank): more clusters
-    than samples is an error every rank raises together. The embed stage runs it too, on the
-    corpus, when this run goes on to cluster."""
-    if deck.cluster.k > n_total:
-        err = SemzoError(f"{deck.source}: cluster.k: {deck.cluster.k} clusters for only "
-                         f"{n_total} samples")
-        err.all_ranks = True
-        raise err
 
 
 def run_cluster_stage(ctx) -> dict:

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from mpi4py import MPI
 
 from semzo.corpus.strings import allgather_strings
 from semzo.runtime import SemzoError, get_logger
@@ -171,7 +172,6 @@ def read_jsonl_slice(path: str | os.PathLike, comm) -> CorpusSlice:
     record counts, Allreduce(MIN) of error positions, a Bcast of the message on error). On a
     malformed file every rank raises the same ``SemzoError("PATH:LINE: ...")``.
     """
-    from mpi4py import MPI
 
     path = os.fspath(path)
     rank, nranks = comm.Get_rank(), comm.Get_size()
@@ -232,7 +232,6 @@ def _raise_first_error(path: str, comm, first: np.ndarray, sc: _Scan, err_key: i
     ``first`` is the MIN-reduced ``[error key, first labelled, first unlabelled, first with id,
     first without id]`` (global 0-based lines; error key = (line+1)*nranks + rank).
     """
-    from mpi4py import MPI
 
     nranks = comm.Get_size()
     cands: list[tuple[int, str]] = []      # (global 0-based line, message)

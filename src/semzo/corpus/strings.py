@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+from mpi4py import MPI
 
 
 def encode_strings(strings: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -37,7 +38,6 @@ def allgather_strings(strings: Sequence[str], comm) -> list[list[str]]:
     Collective over comm. Buffer collectives only (Allgather / Allgatherv of counts, lengths
     and bytes).
     """
-    from mpi4py import MPI
 
     data, lengths = encode_strings(strings)
     size = comm.Get_size()

@@ -30,6 +30,8 @@ from ..h5io import (
     write_rows,
     write_texts,
 )
+from ..model import Tokenizer, embed_texts, load_model, set_threads
+from ..preflight import check_later_stages, embed_model_path
 from ..runtime import SemzoError, get_logger
 
 log = get_logger(__name__)
@@ -58,36 +60,12 @@ def subset_mask(first: int, n_local: int, n_total: int, m: int) -> np.ndarray:
     return (i * m) // n_total != ((i - 1) * m) // n_total
 
 
-def embed_model_path(deck) -> tuple[str | None, str]:
-    """(folder of the encoder that embeds the corpus, the deck key that named it): ``embed.model``
-    if set, else ``model.path`` when that folder holds an encoder, else None (the packaged
-    all-MiniLM-L6-v2). A decoder in ``[model]`` therefore still shards with MiniLM."""
-    if deck.embed.model:
-        return deck.embed.model, "embed.model"
-    if deck.model.path:
-        from ..deck import DeckError
-        from ..model import families
-        from ..model.config import EncoderConfig, read_config, read_raw
-        from ..model.zoo import resolve_model_path
-
-        try:
-            folder = resolve_model_path(deck.model.path)
-            if families.find(read_raw(folder)) is not None:
-                return None, "embed.model"              # a decoder family: MiniLM shards
-            if isinstance(read_config(folder), EncoderConfig):
-                return deck.model.path, "model.path"
-        except SemzoError as exc:       # unreadable or unsupported: say so before any work
-            raise DeckError(f"{deck.source}: model.path: {exc}") from None
-    return None, "embed.model"
-
-
 def filter_labels(deck, comm, texts, ids, labels_s):
     """Keep the records whose label is in ``corpus.labels``. Returns ``(texts, ids, labels,
     first, n_total)`` with ``first`` the global index of this rank's first kept record among
     all kept records (so ``max_records`` subsets stay independent of the rank count).
     Collective over comm (one exscan, one allreduce); a label never seen anywhere is an error
     on every rank."""
-    from ..runtime import SemzoError
 
     want = set(deck.corpus.labels)
     if labels_s is None:
@@ -112,30 +90,8 @@ def filter_labels(deck, comm, texts, ids, labels_s):
     return texts, ids[keep], labels_s, int(first), int(n_total)
 
 
-def check_later_stages(ctx, ids: np.ndarray, labels: np.ndarray, n_classes: int) -> None:
-    """Before any embedding work, what the later stages of this run check of the samples:
-    ``cluster.k`` against their number, the finetune stage's labels and held-out split (and
-    that ``train.task`` suits the model). A deck those stages refuse then fails in seconds
-    with their message, not after the corpus has been embedded. ``ids``, ``labels``: this
-    rank's samples as they will be written. Collective; every rank raises together."""
-    deck, topo = ctx.deck, ctx.topo
-    if "cluster" in deck.run.stages:
-        from ..cluster.stage import check_k
-
-        n = np.array([len(ids)], np.int64)
-        topo.allreduce(n)
-        check_k(deck, int(n[0]))
-    if "finetune" in deck.run.stages:
-        from ..finetune.stage import check_samples, resolve_task
-        from ..model.loader import model_kind
-
-        task = resolve_task(deck, model_kind(deck.model.path or None))
-        check_samples(deck, task, ids, labels, n_classes, topo.allreduce)
-
-
 def run_embed_stage(ctx) -> dict:
     """Collective. Reads the corpus slice, embeds it, writes embeddings.h5."""
-    from ..model import Tokenizer, embed_texts, load_model, set_threads
 
     deck, topo = ctx.deck, ctx.topo
     comm = topo.world
@@ -157,7 +113,6 @@ def run_embed_stage(ctx) -> dict:
     model_path, key = embed_model_path(deck)
     model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype)
     if model.kind != "encoder":
-        from ..runtime import SemzoError
 
         err = SemzoError(f"{deck.source}: {key}: the embed stage needs an encoder, "
                          f"got a {model.kind}")
@@ -173,7 +128,6 @@ def run_embed_stage(ctx) -> dict:
         off, total = offsets(len(texts), comm)
         slowest = comm.allreduce(dt, op=MPI.MAX)
     if total == 0:
-        from ..runtime import SemzoError
 
         err = SemzoError(f"{deck.corpus.path}: the corpus has no records")
         err.all_ranks = True

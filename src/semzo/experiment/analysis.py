@@ -32,10 +32,13 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 from ..deck import from_toml_text
-from .runner import TIMINGS
+
+#: the per-run stage times of an experiment, one row per run (written by :mod:`.runner`)
+TIMINGS = "timings.csv"
 
 
 @dataclass
@@ -100,7 +103,6 @@ def read_metrics(path: Path) -> dict:
 
 def load(base: str | Path) -> Experiment:
     """Read an experiment folder. Raises FileNotFoundError naming a missing file."""
-    import h5py
 
     base = Path(base)
     text = (base / "experiment.toml").read_text(encoding="utf-8")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import h5py
 import numpy as np
 
 from .analysis import Experiment, at_step, run_time, stats
@@ -81,7 +82,6 @@ def plot(exp: Experiment, target: float) -> list[Path]:
 
 def save_h5(exp: Experiment, target: float) -> Path:
     """experiment.h5: one group per configuration and seed with its held-out curve."""
-    import h5py
 
     p = exp.base / "experiment.h5"
     tmp = p.with_suffix(".h5.tmp")

@@ -36,11 +36,12 @@ from mpi4py import MPI
 from ..deck import STAGES, Deck
 from ..pipeline import RunContext, run_stage, start
 from ..runtime import SemzoError, StageTimer, get_logger
+from .analysis import TIMINGS
+from .report import write_report
 
 log = get_logger(__name__)
 
 EVAL_POINTS = 40          # about this many held-out evaluations per configuration
-TIMINGS = "timings.csv"
 TIMING_COLUMNS = ("sharding", "mode", "seed", "stage", "wall_s", "comm_s")
 
 
@@ -179,7 +180,6 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm, resume: bool = False) -> Pat
 
 
 def _run_experiment(deck: Deck, ctx: RunContext, resume: bool, t0: float) -> Path:
-    from .report import write_report
 
     e, timer = deck.experiment, ctx.timer
     topo = ctx.topo

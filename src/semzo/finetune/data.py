@@ -27,12 +27,11 @@ from ..h5check import (
     shape_error,
 )
 from ..h5io import open_collective, read_slab, read_texts, row_range
+from ..rng import philox_hash
 from ..runtime import get_logger
-from .engine import philox_hash
 
 log = get_logger(__name__)
 
-_DOMAIN_HELDOUT = 0x401D
 _DOMAIN_PERM = 0x9E11
 
 
@@ -94,13 +93,6 @@ def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> Sh
                      deck_toml=deck.decode() if isinstance(deck, bytes) else str(deck))
 
 
-def heldout_mask(ids: np.ndarray, seed: int, fraction: float) -> np.ndarray:
-    """True for held-out samples: a hash of the sample id, below ``fraction``."""
-    u = np.asarray(ids, np.int64).view(np.uint64)
-    x0, _ = philox_hash(u & np.uint64(0xFFFFFFFF), u >> np.uint64(32), 0, _DOMAIN_HELDOUT, seed)
-    return (np.asarray(x0, np.float64) * 2.0 ** -32) < fraction
-
-
 def epoch_permutation(n: int, seed: int, epoch: int, rank: int) -> np.ndarray:
     """A permutation of range(n): argsort of Philox hashes of (position, epoch, rank)."""
     pos = np.arange(n, dtype=np.uint64)
@@ -141,12 +133,3 @@ class Batcher:
         return np.concatenate(out).astype(np.int64), epoch, pos
 
 
-def pad_batch(seqs: list[np.ndarray], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Right-pad token id arrays to the longest: ids (B, T) int64, mask (B, T) float32."""
-    t = max((len(s) for s in seqs), default=1)
-    ids = np.full((len(seqs), max(t, 1)), pad_id, dtype=np.int64)
-    mask = np.zeros(ids.shape, dtype=np.float32)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = s
-        mask[i, :len(s)] = 1.0
-    return ids, mask

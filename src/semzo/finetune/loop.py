@@ -10,18 +10,21 @@ such state and regenerates seeds, batches and learning rates from it.
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Self
 
 import numpy as np
+from mpi4py import MPI
 
-from ..model.base import cross_entropy
-from ..model.storage import to_float32
 from ..runtime import EXIT_FAILURE, SemzoError, get_logger
-from .data import Batcher, pad_batch
-from .engine import ZOEngine
+from ..tasks.base import Task
+from ..zo.engine import ZOEngine
+from ..zo.streamed import staged_score, step_streamed
+from .data import Batcher
 from .schedule import lr_at
 
 log = get_logger(__name__)
@@ -34,8 +37,6 @@ def hold_stop_signal() -> None:
     """Until training starts, SIGUSR1 (a batch system's warning that the time limit is near)
     is remembered instead of ending the process (its default action): training then stops
     after its first step, with a checkpoint. Main thread only (elsewhere: nothing)."""
-    import signal
-    import threading
 
     def remember(signum, _frame) -> None:
         _PENDING[0] = signum
@@ -78,8 +79,6 @@ class StopRequest:
         self.comm = None
 
     def __enter__(self) -> Self:
-        import signal
-        import threading
 
         self.comm = self.world.Dup()
         self._mine[0] = _PENDING[0]
@@ -92,7 +91,6 @@ class StopRequest:
         self._mine[0] = signum
 
     def __exit__(self, *exc) -> None:
-        import signal
 
         for sig, old in self._old.items():
             signal.signal(sig, old)
@@ -110,7 +108,6 @@ class StopRequest:
     def start(self, step: int) -> None:
         """At the start of step ``step``: at a check step, share this rank's flag and its
         proposal for the next check (nonblocking)."""
-        from mpi4py import MPI
 
         now = time.perf_counter()
         if self._next is None:
@@ -190,347 +187,16 @@ class TrainState:
         return s
 
 
-# ----------------------------------------------------------------------------- tasks
-class _Task:
-    """Token sequences of the rank's rows, training batches and held-out evaluation.
 
-    What a task gives the loop and the engine (a new task implements these):
 
-    * ``batch(positions) -> batch``: a prepared training batch of ``train_rows[positions]``;
-      ``batch[3]`` (or ``batch_weight(batch)``) its weight n in the n-weighted averages;
-    * ``loss(batch) -> float``: the loss at the current parameters (three-pass schedule);
-    * ``eval_sums(run=None)`` / ``eval_batch(rows)``: held-out sums (see :meth:`eval_sums`);
-      ``eval_inputs(rows)`` (a batch of held-out rows) and ``score_from_state(state, batch) ->
-      (loss, accuracy)`` let an offloading store run the evaluation stage by stage;
-    * the streamed schedule (``zo.schedule = "streamed"``, :mod:`.streamed`) runs the loss
-      stage by stage, two branches interleaved:
-
-      - ``stage_count() -> int`` and ``stage_params(k) -> list[str]``: the stages and the
-        names of ``model.params`` each reads (every trainable tensor in exactly one stage;
-        by default the model's stages, see :mod:`semzo.model.base`);
-      - ``stage_begin(batch) -> state`` (reads no parameter), ``stage_fork(state) -> state``
-        (an independent copy for the other branch), ``stage_run(k, state) -> state`` (reads
-        only stage k's parameters; stages run in order 0, 1, ...);
-      - ``loss_from_state(state, batch) -> float``: the loss from the state after the last
-        stage; it may read only the last stage's parameters, unless ``tied_head`` is True
-        (it also reads stage 0's: the engine then keeps stage 0 at +eps until L+ is read).
-
-      ``loss_from_state`` after running every stage must equal ``loss(batch)`` bit for bit
-      (tests/test_zo_streamed.py checks this for every task). An empty batch (n = 0) may use
-      ``None`` as its state; its loss is 0.0.
-    """
-
-    tied_head = False
-
-    def __init__(self, model, seqs: list[np.ndarray], labels: np.ndarray,
-                 train_rows: np.ndarray, heldout_rows: np.ndarray, pad_id: int,
-                 eval_batch_size: int) -> None:
-        self.model, self.seqs, self.labels = model, seqs, labels
-        self.train_rows, self.heldout_rows = train_rows, heldout_rows
-        self.pad_id = pad_id
-        order = sorted(heldout_rows.tolist(), key=lambda r: -len(seqs[r]))
-        self.eval_batches = [np.array(order[i:i + eval_batch_size], np.int64)
-                             for i in range(0, len(order), eval_batch_size)]
-
-    def batch(self, positions: np.ndarray):
-        """Prepared inputs of training rows ``train_rows[positions]``."""
-        rows = self.train_rows[positions]
-        ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
-        return ids, mask, self.labels[rows], len(rows)
-
-    def loss(self, batch) -> float:
-        raise NotImplementedError
-
-    # ------------------------------------------------------------------ stages (streamed)
-    def stage_count(self) -> int:
-        return self.model.n_stages
-
-    def stage_params(self, k: int) -> list[str]:
-        return self.model.stage_names(k)
-
-    def stage_begin(self, batch):
-        ids, mask, _, n = batch
-        return self.model.stage_start(ids, mask) if n else None
-
-    def stage_rows(self, batch) -> dict:
-        """``{name: rows}``: the rows of each matrix that stage 0 reads only by the batch's
-        token ids (``model.gather_rows``); the streamed schedule defers the other rows'
-        perturbations. Empty with a tied head (the loss reads every row) or when stage 0 is
-        not the model's embedding stage."""
-        if self.tied_head:
-            return {}
-        ids, _, _, n = batch[:4]
-        if not n:                                      # no forward: no row is read
-            return {k: np.zeros(0, np.int64)
-                    for k in self.model.gather_rows(np.zeros(0, np.int64))}
-        return self.model.gather_rows(ids)
-
-    def stage_fork(self, state):
-        return None if state is None else state.fork()
-
-    def stage_run(self, k: int, state):
-        return None if state is None else self.model.stage_forward(k, state)
-
-    def loss_from_state(self, state, batch) -> float:
-        raise NotImplementedError
-
-    def eval_sums(self, run=None) -> np.ndarray:
-        """float64 [sum of losses, sum of hits, count] over the rank's held-out rows: each
-        evaluation batch's mean loss and accuracy (:meth:`eval_batch`) weighted by its rows.
-        ``run(batch) -> (loss, accuracy)``: evaluate :meth:`eval_inputs` batches that way
-        instead (the stages streamed through an offloading store; the same values)."""
-        out = np.zeros(3)
-        for rows in self.eval_batches:
-            loss, acc = self.eval_batch(rows) if run is None else run(self.eval_inputs(rows))
-            out += (loss * len(rows), round(acc * len(rows)), len(rows))
-        return out
-
-    def eval_inputs(self, rows):
-        """A prepared batch (as :meth:`batch` gives) of held-out rows ``rows``."""
-        ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
-        return ids, mask, self.labels[rows], len(rows)
-
-    def score_from_state(self, state, batch) -> tuple[float, float]:
-        """(loss, accuracy) from the state after the last stage (the rule of
-        :meth:`loss_from_state`); equals :meth:`eval_batch` of the same rows."""
-        raise NotImplementedError
-
-    def eval_batch(self, rows) -> tuple[float, float]:
-        """Mean loss and accuracy of held-out rows ``rows``."""
-        raise NotImplementedError
-
-
-class ClassifyTask(_Task):
-    """Sequence classification: mean cross-entropy of the model's classification head."""
-
-    kind = "classify"
-
-    def loss(self, batch) -> float:
-        ids, mask, labels, n = batch
-        if n == 0:
-            return 0.0
-        return self.model.classify(ids, mask, labels)[0]
-
-    def loss_from_state(self, state, batch) -> float:
-        return self.score_from_state(state, batch)[0]
-
-    def score_from_state(self, state, batch) -> tuple[float, float]:
-        if state is None:
-            return 0.0, 0.0
-        return self.model.classify_hidden(state.hidden, state.maskf, batch[2])[:2]
-
-    def eval_batch(self, rows) -> tuple[float, float]:
-        ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
-        return self.model.classify(ids, mask, self.labels[rows])[:2]
-
-
-class LMTask(_Task):
-    """Next-token prediction with a decoder: loss and accuracy per predicted token."""
-
-    kind = "lm"
-
-    def loss(self, batch) -> float:
-        ids, mask, _, n = batch
-        if n == 0:
-            return 0.0
-        return self.model.next_token_loss(ids, mask)
-
-    @property
-    def tied_head(self) -> bool:
-        return bool(self.model.tied_head)
-
-    def loss_from_state(self, state, batch) -> float:
-        if state is None:
-            return 0.0
-        return self.model.next_token_loss_from_hidden(state.hidden, state.ids, state.maskf)
-
-    def score_from_state(self, state, batch) -> tuple[float, float]:
-        if state is None:
-            return 0.0, 0.0
-        return self.model.next_token_loss_from_hidden(state.hidden, state.ids, state.maskf,
-                                                      return_accuracy=True)
-
-    def eval_sums(self, run=None) -> np.ndarray:
-        out = np.zeros(3)
-        for rows in self.eval_batches:
-            b = self.eval_inputs(rows)
-            cnt = self.batch_weight(b)
-            if cnt == 0:
-                continue
-            loss, acc = self.model.next_token_loss(b[0], b[1], return_accuracy=True) \
-                if run is None else run(b)                 # b: padded once
-            out += (loss * cnt, round(acc * cnt), cnt)
-        return out
-
-    def eval_batch(self, rows) -> tuple[float, float]:
-        """Mean loss and accuracy per predicted token of held-out rows ``rows``."""
-        ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
-        return self.model.next_token_loss(ids, mask, return_accuracy=True)
-
-    def batch_weight(self, batch) -> float:
-        return float(batch[1][:, 1:].sum())
-
-
-class FeatureClassifyTask(_Task):
-    """Classification when only the head trains: the frozen encoder's pooled, L2-normalized
-    features of every row are computed once (``features`` (n, H) float32), and each loss is the
-    head on them -- the same arithmetic as ``model.classify`` with ``head.normalize``."""
-
-    kind = "classify"
-
-    def __init__(self, model, features: np.ndarray, labels: np.ndarray,
-                 train_rows: np.ndarray, heldout_rows: np.ndarray, eval_batch_size: int) -> None:
-        xp = model.xp
-        self.model, self.labels = model, labels
-        self.feats = xp.asarray(np.ascontiguousarray(features, np.float32))
-        self.train_rows, self.heldout_rows = train_rows, heldout_rows
-        self.eval_batches = [heldout_rows[i:i + eval_batch_size]
-                             for i in range(0, len(heldout_rows), eval_batch_size)]
-
-    def batch(self, positions: np.ndarray):
-        rows = self.train_rows[positions]
-        return rows, None, self.labels[rows], len(rows)
-
-    def _loss_acc(self, rows) -> tuple[float, float]:
-        xp, p = self.model.xp, self.model.params
-        w = to_float32(p["classifier.weight"])
-        b = to_float32(p["classifier.bias"])
-        logits = self.feats[xp.asarray(rows)] @ w.T + b
-        return cross_entropy(xp, logits, xp.asarray(self.labels[rows]).astype(xp.int64))
-
-    def loss(self, batch) -> float:
-        rows, _, _, n = batch
-        return self._loss_acc(rows)[0] if n else 0.0
-
-    def stage_count(self) -> int:
-        return 1
-
-    def stage_params(self, k: int) -> list[str]:
-        return ["classifier.weight", "classifier.bias"]
-
-    def stage_rows(self, batch) -> dict:
-        return {}                  # the features are fixed: no embedding matrix is read
-
-    def stage_begin(self, batch):
-        return batch[0] if batch[3] else None
-
-    def stage_fork(self, state):
-        return state
-
-    def stage_run(self, k: int, state):
-        return state
-
-    def loss_from_state(self, state, batch) -> float:
-        return self._loss_acc(state)[0] if state is not None else 0.0
-
-    def score_from_state(self, state, batch) -> tuple[float, float]:
-        return self._loss_acc(state) if state is not None else (0.0, 0.0)
-
-    def eval_inputs(self, rows):
-        return rows, None, self.labels[rows], len(rows)
-
-    def eval_batch(self, rows) -> tuple[float, float]:
-        return self._loss_acc(rows)
-
-
-class PrefixCachedClassifyTask(_Task):
-    """Classification when the lower ``layer`` blocks (and the embeddings) are frozen: the
-    residual stream entering block ``layer`` is computed once per row (``model.hidden_at``) and
-    kept, ``sum(len_i) x H`` values in the model dtype; each loss runs blocks ``layer .. L-1``,
-    pooling and the head (``model.hidden_from``) -- the same arithmetic as
-    :class:`ClassifyTask` (equal up to rounding: the cache is computed in other batches, with
-    other padding lengths, so GEMM shapes differ), about ``L / (L - layer)`` times cheaper."""
-
-    kind = "classify"
-
-    def __init__(self, model, seqs: list[np.ndarray], labels: np.ndarray,
-                 train_rows: np.ndarray, heldout_rows: np.ndarray, pad_id: int,
-                 eval_batch_size: int, layer: int) -> None:
-        super().__init__(model, seqs, labels, train_rows, heldout_rows, pad_id, eval_batch_size)
-        xp = model.xp
-        self.layer = layer
-        lens = np.array([len(q) for q in seqs], np.int64)
-        self.offs = np.concatenate(([0], np.cumsum(lens)))
-        self.cache = xp.empty((int(self.offs[-1]), model.config.hidden_size), model.dtype)
-        order = np.argsort(-lens, kind="stable")          # similar lengths share a batch
-        for i in range(0, len(order), eval_batch_size):
-            rows = order[i:i + eval_batch_size]
-            ids, mask = pad_batch([seqs[r] for r in rows], pad_id)
-            x = model.hidden_at(ids, mask, layer)
-            for j, r in enumerate(rows):
-                self.cache[self.offs[r]:self.offs[r + 1]] = x[j, :lens[r]]
-
-    @staticmethod
-    def nbytes(seqs: list[np.ndarray], hidden: int, itemsize: int) -> int:
-        return sum(len(q) for q in seqs) * hidden * itemsize
-
-    def _inputs(self, rows):
-        xp = self.model.xp
-        lens = self.offs[np.asarray(rows) + 1] - self.offs[np.asarray(rows)]
-        t = int(lens.max()) if len(rows) else 0
-        x = xp.zeros((len(rows), t, self.cache.shape[1]), self.cache.dtype)
-        mask = np.zeros((len(rows), t), np.float32)
-        for j, r in enumerate(rows):
-            x[j, :lens[j]] = self.cache[self.offs[r]:self.offs[r + 1]]
-            mask[j, :lens[j]] = 1.0
-        return x, xp.asarray(mask)
-
-    def batch(self, positions: np.ndarray):
-        rows = self.train_rows[positions]
-        x, mask = self._inputs(rows)
-        return x, mask, self.labels[rows], len(rows)
-
-    def _classify(self, x, mask, labels):
-        hs = self.model.hidden_from(x, mask, self.layer)
-        return self.model.classify_hidden(hs, mask, labels)
-
-    def loss(self, batch) -> float:
-        x, mask, labels, n = batch
-        return self._classify(x, mask, labels)[0] if n else 0.0
-
-    def stage_count(self) -> int:
-        return self.model.n_stages - 1 - self.layer
-
-    def stage_params(self, k: int) -> list[str]:
-        return self.model.stage_names(self.layer + 1 + k)
-
-    def stage_rows(self, batch) -> dict:
-        return {}                  # stage 0 starts from the cached hidden states
-
-    def stage_begin(self, batch):
-        x, mask, _, n = batch
-        return self.model.stage_start_from(x, mask, self.layer) if n else None
-
-    def stage_run(self, k: int, state):
-        return None if state is None else self.model.stage_forward(self.layer + 1 + k, state)
-
-    def loss_from_state(self, state, batch) -> float:
-        return self.score_from_state(state, batch)[0]
-
-    def score_from_state(self, state, batch) -> tuple[float, float]:
-        if state is None:
-            return 0.0, 0.0
-        return self.model.classify_hidden(state.hidden, batch[1], batch[2])[:2]
-
-    def eval_inputs(self, rows):
-        x, mask = self._inputs(rows)
-        return x, mask, self.labels[rows], len(rows)
-
-    def eval_batch(self, rows) -> tuple[float, float]:
-        x, mask = self._inputs(rows)
-        return self._classify(x, mask, self.labels[rows])[:2]
-
-
-def evaluate(task: _Task, topo, store=None) -> tuple[float, float, int]:
+def evaluate(task: Task, topo, store=None) -> tuple[float, float, int]:
     """Held-out (loss, accuracy, count) over all ranks. Collective over the world.
 
     ``store``: the engine's parameter store; an offloading one (``zo.offload = "host"``) keeps
     the parameters in host memory, so each evaluation batch then runs stage by stage through it
-    (:func:`semzo.finetune.streamed.staged_score`)."""
+    (:func:`semzo.zo.streamed.staged_score`)."""
     run = None
     if getattr(store, "offloads", False):
-        from .streamed import staged_score
-
         def run(batch):
             return staged_score(store, task, batch)
     sums = task.eval_sums(run)
@@ -563,7 +229,7 @@ class LoopConfig:
                    checksum_every=z.checksum_every, max_skips=t.max_skips, history=z.history)
 
 
-def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
+def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
           cfg: LoopConfig, *, on_row: Callable[[dict], None] | None = None,
           on_comm: Callable[[float], None] | None = None,
           on_step: Callable[[TrainState], None] | None = None,
@@ -591,7 +257,7 @@ def train(engine: ZOEngine, task: _Task, batcher: Batcher, state: TrainState,
         batch = task.batch(positions)
         weight = task.batch_weight(batch) if hasattr(task, "batch_weight") else batch[3]
         if engine.schedule == "streamed":
-            res = engine.step_streamed(task, batch, step, lr, weight)
+            res = step_streamed(engine, task, batch, step, lr, weight)
         else:
             res = engine.step(lambda b=batch: task.loss(b), step, lr, weight)
         if on_comm is not None:

@@ -16,7 +16,9 @@ before a value was recorded the saved deck; neither there: nothing to compare.
 from __future__ import annotations
 
 import json
+import tomllib
 
+from ..rng import NAMES, dist_code
 from ..runtime import SemzoError
 
 _HINT = "resume with the deck it was written with or set checkpoint.resume = \"never\""
@@ -30,7 +32,6 @@ def _deck_error(msg: str) -> SemzoError:
 
 def dist_name(dist: str) -> str:
     """The canonical name of a z distribution ('normal' is 'gaussian')."""
-    from .rng import NAMES, dist_code
 
     return NAMES[dist_code(dist)]
 
@@ -45,7 +46,6 @@ def _meta(loaded) -> dict:
 
 def _saved_deck(loaded) -> dict:
     """The checkpoint's deck as a dict ({} when absent or unreadable)."""
-    import tomllib
 
     text = loaded.deck_toml
     if not text.strip():

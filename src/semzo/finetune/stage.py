@@ -16,25 +16,40 @@ from __future__ import annotations
 
 import json
 import math
-import re
+import os
+import signal
 import time
 from pathlib import Path
 
+import h5py
 import numpy as np
+from mpi4py import MPI
 
+from ..checkpoint import Checkpointer, list_checkpoints
 from ..h5check import SHARD_KEYS, agree, deck_drift
 from ..h5io import create_collective, row_range, write_slab
+from ..model import Tokenizer, load_model
 from ..model.storage import BF16, storage_name
+from ..model.zoo import folder_checksum
+from ..preflight import check_samples, resolve_task
 from ..runtime import SemzoError, get_logger
-from .data import Batcher, heldout_mask, read_shard
-from .engine import ZOEngine, ztensors
-from .loop import (
+from ..tasks.classify import (
     ClassifyTask,
     FeatureClassifyTask,
-    LMTask,
+    PrefixCachedClassifyTask,
+    features_in_shards,
+    head_features,
+    init_head_class_means,
+)
+from ..tasks.lm import LMTask
+from ..tasks.prompt import build_prompt_task
+from ..zo.engine import ZOEngine
+from ..zo.offload import HostStore
+from ..zo.perturb import ztensors
+from .data import Batcher, read_shard
+from .loop import (
     LoopConfig,
     Preempted,
-    PrefixCachedClassifyTask,
     StopRequest,
     TrainState,
     evaluate,
@@ -42,10 +57,9 @@ from .loop import (
 )
 from .report import Metrics
 from .resume import check_same_dist, check_same_seeds, dist_name, split_meta
+from .trainable import first_trained_block, select_trainable
 
 log = get_logger(__name__)
-
-_BLOCK = re.compile(r"(?:^|\.)(?:layers?|h)\.(\d+)\.")
 
 
 def _deck_error(msg: str) -> SemzoError:
@@ -54,179 +68,9 @@ def _deck_error(msg: str) -> SemzoError:
     return err
 
 
-def resolve_task(deck, model_kind: str) -> str:
-    """``train.task`` with ``"auto"`` resolved for a model of ``model_kind`` ("lm" for a
-    decoder, else "classify"); a task the model cannot run is an error on every rank."""
-    task = deck.train.task
-    kind = task if task != "auto" else ("lm" if model_kind == "decoder" else "classify")
-    if kind in ("lm", "prompt") and model_kind != "decoder":
-        raise _deck_error(f"{deck.source}: train.task: {kind} fine-tuning needs a decoder "
-                          f"in model.path, got an {model_kind}")
-    return kind
-
-
-def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_classes: int,
-                  allreduce) -> tuple[np.ndarray, int, int]:
-    """What the finetune stage needs of its samples (this rank's ``ids`` and ``labels``, -1
-    unlabeled; ``n_classes`` the same on every rank): labels on every sample and two classes
-    for a classify or prompt task, and both sides of the held-out split non-empty (without
-    held-out samples every evaluation would be nan and the run would still "succeed").
-    Collective (``allreduce``: an in-place sum over the ranks); every rank raises together.
-    The embed stage runs it too, on the corpus, when this run goes on to fine-tune.
-    Returns this rank's held-out mask and the numbers of training and held-out samples over
-    all ranks."""
-    t = deck.train
-    split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
-    held = heldout_mask(ids, split_seed, t.heldout_fraction)
-    counts = np.array([int((~held).sum()), int(held.sum()), int((labels < 0).sum())], np.int64)
-    allreduce(counts)
-    if task_kind in ("classify", "prompt") and (counts[2] or n_classes < 2):
-        raise _deck_error(f"{deck.corpus.path}: train.task = {task_kind} needs a label on "
-                          f"every record and at least 2 classes ({int(counts[2])} "
-                          f"unlabeled, {n_classes} classes); use a labelled corpus or "
-                          f"task = \"lm\" with a decoder")
-    if counts[0] == 0:
-        raise _deck_error(f"{deck.source}: train.heldout_fraction: no training samples left")
-    if counts[1] == 0:
-        raise _deck_error(f"{deck.source}: train.heldout_fraction: no held-out samples "
-                          f"({t.heldout_fraction:g} of {int(counts[0])} samples drew none); "
-                          f"raise it or use a larger corpus")
-    return held, int(counts[0]), int(counts[1])
-
-
-def default_lora_targets(model) -> tuple[str, ...] | None:
-    """MeZO's choice on decoders: q and v (``q_proj``/``v_proj``; GPT-2's fused ``c_attn``);
-    None (every attention projection) for encoders."""
-    if model.kind != "decoder":
-        return None
-    mods = model.lora_modules()
-    if any(m.endswith("q_proj") for m in mods):
-        return ("q_proj", "v_proj")
-    return ("c_attn",) if any(m.endswith("c_attn") for m in mods) else None
-
-
-def _final_norm_names(model) -> set[str]:
-    """A decoder's final norm (+ OPT's project_out): the last stage's tensors but the LM head
-    and the classifier; GPT-2 without the stage API: ``ln_f``."""
-    if hasattr(model, "stage_names") and hasattr(model, "n_stages"):
-        return {n for n in model.stage_names(model.n_stages - 1)
-                if n != "lm_head.weight" and not n.startswith("classifier.") and
-                n not in model.frozen}
-    return {n for n in model.params if re.search(r"(?:^|\.)ln_f\.", n)}
-
-
-def select_trainable(model, params: str, last_layers: int = 1, lora_rank: int = 8,
-                     lora_alpha: float = 16.0, seed: int = 0, targets: tuple = (),
-                     src: str = "<deck>", lora_layers: int = 0) -> list[str]:
-    """Freeze everything but the chosen subset; return the trainable names (model order).
-
-    ``all``: every tensor the forward pass uses (and the head); ``head+last``: the head
-    (``classifier.*``) plus blocks ``L - last_layers .. L - 1`` (and a decoder's final norm);
-    ``lora``: LoRA adapters of rank ``lora_rank`` on the projections named by ``targets``
-    (suffixes; empty = :func:`default_lora_targets`) in the last ``lora_layers`` blocks (0 =
-    all) plus the head.
-    """
-    if params == "lora":
-        tg = tuple(targets) or default_lora_targets(model)
-        if lora_layers > 0:
-            first = model.config.num_layers - min(lora_layers, model.config.num_layers)
-            tg = tuple(m for m in model.lora_modules()
-                       if (tg is None or m.endswith(tg)) and
-                       (b := _BLOCK.search(m + ".")) and int(b.group(1)) >= first)
-        try:
-            model.add_lora(rank=lora_rank, alpha=lora_alpha, seed=seed, targets=tg)
-        except ValueError:
-            have = sorted({m.rsplit(".", 1)[-1] for m in model.lora_modules()})
-            raise _deck_error(f"{src}: train.lora_targets: no projection of this model ends "
-                              f"with {', '.join(tg or ())} (its projections end with "
-                              f"{', '.join(have)})") from None
-    elif params == "head+last":
-        n_layers = model.config.num_layers
-        first = n_layers - min(last_layers, n_layers)
-        keep = _final_norm_names(model) if last_layers > 0 else set()
-        for name in model.params:
-            m = _BLOCK.search(name)
-            if name.startswith("classifier.") or (m and int(m.group(1)) >= first and
-                                                 name not in model.frozen):
-                keep.add(name)
-        model.frozen |= set(model.params) - keep
-    elif params != "all":
-        raise ValueError(f"unknown trainable subset {params!r}")
-    names = [n for n, _ in model.named_parameters()]
-    if not names:
-        raise _deck_error(f"train.params = {params!r} with last_layers = {last_layers} leaves "
-                          f"nothing to train for this model and task")
-    return names
-
-
-def _first_trained_block(model, names: list[str], t, task_kind: str) -> int:
-    """The first block that trains when the embeddings and every block below it are frozen
-    (an encoder, a classification task, ``head+last``, no LoRA, a nonzero prefix cache
-    budget); 0 when nothing can be cached."""
-    if (task_kind != "classify" or model.kind != "encoder" or model.lora or
-            t.params != "head+last" or t.prefix_cache_mb <= 0):
-        return 0
-    blocks = [int(m.group(1)) for n in names if (m := _BLOCK.search(n))]
-    if not blocks or any(".embeddings." in f".{n}" for n in names):
-        return 0
-    return min(blocks)
-
-
-def init_head_class_means(model, emb: np.ndarray, labels: np.ndarray, n_classes: int,
-                          scale: float, topo) -> np.ndarray:
-    """Nearest-class-mean head: ``classifier.weight[c] = scale * m_c / |m_c|`` (m_c the mean
-    of the L2-normalized training embeddings of class c), ``classifier.bias[c] = log prior of
-    c``; with ``head.normalize`` the logits are ``scale * cos(e, m_c) + log p_c``. One allreduce
-    of per-class sums and counts. Collective over the world. Returns the class counts."""
-    h = model.config.hidden_size
-    if emb.shape[1] != h:
-        raise _deck_error(f"shards.h5 embeddings have {emb.shape[1]} dimensions, the model "
-                          f"{h}: embed with the same model or set train.head_init = \"random\"")
-    acc = np.zeros((n_classes, h + 1), np.float64)
-    ok = labels >= 0
-    np.add.at(acc[:, :h], labels[ok], emb[ok].astype(np.float64))
-    np.add.at(acc[:, h], labels[ok], 1.0)
-    topo.allreduce(acc)
-    counts = acc[:, h]
-    means = acc[:, :h] / np.maximum(counts, 1.0)[:, None]
-    means /= np.maximum(np.linalg.norm(means, axis=1, keepdims=True), 1e-12)
-    prior = np.log(np.maximum(counts, 0.5) / max(counts.sum(), 1.0))
-    xp = model.xp
-    w, b = model.params["classifier.weight"], model.params["classifier.bias"]
-    xp.copyto(w, model.to_param(scale * means))
-    xp.copyto(b, model.to_param(prior))
-    return counts
-
-
-def features_in_shards(ctx, model, rows, max_len: int) -> bool:
-    """Whether shards.h5's embeddings are the head's input features: made by the same model
-    at the same max_length and dtype (the embed stage computes exactly those)."""
-    from ..deck import from_toml_text
-    from ..embed.stage import embed_model_path
-
-    src = from_toml_text(rows.deck_toml)
-    return ((embed_model_path(src)[0] or "") == (ctx.deck.model.path or "") and
-            src.model.max_length == max_len and src.model.dtype == ctx.deck.model.dtype and
-            rows.embeddings.shape[1] == model.config.hidden_size)
-
-
-def head_features(ctx, model, rows, max_len: int, batch_size: int) -> tuple[np.ndarray, str]:
-    """Pooled, L2-normalized features (n, H) float32 of the rank's rows under the frozen
-    encoder: the embeddings of shards.h5 when they were made by the same model at the same
-    max_length (the embed stage computes exactly this), else one forward pass per row."""
-    from ..model import Tokenizer, embed_texts
-
-    if features_in_shards(ctx, model, rows, max_len):
-        return rows.embeddings, f"taken from shards.h5: same model, max_length {max_len}"
-    tok = Tokenizer.from_folder(ctx.deck.model.path or None, max_length=max_len)
-    feats = embed_texts(model, tok, rows.texts, batch_size=batch_size, normalize=True)
-    return feats.astype(np.float32), f"one forward pass per row at max_length {max_len}"
-
-
 def run_finetune_stage(ctx) -> dict:
     """Collective. Reads shards.h5, fine-tunes, writes model.h5, metrics.csv and plots.
     Returns the stage's headline figures (held-out accuracy before/after, steps, speed)."""
-    from ..model import Tokenizer, load_model
 
     deck, topo = ctx.deck, ctx.topo
     comm = topo.world
@@ -266,8 +110,6 @@ def run_finetune_stage(ctx) -> dict:
     train_idx, held_idx = np.flatnonzero(~held), np.flatnonzero(held)
     head_only = task_kind == "classify" and all(n.startswith("classifier.") for n in names)
     if task_kind == "prompt":
-        from .prompt import build_prompt_task
-
         task = build_prompt_task(ctx, model, names, rows, train_idx, held_idx, max_len,
                                  cache=not offload)
     elif head_only and (not offload or features_in_shards(ctx, model, rows, max_len)):
@@ -279,7 +121,7 @@ def run_finetune_stage(ctx) -> dict:
     else:
         tok = Tokenizer.from_folder(model_path, max_length=max_len)
         seqs = tok.encode_batch(rows.texts)
-        first = _first_trained_block(model, names, t, task_kind)
+        first = first_trained_block(model, names, t, task_kind)
         need = PrefixCachedClassifyTask.nbytes(seqs, model.config.hidden_size,
                                                np.dtype(model.dtype).itemsize)
         fits = np.array([need <= t.prefix_cache_mb * 2**20], np.int64)
@@ -314,8 +156,6 @@ def run_finetune_stage(ctx) -> dict:
                       dist=z.dist, restore=z.restore, run_seed=deck.run.seed,
                       schedule=z.schedule, cache_z=z.cache_z)
     if offload:
-        from .offload import HostStore
-
         engine.store = HostStore(model, task, engine, device=deck.run.device)
         log.info("finetune: zo.offload = \"host\": parameters in host memory, %d stages "
                  "streamed to the %s one at a time%s", task.stage_count(),
@@ -354,7 +194,6 @@ def run_finetune_stage(ctx) -> dict:
     secs = time.perf_counter() - t0
     saver.final(state)
     if stop.signum:
-        import signal
 
         raise Preempted(f"finetune: {signal.Signals(stop.signum).name} received: stopped after "
                         f"step {state.step} of {steps}, checkpoint {ck.last_path} written; "
@@ -387,7 +226,6 @@ def _log_device_memory(ctx, topo, engine, model) -> None:
     peak from above), the parameters held there, and with ``zo.offload = "host"`` the stage
     slots (stage 0, the last stage, two blocks); on the CPU with offload, the simulated
     device's slots."""
-    from mpi4py import MPI
 
     store = engine.store
     slots = store.device_bytes() if getattr(store, "offloads", False) else 0
@@ -413,13 +251,10 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     :class:`TrainState`: fresh, or from the newest valid checkpoint (``checkpoint.resume =
     "auto"``), whose trainable tensors are then copied into the model in place. Collective.
     Returns ``(ck, state, resumed step or None)``."""
-    from ..checkpoint import Checkpointer, list_checkpoints
 
     deck, topo = ctx.deck, ctx.topo
     meta: dict = {"task": task_kind, "trainable": names}
     if model.source is not None:               # what `semzo generate CKPT` checks
-        from ..generate import folder_checksum
-
         digest = folder_checksum(model.source) if topo.rank == 0 else None
         meta["model_folder"] = str(Path(model.source).resolve())
         meta["model_checksum"] = topo.world.bcast(digest, root=0)
@@ -483,7 +318,6 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
 def _centroids(ctx) -> dict:
     """``{"centroids": (k, d)}`` from clusters.h5 when it is there (rank 0 reads, then a
     broadcast), else ``{}``. Collective."""
-    import h5py
 
     c = None
     if ctx.topo.rank == 0:
@@ -507,7 +341,6 @@ class _StepSaver:
     tests only)."""
 
     def __init__(self, ck, model, names, n_local, *, centroids, topo, flush=None) -> None:
-        import os
 
         self.flush = flush or (lambda: None)     # the streamed step's deferred update
         self.ck, self.model, self.names, self.n_local = ck, model, names, int(n_local)
@@ -540,13 +373,9 @@ class _StepSaver:
 
     def __call__(self, state: TrainState) -> None:
         if self.kill and self.kill == (self.topo.rank, state.step):
-            import os
-            import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
         if self.signal and self.signal[:2] == (self.topo.rank, state.step):
-            import os
-            import signal
 
             os.kill(os.getpid(), getattr(signal, self.signal[2]))
         if self.ck.due(state.step):

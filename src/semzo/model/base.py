@@ -42,15 +42,18 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as _np
 import numpy as np
 
 from semzo.model.config import DecoderConfig, EncoderConfig
 from semzo.model.kernels import matmul_into, run_slices, run_split, split_slices
+from semzo.model.kernels_lm import token_nll
 from semzo.model.losses import (
     TokenIdError,
     check_ids,
@@ -60,6 +63,9 @@ from semzo.model.losses import (
     mean_pool,
 )
 from semzo.model.storage import COMPUTE, STORAGE, storage_name, to_float32, to_storage
+
+#: the block index in a parameter or module name (``layer.3.``, ``layers.3.``, GPT-2's ``h.3.``)
+BLOCK = re.compile(r"(?:^|\.)(?:layers?|h)\.(\d+)\.")
 
 # re-exported: callers import these from here
 __all__ = ["HeadSpec", "LoraSpec", "StageState", "TokenIdError", "TransformerBase",
@@ -112,7 +118,6 @@ class StageState:
             raise RuntimeError(f"the last stage has not run (next stage {self.stage})")
         if len(outs) == 1:
             return outs[0]
-        import numpy as _np
         return _np.concatenate(outs, axis=0)
 
     def fork(self) -> StageState:
@@ -552,7 +557,6 @@ class TransformerBase:
         the Numba kernel ``token_nll`` (float64 log-sum-exp) while they are in cache; the head
         weight is read (for bfloat16: upcast) once. The chunks depend on the weights only and
         the sums run over every row in order: the same bits for any thread count."""
-        from semzo.model.kernels_lm import token_nll
 
         n_rows = hs.shape[0]
         chunks = _row_chunks(wt, chunk)

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from semzo.model.families import SUPPORTED_ARCHS
 from semzo.model.kernels import ACTIVATIONS
+from semzo.model.spec import Fields
 from semzo.runtime import SemzoError
 
 SUPPORTED = {"bert": "encoder (BertModel)", "gpt2": "decoder (GPT2Model / GPT2LMHeadModel)"}
@@ -90,7 +92,6 @@ def read_config(folder: str | Path) -> EncoderConfig | DecoderConfig:
     raw = read_raw(folder)
     mt = raw.get("model_type")
     if mt not in SUPPORTED:
-        from semzo.model.families import SUPPORTED_ARCHS
         sup = ", ".join([f"{k} ({v})" for k, v in SUPPORTED.items()] + list(SUPPORTED_ARCHS))
         raise SemzoError(f"{path}: unsupported architecture {_arch(raw)}; supported: {sup}")
     try:
@@ -130,7 +131,6 @@ GPT2_REFUSED: dict = {}
 
 
 def _build(mt: str, raw: dict[str, Any], path: Path) -> EncoderConfig | DecoderConfig:
-    from semzo.model.spec import Fields
     if mt == "bert":
         f = Fields(raw, path, _arch(raw), BERT_HONOURED, BERT_INERT, BERT_REFUSED)
         if f("position_embedding_type", "absolute") != "absolute":

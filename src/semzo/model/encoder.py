@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from semzo.model.base import TransformerBase
+from semzo.model.base import StageState, TransformerBase
 from semzo.model.kernels import (
     bias_act,
     bias_residual_layernorm,
@@ -19,6 +19,8 @@ from semzo.model.kernels import (
     layernorm,
     masked_softmax,
     matmul_into,
+    run_split,
+    split_slices,
 )
 from semzo.model.storage import to_float32
 
@@ -237,10 +239,7 @@ class Encoder(TransformerBase):
         """A :class:`~semzo.model.base.StageState` whose next stage is ``layer + 1`` (block
         ``layer``), from ``x`` (B, T, H), the residual stream entering that block (copied):
         running the remaining stages equals :meth:`hidden_from` bit for bit."""
-        import numpy as np
 
-        from semzo.model.base import StageState
-        from semzo.model.kernels import split_slices
 
         self._check_layer(layer)
         xp = self.xp
@@ -263,9 +262,7 @@ class Encoder(TransformerBase):
             raise ValueError(f"layer must lie in [0, {self.config.num_layers}], got {layer}")
 
     def _split(self, run, bsz: int, t: int):
-        import numpy as np
 
-        from semzo.model.kernels import run_split
 
         if self.xp is not np:
             return run(slice(0, bsz))

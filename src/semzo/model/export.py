@@ -16,9 +16,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from semzo.model.base import TransformerBase
 from semzo.model.loader import HEAD_FILE
@@ -45,7 +47,6 @@ def save_bf16_safetensors(path: Path, tensors: dict[str, np.ndarray],
     """Write a safetensors file whose uint16 arrays are bfloat16 bits (dtype ``BF16``; NumPy
     has no bfloat16, so ``safetensors.numpy`` cannot write them). Other arrays keep their
     dtype; tensors sorted by name, as ``safetensors`` writes them."""
-    import struct
     header: dict = {"__metadata__": metadata}
     off, order = 0, sorted(tensors)
     for name in order:
@@ -77,7 +78,6 @@ def _save_safetensors(tensors: dict[str, np.ndarray], path: Path, metadata: dict
                       bf16: bool = False) -> None:
     """Write ``path`` whole (``path.tmp``, then a rename) with the mode of the other files of
     the folder (``safetensors`` creates its files 0600, whatever the umask)."""
-    from safetensors.numpy import save_file
 
     tmp = path.with_name(path.name + ".tmp")
     if bf16:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
 if TYPE_CHECKING:
     from semzo.model.gguf import GGUFModel
 
@@ -53,15 +55,6 @@ def build_tokenizer(g: GGUFModel, cfg: dict):
 
     ``cfg``: the model config from :meth:`GGUFModel.hf_config` (vocabulary size, context).
     """
-    from tokenizers import (
-        AddedToken,
-        Regex,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        processors,
-    )
 
     kind = g.value("tokenizer.ggml.model", None)
     if kind is None:

@@ -28,11 +28,16 @@ from __future__ import annotations
 
 import itertools
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
+from threadpoolctl import ThreadpoolController
+
+from semzo.backend import array_module
+from semzo.model.storage import to_float32
 
 F32 = np.float32
 
@@ -320,30 +325,18 @@ def _is_cpu32(*arrays) -> bool:
 def _f32(xp, a):
     """float32 values of ``a``: bfloat16 bits (uint16) upcast exactly, others converted."""
     if a.dtype == np.uint16:
-        from semzo.model.storage import to_float32
         return to_float32(a)
     return a.astype(xp.float32)
-
-
-def get_xp(a):
-    """The array module of ``a``: numpy for NumPy arrays, else the array's own module (cupy)."""
-    if isinstance(a, np.ndarray):
-        return np
-    import sys
-    cp = sys.modules.get("cupy")
-    if cp is not None and isinstance(a, cp.ndarray):
-        return cp
-    return np
 
 
 def layernorm(x, gamma, beta, eps: float, out=None):
     """LayerNorm over the last axis of ``x`` (N, H) into ``out`` (may be ``x``); returns out."""
     if out is None:
-        out = get_xp(x).empty_like(x)
+        out = array_module(x).empty_like(x)
     if _is_cpu32(x, gamma, beta, out):
         _nb_layernorm(x, gamma, beta, F32(eps), out)
         return out
-    xp = get_xp(x)
+    xp = array_module(x)
     t = x.astype(xp.float32)
     mean = t.mean(axis=-1, keepdims=True)
     t -= mean
@@ -364,7 +357,7 @@ def bias_residual_layernorm(x, bias, resid, gamma, beta, eps: float, out):
         _nb_bias_residual_layernorm(x, bias, resid, gamma, beta, F32(eps), out)
         return out
     resid += x
-    resid += _f32(get_xp(bias), bias) if bias.dtype == np.uint16 else bias
+    resid += _f32(array_module(bias), bias) if bias.dtype == np.uint16 else bias
     return layernorm(resid, gamma, beta, eps, out)
 
 
@@ -390,7 +383,7 @@ def bias_act(x, bias, act: str | None):
     if _is_cpu32(x, bias):
         _nb_bias_act(x, bias, kind)
         return x
-    xp = get_xp(x)
+    xp = array_module(x)
     t = x.astype(xp.float32) + _f32(xp, bias)
     if kind == 0:
         t = 0.5 * t * (1.0 + _xp_erf(xp, t * xp.float32(0.7071067811865476)))
@@ -411,7 +404,7 @@ def masked_softmax(s, maskf, scale: float, heads: int, causal: bool):
     if _is_cpu32(s, maskf):
         _nb_masked_softmax(s, maskf, F32(scale), heads, causal)
         return s
-    xp = get_xp(s)
+    xp = array_module(s)
     g, tq, tk = s.shape
     b = g // heads
     t = s.astype(xp.float32).reshape(b, heads, tq, tk) * xp.float32(scale)
@@ -434,7 +427,7 @@ def embed_sum(ids, word, pos, extra, out):
         return out
     b, t = ids.shape
     h = word.shape[1]
-    xp = get_xp(word)
+    xp = array_module(word)
     rows = word[ids.reshape(-1)]
     if word.dtype == np.uint16:            # bfloat16 bits: upcast the rows read only
         rows, pos, extra = _f32(xp, rows), _f32(xp, pos[:t]), _f32(xp, extra)
@@ -448,7 +441,7 @@ def matmul_into(a, b, out):
     other modules (CuPy) compute then copy, since ``out=`` support varies across versions."""
     if isinstance(out, np.ndarray):
         return np.matmul(a, b, out=out)
-    out[...] = get_xp(a).matmul(a, b)
+    out[...] = array_module(a).matmul(a, b)
     return out
 
 
@@ -508,9 +501,7 @@ def run_slices(fn, slices: list[slice]):
     global _pool, _controller
     if len(slices) <= 1:
         return [fn(s) for s in slices]
-    from concurrent.futures import ThreadPoolExecutor
 
-    from threadpoolctl import ThreadpoolController
     if _pool is None:
         _pool = ThreadPoolExecutor(max_workers=_threads - 1, thread_name_prefix="semzo-fwd")
     if _controller is None:

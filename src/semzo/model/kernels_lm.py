@@ -15,6 +15,7 @@ import math
 import numpy as np
 from numba import njit
 
+from semzo.backend import array_module
 from semzo.model.kernels import (
     _KEY_MIN,
     SAFE_FAST,
@@ -28,7 +29,7 @@ from semzo.model.kernels import (
     _key_value,
     _order_key,
     _softmax_row,
-    get_xp,
+    _xp_erf,
 )
 
 F32 = np.float32
@@ -182,7 +183,7 @@ def rmsnorm(x, gamma, eps: float, out):
     if _is_cpu32(x, gamma, out):
         _nb_rmsnorm(x, gamma, F32(eps), out)
         return out
-    xp = get_xp(x)
+    xp = array_module(x)
     t = x.astype(xp.float32)
     t *= 1.0 / xp.sqrt((t * t).mean(axis=-1, keepdims=True) + xp.float32(eps))
     out[...] = (_f32(xp, gamma) * t).astype(out.dtype, copy=False)
@@ -205,7 +206,7 @@ def residual_add(x, bias, resid):
         return resid
     resid += x
     if bias is not None:
-        resid += _f32(get_xp(bias), bias) if bias.dtype == np.uint16 else bias
+        resid += _f32(array_module(bias), bias) if bias.dtype == np.uint16 else bias
     return resid
 
 
@@ -224,7 +225,7 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, k, v, p
         _nb_rope_split(qkv, bq if bq is not None else e, bk if bk is not None else e,
                        bv if bv is not None else e, pos, c, s, nh, nkv, d, rot, q, k, v, past)
         return
-    xp = get_xp(qkv)
+    xp = array_module(qkv)
     b, t = pos.shape
     x = qkv.astype(xp.float32).reshape(b, t, nh + 2 * nkv, d)
     if bq is not None:
@@ -249,7 +250,7 @@ def attn_softmax(s, maskf, scale: float, nkv: int, past: int, window: int | None
     if _is_cpu32(s, maskf):
         _nb_attn_softmax(s, maskf, F32(scale), nkv, past, w)
         return s
-    xp = get_xp(s)
+    xp = array_module(s)
     g, grp, tq, tk = s.shape
     b = g // nkv
     qi = xp.arange(tq)[:, None] + past
@@ -276,7 +277,7 @@ def gated_act(gu, bg, bu, act: str, out):
         e = np.empty(0, F32)
         _nb_gated(gu, e if bg is None else bg, e if bu is None else bu, kind, out)
         return out
-    xp = get_xp(gu)
+    xp = array_module(gu)
     m = gu.shape[1] // 2
     g = gu[:, :m].astype(xp.float32)
     u = gu[:, m:].astype(xp.float32)
@@ -286,7 +287,6 @@ def gated_act(gu, bg, bu, act: str, out):
     if kind == 0:
         g = g / (1.0 + xp.exp(-g))
     elif kind == 1:
-        from semzo.model.kernels import _xp_erf
         g = 0.5 * g * (1.0 + _xp_erf(xp, g * xp.float32(0.7071067811865476)))
     elif kind == 2:
         g = 0.5 * g * (1.0 + xp.tanh(xp.float32(0.7978845608028654) * (g + 0.044715 * g ** 3)))

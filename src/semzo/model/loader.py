@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import load_file
 
 from semzo.model import decoder as _dec
 from semzo.model import encoder as _enc
@@ -23,6 +25,7 @@ from semzo.model.causal import CausalLM, expected_tensors
 from semzo.model.config import DecoderConfig, EncoderConfig, read_config, read_raw
 from semzo.model.storage import STORAGE, storage_name, to_storage
 from semzo.model.weights import Checkpoint
+from semzo.model.zoo import resolve_model_path
 from semzo.runtime import SemzoError, get_logger
 
 log = get_logger(__name__)
@@ -144,7 +147,6 @@ def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32", *,
     whose parameters are streamed to the device stage by stage (``zo.offload = "host"``): a
     model larger than the device's memory never has to fit there.
     """
-    from semzo.model.zoo import resolve_model_path  # lazy: `python -m semzo.model.zoo`
     folder = default_model_path() if path is None else resolve_model_path(path)
     if not folder.is_dir():
         raise SemzoError(f"{folder}: model folder not found")
@@ -176,7 +178,6 @@ def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32", *,
 def model_kind(path: str | Path | None = None) -> str:
     """``"encoder"`` or ``"decoder"``: what :func:`load_model` would build from ``path``
     (None: the packaged MiniLM), read from config.json alone, no weights."""
-    from semzo.model.zoo import resolve_model_path
     folder = default_model_path() if path is None else resolve_model_path(path)
     raw = read_raw(folder)
     if families.find(raw) is not None:
@@ -210,8 +211,6 @@ def load_causal(folder: Path, fam, raw: dict, xp, dt, host_params: bool = False)
 
 
 def _load_head(model: TransformerBase, path: Path) -> None:
-    from safetensors import safe_open
-    from safetensors.numpy import load_file
     with safe_open(str(path), framework="numpy") as f:
         meta = f.metadata() or {}
     t = load_file(str(path))

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from semzo.backend import array_module
+
 BF16 = np.dtype(np.uint16)
 #: deck name -> dtype of the parameter arrays
 STORAGE = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BF16}
@@ -45,11 +47,6 @@ def storage_name(dtype) -> str:
     raise ValueError(f"weight dtype {dtype!r}: choose one of {', '.join(STORAGE)}")
 
 
-def _xp(a):
-    from semzo.model.kernels import get_xp
-    return get_xp(a)
-
-
 def is_bf16(a) -> bool:
     """True for bfloat16 bits (a uint16 array)."""
     return a.dtype == BF16
@@ -58,7 +55,7 @@ def is_bf16(a) -> bool:
 def to_float32(a):
     """float32 values of a parameter array: bfloat16 bits upcast exactly (a new array); float16
     converted; float32 returned as is (no copy). NumPy or CuPy, the module of ``a``."""
-    xp = _xp(a)
+    xp = array_module(a)
     if a.dtype == BF16:
         u = a.astype(xp.uint32)
         u <<= 16                  # in place: one array written, not two (3x faster on CPU)
@@ -69,7 +66,7 @@ def to_float32(a):
 def to_bits(a):
     """bfloat16 bit patterns (uint16) of ``a`` rounded once from float32, round to nearest
     even; NaN stays a quiet NaN. ``a``: any float array (float64 is rounded to float32 first)."""
-    xp = _xp(a)
+    xp = array_module(a)
     n = xp.ascontiguousarray(a.astype(xp.float32, copy=False)).view(xp.uint32)
     nan = (n & 0x7FFFFFFF) > 0x7F800000
     # no uint32 overflow: the largest non-NaN pattern is 0xFF800000 (-inf)

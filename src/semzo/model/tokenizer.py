@@ -10,7 +10,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer as HFTokenizer
 
+from semzo.model.loader import default_model_path
+from semzo.model.zoo import resolve_model_path
 from semzo.runtime import SemzoError
 
 
@@ -49,10 +52,7 @@ class Tokenizer:
         ``tokenizer.json``, ``model_max_length`` of ``tokenizer_config.json``, then the model's
         ``max_position_embeddings`` / ``n_positions``.
         """
-        from tokenizers import Tokenizer as HFTokenizer
 
-        from semzo.model.loader import default_model_path
-        from semzo.model.zoo import resolve_model_path
         folder = default_model_path() if path is None else resolve_model_path(path)
         f = folder / "tokenizer.json"
         if not f.is_file():

@@ -19,6 +19,7 @@ Named models:
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -26,6 +27,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from semzo.model.convert import STAMP, convert_gguf, sha256_file
 from semzo.runtime import SemzoError
 
 
@@ -88,7 +90,6 @@ def ensure(name: str) -> tuple[Path, bool]:
 
     Returns ``(folder, converted)``. One process.
     """
-    from semzo.model.convert import STAMP, convert_gguf, sha256_file
 
     src = packaged_gguf(name)
     folder = models_dir() / NAMED[name].folder
@@ -123,3 +124,20 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def folder_checksum(folder: str | Path) -> str:
+    """BLAKE2b-128 hex digest of a model folder's config.json and weight files (names and
+    bytes, in sorted order): what a checkpoint records of the model it was trained from."""
+    folder = Path(folder)
+    files = sorted([p for p in folder.iterdir() if p.is_file() and
+                    (p.name == "config.json" or p.name.endswith(".safetensors") or
+                     p.name == "model.safetensors.index.json")
+                    and p.name != "semzo_head.safetensors"], key=lambda p: p.name)
+    h = hashlib.blake2b(digest_size=16)
+    for p in files:
+        h.update(p.name.encode() + b"\0")
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+    return h.hexdigest()

@@ -19,6 +19,7 @@ switch-level ones, then the rest (targets by rank number within a level).
 from __future__ import annotations
 
 import numpy as np
+from mpi4py import MPI
 
 from semzo.place.topology import rank_groups
 
@@ -31,7 +32,6 @@ def cluster_counts(labels_local: np.ndarray, k: int, comm) -> np.ndarray:
     labels_local: (n_local,) ints in ``[0, k)``. Collective over comm (one Allgather). A label
     out of range on any rank makes every rank raise ValueError after the collective.
     """
-    from mpi4py import MPI
 
     labels_local = np.asarray(labels_local).reshape(-1)
     bad = labels_local.size and (labels_local.min() < 0 or labels_local.max() >= k)

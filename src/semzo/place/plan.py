@@ -52,8 +52,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from mpi4py import MPI
 from scipy.optimize import linear_sum_assignment
 
+from semzo.place.flows import plan_figures
 from semzo.place.keep import (
     SLACK_SHARE,
     _current,
@@ -397,7 +399,6 @@ def place(centroids: np.ndarray, where: np.ndarray, rank_node: np.ndarray,
         else:
             quota = _quota_random(where, seed)
     if comm is not None:
-        from mpi4py import MPI
         if quota is None:
             quota = np.empty((centroids.shape[0], rank_node.size), dtype=np.int64)
         comm.Bcast([quota, MPI.INT64_T], root=0)
@@ -431,7 +432,6 @@ def placement_from_quota(centroids: np.ndarray, where: np.ndarray, quota: np.nda
     plan = Placement(quota=quota, where=where, rank_node=rank_node, node_switch=node_switch,
                      mode=mode, cluster_rank=cr, cluster_node=cn, cluster_switch=cs)
     if figures:
-        from semzo.place.flows import plan_figures
         if bytes_per_row is None:
             bytes_per_row = 4 * centroids.shape[1] + 16
         baseline = None

@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Sequence
 
 import numpy as np
+from mpi4py import MPI
 
 from semzo.corpus.strings import decode_strings, encode_strings
 from semzo.runtime import get_logger
@@ -81,7 +82,6 @@ def redistribute(comm, dest: np.ndarray, columns: dict[str, np.ndarray], *,
     Alltoall of counts and one or two Alltoallv. Inconsistent arguments on any rank make
     every rank raise ValueError after the Allreduce (nobody is left waiting).
     """
-    from mpi4py import MPI
 
     nranks, rank = comm.Get_size(), comm.Get_rank()
     dest = np.asarray(dest).reshape(-1)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from semzo.rng import philox_hash
 from semzo.runtime import get_logger
 
 log = get_logger(__name__)
@@ -45,7 +46,6 @@ def shuffle_keys(ids: np.ndarray, seed: int) -> np.ndarray:
     """``(n,)`` uint64 keys: Philox-4x32-10 of counter ``(id low 32 bits, id high 32 bits, 0,
     _DOMAIN_SHUFFLE)`` under the 64-bit key ``seed``; word 1 is the high half, word 0 the low.
     Same ids and seed give the same keys on every machine (integer arithmetic only)."""
-    from semzo.finetune.engine import philox_hash
 
     u = np.ascontiguousarray(ids, dtype=np.int64).reshape(-1).view(np.uint64)
     x0, x1 = philox_hash(u & _M32, u >> _U32, 0, _DOMAIN_SHUFFLE, seed)

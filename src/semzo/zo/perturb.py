@@ -22,12 +22,17 @@ Perturbation-parallel or ZO-data-parallel steps apply several (seed, g) pairs in
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import kernels, rng
+from .. import rng
+from ..backend import is_device_array
+from . import kernels, kernels_gpu
+
+SMALL = 1 << 16         # tensors below this many elements: kernels on one thread
 
 
 class ZTensor(NamedTuple):
@@ -56,9 +61,19 @@ def decays(name: str) -> bool:
     return not any(k in name for k in ("LayerNorm", "layer_norm", "ln_", ".ln"))
 
 
-def is_cupy(a: Any) -> bool:
-    """True for a cupy array (checked without importing cupy)."""
-    return type(a).__module__.startswith("cupy")
+def tensor_index(name: str) -> int:
+    """The generator's tensor index of a parameter: crc32 of its name (stable across runs,
+    rank counts, trainable subsets and code versions)."""
+    return zlib.crc32(name.encode("utf-8"))
+
+
+def ztensors(named: Sequence[tuple[str, object]]) -> list[ZTensor]:
+    """ZTensors of (name, array) pairs: index by :func:`tensor_index`, decay by name."""
+    out = [ZTensor(tensor_index(n), a, 0, decays(n)) for n, a in named]
+    idx = [z.t for z in out]
+    if len(set(idx)) != len(idx):
+        raise RuntimeError("two trainable tensors hash to the same generator index")
+    return out
 
 
 def _entries(params: Iterable) -> list[ZTensor]:
@@ -97,7 +112,6 @@ def _flat_cupy(a, t: int):
 
 
 def _gpu():
-    from . import kernels_gpu
     return kernels_gpu
 
 
@@ -105,7 +119,7 @@ def _split(params: Iterable, wd: float) -> tuple[list, list[ZTensor]]:
     """(numpy entries (p, off, t, wd_t) for kernels.run_pass, cupy ZTensors)."""
     cpu, gpu = [], []
     for z in _entries(params):
-        if is_cupy(z.array):
+        if is_device_array(z.array):
             gpu.append(z)
         else:
             cpu.append((_flat_numpy(z.array, z.t), int(z.offset), int(z.t),
@@ -238,7 +252,7 @@ def apply_then_perturb(params: Sequence, op: Pending, post_seed: int | None,
     if dz is not None and len(dz) != len(ents):
         raise ValueError("dst must have one array per tensor")
     if zcache is not None and (len(zcache) != len(ents) or post_seed is None
-                               or any(is_cupy(z.array) for z in ents)):
+                               or any(is_device_array(z.array) for z in ents)):
         raise ValueError("zcache takes one array per numpy tensor, with a post_seed")
     code = rng.dist_code(dist)
     k0, k1 = rng.split_seed(op.seed)
@@ -254,7 +268,7 @@ def apply_then_perturb(params: Sequence, op: Pending, post_seed: int | None,
     cpu, gpu = [], []
     for i, z in enumerate(ents):
         d = dz[i] if dz is not None else None
-        if is_cupy(z.array):
+        if is_device_array(z.array):
             gpu.append((z, d))
             continue
         flat = _flat_numpy(z.array, z.t)
@@ -292,7 +306,7 @@ def _row_spans(code: np.ndarray, width: int, skip: int | None):
 
 def _row_tensor(z: ZTensor, code: np.ndarray) -> tuple[np.ndarray, int]:
     a = z.array
-    if is_cupy(a) or a.ndim != 2 or code.shape != (a.shape[0],):
+    if is_device_array(a) or a.ndim != 2 or code.shape != (a.shape[0],):
         raise ValueError(f"tensor {z.t}: row passes take a 2-D numpy tensor and one code per "
                          f"row")
     return _flat_numpy(a, z.t), int(a.shape[1])
@@ -400,5 +414,5 @@ def zvec(seed: int, t: int, start: int, count: int, dist: str = "gaussian",
     return out
 
 
-__all__ = ["Pending", "ZTensor", "apply_rows", "apply_then_perturb", "decays", "is_cupy",
+__all__ = ["Pending", "ZTensor", "apply_rows", "apply_then_perturb", "decays",
            "multi_update", "perturb", "perturb_cached", "perturb_rows", "restore_update", "zvec"]

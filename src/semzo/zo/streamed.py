@@ -58,18 +58,21 @@ make than to read back, and the GPU kernels regenerate.
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
+from ..backend import is_device_array
 from . import kernels
-from .engine import SMALL
+from .engine import StepResult, ZOEngine
 from .perturb import (
+    SMALL,
     Pending,
     apply_rows,
     apply_then_perturb,
-    is_cupy,
     perturb_cached,
     perturb_rows,
+    tensor_index,
 )
 
 #: distributions whose z costs more to generate than to read back from memory
@@ -89,7 +92,7 @@ class ZCache:
 
     def views(self, k: int, tens) -> list[np.ndarray] | None:
         """One float32 view per tensor of stage k (numpy only), or None: regenerate."""
-        if k not in self.stages or any(is_cupy(z.array) for z in tens):
+        if k not in self.stages or any(is_device_array(z.array) for z in tens):
             return None
         if self._buf is None:
             self._buf = np.empty(self.elements, np.float32)
@@ -103,9 +106,15 @@ class ZCache:
 
 def stage_groups(engine, task) -> list[list[int]]:
     """Indices into ``engine.tensors`` of the trainable tensors of each task stage; every
-    trainable tensor in exactly one stage (ValueError otherwise)."""
-    from .engine import tensor_index
+    trainable tensor in exactly one stage (ValueError otherwise). Cached per task on the
+    engine."""
+    got = engine._groups
+    if got is None or got[0] is not task:
+        got = engine._groups = (task, _stage_groups(engine, task))
+    return got[1]
 
+
+def _stage_groups(engine, task) -> list[list[int]]:
     pos = {z.t: i for i, z in enumerate(engine.tensors)}
     groups, seen = [], set()
     for k in range(task.stage_count()):
@@ -130,11 +139,9 @@ def lazy_rows(engine, task, batch) -> dict[int, np.ndarray]:
     module docstring, "Rows the batch does not read"). Empty when rows cannot be deferred:
     ``zo.restore = "copy"`` with several groups, device arrays, a task that names no rows
     (a tied head whose loss reads every row)."""
-    from .engine import tensor_index
-
     get = getattr(task, "stage_rows", None)
     if not engine.defer_rows or engine.copy or get is None or getattr(
-            engine.store, "gpu", False) or any(is_cupy(z.array) for z in engine.tensors):
+            engine.store, "gpu", False) or any(is_device_array(z.array) for z in engine.tensors):
         return {}
     pos = {z.t: i for i, z in enumerate(engine.tensors)}
     out = {}
@@ -145,7 +152,7 @@ def lazy_rows(engine, task, batch) -> dict[int, np.ndarray]:
         z = engine.tensors[i]
         a = z.array
         rows = np.asarray(rows)
-        if is_cupy(a) or a.ndim != 2 or int(z.offset) != 0 or rows.ndim != 1 or (
+        if is_device_array(a) or a.ndim != 2 or int(z.offset) != 0 or rows.ndim != 1 or (
                 rows.size and (int(rows.min()) < 0 or int(rows.max()) >= a.shape[0])):
             continue                                   # every row in the passes, as before
         m = np.zeros(a.shape[0], bool)
@@ -229,26 +236,6 @@ def second_pass(engine, idx: list[int], seed: int, dev=None, zc=None, rows=None)
                                dist=engine.dist, threads=th)
 
 
-def flush_rows(engine, grp) -> list:
-    """The flush of the tensors with deferred rows among ``grp`` (ZTensors of
-    ``engine.tensors``): the pending operation on every row, the deferred + eps and - 2 eps
-    first where owed. Returns the other tensors of ``grp``."""
-    if not engine.owed:
-        return list(grp)
-    pos = {id(z.array): i for i, z in enumerate(engine.tensors)}
-    rest = []
-    for z in grp:
-        i = pos.get(id(z.array))
-        owed = engine.owed.pop(i, None) if i is not None else None
-        if owed is None:
-            rest.append(z)
-            continue
-        apply_rows(z, owed.astype(np.uint8) * np.uint8(kernels.PRE), engine.pending, None,
-                   pre=engine.eps, dist=engine.dist,
-                   threads=_threads(engine, z))
-    return rest
-
-
 def zcache_for(engine, task, groups: list[list[int]], tied: bool) -> ZCache | None:
     """The engine's :class:`ZCache` for this task (made once per task), or None when z is
     not cached (``engine.cache_z`` off, or a distribution not in :data:`CACHED_DISTS`)."""
@@ -261,10 +248,23 @@ def zcache_for(engine, task, groups: list[list[int]], tied: bool) -> ZCache | No
     return got[1]
 
 
+def step_streamed(engine: ZOEngine, task, batch, step: int, lr: float,
+                  n_local: float) -> StepResult:
+    """One ZO step of ``engine`` with the block-streamed schedule: ``task`` gives the stages
+    (``stage_count``, ``stage_params``, ``stage_begin``, ``stage_fork``, ``stage_run``,
+    ``loss_from_state``, ``tied_head``; see :class:`semzo.tasks.base.Task`), ``batch`` its
+    prepared batch. The update is left pending (:meth:`ZOEngine.flush`). Collective over the
+    world; the same results as :meth:`ZOEngine.step` bit for bit once flushed."""
+    seed = engine.seed_for(step)
+    t0 = time.perf_counter()
+    lp, lm = run_branches(engine, task, batch, seed)
+    return engine.finish(step, seed, lp, lm, n_local, lr, t0, streamed=True)
+
+
 def run_branches(engine, task, batch, seed: int) -> tuple[float, float]:
     """Passes 1 and 2 over every stage and both branches' forward passes; returns (L+, L-).
     The engine's pending operation is consumed (applied to every stage's tensors)."""
-    groups = engine.stage_groups(task)
+    groups = stage_groups(engine, task)
     store = engine.store
     n = len(groups)
     lp = lm = math.nan
@@ -332,20 +332,3 @@ def staged_score(store, task, batch) -> tuple[float, float]:
         for k in (n - 1, 0):
             store.release(k, [], dirty=False)
         store.finish()
-
-
-def pending_after(engine, ok: bool, seeds, w, own_seed: int, lr: float) -> tuple[Pending, bool]:
-    """The step's deferred operation (what the three-pass step would apply now) and whether
-    it runs on the reference copy (``zo.restore = "copy"``)."""
-    if not ok:
-        if engine.copy:
-            return Pending("none"), True
-        return Pending("perturb", own_seed, engine.eps), False
-    if engine.n_groups == 1:
-        return Pending("restore_update", own_seed, engine.eps, lr, float(w[0]), engine.wd), False
-    seeds_t = tuple(int(s) for s in seeds)
-    gs_t = tuple(float(x) for x in w)
-    if engine.copy:
-        return Pending("multi", 0, 0.0, lr, 0.0, engine.wd, seeds_t, gs_t), True
-    return Pending("multi_restore", own_seed, engine.eps, lr, 0.0, engine.wd, seeds_t,
-                   gs_t), False

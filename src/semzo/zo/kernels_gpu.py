@@ -31,8 +31,8 @@ import os
 
 import numpy as np
 
-from . import rng
-from .kernels import build_device_functions
+from .. import rng
+from .zgen import build_device_functions
 
 THREADS_PER_BLOCK = 256
 cuda = None              # numba.cuda, imported by numba_cuda_kernels()

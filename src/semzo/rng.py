@@ -46,6 +46,7 @@ operations in C with the constants taken from this module.
 from __future__ import annotations
 
 import math
+from statistics import NormalDist
 
 import numpy as np
 
@@ -279,7 +280,6 @@ def fast_table() -> np.ndarray:
     """FAST_TABLE: float32[65536], z of each 16-bit value (see the stream definition)."""
     global _FAST_TABLE
     if _FAST_TABLE is None:
-        from statistics import NormalDist
         nd = NormalDist()
         half = np.array([nd.inv_cdf((h + 0.5) / 65536.0) for h in range(32768)], np.float64)
         tab = np.empty(65536, np.float32)
@@ -301,6 +301,18 @@ def split_seed(seed: int) -> tuple[np.uint64, np.uint64]:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     return np.uint64(seed & 0xFFFFFFFF), np.uint64(seed >> 32)
 
+
+
+_M32 = np.uint64(0xFFFFFFFF)
+
+
+def philox_hash(c0, c1, c2, c3, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Two 32-bit words (as uint64 arrays) of Philox-4x32-10 of counter (c0, c1, c2, c3) under
+    the 64-bit key ``seed``; counters are uint64 arrays (or scalars) with values < 2**32."""
+    k0, k1 = split_seed(seed)
+    c = [np.asarray(x, np.uint64) & _M32 for x in (c0, c1, c2, c3)]
+    x0, x1, _, _ = philox4x32_10(c[0], c[1], c[2], c[3], k0, k1)
+    return x0, x1
 
 def check_tensor_index(t: int) -> np.uint64:
     """The tensor index as uint64; ValueError unless 0 <= t < 2**32."""

@@ -21,17 +21,13 @@ import dataclasses
 
 import numpy as np
 
-from ..model.base import cross_entropy
+from ..model import Tokenizer
+from ..model.base import BLOCK, cross_entropy
 from ..model.storage import to_float32
-from ..runtime import SemzoError
-from .data import pad_batch
-from .loop import _Task
+from ..runtime import AllRanksError, get_logger
+from .base import Task, pad_batch
 
-
-def _deck_error(msg: str) -> SemzoError:
-    err = SemzoError(msg)
-    err.all_ranks = True
-    return err
+log = get_logger(__name__)
 
 
 def lm_head_weight(model):
@@ -58,7 +54,7 @@ def label_word_ids(tok, label_names: list[str], words: tuple | list, template: s
     words = list(words) if words else default_label_words(label_names, template)
     given = "" if words else " (default: the label names)"
     if len(words) != len(label_names):
-        raise _deck_error(f"{src}: prompt.label_words: {len(words)} words for "
+        raise AllRanksError(f"{src}: prompt.label_words: {len(words)} words for "
                           f"{len(label_names)} classes (labels in order: "
                           f"{', '.join(label_names)})")
     out = []
@@ -66,12 +62,12 @@ def label_word_ids(tok, label_names: list[str], words: tuple | list, template: s
         ids = _encode(tok, w, False)
         if len(ids) != 1:
             pieces = [tok.tk.id_to_token(i) for i in ids]
-            raise _deck_error(f"{src}: prompt.label_words: {w!r} (label {name!r}){given} is "
+            raise AllRanksError(f"{src}: prompt.label_words: {w!r} (label {name!r}){given} is "
                               f"{len(ids)} tokens {pieces}, not one; choose a word that is "
                               f"one token (with its leading space)")
         out.append(ids[0])
     if len(set(out)) != len(out):
-        raise _deck_error(f"{src}: prompt.label_words: two classes share a token ({words})")
+        raise AllRanksError(f"{src}: prompt.label_words: two classes share a token ({words})")
     return np.array(out, np.int64)
 
 
@@ -83,16 +79,16 @@ def encode_prompts(tok, texts: list[str], template: str, max_len: int, context: 
     ``prompt.template`` (no ``{text}``, or a template that leaves no room for a text within
     ``max_len`` tokens) or ``train.max_length`` (beyond the model's ``context`` positions)."""
     if "{text}" not in template:
-        raise _deck_error(f"{src}: prompt.template: must contain {{text}}, got {template!r}")
+        raise AllRanksError(f"{src}: prompt.template: must contain {{text}}, got {template!r}")
     if max_len > context:
-        raise _deck_error(f"{src}: train.max_length: {max_len} tokens exceed the model's "
+        raise AllRanksError(f"{src}: train.max_length: {max_len} tokens exceed the model's "
                           f"context of {context} positions")
     head, tail = template.split("{text}", 1)
     tail = tail.replace("{text}", "")
     tail_ids = _encode(tok, tail, False) if tail else []
     fixed = len(_encode(tok, head, True)) + len(tail_ids)
     if fixed + 1 > max_len:
-        raise _deck_error(f"{src}: prompt.template: the template alone is {fixed} tokens, "
+        raise AllRanksError(f"{src}: prompt.template: the template alone is {fixed} tokens, "
                           f"longer than the prompt length of {max_len} tokens "
                           f"(train.max_length, model context {context}) minus one for the "
                           f"text")
@@ -122,7 +118,7 @@ def _supports_cache(model) -> bool:
     return dataclasses.is_dataclass(st) and hasattr(st, "hidden") and hasattr(st, "stage")
 
 
-class PromptTask(_Task):
+class PromptTask(Task):
     """MeZO-style prompt classification. ``seqs``: prompt token ids per row (from
     :func:`encode_prompts`); ``word_ids`` (C,) the label words' token ids; ``labels`` (n,)
     class indices. ``layer > 0``: the frozen-prefix cache (see the module docstring); the
@@ -272,13 +268,11 @@ class PromptTask(_Task):
 def first_trained_block(model, names: list[str]) -> int:
     """The first block with a trainable tensor when the embeddings and every block below it
     are frozen (then their output can be cached); 0 when nothing can be cached."""
-    from .stage import _BLOCK
-
     if model.lora and any(s.a in names for s in model.lora.values()):
         blocks = [int(m.group(1)) for s in model.lora.values() if s.a in names
-                  for m in [_BLOCK.search(s.a)] if m]
+                  for m in [BLOCK.search(s.a)] if m]
     else:
-        blocks = [int(m.group(1)) for n in names if (m := _BLOCK.search(n))]
+        blocks = [int(m.group(1)) for n in names if (m := BLOCK.search(n))]
     if not blocks or not hasattr(model, "stage_names"):
         return 0
     first = min(blocks)
@@ -293,10 +287,6 @@ def build_prompt_task(ctx, model, names: list[str], rows, train_idx, held_idx,
     """The run's :class:`PromptTask`: prompts of the rank's texts, label words checked, and the
     frozen-prefix cache when ``cache``, the lowest trained block is above 0, the model supports
     it and every rank's cache fits ``train.prefix_cache_mb``. Collective (one allreduce)."""
-    from ..model import Tokenizer
-    from ..runtime import get_logger
-
-    log = get_logger(__name__)
     deck, topo, t = ctx.deck, ctx.topo, ctx.deck.train
     tok = Tokenizer.from_folder(deck.model.path or None, max_length=None)
     tok.tk.no_truncation()

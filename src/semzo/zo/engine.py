@@ -46,21 +46,23 @@ from __future__ import annotations
 
 import math
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import synchronize
+from .. import rng
+from ..backend import array_module, synchronize
 from ..runtime import EXIT_FAILURE, SemzoError
-from . import rng
+from . import kernels
+from .offload import ResidentStore
 from .perturb import (
+    SMALL,
     Pending,
     ZTensor,
+    apply_rows,
     apply_then_perturb,
-    decays,
     multi_update,
     perturb,
     restore_update,
@@ -80,42 +82,17 @@ class ReplicaMismatch(SemzoError):
     exit_code = EXIT_FAILURE
 
 
-# ----------------------------------------------------------------------------- hashing
-def philox_hash(c0, c1, c2, c3, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Two 32-bit words (as uint64 arrays) of Philox-4x32-10 of counter (c0, c1, c2, c3) under
-    the 64-bit key ``seed``; counters are uint64 arrays (or scalars) with values < 2**32."""
-    k0, k1 = rng.split_seed(seed)
-    c = [np.asarray(x, np.uint64) & _M32 for x in (c0, c1, c2, c3)]
-    x0, x1, _, _ = rng.philox4x32_10(c[0], c[1], c[2], c[3], k0, k1)
-    return x0, x1
-
-
+# ----------------------------------------------------------------------------- seeds
 def step_seed(run_seed: int, step: int, group: int) -> int:
     """The seed of ``group`` at ``step`` (uint64 as int): Philox of (step, group) keyed by the run
     seed. Pure function: a resumed run regenerates every seed."""
     s = np.uint64(step)
-    x0, x1 = philox_hash(s & _M32, s >> _U32, np.uint64(group), _DOMAIN_SEED, run_seed)
+    x0, x1 = rng.philox_hash(s & _M32, s >> _U32, np.uint64(group), _DOMAIN_SEED, run_seed)
     return int(x0) | (int(x1) << 32)
-
-
-def tensor_index(name: str) -> int:
-    """The generator's tensor index of a parameter: crc32 of its name (stable across runs,
-    rank counts, trainable subsets and code versions)."""
-    return zlib.crc32(name.encode("utf-8"))
-
-
-def ztensors(named: Sequence[tuple[str, object]]) -> list[ZTensor]:
-    """ZTensors of (name, array) pairs: index by :func:`tensor_index`, decay by name."""
-    out = [ZTensor(tensor_index(n), a, 0, decays(n)) for n, a in named]
-    idx = [z.t for z in out]
-    if len(set(idx)) != len(idx):
-        raise RuntimeError("two trainable tensors hash to the same generator index")
-    return out
 
 
 # ----------------------------------------------------------------------------- checksums
 _CHUNK = 1 << 20
-SMALL = 1 << 16         # tensors below this many elements: kernels on one thread
 
 
 def param_checksum(tensors: Sequence[ZTensor]) -> np.ndarray:
@@ -129,7 +106,7 @@ def param_checksum(tensors: Sequence[ZTensor]) -> np.ndarray:
     dev: dict = {}                  # cupy: [s1, s2, fsum] as device scalars, read at the end
     for z in tensors:
         a = z.array.reshape(-1)
-        xp = _xp(a)
+        xp = array_module(a)
         bits_t = {2: xp.uint16, 4: xp.uint32, 8: xp.uint64}[a.dtype.itemsize]
         for i0 in range(0, a.size, _CHUNK):
             c = a[i0:i0 + _CHUNK]
@@ -152,14 +129,6 @@ def param_checksum(tensors: Sequence[ZTensor]) -> np.ndarray:
         s2 = (s2 + int(acc[1])) % 2**64
         fsum += float(acc[2])
     return np.array([s1, s2, int(np.float64(fsum).view(np.uint64))], dtype=np.uint64)
-
-
-def _xp(a):
-    if type(a).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy
-    return np
 
 
 def verify_replicas(tensors: Sequence[ZTensor], comm: MPI.Intracomm, step: int) -> np.ndarray:
@@ -246,7 +215,6 @@ class ZOEngine:
         self.owed: dict[int, np.ndarray] = {}
         self._groups: tuple | None = None
         if store is None:
-            from .offload import ResidentStore
             store = ResidentStore()
         self.store = store
 
@@ -269,23 +237,11 @@ class ZOEngine:
         lp = float(loss_fn())
         self._perturb(seed, -2.0 * self.eps)
         lm = float(loss_fn())
-        return self._finish(step, seed, lp, lm, n_local, lr, t0, streamed=False)
+        return self.finish(step, seed, lp, lm, n_local, lr, t0, streamed=False)
 
-    def step_streamed(self, task, batch, step: int, lr: float, n_local: float) -> StepResult:
-        """One ZO step with the block-streamed schedule (:mod:`.streamed`): ``task`` gives the
-        stages (``stage_count``, ``stage_params``, ``stage_begin``, ``stage_fork``,
-        ``stage_run``, ``loss_from_state``, ``tied_head``; see ``loop._Task``), ``batch`` its
-        prepared batch. The update is left pending (:meth:`flush`). Collective over the world;
-        the same results as :meth:`step` bit for bit once flushed."""
-        from .streamed import run_branches
-
-        seed = self.seed_for(step)
-        t0 = time.perf_counter()
-        lp, lm = run_branches(self, task, batch, seed)
-        return self._finish(step, seed, lp, lm, n_local, lr, t0, streamed=True)
-
-    def _finish(self, step, seed, lp, lm, n_local, lr, t0, *, streamed: bool) -> StepResult:
-        """Exchange and update (three-pass) or record the update as pending (streamed)."""
+    def finish(self, step, seed, lp, lm, n_local, lr, t0, *, streamed: bool) -> StepResult:
+        """Exchange and update (three-pass) or record the update as pending (the streamed
+        schedule, :func:`.streamed.step_streamed`). Collective over the world."""
         if self.loss_hook is not None:
             lp = self.loss_hook(step, lp)
         g = (lp - lm) / (2.0 * self.eps)
@@ -300,8 +256,6 @@ class ZOEngine:
         apply = ok and n_tot > 0
         w = gs * (ns / n_tot) if apply else gs
         if streamed:
-            from .streamed import pending_after
-
             self.pending, self.pending_copy = pending_after(self, apply, seeds, w, seed, lr)
         elif apply:
             self._update(seeds, w, seed, lr)
@@ -328,8 +282,6 @@ class ZOEngine:
                 apply_then_perturb([r for r, _ in grp], self.pending, None,
                                    dst=[z for _, z in grp], dist=self.dist, threads=th)
         else:
-            from .streamed import flush_rows
-
             for grp, th in self._split(self.tensors):
                 grp = flush_rows(self, grp)
                 if grp:
@@ -337,20 +289,12 @@ class ZOEngine:
         self.pending, self.pending_copy = None, False
         self.owed.clear()
 
-    def stage_groups(self, task) -> list[list[int]]:
-        """Indices of ``self.tensors`` per stage of ``task`` (cached per task)."""
-        from .streamed import stage_groups
-
-        if self._groups is None or self._groups[0] is not task:
-            self._groups = (task, stage_groups(self, task))
-        return self._groups[1]
-
     def split_pairs(self, refs, tens):
         """:meth:`_split` of (ref, tensor) pairs by the tensor's size."""
         pairs = list(zip(refs, tens))
-        small = [pr for pr in pairs if pr[1].array.size < SMALL or _xp(pr[1].array) is not np]
+        small = [pr for pr in pairs if pr[1].array.size < SMALL or array_module(pr[1].array) is not np]
         large = [pr for pr in pairs if not (pr[1].array.size < SMALL
-                                            or _xp(pr[1].array) is not np)]
+                                            or array_module(pr[1].array) is not np)]
         return [(g, th) for g, th in ((small, 1), (large, self.threads)) if g]
 
     def verify(self, step: int) -> None:
@@ -425,8 +369,8 @@ class ZOEngine:
     def _split(self, tensors: Sequence[ZTensor]):
         """(tensors, threads) groups: tensors below ``SMALL`` elements run on one thread (a
         parallel launch costs more than it saves there, much more on a shared machine)."""
-        small = [z for z in tensors if z.array.size < SMALL or _xp(z.array) is not np]
-        large = [z for z in tensors if not (z.array.size < SMALL or _xp(z.array) is not np)]
+        small = [z for z in tensors if z.array.size < SMALL or array_module(z.array) is not np]
+        large = [z for z in tensors if not (z.array.size < SMALL or array_module(z.array) is not np)]
         return [(g, th) for g, th in ((small, 1), (large, self.threads)) if g]
 
     def _perturb(self, seed: int, scale: float) -> None:
@@ -458,7 +402,7 @@ class ZOEngine:
 
     def _copy_back(self) -> None:
         for z, r in zip(self.tensors, self.ref):
-            _xp(z.array).copyto(z.array, r.array)
+            array_module(z.array).copyto(z.array, r.array)
 
 
 def _pack(seed: int, group: int, rec: np.ndarray) -> np.ndarray:
@@ -468,3 +412,41 @@ def _pack(seed: int, group: int, rec: np.ndarray) -> np.ndarray:
     out[1] = np.uint64(group)
     out[2:] = np.ascontiguousarray(rec, dtype=np.float64).view(np.uint64)
     return out
+
+
+# ----------------------------------------------------------------------------- streamed
+def pending_after(engine, ok: bool, seeds, w, own_seed: int, lr: float) -> tuple[Pending, bool]:
+    """The step's deferred operation (what the three-pass step would apply now) and whether
+    it runs on the reference copy (``zo.restore = "copy"``)."""
+    if not ok:
+        if engine.copy:
+            return Pending("none"), True
+        return Pending("perturb", own_seed, engine.eps), False
+    if engine.n_groups == 1:
+        return Pending("restore_update", own_seed, engine.eps, lr, float(w[0]), engine.wd), False
+    seeds_t = tuple(int(s) for s in seeds)
+    gs_t = tuple(float(x) for x in w)
+    if engine.copy:
+        return Pending("multi", 0, 0.0, lr, 0.0, engine.wd, seeds_t, gs_t), True
+    return Pending("multi_restore", own_seed, engine.eps, lr, 0.0, engine.wd, seeds_t,
+                   gs_t), False
+
+
+def flush_rows(engine, grp) -> list:
+    """The flush of the tensors with deferred rows among ``grp`` (ZTensors of
+    ``engine.tensors``): the pending operation on every row, the deferred + eps and - 2 eps
+    first where owed. Returns the other tensors of ``grp``."""
+    if not engine.owed:
+        return list(grp)
+    pos = {id(z.array): i for i, z in enumerate(engine.tensors)}
+    rest = []
+    for z in grp:
+        i = pos.get(id(z.array))
+        owed = engine.owed.pop(i, None) if i is not None else None
+        if owed is None:
+            rest.append(z)
+            continue
+        apply_rows(z, owed.astype(np.uint8) * np.uint8(kernels.PRE), engine.pending, None,
+                   pre=engine.eps, dist=engine.dist,
+                   threads=1 if z.array.size < SMALL else engine.threads)
+    return rest

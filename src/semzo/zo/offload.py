@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..runtime import EXIT_FAILURE, SemzoError
-from .perturb import ZTensor
+from .perturb import ZTensor, tensor_index
 
 
 class DeviceMemoryError(SemzoError):
@@ -64,7 +64,6 @@ class HostStore:
     offloads = True      # a forward outside the ZO step must stream the stages (evaluation)
 
     def __init__(self, model, task, engine, device: str = "cpu") -> None:
-        from .engine import tensor_index
 
         self.model, self.task, self.engine = model, task, engine
         self.gpu = device == "gpu"

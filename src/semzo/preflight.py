@@ -1,0 +1,151 @@
+"""Every check a run makes before any work, in one place: the inputs the deck names (model
+folders), the task against the model, the samples against what the later stages need (labels,
+the held-out split, ``cluster.k``).
+
+The driver (:mod:`semzo.pipeline`) runs :func:`check_inputs` once the deck is read; the embed
+stage runs :func:`check_later_stages` as soon as it has read the corpus, before it loads the
+encoder; a stage run alone runs its own checks (:func:`check_k`, :func:`check_samples`) on the
+files it reads. Nothing here imports a stage: the stages import it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .deck import Deck, DeckError
+from .model import families
+from .model.config import EncoderConfig, read_config, read_raw
+from .model.loader import model_kind
+from .model.zoo import resolve_model_path
+from .rng import philox_hash
+from .runtime import AllRanksError, SemzoError
+
+
+# ----------------------------------------------------------------------------- inputs
+def check_inputs(d: Deck) -> None:
+    """The model folders the deck's stages will read (``model.path``, ``embed.model``):
+    checked when the deck is read, not when the stage that loads them starts after earlier
+    stages wrote their files. DeckError naming the key."""
+    if "embed" in d.run.stages:
+        if d.model.path:
+            check_model_path(d, d.model.path, "model.path")
+        if d.embed.model:
+            check_model_path(d, d.embed.model, "embed.model")
+    elif "finetune" in d.run.stages and d.model.path:
+        check_model_path(d, d.model.path, "model.path")
+
+
+def check_model_path(d: Deck, path: str, key: str) -> None:
+    """The model folder ``path`` (deck key ``key``): it exists, holds a config.json that semzo
+    reads (a supported architecture with values it accepts). DeckError naming the key."""
+    try:
+        folder = resolve_model_path(path)
+    except SemzoError as exc:
+        raise DeckError(f"{d.source}: {key}: {exc}") from None
+    if not (folder / "config.json").is_file():
+        raise DeckError(f"{d.source}: {key}: no config.json in folder {path}")
+    # config.json is read now (not when the stage that loads the model starts, after earlier
+    # stages wrote their files): unreadable, an unsupported architecture or bad values
+    try:
+        raw = read_raw(folder)
+        fam = families.find(raw)
+        if fam is not None:
+            families.read_spec(fam, raw, folder / "config.json")
+        else:
+            read_config(folder)
+    except SemzoError as exc:
+        raise DeckError(f"{d.source}: {key}: {exc}") from None
+
+
+def embed_model_path(deck) -> tuple[str | None, str]:
+    """(folder of the encoder that embeds the corpus, the deck key that named it): ``embed.model``
+    if set, else ``model.path`` when that folder holds an encoder, else None (the packaged
+    all-MiniLM-L6-v2). A decoder in ``[model]`` therefore still shards with MiniLM."""
+    if deck.embed.model:
+        return deck.embed.model, "embed.model"
+    if deck.model.path:
+        try:
+            folder = resolve_model_path(deck.model.path)
+            if families.find(read_raw(folder)) is not None:
+                return None, "embed.model"              # a decoder family: MiniLM shards
+            if isinstance(read_config(folder), EncoderConfig):
+                return deck.model.path, "model.path"
+        except SemzoError as exc:       # unreadable or unsupported: say so before any work
+            raise DeckError(f"{deck.source}: model.path: {exc}") from None
+    return None, "embed.model"
+
+
+# ----------------------------------------------------------------------------- samples
+_DOMAIN_HELDOUT = 0x401D
+
+
+def heldout_mask(ids: np.ndarray, seed: int, fraction: float) -> np.ndarray:
+    """True for held-out samples: a hash of the sample id, below ``fraction``."""
+    u = np.asarray(ids, np.int64).view(np.uint64)
+    x0, _ = philox_hash(u & np.uint64(0xFFFFFFFF), u >> np.uint64(32), 0, _DOMAIN_HELDOUT, seed)
+    return (np.asarray(x0, np.float64) * 2.0 ** -32) < fraction
+
+
+def resolve_task(deck, model_kind: str) -> str:
+    """``train.task`` with ``"auto"`` resolved for a model of ``model_kind`` ("lm" for a
+    decoder, else "classify"); a task the model cannot run is an error on every rank."""
+    task = deck.train.task
+    kind = task if task != "auto" else ("lm" if model_kind == "decoder" else "classify")
+    if kind in ("lm", "prompt") and model_kind != "decoder":
+        raise AllRanksError(f"{deck.source}: train.task: {kind} fine-tuning needs a decoder "
+                          f"in model.path, got an {model_kind}")
+    return kind
+
+
+def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_classes: int,
+                  allreduce) -> tuple[np.ndarray, int, int]:
+    """What the finetune stage needs of its samples (this rank's ``ids`` and ``labels``, -1
+    unlabeled; ``n_classes`` the same on every rank): labels on every sample and two classes
+    for a classify or prompt task, and both sides of the held-out split non-empty (without
+    held-out samples every evaluation would be nan and the run would still "succeed").
+    Collective (``allreduce``: an in-place sum over the ranks); every rank raises together.
+    The embed stage runs it too, on the corpus, when this run goes on to fine-tune.
+    Returns this rank's held-out mask and the numbers of training and held-out samples over
+    all ranks."""
+    t = deck.train
+    split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
+    held = heldout_mask(ids, split_seed, t.heldout_fraction)
+    counts = np.array([int((~held).sum()), int(held.sum()), int((labels < 0).sum())], np.int64)
+    allreduce(counts)
+    if task_kind in ("classify", "prompt") and (counts[2] or n_classes < 2):
+        raise AllRanksError(f"{deck.corpus.path}: train.task = {task_kind} needs a label on "
+                          f"every record and at least 2 classes ({int(counts[2])} "
+                          f"unlabeled, {n_classes} classes); use a labelled corpus or "
+                          f"task = \"lm\" with a decoder")
+    if counts[0] == 0:
+        raise AllRanksError(f"{deck.source}: train.heldout_fraction: no training samples left")
+    if counts[1] == 0:
+        raise AllRanksError(f"{deck.source}: train.heldout_fraction: no held-out samples "
+                          f"({t.heldout_fraction:g} of {int(counts[0])} samples drew none); "
+                          f"raise it or use a larger corpus")
+    return held, int(counts[0]), int(counts[1])
+
+
+def check_k(deck, n_total: int) -> None:
+    """``cluster.k`` against the number of samples (the same on every rank): more clusters
+    than samples is an error every rank raises together. The embed stage runs it too, on the
+    corpus, when this run goes on to cluster."""
+    if deck.cluster.k > n_total:
+        raise AllRanksError(f"{deck.source}: cluster.k: {deck.cluster.k} clusters for only "
+                            f"{n_total} samples")
+
+
+def check_later_stages(ctx, ids: np.ndarray, labels: np.ndarray, n_classes: int) -> None:
+    """Before any embedding work, what the later stages of this run check of the samples:
+    ``cluster.k`` against their number, the finetune stage's labels and held-out split (and
+    that ``train.task`` suits the model). A deck those stages refuse then fails in seconds
+    with their message, not after the corpus has been embedded. ``ids``, ``labels``: this
+    rank's samples as they will be written. Collective; every rank raises together."""
+    deck, topo = ctx.deck, ctx.topo
+    if "cluster" in deck.run.stages:
+        n = np.array([len(ids)], np.int64)
+        topo.allreduce(n)
+        check_k(deck, int(n[0]))
+    if "finetune" in deck.run.stages:
+        task = resolve_task(deck, model_kind(deck.model.path or None))
+        check_samples(deck, task, ids, labels, n_classes, topo.allreduce)

@@ -1,0 +1,1 @@
+"""What the ZO optimizer optimizes: the tasks (see :mod:`.base`)."""
