@@ -36,7 +36,7 @@ help:
 	@echo "make experiment-debian  the same on the Debian corpus: $(RESULTS)/debian/"
 	@echo "make setup   Debian packages, .venv, mpi4py, h5py (MPI build), model package"
 	@echo "make bench   benchmarks (bench/*.py) against their peers"
-	@echo "make lint    ruff;  make docs  regenerate docs/deck.md;  make clean"
+	@echo "make lint    ruff and the layering contracts (import-linter);  make docs  regenerate docs/deck.md;  make clean"
 
 setup:
 	@bash tools/setup.sh
@@ -95,6 +95,7 @@ bench: setup-test
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench
+	cd src && ../$(VENV)/bin/lint-imports ../pyproject.toml
 
 docs: setup
 	$(PY) -m semzo deck-doc > docs/deck.md

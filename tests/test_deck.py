@@ -9,7 +9,7 @@ import pytest
 from mpiutil import ROOT, check, mpirun
 
 from semzo import deck as deckmod
-from semzo import preflight
+from semzo import deckdoc, preflight
 from semzo.deck import DeckError
 
 BAD_DECKS = [
@@ -137,7 +137,7 @@ def test_check_prints_resolved_deck(tmp_path, corpus):
 
 def test_docs_deck_md_matches_schema():
     text = (ROOT / "docs" / "deck.md").read_text()
-    assert text.strip() == deckmod.markdown().strip(), \
+    assert text.strip() == deckdoc.markdown().strip(), \
         "docs/deck.md is stale: run `make docs`"
     for cls in deckmod.SECTIONS.values():
         for f in deckmod.dataclasses.fields(cls):

@@ -543,11 +543,11 @@ def test_repeated_steps_drift_like_a_random_walk():
 
 # ----------------------------------------------------------------------------- GPU sources
 def _compile_c(tmp_path: Path) -> ctypes.CDLL:
-    from semzo.zo import kernels_gpu
+    from semzo.zo import kernels_cuda
     cc = shutil.which("gcc") or shutil.which("cc")
     assert cc, "a C compiler is needed to test the CUDA C source on the CPU"
     src = tmp_path / "zo.c"
-    src.write_text(kernels_gpu.cuda_source())
+    src.write_text(kernels_cuda.cuda_source())
     lib = tmp_path / "libzo.so"
     subprocess.run([cc, "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-shared", "-fPIC",
                     "-x", "c", str(src), "-o", str(lib), "-lm"], check=True)
@@ -660,8 +660,8 @@ def test_numba_cuda_kernels_under_simulator_give_cpu_bits():
 
 
 def test_cuda_source_constants_come_from_rng():
-    from semzo.zo import kernels_gpu
-    src = kernels_gpu.cuda_source()
+    from semzo.zo import kernels_cuda
+    src = kernels_cuda.cuda_source()
     assert "@" not in src
     for c in rng.LOG_C + rng.SIN_C + rng.COS_C + (rng.LN2, rng.PI_2_M31, rng.PI_4):
         assert repr(float(c)) in src

@@ -41,7 +41,7 @@ def is_device_array(a: object) -> bool:
 def synchronize(a: object) -> None:
     """Wait for the current CUDA stream, so a GPU buffer is complete before MPI reads it."""
     if is_device_array(a):
-        import cupy
+        import cupy  # a device array exists: cupy is loaded
 
         cupy.cuda.get_current_stream().synchronize()
 
@@ -53,7 +53,7 @@ def cuda_aware_mpi() -> bool:
 
 def bind_gpu(local_rank: int) -> int:
     """Bind this rank to GPU ``local_rank mod n_gpus`` (one rank per GPU); return its id."""
-    import cupy
+    import cupy  # only when a GPU is asked for
 
     n = cupy.cuda.runtime.getDeviceCount()
     if n == 0:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .deck import markdown
+from .deckdoc import markdown
 from .runtime import EXIT_USAGE, SemzoError, _rank_size, run_spmd, setup_logging
 
 

@@ -199,7 +199,7 @@ def host_or_device(a):
     writer copies to the host only the rows this rank writes), anything else as
     :func:`to_host` gives it."""
     if hasattr(a, "get") and not isinstance(a, np.ndarray):
-        import cupy
+        import cupy  # a device array: cupy is loaded
         return cupy.ascontiguousarray(a)
     return to_host(a)
 

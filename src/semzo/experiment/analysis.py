@@ -259,7 +259,7 @@ def paired_p(d) -> float:
     a = a[np.isfinite(a)]
     if a.size < 2 or not float(np.ptp(a)) > 1e-9 * float(np.abs(a).max()):
         return math.nan
-    from scipy.stats import ttest_1samp
+    from scipy.stats import ttest_1samp  # heavy: only for the report
 
     return float(ttest_1samp(a, 0.0).pvalue)
 

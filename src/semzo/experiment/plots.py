@@ -17,7 +17,7 @@ SHARDING_COLOR = {"semantic": "C0", "shuffle": "C1", "random": "C2"}
 def plot(exp: Experiment, target: float) -> list[Path]:
     """accuracy.png and loss.png (one panel per ZO mode, one line per sharding, mean with a
     min..max band over seeds, against forward passes) and time.png (stacked stage times)."""
-    import matplotlib
+    import matplotlib  # heavy (a second), rank 0 only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

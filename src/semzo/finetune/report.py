@@ -102,7 +102,7 @@ def _save(fig, path: Path) -> Path:
 def plot_metrics(rows: list[dict], outdir: Path, title: str = "") -> list[Path]:
     """loss.png (training loss, smoothed, and held-out loss) and accuracy.png (held-out
     accuracy) from metrics rows."""
-    import matplotlib
+    import matplotlib  # heavy (a second), rank 0 only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

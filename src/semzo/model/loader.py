@@ -48,7 +48,7 @@ def resolve_xp(xp):
     if xp is None or xp in ("numpy", "cpu"):
         return np
     if xp in ("cupy", "gpu"):
-        import cupy
+        import cupy  # only when a GPU is asked for
         return cupy
     return xp
 

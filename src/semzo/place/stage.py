@@ -166,7 +166,7 @@ def _write_shards(ctx, plan, cols, texts, label_names) -> None:
 
 def plot_sizes(plan, path) -> None:
     """PNG: samples per rank, per node and per switch, stacked by cluster (rank 0 only)."""
-    import matplotlib
+    import matplotlib  # heavy (a second), rank 0 only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

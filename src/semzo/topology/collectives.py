@@ -37,7 +37,7 @@ def _staged(fn):
         if out is host:
             buf.set(host)
             return buf
-        import cupy
+        import cupy  # a device buffer: cupy is loaded
 
         return cupy.asarray(out)
 

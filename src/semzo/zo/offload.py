@@ -68,7 +68,7 @@ class HostStore:
         self.model, self.task, self.engine = model, task, engine
         self.gpu = device == "gpu"
         if self.gpu:
-            import cupy
+            import cupy  # device = gpu only
             self.xp = cupy
             self.up = cupy.cuda.Stream(non_blocking=True)
             self.down = cupy.cuda.Stream(non_blocking=True)
@@ -87,7 +87,7 @@ class HostStore:
                 if i is not None:
                     self.name_of[i] = nm
         if self.gpu:                      # the engine's tensors (and references): host arrays
-            import cupyx
+            import cupyx  # device = gpu only
             for i, nm in self.name_of.items():
                 engine.tensors[i] = engine.tensors[i]._replace(array=self.host[nm])
                 if engine.copy:
@@ -134,7 +134,7 @@ class HostStore:
         return arrs
 
     def _pin(self) -> None:
-        import cupyx
+        import cupyx  # device = gpu only
         for nm, a in list(self.host.items()):
             pinned = cupyx.empty_pinned(a.shape, a.dtype)
             pinned[...] = a.get() if hasattr(a, "get") else a
