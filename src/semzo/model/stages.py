@@ -104,7 +104,7 @@ class StagedModel:
     def gather_rows(self, input_ids) -> dict:
         """``{name: sorted unique rows}`` of the parameters that stage 0 reads only at the rows
         ``input_ids`` index (the token embedding matrix), for a batch of those ids. A ZO pass
-        may defer the other rows' perturbations (finetune/streamed.py); a task whose loss reads
+        may defer the other rows' perturbations (zo/streamed.py); a task whose loss reads
         such a matrix otherwise (a tied LM head) must add the rows it reads (the prompt task's
         label words) or not ask. Empty: none."""
         return {}
