@@ -23,6 +23,12 @@ from .corpus.strings import decode_strings, encode_strings
 from .h5check import DAMAGED, InputFileError, OutputFileError, agree, offsets_error
 
 
+def string_array(values) -> np.ndarray:
+    """A list of str as an array HDF5 stores as variable-length UTF-8 strings, empty lists
+    included (a plain object array of no element has no HDF5 type: an unlabelled corpus)."""
+    return np.array(list(values), dtype=h5py.string_dtype())
+
+
 def require_mpi_h5py() -> None:
     """Fail fast when h5py was built without MPI (parallel writes would be impossible)."""
     if not h5py.get_config().mpi:

@@ -27,6 +27,7 @@ from ..h5io import (
     read_slab,
     read_texts,
     row_range,
+    string_array,
     write_rows,
     write_texts,
 )
@@ -144,7 +145,7 @@ def write_embeddings(path, comm, deck_toml: str, emb, ids, labels, texts, off: i
                      total: int, vocab: list[str], seconds: float = 0.0) -> None:
     """Write one rank's rows of embeddings.h5 at global row ``off``. Collective."""
     with create_collective(path, comm, deck_toml, n_total=total,
-                           label_names=np.array(vocab, dtype=object),
+                           label_names=string_array(vocab),
                            seconds=seconds, docs_per_second=total / max(seconds, 1e-9)) as f:
         write_rows(f, "embeddings", emb, off, total)
         write_rows(f, "ids", ids.astype(np.int64), off, total)

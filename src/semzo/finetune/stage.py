@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from ..checkpoint import Checkpointer, list_checkpoints
 from ..h5check import SHARD_KEYS, agree, deck_drift
-from ..h5io import create_collective, row_range, write_slab
+from ..h5io import create_collective, row_range, string_array, write_slab
 from ..model import Tokenizer, load_model
 from ..model.storage import BF16, storage_name
 from ..model.zoo import folder_checksum
@@ -405,7 +405,7 @@ def save_model(ctx, model, names: list[str], which: str, task_kind: str,
     lora = {m: {"a": s.a, "b": s.b, "scale": s.scale} for m, s in model.lora.items()}
     attrs = {"model_source": str(model.source or ""), "task": task_kind,
              "trainable": json.dumps(names), "lora": json.dumps(lora),
-             "label_names": np.array(label_names, dtype=object),
+             "label_names": string_array(label_names),
              "head_normalize": bool(model.head.normalize) if model.head else False,
              "steps": state.step, "skips": state.skips, "weight_storage": model.storage,
              "heldout_loss_before": _num(before[0]), "heldout_acc_before": _num(before[1]),

@@ -23,7 +23,7 @@ from mpi4py import MPI
 from ..cluster.stage import read_clusters
 from ..embed import read_embeddings
 from ..h5check import CLUSTER_KEYS, agree, deck_drift
-from ..h5io import create_collective, offsets, write_rows, write_texts
+from ..h5io import create_collective, offsets, string_array, write_rows, write_texts
 from ..runtime import InvariantError, get_logger
 from . import (
     cluster_counts,
@@ -153,7 +153,7 @@ def _write_shards(ctx, plan, cols, texts, label_names) -> None:
     fig = {f"fig_{k}": v for k, v in plan.figures.items()
            if isinstance(v, (int, float, np.integer, np.floating))}
     with create_collective(ctx.path("shards.h5"), comm, ctx.deck.to_toml(), mode=plan.mode,
-                           n_total=total, label_names=np.array(label_names, dtype=object),
+                           n_total=total, label_names=string_array(label_names),
                            **fig) as f:
         for name in ("embeddings", "ids", "labels", "clusters"):
             write_rows(f, name, cols[name], off, total)
