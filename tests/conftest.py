@@ -27,6 +27,13 @@ def one_thread():
         torch.set_num_threads(old)
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "multinode: launches semzo on two network namespaces playing two nodes "
+        "(tests/multinode.py; root, iproute2; about 70 s); `make test-multinode` runs "
+        "these alone, SEMZO_MULTINODE=0 skips them")
+
+
 _SPAWNS = ("subprocess", "mpirun(")
 
 
