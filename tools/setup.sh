@@ -14,7 +14,7 @@ VENV=${VENV:-.venv}
 EXTRAS=${EXTRAS:-}
 JOBS=${JOBS:-$(nproc)}
 CONSTRAINTS="$PWD/constraints.txt"
-APT_PKGS="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config fortunes"
+APT_PKGS="openmpi-bin libopenmpi-dev libhdf5-openmpi-dev hdf5-tools pkg-config fortunes iproute2"
 log() { printf '[setup] %s\n' "$*"; }
 
 # step timer: wall seconds and CPU seconds of the commands run since `step NAME`
