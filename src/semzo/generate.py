@@ -26,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 from tokenizers import Tokenizer as HFTokenizer
 
+from .checkpoint import modelfile
 from .checkpoint.format import CheckpointError
 from .checkpoint.manager import find_resumable
 from .checkpoint.reader import load
@@ -122,7 +123,7 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> Loaded:
             raise SemzoError(f"{path}: no valid checkpoint in this folder")
         path = found
     try:
-        loaded = load(path, comm)
+        loaded = modelfile.read(path, comm) if modelfile.is_model_file(path) else load(path, comm)
     except CheckpointError as exc:
         raise SemzoError(str(exc)) from None
     meta = json.loads(loaded.attrs.get("model_meta") or "{}")

@@ -19,6 +19,7 @@ from ..deck import from_toml_text
 from ..model import export_hf, load_model
 from ..model.storage import same_storage_copy
 from ..runtime import SemzoError, get_logger
+from . import modelfile
 from .format import CheckpointError, manifest_checksum
 from .manager import find_resumable, list_checkpoints, read_latest
 from .reader import describe, load, verify
@@ -59,6 +60,11 @@ def summary(path: str | Path, comm: MPI.Intracomm, *, deck: bool = True) -> tupl
     path = Path(path)
     if not path.exists():
         raise SemzoError(f"{path}: no such checkpoint file or folder")
+    if modelfile.is_model_file(path):
+        try:
+            return modelfile.summary(path, comm, deck=deck), True
+        except CheckpointError as exc:
+            raise _damaged(exc) from None
     lines: list[str] = []
     if path.is_dir():
         ckpts = list(reversed(list_checkpoints(path)))
@@ -182,7 +188,7 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
             raise _damaged(f"{path}: no valid checkpoint in this folder")
         path = found
     try:
-        loaded = load(path, comm)
+        loaded = modelfile.read(path, comm) if modelfile.is_model_file(path) else load(path, comm)
     except CheckpointError as exc:
         raise _damaged(exc) from None
     err, out = None, Path(outdir)

@@ -202,7 +202,8 @@ def run_finetune_stage(ctx) -> dict:
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": after[0],
                  "heldout_acc": after[1], "heldout_n": after[2]})
     if t.save != "none":
-        save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after)
+        save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after,
+                   meta=ck.model_meta)
     metrics.finish(f"({task_kind}, {z.mode}, {topo.size} ranks)")   # renamed once it all worked
     what = "next-token accuracy" if task_kind == "lm" else "accuracy"
     ran = state.step - first_step
@@ -397,9 +398,12 @@ class _StepSaver:
 
 
 def save_model(ctx, model, names: list[str], which: str, task_kind: str,
-               label_names: list[str], state: TrainState, before, after) -> None:
+               label_names: list[str], state: TrainState, before, after,
+               meta: dict | None = None) -> None:
     """Write model.h5: every rank writes a block of rows of each tensor (replicas are
-    identical). Collective over the world."""
+    identical). ``meta``: the checkpoints' ``model_meta`` (head, LoRA, model folder and its
+    checksum), stored alike so that `semzo generate/export/inspect` read model.h5 as they read
+    a checkpoint (:mod:`semzo.checkpoint.modelfile`). Collective over the world."""
     comm = ctx.topo.world
     saved = names if which == "trainable" else list(model.params)
     lora = {m: {"a": s.a, "b": s.b, "scale": s.scale} for m, s in model.lora.items()}
@@ -409,7 +413,8 @@ def save_model(ctx, model, names: list[str], which: str, task_kind: str,
              "head_normalize": bool(model.head.normalize) if model.head else False,
              "steps": state.step, "skips": state.skips, "weight_storage": model.storage,
              "heldout_loss_before": _num(before[0]), "heldout_acc_before": _num(before[1]),
-             "heldout_loss_after": _num(after[0]), "heldout_acc_after": _num(after[1])}
+             "heldout_loss_after": _num(after[0]), "heldout_acc_after": _num(after[1]),
+             "model_meta": json.dumps(meta or {}, sort_keys=True)}
     with create_collective(ctx.path("model.h5"), comm, ctx.deck.to_toml(), **attrs) as f:
         for name in saved:
             arr = model.params[name]
