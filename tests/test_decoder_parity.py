@@ -60,6 +60,32 @@ CASES = {
     "opt_nobias_noaffine": ("OPTConfig", dict(OPT, enable_bias=False,
                                               layer_norm_elementwise_affine=False,
                                               activation_function="gelu"), {}),
+    # later families (semzo.model.variants): q/k norms, Gemma's sandwich norms, soft-caps
+    # and local/global rotary, Phi-3's fused projections and partial rotary, SmolLM3's
+    # layers without rotary
+    "qwen3_bias": ("Qwen3Config", dict(SMALL, head_dim=24, attention_bias=True), {}),
+    "qwen3_window": ("Qwen3Config", dict(SMALL, head_dim=16, num_hidden_layers=3,
+                                         use_sliding_window=True, sliding_window=5,
+                                         max_window_layers=1, tie_word_embeddings=True), {}),
+    "gemma2": ("Gemma2Config", dict(SMALL, head_dim=16, num_hidden_layers=3, sliding_window=5,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                                    final_logit_softcapping=3.0), {}),
+    "gemma3": ("Gemma3TextConfig", dict(
+        SMALL, head_dim=24, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        final_logit_softcapping=3.0, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+               {}),
+    "phi3_partial": ("Phi3Config", dict(SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                        tie_word_embeddings=True, rope_parameters={
+                                            "rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.75}), {}),
+    "phi3_window": ("Phi3Config", dict(SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                       sliding_window=4), {}),
+    "smollm3": ("SmolLM3Config", dict(SMALL, num_hidden_layers=4, no_rope_layer_interval=2,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      attention_bias=True, mlp_bias=True), {}),
     "gpt2_unscaled": ("GPT2Config", {"vocab_size": V, "n_positions": 64, "n_embd": 64, "n_layer": 2,
                                          "n_head": 4, "scale_attn_weights": False}, {}),
     "gpt2_inverse_layer": ("GPT2Config", {"vocab_size": V, "n_positions": 64, "n_embd": 64,
