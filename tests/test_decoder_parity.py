@@ -465,3 +465,50 @@ def test_lora_targets_of_the_later_families_export_to_transformers(name, tmp_pat
     with torch.no_grad():
         want = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
     assert rel_err(model.logits(ids, mask), want.numpy(), mask.astype(bool)) < RTOL
+
+
+@pytest.mark.parametrize("name", ["qwen3_window", "gemma2", "gemma3", "phi3_partial",
+                                  "phi3_window", "smollm3"])
+def test_greedy_generation_of_the_later_families_equals_transformers(name, tmp_path_factory):
+    """The KV cache (sliding windows, per-layer rotary, soft-capped logits) against
+    transformers' own cache in ``generate``."""
+    folder, ref = build(name, tmp_path_factory)
+    model = load_model(folder)
+    ids = np.random.default_rng(11).integers(3, V, size=(1, 6))
+    cache = model.new_cache(1, 20)
+    z = model.forward_cached(ids, cache)
+    ours = []
+    for _ in range(10):
+        nxt = int(z[0, -1].argmax())
+        ours.append(nxt)
+        z = model.forward_cached(np.array([[nxt]]), cache)
+    with torch.no_grad():
+        out = ref.generate(torch.from_numpy(ids), max_new_tokens=10, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, 6:].tolist(), name
+
+
+@pytest.mark.parametrize("name,key,value", [
+    ("phi3_partial", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4,
+                                         "short_factor": [1.0] * 6, "long_factor": [2.0] * 6,
+                                         "partial_rotary_factor": 0.75}),
+    ("phi3_partial", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4,
+                                         "partial_rotary_factor": 0.2}),  # 3 dims: odd
+    ("gemma3", "use_bidirectional_attention", True),
+    ("gemma3", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4}),
+    ("gemma2", "layer_types", ["full_attention"]),
+    ("smollm3", "no_rope_layers", [1, 0, 2, 1]),
+    ("qwen3_window", "layer_types", ["chunked_attention"] * 3)])
+def test_later_families_refuse_by_name(name, key, value, tmp_path_factory, tmp_path):
+    import json
+
+    from semzo.runtime import SemzoError
+    folder, _ = build(name, tmp_path_factory)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with pytest.raises(SemzoError) as ei:
+        load_model(tmp_path)
+    msg = str(ei.value)
+    assert (key in msg or "head_dim" in msg) and "config.json" in msg and "\n" not in msg, msg
