@@ -512,3 +512,28 @@ def test_later_families_refuse_by_name(name, key, value, tmp_path_factory, tmp_p
         load_model(tmp_path)
     msg = str(ei.value)
     assert (key in msg or "head_dim" in msg) and "config.json" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3_partial"])
+def test_transformers4_rope_keys_of_gemma3_and_phi3(name, tmp_path_factory, tmp_path):
+    """Gemma 3 files of transformers 4: ``rope_theta`` / ``rope_scaling`` for the full layers,
+    ``rope_local_base_freq`` for the sliding ones; Phi-3: top-level ``partial_rotary_factor``
+    and ``rope_theta``."""
+    import json
+    folder, _ = build(name, tmp_path_factory)
+    cfg = json.loads((folder / "config.json").read_text())
+    rp = cfg.pop("rope_parameters")
+    if name == "gemma3":
+        full = dict(rp["full_attention"])
+        cfg["rope_theta"] = full.pop("rope_theta")
+        cfg["rope_scaling"] = full
+        cfg["rope_local_base_freq"] = rp["sliding_attention"]["rope_theta"]
+    else:
+        cfg["rope_theta"] = rp["rope_theta"]
+        cfg["partial_rotary_factor"] = rp["partial_rotary_factor"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    a, b = load_model(folder), load_model(tmp_path)
+    assert a.config.rope == b.config.rope and a.config.rope_local == b.config.rope_local
+    ids = np.arange(30).reshape(2, 15) % V
+    assert np.array_equal(a.logits(ids), b.logits(ids))
