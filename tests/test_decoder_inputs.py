@@ -136,7 +136,8 @@ def _tables():
     out = [(t.BertConfig, mconfig.BERT_HONOURED, mconfig.BERT_INERT, mconfig.BERT_REFUSED),
            (t.GPT2Config, mconfig.GPT2_HONOURED, mconfig.GPT2_INERT, mconfig.GPT2_REFUSED)]
     for fam in families.FAMILIES:
-        cls = getattr(t, fam.ARCHITECTURES[0].replace("ForCausalLM", "Config"))
+        cls = getattr(t, getattr(fam, "CONFIG_CLASS", None) or
+                      fam.ARCHITECTURES[0].replace("ForCausalLM", "Config"))
         out.append((cls, fam.HONOURED, fam.INERT, fam.REFUSED))
     return out
 

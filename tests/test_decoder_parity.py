@@ -2,8 +2,12 @@
 saved with ``save_pretrained``: Llama (GQA, llama3 rope scaling, tied and untied, biases, a
 head_dim that is not hidden/heads, sharded), Qwen2 (q/k/v biases, sliding window on some
 layers), Mistral (with and without sliding window), OPT (pre-LN; post-LN with
-project_in/project_out, as OPT-350m) and GPT-2 with ``scale_attn_weights: false`` and
-``scale_attn_by_inverse_layer_idx``.
+project_in/project_out, as OPT-350m), Qwen3 (q/k norms after q/k/v/o biases, with and
+without sliding windows), Gemma 2 (sandwich norms, (1 + w) RMSNorm, scaled embeddings,
+query_pre_attn_scalar, attention and final soft-capping, alternating windows), Gemma 3 text
+(q/k norms, local/global rotary bases, final soft-capping), Phi-3 (fused qkv_proj and
+gate_up_proj, partial rotary, sliding window), SmolLM3 (layers without rotary, biases) and
+GPT-2 with ``scale_attn_weights: false`` and ``scale_attn_by_inverse_layer_idx``.
 
 Right-padded batches of random shapes and seeds: logits within 1e-4 relative on real tokens,
 next-token loss equal to transformers' (labels -100 at padding) within 1e-5 relative. Also:
@@ -60,6 +64,32 @@ CASES = {
     "opt_nobias_noaffine": ("OPTConfig", dict(OPT, enable_bias=False,
                                               layer_norm_elementwise_affine=False,
                                               activation_function="gelu"), {}),
+    # later families (semzo.model.variants): q/k norms, Gemma's sandwich norms, soft-caps
+    # and local/global rotary, Phi-3's fused projections and partial rotary, SmolLM3's
+    # layers without rotary
+    "qwen3_bias": ("Qwen3Config", dict(SMALL, head_dim=24, attention_bias=True), {}),
+    "qwen3_window": ("Qwen3Config", dict(SMALL, head_dim=16, num_hidden_layers=3,
+                                         use_sliding_window=True, sliding_window=5,
+                                         max_window_layers=1, tie_word_embeddings=True), {}),
+    "gemma2": ("Gemma2Config", dict(SMALL, head_dim=16, num_hidden_layers=3, sliding_window=5,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=0.02,
+                                    final_logit_softcapping=3.0), {}),
+    "gemma3": ("Gemma3TextConfig", dict(
+        SMALL, head_dim=24, num_hidden_layers=3, sliding_window=4, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        final_logit_softcapping=3.0, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+            "full_attention": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}}),
+               {}),
+    "phi3_partial": ("Phi3Config", dict(SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                        tie_word_embeddings=True, rope_parameters={
+                                            "rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.75}), {}),
+    "phi3_window": ("Phi3Config", dict(SMALL, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                       sliding_window=4), {}),
+    "smollm3": ("SmolLM3Config", dict(SMALL, num_hidden_layers=4, no_rope_layer_interval=2,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                      attention_bias=True, mlp_bias=True), {}),
     "gpt2_unscaled": ("GPT2Config", {"vocab_size": V, "n_positions": 64, "n_embd": 64, "n_layer": 2,
                                          "n_head": 4, "scale_attn_weights": False}, {}),
     "gpt2_inverse_layer": ("GPT2Config", {"vocab_size": V, "n_positions": 64, "n_embd": 64,
@@ -69,6 +99,10 @@ CASES = {
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # tests/conftest.py
+
+#: q/k weights scaled up in these cases (random init attends almost uniformly, so rotary in a
+#: layer or not would change the logits by less than RTOL)
+SHARP = {"smollm3": 12.0}
 
 
 _BUILT: dict = {}
@@ -87,6 +121,9 @@ def build(name: str, tmp_path_factory):
         for _, p in model.named_parameters():
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.2)
+        for n, p in model.named_parameters():     # sharper attention: positions matter more
+            if n.endswith(("q_proj.weight", "k_proj.weight")):
+                p.mul_(SHARP.get(name, 1.0))
     folder = tmp_path_factory.mktemp(name)
     model.save_pretrained(folder, **save_kw)
     _BUILT[name] = (folder, model)
@@ -130,7 +167,8 @@ def test_logits_and_loss_match_transformers(name, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "mistral_window", "opt_post_proj",
-                                  "qwen2_window"])
+                                  "qwen2_window", "qwen3_bias", "qwen3_window", "gemma2",
+                                  "gemma3", "phi3_partial", "phi3_window", "smollm3"])
 def test_kv_cache_matches_full_forward(name, tmp_path_factory):
     folder, _ = build(name, tmp_path_factory)
     model = load_model(folder)
@@ -262,7 +300,8 @@ def test_bf16_checkpoint_loads_as_float32(tmp_path_factory, tmp_path):
         assert np.array_equal(a, sd[name].float().numpy()), name
 
 
-@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window"])
+@pytest.mark.parametrize("name", ["mistral_window", "qwen2_window", "qwen3_window", "gemma2",
+                                  "gemma3", "phi3_window"])
 def test_sliding_window_is_what_makes_the_match(name, tmp_path_factory):
     """Without its window the model no longer matches: the parity above exercises it."""
     from dataclasses import replace
@@ -276,7 +315,33 @@ def test_sliding_window_is_what_makes_the_match(name, tmp_path_factory):
     assert rel_err(model.logits(ids), want, np.ones((1, 20), bool)) > 1e-3
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "qwen2_window", "opt_post_proj"])
+@pytest.mark.parametrize("name,field", [
+    ("qwen3_bias", "qk_norm"), ("gemma2", "norm_plus_one"), ("gemma2", "sandwich"),
+    ("gemma2", "embed_scale"), ("gemma2", "attn_scale"), ("gemma2", "attn_softcap"),
+    ("gemma2", "final_softcap"), ("gemma3", "qk_norm"), ("gemma3", "rope_local"),
+    ("gemma3", "final_softcap"), ("phi3_partial", "rope"), ("smollm3", "no_rope")])
+def test_each_later_feature_is_what_makes_the_match(name, field, tmp_path_factory):
+    """Switched off (its default; Phi-3: rotary on the whole head), a feature of the later
+    families breaks the match: the parity above exercises every one."""
+    from dataclasses import fields, replace
+
+    from semzo.model.spec import RopeSpec
+    folder, ref = build(name, tmp_path_factory)
+    model = load_model(folder)
+    off = {f.name: f.default for f in fields(model.config)}[field]
+    if field == "rope":
+        off = RopeSpec(model.config.rope.theta)
+    assert getattr(model.config, field) != off
+    model.config = replace(model.config, **{field: off})
+    model.scale = model.config.head_dim ** -0.5 if field == "attn_scale" else model.scale
+    ids = np.random.default_rng(0).integers(0, V, size=(1, 20))
+    with torch.no_grad():
+        want = ref(input_ids=torch.from_numpy(ids)).logits.numpy()
+    assert rel_err(model.logits(ids), want, np.ones((1, 20), bool)) > 1e-3
+
+
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "qwen2_window", "opt_post_proj",
+                                  "qwen3_bias", "gemma2", "gemma3", "phi3_partial", "smollm3"])
 def test_generic_xp_path_matches_numba_path(name, tmp_path_factory, monkeypatch):
     """The array-module code the GPU runs (CuPy), exercised with NumPy on CPU."""
     from semzo.model import kernels, kernels_lm
@@ -315,7 +380,8 @@ def test_trained_in_place_then_exported_loads_in_transformers(name, tmp_path_fac
     assert rel_err(model.logits(ids, mask), want.numpy(), mask.astype(bool)) < RTOL
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "opt_pre", "qwen2"])
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "opt_pre", "qwen2", "qwen3_bias",
+                                  "smollm3"])
 def test_batched_generation_of_right_padded_prompts_equals_each_alone(name, tmp_path_factory):
     """(Not for sliding windows: a window counts cache slots, padded ones included, as
     transformers' does.)"""
@@ -359,5 +425,115 @@ def test_transformers4_rope_keys_read_like_rope_parameters(tmp_path_factory, tmp
     (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
     a, b = load_model(folder), load_model(tmp_path)
     assert a.config.rope == b.config.rope and a.config.rope.kind == "llama3"
+    ids = np.arange(30).reshape(2, 15) % V
+    assert np.array_equal(a.logits(ids), b.logits(ids))
+
+
+#: the projections each later family offers LoRA (suffixes of ``lora_modules()``)
+LORA_TARGETS = {
+    "qwen3_bias": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+    "gemma2": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+    "gemma3": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+    "phi3_partial": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"},
+    "smollm3": {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"},
+}
+
+
+@pytest.mark.parametrize("name", list(LORA_TARGETS))
+def test_lora_targets_of_the_later_families_export_to_transformers(name, tmp_path_factory,
+                                                                   tmp_path):
+    """Every projection takes LoRA (Phi-3: the fused ``qkv_proj`` / ``gate_up_proj``, as
+    PEFT); trained in place, merged by export_hf, the folder loads in transformers and gives
+    our logits; the stage API still holds every tensor in one stage."""
+    import transformers
+
+    from semzo.model import export_hf
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    mods = model.lora_modules()
+    assert {m.rsplit(".", 1)[-1] for m in mods} == LORA_TARGETS[name]
+    assert len(mods) == len(LORA_TARGETS[name]) * model.config.num_layers
+    model.add_lora(rank=2, targets=tuple(LORA_TARGETS[name]), freeze_base=False)
+    names = [n for k in range(model.n_stages) for n in model.stage_names(k)]
+    assert sorted(names) == sorted(model.params) and len(names) == len(set(names))
+    rng = np.random.default_rng(7)
+    for _, a in model.named_parameters():
+        a += rng.standard_normal(a.shape).astype(np.float32) * 0.05
+    out = export_hf(model, tmp_path / "out")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    ids, mask = padded_batch(np.random.default_rng(4), V, 3, 12)
+    with torch.no_grad():
+        want = hf(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits
+    assert rel_err(model.logits(ids, mask), want.numpy(), mask.astype(bool)) < RTOL
+
+
+@pytest.mark.parametrize("name", ["qwen3_window", "gemma2", "gemma3", "phi3_partial",
+                                  "phi3_window", "smollm3"])
+def test_greedy_generation_of_the_later_families_equals_transformers(name, tmp_path_factory):
+    """The KV cache (sliding windows, per-layer rotary, soft-capped logits) against
+    transformers' own cache in ``generate``."""
+    folder, ref = build(name, tmp_path_factory)
+    model = load_model(folder)
+    ids = np.random.default_rng(11).integers(3, V, size=(1, 6))
+    cache = model.new_cache(1, 20)
+    z = model.forward_cached(ids, cache)
+    ours = []
+    for _ in range(10):
+        nxt = int(z[0, -1].argmax())
+        ours.append(nxt)
+        z = model.forward_cached(np.array([[nxt]]), cache)
+    with torch.no_grad():
+        out = ref.generate(torch.from_numpy(ids), max_new_tokens=10, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    assert ours == out[0, 6:].tolist(), name
+
+
+@pytest.mark.parametrize("name,key,value", [
+    ("phi3_partial", "rope_parameters", {"rope_type": "longrope", "rope_theta": 1e4,
+                                         "short_factor": [1.0] * 6, "long_factor": [2.0] * 6,
+                                         "partial_rotary_factor": 0.75}),
+    ("phi3_partial", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4,
+                                         "partial_rotary_factor": 0.2}),  # 3 dims: odd
+    ("gemma3", "use_bidirectional_attention", True),
+    ("gemma3", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4}),
+    ("gemma2", "layer_types", ["full_attention"]),
+    ("smollm3", "no_rope_layers", [1, 0, 2, 1]),
+    ("qwen3_window", "layer_types", ["chunked_attention"] * 3)])
+def test_later_families_refuse_by_name(name, key, value, tmp_path_factory, tmp_path):
+    import json
+
+    from semzo.runtime import SemzoError
+    folder, _ = build(name, tmp_path_factory)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with pytest.raises(SemzoError) as ei:
+        load_model(tmp_path)
+    msg = str(ei.value)
+    assert (key in msg or "head_dim" in msg) and "config.json" in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("name", ["gemma3", "phi3_partial"])
+def test_transformers4_rope_keys_of_gemma3_and_phi3(name, tmp_path_factory, tmp_path):
+    """Gemma 3 files of transformers 4: ``rope_theta`` / ``rope_scaling`` for the full layers,
+    ``rope_local_base_freq`` for the sliding ones; Phi-3: top-level ``partial_rotary_factor``
+    and ``rope_theta``."""
+    import json
+    folder, _ = build(name, tmp_path_factory)
+    cfg = json.loads((folder / "config.json").read_text())
+    rp = cfg.pop("rope_parameters")
+    if name == "gemma3":
+        full = dict(rp["full_attention"])
+        cfg["rope_theta"] = full.pop("rope_theta")
+        cfg["rope_scaling"] = full
+        cfg["rope_local_base_freq"] = rp["sliding_attention"]["rope_theta"]
+    else:
+        cfg["rope_theta"] = rp["rope_theta"]
+        cfg["partial_rotary_factor"] = rp["partial_rotary_factor"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "model.safetensors").symlink_to(folder / "model.safetensors")
+    a, b = load_model(folder), load_model(tmp_path)
+    assert a.config.rope == b.config.rope and a.config.rope_local == b.config.rope_local
     ids = np.arange(30).reshape(2, 15) % V
     assert np.array_equal(a.logits(ids), b.logits(ids))

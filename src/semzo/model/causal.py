@@ -1,5 +1,7 @@
 """The spec-driven causal decoder: one block, described by a :class:`DecoderSpec`, runs the
-Llama, Qwen2, Mistral and OPT families (see :mod:`semzo.model.families`), NumPy or CuPy.
+Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, Phi-3, SmolLM3 and OPT families (see
+:mod:`semzo.model.families`; the later families' pieces live in :mod:`semzo.model.variants`),
+NumPy or CuPy.
 
 Shapes: ids (B, T) integers, mask (B, T) 0/1, right padding. Activations are 2-D (B*T, H) so
 every projection is one GEMM (``TransformerBase._proj``: weights (out, in), LoRA deltas).
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from semzo.model import variants as vx
 from semzo.model.base import TransformerBase
 from semzo.model.kernels import (
     bias_act,
@@ -53,11 +56,14 @@ def expected_tensors(s: DecoderSpec, prefix: str) -> list[tuple[str, tuple[int, 
         out.append((f"{prefix}{nm.project_in}.weight", (h, e), 0))
     shapes = {"q": ((nq, h), s.qkv_bias), "k": ((nk, h), s.qkv_bias), "v": ((nk, h), s.qkv_bias),
               "o": ((h, nq), s.o_bias), "gate": ((i_, h), s.mlp_bias),
-              "up": ((i_, h), s.mlp_bias), "down": ((h, i_), s.mlp_bias)}
+              "up": ((i_, h), s.mlp_bias), "down": ((h, i_), s.mlp_bias),
+              "qkv": ((nq + 2 * nk, h), s.qkv_bias), "gate_up": ((2 * i_, h), s.mlp_bias)}
     for li in range(s.num_layers):
         lp = prefix + nm.layer_prefix.format(i=li)
         for role, mod in nm.layer:
-            if role.startswith("norm"):
+            if role in ("qnorm", "knorm"):                  # per-head norms (head_dim,)
+                out.append((f"{lp}{mod}.weight", (d,), li + 1))
+            elif role.startswith("norm"):
                 out += _norm_tensors(s, lp + mod, li + 1)
             else:
                 shape, bias = shapes[role]
@@ -77,6 +83,9 @@ def expected_tensors(s: DecoderSpec, prefix: str) -> list[tuple[str, tuple[int, 
 def _norm_tensors(s: DecoderSpec, mod: str, stage: int) -> list:
     out = [(f"{mod}.weight", (s.hidden_size,), stage)] if s.norm_affine else []
     return out + ([(f"{mod}.bias", (s.hidden_size,), stage)] if s.norm_bias else [])
+
+
+_PROJ = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")   # module order
 
 
 @dataclass
@@ -132,8 +141,8 @@ class CausalLM(TransformerBase):
         self._stage_of = {n: st for n, _, st in expected_tensors(s, pre)}
         self._ones = xp.ones(s.hidden_size, dtype=self.dtype)
         self._zeros = xp.zeros(s.hidden_size, dtype=self.dtype)
-        self._rope = (0, None, None)
-        self.scale = 1.0 / math.sqrt(s.head_dim)
+        self._rope: dict = {}                                  # RopeSpec -> tables
+        self.scale = s.attn_scale or 1.0 / math.sqrt(s.head_dim)
 
     # ------------------------------------------------------------------ contract
     @property
@@ -162,9 +171,8 @@ class CausalLM(TransformerBase):
         return self.n_stages - 1 if st is None else st
 
     def lora_modules(self) -> list[str]:
-        """Every projection: q, k, v, o and the MLP's (pick with ``add_lora(targets=...)``)."""
-        return [m[r] for m in self._mods for r in ("q", "k", "v", "o", "gate", "up", "down")
-                if r in m]
+        """Every projection: q, k, v (or qkv), o, the MLP's (``add_lora(targets=...)``)."""
+        return [m[r] for m in self._mods for r in _PROJ if r in m]
 
     def add_classifier(self, n_classes: int, init: str = "normal", std: float = 0.02,
                        seed: int = 0, normalize: bool = False) -> None:
@@ -295,6 +303,8 @@ class CausalLM(TransformerBase):
         xp, s, p, pre = self.xp, self.config, self.params, self.prefix
         b, t = ids.shape
         x = self._rows(p[pre + s.names.embed], ids.reshape(-1))
+        if s.embed_scale:
+            vx.scale_embeddings(self, x)
         if s.proj_dim:
             y = xp.empty((b * t, s.hidden_size), dtype=self.dtype)
             x = self._proj(x, f"{pre}{s.names.project_in}", y)
@@ -321,6 +331,8 @@ class CausalLM(TransformerBase):
     def _nw(self, mod: str):
         s = self.config
         g = self.fparam(mod + ".weight") if s.norm_affine else self._ones
+        if s.norm_plus_one:
+            g = vx.plus_one(g)
         return g, (self.fparam(mod + ".bias") if s.norm_bias else self._zeros)
 
     def _norm(self, x, mod: str, out):
@@ -339,13 +351,6 @@ class CausalLM(TransformerBase):
 
     def _bias(self, mod: str, flag: bool):
         return self.fparam(mod + ".bias") if flag else None
-
-    def _rope_tables(self, n: int):
-        if self._rope[0] < n:
-            size = max(n, min(self.config.max_positions, 4096))
-            cos, sin = self.config.rope.tables(self.config.head_dim, size)
-            self._rope = (size, self.xp.asarray(cos), self.xp.asarray(sin))
-        return self._rope[1], self._rope[2]
 
     def _block(self, i: int, x, maskf, pos, kc, vc, past: int, rows=None) -> None:
         """Block ``i`` on the residual stream x (B*T, H), in place. ``kc``/``vc``: cache
@@ -370,9 +375,7 @@ class CausalLM(TransformerBase):
         nr = x.shape[0]                             # rows computed (n, or fewer packed)
         a = self._norm(x, m["norm1"], xp.empty_like(x)) if s.pre_norm else x
         qkv = xp.empty((nr, nq + 2 * nk), dtype=dt)
-        self._proj(a, m["q"], qkv[:, :nq])
-        self._proj(a, m["k"], qkv[:, nq:nq + nk])
-        self._proj(a, m["v"], qkv[:, nq + nk:])
+        biases = vx.project_qkv(self, a, m, qkv, nh, nkv, d)
         if rows is not None:                        # the padded layout attention reads
             full = xp.zeros((n, nq + 2 * nk), dtype=dt)
             full[rows] = qkv
@@ -382,15 +385,17 @@ class CausalLM(TransformerBase):
             vc = xp.empty((b, nkv, t, d), dtype=dt)
         q = xp.empty((b, nh, t, d), dtype=dt)
         cos = sin = None
-        if s.positions == "rotary":
-            cos, sin = self._rope_tables(past + t)
-        biases = tuple(self._bias(m[r], True) for r in "qkv") if s.qkv_bias else None
+        rope = s.layer_rope(i)
+        if rope is not None:
+            cos, sin = vx.rope_tables(self, past + t, rope)
         rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, kc, vc, past)
         tk = past + t
         sc = xp.empty((b, nkv, g * t, tk), dtype=dt)
         matmul_into(q.reshape(b, nkv, g * t, d), kc[:, :, :tk].transpose(0, 1, 3, 2), sc)
-        attn_softmax(sc.reshape(b * nkv, g, t, tk), maskf, self.scale, nkv, past,
-                     s.window(i))
+        scale = self.scale
+        if s.attn_softcap:                          # c * tanh(scale * s / c), then softmax
+            scale = vx.softcap(sc, s.attn_softcap, scale)
+        attn_softmax(sc.reshape(b * nkv, g, t, tk), maskf, scale, nkv, past, s.window(i))
         ctx = xp.empty((b, t, nh, d), dtype=dt)
         matmul_into(sc.reshape(b, nkv, g, t, tk), vc[:, :, None, :tk],
                     ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4))
@@ -400,6 +405,8 @@ class CausalLM(TransformerBase):
         o = xp.empty((nr, h), dtype=dt)
         self._proj(ctx, m["o"], o)
         ob = self._bias(m["o"], s.o_bias)
+        if s.sandwich:                              # Gemma: norm the output, then add
+            ob = vx.post_norm(self, o, ob, m["norm_pa"])
         if s.pre_norm:
             a = self._residual_norm(o, ob, x, m["norm2"], a)
         else:
@@ -407,10 +414,7 @@ class CausalLM(TransformerBase):
         inter = xp.empty((nr, s.intermediate_size), dtype=dt)
         if s.gated:
             gu = xp.empty((nr, 2 * s.intermediate_size), dtype=dt)
-            self._proj(a, m["gate"], gu[:, :s.intermediate_size])
-            self._proj(a, m["up"], gu[:, s.intermediate_size:])
-            gated_act(gu, self._bias(m["gate"], s.mlp_bias), self._bias(m["up"], s.mlp_bias),
-                      s.act, inter)
+            gated_act(gu, *vx.project_gate_up(self, a, m, gu), s.act, inter)
         else:
             self._proj(a, m["up"], inter)
             ub = self._bias(m["up"], s.mlp_bias)
@@ -418,6 +422,8 @@ class CausalLM(TransformerBase):
         down = xp.empty((nr, h), dtype=dt)
         self._proj(inter, m["down"], down)
         db = self._bias(m["down"], s.mlp_bias)
+        if s.sandwich:
+            db = vx.post_norm(self, down, db, m["norm_pm"])
         if s.pre_norm:
             residual_add(down, db, x)
         else:
@@ -437,7 +443,10 @@ class CausalLM(TransformerBase):
     def _head(self, hs2, w=None):
         """float32 logits (N, V) of final hidden states (N, E)."""
         w = self._head_weight() if w is None else w
-        return (hs2 @ w.T).astype(self.xp.float32, copy=False)
+        z = (hs2 @ w.T).astype(self.xp.float32, copy=False)
+        if self.config.final_softcap:
+            vx.softcap(z, self.config.final_softcap)
+        return z
 
     def logits(self, input_ids, attention_mask=None):
         """Next-token logits (B, T, V) float32."""

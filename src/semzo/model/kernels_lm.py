@@ -82,7 +82,7 @@ def _nb_residual_add(x, bias, resid):
 @njit(fastmath=True, cache=True, nogil=True)
 def _nb_rope_split(qkv, bq, bk, bv, pos, cos, sin, nh, nkv, d, rot, q, k, v, past):
     b_, t_ = pos.shape
-    half = d // 2
+    half = cos.shape[1] if rot else d // 2      # partial rotary: dims 2*half.. pass through
     hb = bq.shape[0] > 0
     for b in range(b_):
         for t in range(t_):
@@ -114,6 +114,17 @@ def _nb_rope_split(qkv, bq, bk, bv, pos, cos, sin, nh, nkv, d, rot, q, k, v, pas
                     else:
                         k[b, hh - nh, past + t, j] = y1
                         k[b, hh - nh, past + t, j + half] = y2
+                for j in range(2 * half, d):
+                    y = qkv[r, col + j]
+                    if hb:
+                        if hh < nh:
+                            y += bq[col + j]
+                        else:
+                            y += bk[col - nh * d + j]
+                    if hh < nh:
+                        q[b, hh, t, j] = y
+                    else:
+                        k[b, hh - nh, past + t, j] = y
             for hh in range(nkv):
                 col = (nh + nkv + hh) * d
                 for j in range(d):
@@ -214,7 +225,8 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, k, v, p
     """Split ``qkv`` (B*T, (nh + 2 nkv) d) = [q | k | v] columns into ``q`` (B, nh, T, d) and
     ``k``, ``v`` (B, nkv, Tc, d) at rows ``past .. past+T-1``, adding the biases
     ``(bq, bk, bv)`` (or None) and rotating q and k by the angles of ``pos`` (B, T) (row
-    indices into ``cos``/``sin`` (P, d/2); ``cos`` None: no rotation)."""
+    indices into ``cos``/``sin`` (P, r/2): the first r dims of a head rotate, the others pass
+    through (partial rotary); ``cos`` None: no rotation)."""
     bq, bk, bv = biases if biases is not None else (None, None, None)
     rot = cos is not None
     arrays = [qkv, q, k, v] + ([bq, bk, bv] if bq is not None else [])
@@ -234,8 +246,9 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, k, v, p
     if rot:
         c = xp.asarray(cos)[pos][:, :, None, :]          # (B, T, 1, d/2)
         s = xp.asarray(sin)[pos][:, :, None, :]
-        x1, x2 = qk[..., :d // 2], qk[..., d // 2:]
-        qk = xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+        h2 = c.shape[-1]
+        x1, x2 = qk[..., :h2], qk[..., h2:2 * h2]
+        qk = xp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s, qk[..., 2 * h2:]], axis=-1)
     q[...] = qk[:, :, :nh].transpose(0, 2, 1, 3).astype(q.dtype, copy=False)
     k[:, :, past:past + t] = qk[:, :, nh:].transpose(0, 2, 1, 3).astype(k.dtype, copy=False)
     v[:, :, past:past + t] = x[:, :, nh + nkv:].transpose(0, 2, 1, 3).astype(v.dtype, copy=False)

@@ -16,7 +16,14 @@ from another by the values below and by its weight names (:class:`Names`), nothi
 - ``sliding_window`` per layer (None: full causal attention);
 - ``tied``: the LM head reads the token embedding matrix;
 - ``proj_dim``: width of the token embeddings when it differs from ``hidden_size`` (OPT's
-  ``project_in`` / ``project_out``).
+  ``project_in`` / ``project_out``);
+- later families (:mod:`semzo.model.variants` runs them): ``norm_plus_one`` (Gemma's
+  x / rms(x) * (1 + g)), ``qk_norm`` (per-head RMSNorm of q and k before rotary: Qwen3,
+  Gemma 3), ``sandwich`` (Gemma 2/3: norms on the attention and MLP outputs too),
+  ``embed_scale``, ``attn_scale`` (scores times it; 0: 1/sqrt(head_dim)), ``attn_softcap`` and
+  ``final_softcap`` (c * tanh(x / c) on the scores / logits), ``rope_local`` (the rotary of
+  sliding-window layers, Gemma 3), ``RopeSpec.partial`` (Phi-3: rotate the first
+  ``head_dim * partial`` dims), ``no_rope`` (layers without rotary, SmolLM3).
 
 :class:`Fields` reads ``config.json`` for a family: every key the family's transformers config
 class has is honoured (read into the spec), declared inert (it does not change the forward
@@ -72,9 +79,15 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
+    partial: float = 1.0             # rotated share of head_dim (Phi-3 partial_rotary_factor)
+
+    def dim(self, head_dim: int) -> int:
+        """Rotated dims of a head (the first ones; the rest pass through)."""
+        return int(head_dim * self.partial)
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
-        """(head_dim // 2,) float32, computed in float32 as transformers does."""
+        """(dim // 2,) float32, computed in float32 as transformers does."""
+        head_dim = self.dim(head_dim)
         exps = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
         inv = (np.float32(1.0) / (np.float32(self.theta) ** exps)).astype(np.float32)
         if self.kind == "linear":
@@ -92,7 +105,7 @@ class RopeSpec:
         return inv
 
     def tables(self, head_dim: int, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin (n_pos, head_dim // 2) float32 of positions 0..n_pos-1."""
+        """cos, sin (n_pos, dim // 2) float32 of positions 0..n_pos-1."""
         ang = np.arange(n_pos, dtype=np.float32)[:, None] * self.inv_freq(head_dim)[None, :]
         return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
@@ -145,6 +158,15 @@ class DecoderSpec:
     sliding_window: tuple[int | None, ...] = ()
     proj_dim: int = 0
     model_type: str = ""
+    norm_plus_one: bool = False
+    qk_norm: bool = False
+    sandwich: bool = False
+    embed_scale: float = 0.0
+    attn_scale: float = 0.0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    rope_local: RopeSpec | None = None
+    no_rope: tuple[bool, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     # names the base class and the finetune stage read
@@ -166,6 +188,12 @@ class DecoderSpec:
 
     def window(self, layer: int) -> int | None:
         return self.sliding_window[layer] if self.sliding_window else None
+
+    def layer_rope(self, layer: int) -> RopeSpec | None:
+        """The rotary embedding of block ``layer``: None without rotary positions."""
+        if self.positions != "rotary" or (self.no_rope and self.no_rope[layer]):
+            return None
+        return self.rope_local if self.rope_local and self.window(layer) else self.rope
 
 
 class Fields:
@@ -226,29 +254,38 @@ _ROPE_PARAM_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_facto
                     "high_freq_factor", "original_max_position_embeddings"}
 
 
-def rope_from(f: Fields, max_positions: int) -> RopeSpec:
+def rope_from(f: Fields, max_positions: int, params: dict | None = None,
+              theta: float | None = None, partial: bool = False) -> RopeSpec:
     """The :class:`RopeSpec` of a config: types "default", "linear" and "llama3" are honoured;
-    any other type, ``partial_rotary_factor`` != 1 or per-layer parameters are refused."""
-    p = dict(f("rope_parameters", None) or f("rope_scaling", None) or {})
+    any other type, ``partial_rotary_factor`` != 1 (unless ``partial``: then read from the
+    parameters or the top-level key) or per-layer parameters are refused. ``params``: the
+    parameters to read (one layer type's), ``theta``: the default base."""
+    p = params if params is not None else (f("rope_parameters", None)
+                                           or f("rope_scaling", None) or {})
     if not isinstance(p, dict):
         f.refuse("rope_parameters", "not an object")
+    p = dict(p)
     key = "rope_parameters" if "rope_parameters" in f.raw else "rope_scaling"
-    theta = float(p.get("rope_theta") or f("rope_theta", 10000.0))
+    theta = float(p.get("rope_theta") or theta or f("rope_theta", 10000.0))
     kind = p.get("rope_type", p.get("type", "default")) or "default"
     if kind not in ("default", "linear", "llama3"):
         f.refuse(key, f"rope type {kind!r}; semzo implements default, linear, llama3")
-    if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+    frac = float(p.get("partial_rotary_factor", f.maybe("partial_rotary_factor", 1.0)))
+    if frac != 1.0 and not partial:
         f.refuse(key, "partial_rotary_factor != 1")
+    if not 0.0 < frac <= 1.0:
+        f.refuse(key, f"partial_rotary_factor {frac} outside (0, 1]")
     other = sorted(set(p) - _ROPE_PARAM_KEYS - {"partial_rotary_factor"})
     if other and kind != "default" or any(isinstance(v, dict) for v in p.values()):
         f.refuse(key, f"parameters {', '.join(other)} unknown to semzo's {kind!r} rope")
     if kind == "default":
-        return RopeSpec(theta)
+        return RopeSpec(theta, partial=frac)
     if kind == "linear":
-        return RopeSpec(theta, "linear", factor=float(p["factor"]))
+        return RopeSpec(theta, "linear", factor=float(p["factor"]), partial=frac)
     try:
         return RopeSpec(theta, "llama3", float(p["factor"]), float(p["low_freq_factor"]),
                         float(p["high_freq_factor"]),
-                        int(p.get("original_max_position_embeddings") or max_positions))
+                        int(p.get("original_max_position_embeddings") or max_positions),
+                        partial=frac)
     except KeyError as exc:
         raise SemzoError(f"{f.path}: {key} of type llama3 lacks {exc.args[0]!r}") from None

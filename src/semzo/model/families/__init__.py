@@ -12,11 +12,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from semzo.model.families import llama, mistral, opt, qwen2
+from semzo.model.families import gemma2, gemma3, llama, mistral, opt, phi3, qwen2, qwen3, smollm3
 from semzo.model.spec import DecoderSpec, Fields
 from semzo.runtime import SemzoError
 
-FAMILIES = (llama, qwen2, mistral, opt)
+FAMILIES = (llama, qwen2, mistral, opt, qwen3, gemma2, gemma3, phi3, smollm3)
 SUPPORTED_ARCHS = tuple(f.ARCHITECTURES[0] for f in FAMILIES)
 _SUPPORTED_ACTS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 
@@ -56,8 +56,9 @@ def read_spec(fam, raw: dict[str, Any], path: Path) -> DecoderSpec:
     if s.num_heads % s.num_kv_heads:
         raise SemzoError(f"{path}: num_attention_heads {s.num_heads} is not a multiple of "
                          f"num_key_value_heads {s.num_kv_heads}")
-    if s.head_dim % 2 and s.positions == "rotary":
-        raise SemzoError(f"{path}: head_dim {s.head_dim} must be even for rotary positions")
+    if s.positions == "rotary" and (s.head_dim % 2 or s.rope.dim(s.head_dim) % 2):
+        raise SemzoError(f"{path}: head_dim {s.head_dim} (rotated: {s.rope.dim(s.head_dim)}) "
+                         f"must be even for rotary positions")
     if s.positions == "learned" and s.num_heads * s.head_dim != s.hidden_size:
         raise SemzoError(f"{path}: hidden_size {s.hidden_size} is not a multiple of "
                          f"{s.num_heads} heads")

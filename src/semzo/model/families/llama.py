@@ -2,7 +2,15 @@
 positions (``rope_theta``, "linear" and "llama3" scaling), SwiGLU MLP, grouped-query attention,
 optional biases (``attention_bias`` on q/k/v/o, ``mlp_bias``), tied or untied LM head."""
 
-from semzo.model.spec import ROPE_KEYS, DecoderSpec, Fields, Names, int_field, rope_from
+from semzo.model.spec import (
+    ROPE_KEYS,
+    DecoderSpec,
+    Fields,
+    Names,
+    RopeSpec,
+    int_field,
+    rope_from,
+)
 
 ARCHITECTURES = ("LlamaForCausalLM", "LlamaModel")
 MODEL_TYPE = "llama"
@@ -24,22 +32,24 @@ REFUSED: dict = {}
 
 
 def spec(f: Fields, family: str = "llama", names: Names = NAMES, qkv_bias: bool | None = None,
-         windows: tuple = ()) -> DecoderSpec:
-    """The Llama spec; Qwen2 and Mistral call it with their differences."""
+         windows: tuple = (), rope: RopeSpec | None = None, **more) -> DecoderSpec:
+    """The Llama spec; Qwen2, Mistral and the later families call it with their differences
+    (``more``: further :class:`DecoderSpec` fields)."""
     h = int_field(f, "hidden_size", req=True)
     nh = int_field(f, "num_attention_heads", req=True)
     npos = int_field(f, "max_position_embeddings", 2048)
     bias = bool(f("attention_bias", False)) if qkv_bias is None else qkv_bias
+    more.setdefault("model_type", MODEL_TYPE)
     return DecoderSpec(
-        family=family, model_type=MODEL_TYPE, vocab_size=int_field(f, "vocab_size", req=True),
+        family=family, vocab_size=int_field(f, "vocab_size", req=True),
         hidden_size=h, num_layers=int_field(f, "num_hidden_layers", req=True), num_heads=nh,
         num_kv_heads=int_field(f, "num_key_value_heads", nh),
         head_dim=int(f.maybe("head_dim") or h // max(nh, 1)),
         intermediate_size=int_field(f, "intermediate_size", req=True), max_positions=npos,
         norm="rmsnorm", norm_eps=float(f("rms_norm_eps", 1e-6)), norm_affine=True,
         norm_bias=False, pre_norm=True, final_norm=True, positions="rotary",
-        rope=rope_from(f, npos), act=str(f("hidden_act", "silu")), gated=True,
+        rope=rope or rope_from(f, npos), act=str(f("hidden_act", "silu")), gated=True,
         qkv_bias=bias, o_bias=bias if qkv_bias is None else False,
         mlp_bias=bool(f.maybe("mlp_bias", False)),
         tied=bool(f("tie_word_embeddings", False)), names=names, sliding_window=windows,
-        raw=f.raw)
+        raw=f.raw, **more)

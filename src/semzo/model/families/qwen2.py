@@ -20,6 +20,11 @@ REFUSED: dict = {}
 
 
 def spec(f: Fields) -> DecoderSpec:
+    return llama.spec(f, "qwen2", NAMES, qkv_bias=True, windows=windows(f))
+
+
+def windows(f: Fields) -> tuple:
+    """The window of each layer (None: full attention); Qwen3 reads the same keys."""
     n = int_field(f, "num_hidden_layers", req=True)
     win = int_field(f, "sliding_window", 4096) if f("use_sliding_window", False) else None
     types = f("layer_types", None)
@@ -31,6 +36,4 @@ def spec(f: Fields) -> DecoderSpec:
         f.refuse("layer_types", f"need {n} of full_attention / sliding_attention")
     if win is None and "sliding_attention" in types:
         f.refuse("layer_types", "sliding_attention without use_sliding_window")
-    windows = tuple(win if t == "sliding_attention" else None for t in types)
-    s = llama.spec(f, "qwen2", NAMES, qkv_bias=True, windows=windows)
-    return s
+    return tuple(win if t == "sliding_attention" else None for t in types)
