@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from semzo.model.kernels import get_xp
+from semzo.backend import array_module
 from semzo.model.storage import STORAGE, to_float32, to_storage
 
 
@@ -98,7 +98,7 @@ def scale_embeddings(model, x) -> None:
 def softcap(z, cap: float, scale: float = 1.0) -> float:
     """``z = cap * tanh(z * scale / cap)`` in place (transformers' order: scale, divide, tanh,
     multiply); returns the scale left to apply (1.0)."""
-    xp = get_xp(z)
+    xp = array_module(z)
     if scale != 1.0:
         z *= z.dtype.type(scale)
     z /= z.dtype.type(cap)
