@@ -110,8 +110,9 @@ def test_resume_is_bit_exact(base, reference):
     assert "resumed from ckpt-000000010.h5 (step 10, same world size 2)" in proc.stderr
     second = _train_rows(out / "metrics.csv")
     ref = _train_rows(reference / "metrics.csv")
-    assert sorted(first) == list(range(10)) and sorted(second) == list(range(10, N))
-    assert {**first, **second} == ref               # loss, g and lr as written, every step
+    # the resumed run keeps the first run's rows (metrics.csv holds the whole curve)
+    assert sorted(first) == list(range(10)) and sorted(second) == list(range(N))
+    assert second == ref and {k: second[k] for k in first} == first   # as written, every step
     _same_params(out / "model.h5", reference / "model.h5")
     with h5py.File(out / "model.h5") as f:
         assert f.attrs["steps"] == N
@@ -157,6 +158,14 @@ def test_killed_rank_then_resume(base, reference4):
     assert "resumed from ckpt-000000010.h5" in proc.stderr
     _same_params(out / "model.h5", reference4 / "model.h5")
     assert (out / "metrics.csv").is_file() and not (out / "metrics.csv.tmp").exists()
+    # the requeued run keeps the curve: one row per step 0..N-1, the earlier run's rows
+    # (steps 0..9) as they were, and the held-out figures from before fine-tuning
+    assert sorted(_train_rows(out / "metrics.csv")) == list(range(N))
+    assert _train_rows(out / "metrics.csv") == _train_rows(reference4 / "metrics.csv")
+    assert "recorded in the checkpoint" in proc.stderr
+    with h5py.File(out / "model.h5") as f, h5py.File(reference4 / "model.h5") as g:
+        assert f.attrs["heldout_acc_before"] == g.attrs["heldout_acc_before"]
+        assert f.attrs["heldout_loss_before"] == g.attrs["heldout_loss_before"]
 
 
 def test_corrupt_newest_checkpoint_falls_back(base, reference4):
@@ -185,6 +194,50 @@ def test_resume_with_another_zo_dist_is_refused(base):
            "deck" in proc.stderr
     proc = _ft(base, 2, out, 10, "--resume", "--set", "zo.dist=gaussian")
     assert "resumed from ckpt-000000005.h5" in proc.stderr
+
+
+def test_resume_with_another_task_key_is_refused(base):
+    """Keys that define what the checkpoint's tensors mean (the trainable set, the lengths,
+    LoRA, the prompt) are compared with the checkpoint's deck: one line naming the key with
+    both values, exit 2, and the advice fits someone who asked for --resume."""
+    out = _outdir(base, "task")
+    _ft(base, 2, out, 5)
+    proc = _ft(base, 2, out, 10, "--resume", "--set", "train.max_length=20", ok=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert ("ckpt-000000005.h5: train.max_length = 24 in the checkpoint, 20 in this deck"
+            in lines[0]) and "checkpoint.resume" not in lines[0], lines[0]
+    proc = _ft(base, 2, out, 10, "--resume", last_layers=2, ok=False)
+    assert proc.returncode == 2 and "train.last_layers = 1 in the checkpoint, 2 in this " \
+        "deck" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_task_keys_compare_the_prompt_and_lora():
+    """The prompt template, label words and LoRA rank of the checkpoint's deck against this
+    deck's (a prompt-task resume is refused by key, not by tensor shapes)."""
+    from types import SimpleNamespace
+
+    from semzo import deck as deckmod
+    from semzo.finetune.resume import check_same_task
+    from semzo.runtime import SemzoError
+
+    d = deckmod.load(None, ['prompt.template="{text} It was"', "train.lora_rank=8"],
+                     check_inputs=False)
+    ck = SimpleNamespace(path=Path("ck.h5"), deck_toml=d.to_toml())
+    check_same_task(ck, d)                                        # the same deck resumes
+    for setting, expect in [('prompt.template="Review: {text} It was"',
+                             ("prompt.template = '{text} It was' in the checkpoint, "
+                             "'Review: {text} It was' in this deck")),
+                            ('prompt.label_words=[" bad", " good"]',
+                             "prompt.label_words = [] in the checkpoint, [' bad', ' good']"),
+                            ("train.lora_rank=4",
+                             "train.lora_rank = 8 in the checkpoint, 4 in this deck")]:
+        other = deckmod.load(None, ['prompt.template="{text} It was"', "train.lora_rank=8",
+                                    setting], check_inputs=False)
+        with pytest.raises(SemzoError) as exc:
+            check_same_task(ck, other)
+        assert str(exc.value).startswith("ck.h5: ") and expect in str(exc.value), exc.value
 
 
 def test_resume_with_another_seed_or_split_is_refused(base):

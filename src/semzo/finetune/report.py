@@ -30,16 +30,27 @@ class Metrics:
     ``flush_every`` rows), and :meth:`finish` draws the plots and renames it to
     ``metrics.csv``. Other ranks keep nothing."""
 
-    def __init__(self, outdir: str | Path, active: bool, flush_every: int = 50) -> None:
+    def __init__(self, outdir: str | Path, active: bool, flush_every: int = 50,
+                 keep_until: int | None = None) -> None:
         self.active = active
         self.path = Path(outdir) / "metrics.csv"
         self.tmp = self.path.with_name(self.path.name + ".tmp")    # the run in progress
         self.rows: list[dict] = []
         self._pending: list[dict] = []
         self.flush_every = flush_every
-        if active:
-            with open(self.tmp, "w", newline="", encoding="utf-8") as f:
-                csv.writer(f).writerow(COLUMNS)
+        if not active:
+            return
+        # a resumed run (``keep_until``: the checkpoint's step) continues the curve: the rows
+        # the earlier run wrote up to that step (from metrics.csv.tmp, or metrics.csv when it
+        # finished), so a requeued job keeps its history
+        kept = _read_rows(self.tmp if self.tmp.is_file() else self.path,
+                          keep_until) if keep_until is not None else []
+        with open(self.tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(COLUMNS)
+            for r in kept:
+                w.writerow([r.get(c, "") for c in COLUMNS])
+        self.rows = [{c: _parse(r.get(c, "")) for c in COLUMNS} for r in kept]
 
     def add(self, row: dict) -> None:
         if not self.active:
@@ -68,6 +79,36 @@ class Metrics:
         paths = plot_metrics(self.rows, self.path.parent, title)
         os.replace(self.tmp, self.path)
         return [self.path, *paths]
+
+
+def _read_rows(path: Path, until: int) -> list[dict]:
+    """The rows of a metrics file (as text) that a checkpoint at step ``until`` (the next step
+    to run) covers: training rows of steps ``< until`` (a row's step is the step it ran), other
+    rows (evaluations after ``step`` steps) ``<= until``; [] when the file is missing or has
+    another header."""
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            r = csv.DictReader(f)
+            if tuple(r.fieldnames or ()) != COLUMNS:
+                return []
+            return [row for row in r if row.get("step", "").isdigit() and
+                    (int(row["step"]) < until if row.get("kind") == "train"
+                     else int(row["step"]) <= until)]
+    except OSError:
+        return []
+
+
+def _parse(v: str):
+    """A metrics cell back as a number where it is one ("" -> None)."""
+    if v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        try:
+            return float(v)
+        except ValueError:
+            return v
 
 
 def _fmt(v) -> str:

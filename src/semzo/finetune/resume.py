@@ -21,7 +21,18 @@ import tomllib
 from ..rng import NAMES, dist_code
 from ..runtime import SemzoError
 
-_HINT = "resume with the deck it was written with or set checkpoint.resume = \"never\""
+_HINT = ("resume with the deck it was written with (`semzo inspect` prints it), or train "
+         "afresh into another run.output_dir")
+
+#: the keys that define what a checkpoint's tensors mean: a resume under another value would
+#: continue another task, another trainable set or another input encoding from them
+TASK_KEYS = (
+    ("model", "path"), ("model", "dtype"), ("model", "max_length"),
+    ("train", "task"), ("train", "params"), ("train", "last_layers"), ("train", "lora_rank"),
+    ("train", "lora_alpha"), ("train", "lora_targets"), ("train", "lora_layers"),
+    ("train", "max_length"), ("train", "head_init"), ("train", "head_scale"),
+    ("prompt", "template"), ("prompt", "label_words"),
+)
 
 
 def _deck_error(msg: str) -> SemzoError:
@@ -125,3 +136,24 @@ def check_same_seeds(loaded, run_seed: int, split_seed: int, heldout_fraction: f
         raise _deck_error(f"{loaded.path}: train.heldout_fraction = {frac:g} in the "
                           f"checkpoint, {float(heldout_fraction):g} in this deck (another "
                           f"held-out split); {_HINT}")
+
+
+def _plain(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+def check_same_task(loaded, deck) -> None:
+    """Refuse (one line naming the key with both values, exit 2) a checkpoint whose deck gave
+    a task-defining key (:data:`TASK_KEYS`: the task, the model, the trainable set, LoRA, the
+    prompt template and label words, the lengths) another value than this deck. Keys absent
+    from the checkpoint's deck (older versions) are not compared."""
+    saved = _saved_deck(loaded)
+    now = deck.to_dict()
+    for section, key in TASK_KEYS:
+        old = _section(saved, section)
+        if key not in old:
+            continue
+        new = _plain(now.get(section, {}).get(key))
+        if _plain(old[key]) != new:
+            raise _deck_error(f"{loaded.path}: {section}.{key} = {old[key]!r} in the checkpoint, "
+                              f"{new!r} in this deck; {_HINT}")

@@ -56,7 +56,7 @@ from .loop import (
     train,
 )
 from .report import Metrics
-from .resume import check_same_dist, check_same_seeds, dist_name, split_meta
+from .resume import check_same_dist, check_same_seeds, check_same_task, dist_name, split_meta
 from .trainable import first_trained_block, select_trainable
 
 log = get_logger(__name__)
@@ -149,7 +149,7 @@ def run_finetune_stage(ctx) -> dict:
     if t.max_epochs > 0:
         per_epoch = n_train / (topo.size * t.batch_size)
         steps = min(steps, max(1, math.ceil(t.max_epochs * per_epoch)))
-    ck, state, resumed_from = _open_checkpoints(ctx, model, names, task_kind, n_classes,
+    ck, state, resumed_from, before = _open_checkpoints(ctx, model, names, task_kind, n_classes,
                                                 train_idx.size, rows.label_names)
     engine = ZOEngine(ztensors([(n, model.params[n]) for n in names]), topo, mode=z.mode,
                       eps=z.eps, weight_decay=z.weight_decay,
@@ -172,12 +172,21 @@ def run_finetune_stage(ctx) -> dict:
              "s" if engine.n_groups > 1 else "", t.batch_size, max_len, steps, z.lr,
              t.schedule, z.eps, z.dist)
 
-    metrics = Metrics(ctx.outdir, active=topo.rank == 0)
-    before = evaluate(task, topo, engine.store)
-    metrics.add({"kind": "eval", "step": state.step, "heldout_loss": before[0],
-                 "heldout_acc": before[1], "heldout_n": before[2]})
-    log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d samples)",
-             " (ZERO-SHOT, the prompt alone)" if task_kind == "prompt" else "", *before)
+    # a resumed run keeps the rows of metrics.csv up to its checkpoint and the held-out
+    # figures from before fine-tuning that the checkpoint recorded (not those at the resume)
+    metrics = Metrics(ctx.outdir, active=topo.rank == 0, keep_until=resumed_from)
+    if before is None:
+        before = evaluate(task, topo, engine.store)
+        if resumed_from is None:
+            metrics.add({"kind": "eval", "step": state.step, "heldout_loss": before[0],
+                         "heldout_acc": before[1], "heldout_n": before[2]})
+        log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d samples)",
+                 (" (ZERO-SHOT, the prompt alone)" if task_kind == "prompt" else "")
+                 if resumed_from is None else f" (at the resumed step {resumed_from})", *before)
+    else:
+        log.info("held-out before fine-tuning%s, recorded in the checkpoint: loss %.4f, "
+                 "accuracy %.4f (%d samples)",
+                 " (ZERO-SHOT, the prompt alone)" if task_kind == "prompt" else "", *before)
     batcher = Batcher(train_idx.size, t.batch_size, deck.run.seed, topo.rank)
 
     def add_comm(s: float) -> None:
@@ -187,7 +196,7 @@ def run_finetune_stage(ctx) -> dict:
     cfg = LoopConfig.from_deck(deck)
     cfg.steps = steps
     saver = _StepSaver(ck, model, names, train_idx.size, centroids=_centroids(ctx), topo=topo,
-                       flush=engine.flush)
+                       flush=engine.flush, before=before, rows=metrics)
     with StopRequest(topo.world) as stop:       # SIGUSR1 / SIGTERM: checkpoint, then stop
         state = train(engine, task, batcher, state, cfg, on_row=saver.on_row(metrics.add),
                       on_comm=add_comm, on_step=saver, stop=stop)
@@ -251,7 +260,8 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     """The run's :class:`~semzo.checkpoint.Checkpointer` and the starting
     :class:`TrainState`: fresh, or from the newest valid checkpoint (``checkpoint.resume =
     "auto"``), whose trainable tensors are then copied into the model in place. Collective.
-    Returns ``(ck, state, resumed step or None)``."""
+    Returns ``(ck, state, resumed step or None, the held-out (loss, accuracy, count) before
+    fine-tuning that the checkpoint recorded, or None)``."""
 
     deck, topo = ctx.deck, ctx.topo
     meta: dict = {"task": task_kind, "trainable": names}
@@ -277,12 +287,13 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
             log.warning("finetune: %s holds checkpoints of an earlier run; starting from the "
                         "model (checkpoint.resume = \"never\"; pass --resume to continue "
                         "from them). Newer ones of the earlier run stay until pruned.", ck.dir)
-        return ck, state, None
+        return ck, state, None, None
     loaded = ck.resume(shard_size=n_train_local)
     if loaded is None:
         log.info("finetune: no valid checkpoint in %s: starting from the model", ck.dir)
-        return ck, state, None
+        return ck, state, None, None
     check_same_dist(loaded, meta["zo"]["dist"])
+    check_same_task(loaded, deck)
     check_same_seeds(loaded, deck.run.seed, split_seed, t.heldout_fraction)
     missing = sorted(set(names) - set(loaded.params))
     extra = sorted(set(loaded.params) - set(names))
@@ -313,7 +324,17 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     else:
         log.info("finetune: resumed from %s (step %d, same world size %d)", loaded.path.name,
                  loaded.step, topo.size)
-    return ck, state, int(loaded.step)
+    return ck, state, int(loaded.step), _stored_before(loaded.metrics)
+
+
+def _stored_before(m: dict) -> tuple[float, float, int] | None:
+    """The held-out (loss, accuracy, count) before fine-tuning that a checkpoint recorded
+    (None for checkpoints written before it was recorded)."""
+    try:
+        return (float(m["heldout_loss_before"]), float(m["heldout_acc_before"]),
+                int(m["heldout_n_before"]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _centroids(ctx) -> dict:
@@ -341,7 +362,10 @@ class _StepSaver:
     that step, ``SEMZO_TEST_SIGNAL`` = ``"rank:step:SIGNAME"`` sends it that signal (fault
     tests only)."""
 
-    def __init__(self, ck, model, names, n_local, *, centroids, topo, flush=None) -> None:
+    def __init__(self, ck, model, names, n_local, *, centroids, topo, flush=None,
+                 before=None, rows=None) -> None:
+        self.before = before                     # held-out figures before fine-tuning
+        self.rows = rows                         # the Metrics whose rows a checkpoint covers
 
         self.flush = flush or (lambda: None)     # the streamed step's deferred update
         self.ck, self.model, self.names, self.n_local = ck, model, names, int(n_local)
@@ -369,6 +393,10 @@ class _StepSaver:
         self.topo.allreduce(m)
         m /= self.topo.size
         metrics = {"loss": float(m[0]), "g": float(m[1]), "skips": state.skips}
+        if self.before is not None:               # a resumed run reports them, not its own
+            metrics.update(heldout_loss_before=float(self.before[0]),
+                           heldout_acc_before=float(self.before[1]),
+                           heldout_n_before=int(self.before[2]))
         params = {n: self.model.params[n] for n in self.names}
         return params, d, per_rank, metrics
 
@@ -381,6 +409,8 @@ class _StepSaver:
             os.kill(os.getpid(), getattr(signal, self.signal[2]))
         if self.ck.due(state.step):
             self.flush()                          # save exactly the updated model
+            if self.rows is not None:             # the rows up to here are on disk first
+                self.rows.flush()
             params, d, per_rank, metrics = self._payload(state)
             self.ck.save(state.step, params, d, per_rank, self.extras, metrics)
         else:
