@@ -218,7 +218,8 @@ def prompt_pair(args) -> dict:
     from zo_step import deferral_pairs
 
     from semzo.model import Tokenizer
-    from semzo.tasks.prompt import PromptTask, encode_prompts, label_word_ids
+    from semzo.preflight import label_word_ids
+    from semzo.tasks.prompt import PromptTask, encode_prompts
     from semzo.zo.streamed import step_streamed
 
     m, eng = semzo_llm("all", args.threads)

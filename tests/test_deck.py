@@ -26,7 +26,8 @@ BAD_DECKS = [
     ("stage order", "[run]\nstages = [\"cluster\", \"embed\"]\n", [], "run.stages: stages must"),
     ("unknown stage", "[run]\nstages = [\"embedd\"]\n", [], "run.stages: 'embedd'"),
     ("missing corpus", "[corpus]\npath = \"no/such.jsonl\"\n", [], "corpus.path: file not found"),
-    ("missing model", "[model]\npath = \"/no/such/model\"\n", [], "model.path: no config.json"),
+    ("missing model", "[model]\npath = \"/no/such/model\"\n", [],
+     "model.path: no such folder /no/such/model (semzo reads models from disk and downloads"),
     ("fp16 on cpu", "[model]\ndtype = \"float16\"\n", [], "model.dtype: float16"),
     ("ranks per node", "[topology]\nranks_per_node = 3\n", [], "topology.ranks_per_node: 4"),
     ("nodes per switch", "[topology]\nranks_per_node = 1\nnodes_per_switch = 3\n", [],
@@ -80,7 +81,7 @@ def test_override_types_and_validation(corpus):
     assert isinstance(d.cluster.tol, float)
     for dist in ("gaussian", "gaussian-fast", "rademacher"):
         assert deckmod.build({}, "x.toml", [f"zo.dist={dist}"]).zo.dist == dist
-    with pytest.raises(DeckError, match=r"^x.toml: cluster.k: expected an integer"):
+    with pytest.raises(DeckError, match=r"^x.toml: --set cluster.k: expected an integer"):
         deckmod.build({}, "x.toml", ["cluster.k=1.5"])
 
 
@@ -95,6 +96,9 @@ def test_bad_deck_in_process(tmp_path, corpus, name, text, sets, expect):
     assert expect in msg, msg
     assert msg.startswith(str(deck)), msg
     assert "\n" not in msg
+    # a key a --set gave is named as the command-line option, not as a line of the deck file
+    if sets and "=" in sets[0] and "." in sets[0].split("=")[0] and "unknown section" not in msg:
+        assert f"--set {sets[0].split('=')[0]}" in msg, msg
 
 
 # One bad deck of each kind goes through 4 ranks (a TOML error, a key, a file, the world size,

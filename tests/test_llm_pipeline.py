@@ -58,7 +58,7 @@ def test_prompt_pipeline(run):
     err = proc.stderr
     assert "embedded" in err and "all-MiniLM-L6-v2" in err             # MiniLM shards
     assert "held-out before fine-tuning (ZERO-SHOT" in err
-    assert "label words 'Ġbad', 'Ġgood' for labels neg, pos" in err
+    assert "label words ' bad', ' good' for labels neg, pos" in err
     assert "blocks 0..0 frozen: their output is computed once per prompt" in err
     assert "HELD-OUT ACCURACY before" in err
     with h5py.File(out / "embeddings.h5") as f:

@@ -18,16 +18,11 @@ from semzo.finetune.data import Batcher
 from semzo.finetune.loop import LoopConfig, TrainState, evaluate, train
 from semzo.finetune.trainable import select_trainable
 from semzo.model import Tokenizer, export_hf, load_model
+from semzo.preflight import default_label_words, label_word_ids
 from semzo.runtime import SemzoError
 from semzo.tasks.base import pad_batch
 from semzo.tasks.lm import LMTask
-from semzo.tasks.prompt import (
-    PromptTask,
-    default_label_words,
-    encode_prompts,
-    first_trained_block,
-    label_word_ids,
-)
+from semzo.tasks.prompt import PromptTask, encode_prompts, first_trained_block
 from semzo.zo.engine import ZOEngine
 from semzo.zo.perturb import ztensors
 from semzo.zo.streamed import step_streamed

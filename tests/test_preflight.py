@@ -37,13 +37,18 @@ CASES = [
      "train.task: lm fine-tuning needs a decoder in model.path, got an encoder"),
     ("no held-out samples", True, ["cluster.k=2", "train.heldout_fraction=1e-6"],
      "train.heldout_fraction: no held-out samples (1e-06 of 12 samples drew none)"),
+    ("label word of two tokens", True, ["cluster.k=2", "model.path=smollm2",
+                                        "train.task=\"prompt\""],
+     "prompt.label_words: ' class0' (label 'class0') (default: the label names) is 2 tokens"),
 ]
 
 
-@pytest.mark.parametrize("name,labels,sets,message", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,labels,sets,message", CASES + [
+    ("empty corpus", False, ["cluster.k=2"], "c.jsonl: the corpus has no records")],
+    ids=[c[0] for c in CASES] + ["empty corpus"])
 def test_later_stage_refusal_comes_before_the_embedding(tmp_path, name, labels, sets, message):
     corpus = tmp_path / "c.jsonl"
-    _corpus(corpus, 12, labels)
+    _corpus(corpus, 0 if name == "empty corpus" else 12, labels)
     out = tmp_path / "out"
     args = ["-m", "semzo", "run", "inputs/demo.toml", "--set", f"run.output_dir={out}",
             "--set", f"corpus.path={corpus}", "--set", "topology.ranks_per_node=0",
@@ -75,3 +80,28 @@ def test_a_valid_deck_passes_the_preflight(tmp_path):
                   timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "embeddings.h5").is_file() and (out / "clusters.h5").is_file()
+
+
+def test_ranks_without_a_training_sample_are_named(caplog):
+    """More ranks than training samples: the idle ranks are said once (a warning), before
+    the work and where they idle, instead of running silently."""
+    import logging
+
+    import numpy as np
+
+    from semzo import deck as deckmod
+    from semzo.preflight import check_samples
+
+    d = deckmod.load(None, ["train.heldout_fraction=0.5"], check_inputs=False)
+
+    def three_empty_ranks(counts):                  # this rank plus 3 with no sample
+        counts += np.array([0, 0, 0, 1, 1]) * 3
+
+    ids = np.arange(40)
+    with caplog.at_level(logging.WARNING):
+        check_samples(d, "lm", ids, np.full(40, -1), 0, three_empty_ranks)
+    assert "3 of 4 ranks hold no training sample" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        check_samples(d, "lm", ids[:2], np.full(2, -1), 0, three_empty_ranks, placed=False)
+    assert "of 4 ranks will hold no training sample" in caplog.text

@@ -462,8 +462,10 @@ def build(raw: dict[str, Any], src: str, overrides: list[str] = (), *,
           check_inputs: bool = True) -> Deck:
     """Validate a raw TOML mapping plus ``--set`` overrides into a :class:`Deck`."""
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    from_set: set[tuple[str, str]] = set()      # keys a --set gave: errors name the option
     for text in overrides:
         section, name, value = parse_override(src, text)
+        from_set.add((section, name))
         if section not in SECTIONS:
             raise DeckError(f"{src}: --set {section}: unknown section"
                             + _suggest(section, SECTIONS))
@@ -481,12 +483,14 @@ def build(raw: dict[str, Any], src: str, overrides: list[str] = (), *,
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})
         fields = {f.name: f for f in dataclasses.fields(cls)}
+        where = {k: f"--set {name}.{k}" if (name, k) in from_set else f"{name}.{k}"
+                 for k in table}
         for k, v in table.items():
             if k not in fields:
-                raise DeckError(f"{src}: {name}.{k}: unknown key" + _suggest(k, fields))
+                raise DeckError(f"{src}: {where[k]}: unknown key" + _suggest(k, fields))
             if isinstance(v, dict):
-                raise DeckError(f"{src}: {name}.{k}: unexpected table")
-        values = {k: _check_value(src, f"{name}.{k}", fields[k], v) for k, v in table.items()}
+                raise DeckError(f"{src}: {where[k]}: unexpected table")
+        values = {k: _check_value(src, where[k], fields[k], v) for k, v in table.items()}
         sections[name] = cls(**values)
     deck = Deck(source=src, **sections)
     _check_consistency(deck, check_inputs)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 from .deck import Deck, DeckError
-from .model import families
+from .model import Tokenizer, families
 from .model.config import EncoderConfig, read_config, read_raw
 from .model.loader import model_kind
-from .model.zoo import resolve_model_path
+from .model.zoo import NAMED, resolve_model_path
 from .rng import philox_hash
-from .runtime import AllRanksError, SemzoError
+from .runtime import AllRanksError, SemzoError, get_logger
+
+log = get_logger(__name__)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -42,6 +44,15 @@ def check_model_path(d: Deck, path: str, key: str) -> None:
         folder = resolve_model_path(path)
     except SemzoError as exc:
         raise DeckError(f"{d.source}: {key}: {exc}") from None
+    if not folder.exists():
+        named = ", ".join(sorted(NAMED))
+        raise DeckError(f"{d.source}: {key}: no such folder {path} (semzo reads models from "
+                        f"disk and downloads nothing: give a local folder of a Hugging Face "
+                        f"model, a GGUF converted with `semzo convert gguf`, or a named model: "
+                        f"{named})")
+    if not folder.is_dir():
+        raise DeckError(f"{d.source}: {key}: {path} is a file, not a model folder (a .gguf "
+                        f"file: convert it with `semzo convert gguf {path} FOLDER`)")
     if not (folder / "config.json").is_file():
         raise DeckError(f"{d.source}: {key}: no config.json in folder {path}")
     # config.json is read now (not when the stage that loads the model starts, after earlier
@@ -98,7 +109,7 @@ def resolve_task(deck, model_kind: str) -> str:
 
 
 def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_classes: int,
-                  allreduce) -> tuple[np.ndarray, int, int]:
+                  allreduce, *, placed: bool = True) -> tuple[np.ndarray, int, int]:
     """What the finetune stage needs of its samples (this rank's ``ids`` and ``labels``, -1
     unlabeled; ``n_classes`` the same on every rank): labels on every sample and two classes
     for a classify or prompt task, and both sides of the held-out split non-empty (without
@@ -110,8 +121,17 @@ def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_c
     t = deck.train
     split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
     held = heldout_mask(ids, split_seed, t.heldout_fraction)
-    counts = np.array([int((~held).sum()), int(held.sum()), int((labels < 0).sum())], np.int64)
+    counts = np.array([int((~held).sum()), int(held.sum()), int((labels < 0).sum()),
+                       int((~held).sum() == 0), 1], np.int64)
     allreduce(counts)
+    # ranks with no training sample idle through every step: said once, before the work
+    # (the embed stage: fewer training samples than ranks) and where it happens (finetune)
+    idle = int(counts[4] - counts[0]) if placed is False else int(counts[3])
+    if idle > 0:
+        log.warning("%d of %d ranks %s no training sample (%d training samples in all): "
+                    "they idle through every step; use fewer ranks or a larger corpus",
+                    idle, int(counts[4]), "hold" if placed is not False else "will hold",
+                    int(counts[0]))
     if task_kind in ("classify", "prompt") and (counts[2] or n_classes < 2):
         raise AllRanksError(f"{deck.corpus.path}: train.task = {task_kind} needs a label on "
                           f"every record and at least 2 classes ({int(counts[2])} "
@@ -135,7 +155,16 @@ def check_k(deck, n_total: int) -> None:
                             f"{n_total} samples")
 
 
-def check_later_stages(ctx, ids: np.ndarray, labels: np.ndarray, n_classes: int) -> None:
+def check_prompt(deck, label_names: list[str]) -> None:
+    """``prompt.label_words`` against the model's tokenizer and the classes (one token per
+    class, none shared), before any work. Every rank raises together."""
+    tok = Tokenizer.from_folder(deck.model.path or None, max_length=None)
+    label_word_ids(tok, label_names, deck.prompt.label_words, deck.prompt.template,
+                   deck.source)
+
+
+def check_later_stages(ctx, ids: np.ndarray, labels: np.ndarray,
+                       label_names: list[str]) -> None:
     """Before any embedding work, what the later stages of this run check of the samples:
     ``cluster.k`` against their number, the finetune stage's labels and held-out split (and
     that ``train.task`` suits the model). A deck those stages refuse then fails in seconds
@@ -148,4 +177,43 @@ def check_later_stages(ctx, ids: np.ndarray, labels: np.ndarray, n_classes: int)
         check_k(deck, int(n[0]))
     if "finetune" in deck.run.stages:
         task = resolve_task(deck, model_kind(deck.model.path or None))
-        check_samples(deck, task, ids, labels, n_classes, topo.allreduce)
+        check_samples(deck, task, ids, labels, len(label_names), topo.allreduce, placed=False)
+        if task == "prompt":
+            check_prompt(deck, label_names)
+
+
+# ----------------------------------------------------------------------------- prompt
+def encode_text(tok, text: str, special: bool) -> list[int]:
+    """Token ids of ``text`` (``special``: with the tokenizer's special tokens)."""
+    return list(tok.tk.encode(text, add_special_tokens=special).ids)
+
+
+def default_label_words(label_names: list[str], template: str) -> list[str]:
+    """Each label name, with a leading space unless the template ends in whitespace."""
+    sep = "" if template[-1:].isspace() else " "
+    return [sep + str(n) for n in label_names]
+
+
+def label_word_ids(tok, label_names: list[str], words: tuple | list, template: str,
+                   src: str) -> np.ndarray:
+    """Token id (C,) int64 of each class's label word; errors (every rank) name
+    ``prompt.label_words``: a count that differs from the classes, a word that is not exactly
+    one token, two classes on the same token."""
+    given = "" if words else " (default: the label names)"
+    words = list(words) if words else default_label_words(label_names, template)
+    if len(words) != len(label_names):
+        raise AllRanksError(f"{src}: prompt.label_words: {len(words)} words for "
+                          f"{len(label_names)} classes (labels in order: "
+                          f"{', '.join(label_names)})")
+    out = []
+    for w, name in zip(words, label_names):
+        ids = encode_text(tok, w, False)
+        if len(ids) != 1:
+            pieces = [tok.tk.decode([i]) for i in ids]          # ' class', not 'Ġclass'
+            raise AllRanksError(f"{src}: prompt.label_words: {w!r} (label {name!r}){given} is "
+                              f"{len(ids)} tokens {pieces}, not one; choose a word that is "
+                              f"one token (with its leading space)")
+        out.append(ids[0])
+    if len(set(out)) != len(out):
+        raise AllRanksError(f"{src}: prompt.label_words: two classes share a token ({words})")
+    return np.array(out, np.int64)

@@ -33,7 +33,7 @@ from ..h5io import (
 )
 from ..model import Tokenizer, embed_texts, load_model, set_threads
 from ..preflight import check_later_stages, embed_model_path
-from ..runtime import SemzoError, get_logger
+from ..runtime import AllRanksError, SemzoError, get_logger
 
 log = get_logger(__name__)
 
@@ -107,10 +107,13 @@ def run_embed_stage(ctx) -> dict:
         texts = [t for t, k in zip(texts, keep) if k]
         ids = ids[keep]
         labels_s = [x for x, k in zip(labels_s, keep) if k] if labels_s is not None else None
+    if n_total == 0:                      # before anything counts clusters or classes
+        raise AllRanksError(f"{deck.corpus.path}: the corpus has no records"
+                            + (" with a label in corpus.labels" if deck.corpus.labels else ""))
     vocab = label_vocab(labels_s, comm)
     labels = (label_codes(labels_s, vocab) if labels_s is not None
               else np.full(len(texts), -1, np.int64))
-    check_later_stages(ctx, ids, labels, len(vocab))
+    check_later_stages(ctx, ids, labels, vocab)
     model_path, key = embed_model_path(deck)
     model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype)
     if model.kind != "encoder":

@@ -292,8 +292,8 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
             if on_row is not None:
                 on_row({"kind": "eval", "step": done, "heldout_loss": loss, "heldout_acc": acc,
                         "heldout_n": n})
-            log.info("step %d: held-out loss %.4f, accuracy %.4f (%d samples)", done, loss,
-                     acc, n)
+            log.info("step %d: held-out loss %.4f, accuracy %.4f (%d %s)", done, loss,
+                     acc, n, "tokens" if getattr(task, "kind", "") == "lm" else "samples")
         if done % cfg.log_every == 0 or done == cfg.steps:
             now = time.perf_counter()
             rate = (done - last_log[1]) / max(now - last_log[0], 1e-9)

@@ -175,17 +175,18 @@ def run_finetune_stage(ctx) -> dict:
     # a resumed run keeps the rows of metrics.csv up to its checkpoint and the held-out
     # figures from before fine-tuning that the checkpoint recorded (not those at the resume)
     metrics = Metrics(ctx.outdir, active=topo.rank == 0, keep_until=resumed_from)
+    unit = "tokens" if task_kind == "lm" else "samples"    # what the held-out count counts
     if before is None:
         before = evaluate(task, topo, engine.store)
         if resumed_from is None:
             metrics.add({"kind": "eval", "step": state.step, "heldout_loss": before[0],
                          "heldout_acc": before[1], "heldout_n": before[2]})
-        log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d samples)",
+        log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d " + unit + ")",
                  (" (ZERO-SHOT, the prompt alone)" if task_kind == "prompt" else "")
                  if resumed_from is None else f" (at the resumed step {resumed_from})", *before)
     else:
         log.info("held-out before fine-tuning%s, recorded in the checkpoint: loss %.4f, "
-                 "accuracy %.4f (%d samples)",
+                 "accuracy %.4f (%d " + unit + ")",
                  " (ZERO-SHOT, the prompt alone)" if task_kind == "prompt" else "", *before)
     batcher = Batcher(train_idx.size, t.batch_size, deck.run.seed, topo.rank)
 
@@ -220,7 +221,7 @@ def run_finetune_stage(ctx) -> dict:
              ran / max(secs, 1e-9), state.skips)
     _log_device_memory(ctx, topo, engine, model)
     log.info("HELD-OUT %s before %.4f -> after %.4f (%+.2f points); loss %.4f -> %.4f "
-             "(%d samples)", what.upper(), before[1], after[1], 100 * (after[1] - before[1]),
+             "(%d " + unit + ")", what.upper(), before[1], after[1], 100 * (after[1] - before[1]),
              before[0], after[0], after[2])
     out = {"task": task_kind, "steps": state.step, "skipped": state.skips,
            "steps/s": ran / max(secs, 1e-9), "heldout acc before": float(before[1]),

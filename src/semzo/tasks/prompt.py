@@ -24,6 +24,7 @@ import numpy as np
 from ..model import Tokenizer
 from ..model.base import BLOCK, cross_entropy
 from ..model.storage import to_float32
+from ..preflight import encode_text, label_word_ids
 from ..runtime import AllRanksError, get_logger
 from .base import Task, pad_batch
 
@@ -34,41 +35,6 @@ def lm_head_weight(model):
     """The LM head matrix (V, E) of a decoder (the embedding matrix when tied), as stored
     (bfloat16: uint16 bits; upcast the rows you read with ``storage.to_float32``)."""
     return model.params[model.head_weight_name()]
-
-
-def _encode(tok, text: str, special: bool) -> list[int]:
-    return list(tok.tk.encode(text, add_special_tokens=special).ids)
-
-
-def default_label_words(label_names: list[str], template: str) -> list[str]:
-    """Each label name, with a leading space unless the template ends in whitespace."""
-    sep = "" if template[-1:].isspace() else " "
-    return [sep + str(n) for n in label_names]
-
-
-def label_word_ids(tok, label_names: list[str], words: tuple | list, template: str,
-                   src: str) -> np.ndarray:
-    """Token id (C,) int64 of each class's label word; errors (every rank) name
-    ``prompt.label_words``: a count that differs from the classes, a word that is not exactly
-    one token, two classes on the same token."""
-    words = list(words) if words else default_label_words(label_names, template)
-    given = "" if words else " (default: the label names)"
-    if len(words) != len(label_names):
-        raise AllRanksError(f"{src}: prompt.label_words: {len(words)} words for "
-                          f"{len(label_names)} classes (labels in order: "
-                          f"{', '.join(label_names)})")
-    out = []
-    for w, name in zip(words, label_names):
-        ids = _encode(tok, w, False)
-        if len(ids) != 1:
-            pieces = [tok.tk.id_to_token(i) for i in ids]
-            raise AllRanksError(f"{src}: prompt.label_words: {w!r} (label {name!r}){given} is "
-                              f"{len(ids)} tokens {pieces}, not one; choose a word that is "
-                              f"one token (with its leading space)")
-        out.append(ids[0])
-    if len(set(out)) != len(out):
-        raise AllRanksError(f"{src}: prompt.label_words: two classes share a token ({words})")
-    return np.array(out, np.int64)
 
 
 def encode_prompts(tok, texts: list[str], template: str, max_len: int, context: int,
@@ -85,8 +51,8 @@ def encode_prompts(tok, texts: list[str], template: str, max_len: int, context: 
                           f"context of {context} positions")
     head, tail = template.split("{text}", 1)
     tail = tail.replace("{text}", "")
-    tail_ids = _encode(tok, tail, False) if tail else []
-    fixed = len(_encode(tok, head, True)) + len(tail_ids)
+    tail_ids = encode_text(tok, tail, False) if tail else []
+    fixed = len(encode_text(tok, head, True)) + len(tail_ids)
     if fixed + 1 > max_len:
         raise AllRanksError(f"{src}: prompt.template: the template alone is {fixed} tokens, "
                           f"longer than the prompt length of {max_len} tokens "
@@ -301,7 +267,7 @@ def build_prompt_task(ctx, model, names: list[str], rows, train_idx, held_idx,
     agree = np.array([int(ok)], np.int64)
     topo.allreduce(agree)
     layer = first if int(agree[0]) == topo.size else 0
-    words = [tok.tk.id_to_token(int(i)) for i in word_ids]
+    words = [tok.tk.decode([int(i)]) for i in word_ids]     # as text: ' good', not 'Ġgood'
     log.info("finetune: prompt task: template %r, label words %s for labels %s; prompts of "
              "at most %d tokens%s", pr.template,
              ", ".join(f"{w!r}" for w in words), ", ".join(rows.label_names), max_len,
