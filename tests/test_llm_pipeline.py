@@ -93,7 +93,21 @@ def test_model_h5_works_with_generate_export_and_inspect(run):
     exp = subprocess.run([sys.executable, "-m", "semzo", "export", str(out / "model.h5"),
                           str(hf)], capture_output=True, text=True, timeout=200, check=False)
     assert exp.returncode == 0, exp.stderr
-    assert (hf / "config.json").is_file()
+    assert (hf / "config.json").is_file() and "(step 20, weights float32;" in exp.stdout
+    info = json.loads((hf / "semzo_export.json").read_text())
+    assert info["step"] == 20 and info["task"] == "prompt"
+    assert info["prompt"] == {"template": "{text} It was", "label_names": ["neg", "pos"],
+                              "label_words": [" bad", " good"]}
+    # an existing folder is not overwritten silently; --force and another dtype
+    again = subprocess.run([sys.executable, "-m", "semzo", "export", str(out / "model.h5"),
+                            str(hf), "--dtype", "bfloat16"], capture_output=True, text=True,
+                           timeout=200, check=False)
+    assert again.returncode == 2 and "pass --force" in again.stderr, again.stderr
+    forced = subprocess.run([sys.executable, "-m", "semzo", "export", str(out / "model.h5"),
+                             str(hf), "--dtype", "bfloat16", "--force"], capture_output=True,
+                            text=True, timeout=200, check=False)
+    assert forced.returncode == 0 and "weights bfloat16" in forced.stdout, forced.stderr
+    assert json.loads((hf / "config.json").read_text())["torch_dtype"] == "bfloat16"
     gen = subprocess.run([sys.executable, "-m", "semzo", "generate", str(out / "model.h5"),
                           "--prompt", "the moon", "--max-new-tokens", "3"],
                          capture_output=True, text=True, timeout=200, check=False)

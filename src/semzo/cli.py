@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     e = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face folder")
     e.add_argument("ckpt", help="checkpoint file, or folder (its newest valid checkpoint)")
     e.add_argument("outdir")
+    e.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
+                   help="weight dtype in model.safetensors (default: the stored one)")
+    e.add_argument("--force", action="store_true", help="overwrite a non-empty outdir")
     v = sub.add_parser("convert", help="convert a model file into a Hugging Face folder "
                        "(GGUF: config.json, model.safetensors, tokenizer.json)")
     v.add_argument("format", choices=("gguf",))
@@ -175,9 +178,13 @@ def _checkpoint_tool(args: argparse.Namespace) -> int:
         if comm.Get_rank() == 0:
             print(text)
         return 0 if ok else 1
-    out = tools.export(args.ckpt, args.outdir, comm)
+    rep: dict = {}
+    out = tools.export(args.ckpt, args.outdir, comm, force=args.force, dtype=args.dtype,
+                       report=rep)
     if comm.Get_rank() == 0:
-        print(f"exported {args.ckpt} to {out}")
+        print(f"exported {args.ckpt} to {out} (step {rep.get('step')}, weights "
+              f"{rep.get('dtype')}; {tools.EXPORT_INFO} records the source, the task and its "
+              f"prompt)")
     return 0
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import threading
@@ -304,6 +305,11 @@ class Checkpointer:
         """Wait for a background write and free the writer's communicator. Collective."""
         try:
             self.wait()
+            if len(self.history) > 1:
+                h = self.history
+                log.info("checkpoints: %d saved in %s (steps %d..%d), %.2f s of writing in all, "
+                         "latest -> %s", len(h), self.dir, h[0]["step"], h[-1]["step"],
+                         sum(x["seconds"] for x in h), read_latest(self.dir) or "(none)")
         finally:
             if self._acomm is not None:
                 self._acomm.Free()
@@ -350,8 +356,12 @@ class Checkpointer:
         mib = payload.nbytes / 2**20
         self.history.append({"step": payload.step, "bytes": payload.nbytes, "seconds": total,
                              "write_seconds": write_s, "snapshot_seconds": snap})
-        log.info("checkpoint step %d: %.1f MiB in %.2f s (%.0f MiB/s) -> %s", payload.step,
-                 mib, write_s, mib / max(write_s, 1e-9), path)
+        # the first save is logged (where and how fast), the others at debug level: a run
+        # with a checkpoint every few steps would print a line per save; close() sums them up
+        log.log(logging.INFO if len(self.history) == 1 else logging.DEBUG,
+                "checkpoint step %d: %.1f MiB in %.2f s (%.0f MiB/s) -> %s%s", payload.step,
+                mib, write_s, mib / max(write_s, 1e-9), path,
+                " (later saves: one line at the end)" if len(self.history) == 1 else "")
 
 
 # --------------------------------------------------------------------------- restarting

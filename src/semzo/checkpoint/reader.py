@@ -13,6 +13,7 @@ same answer or the same :class:`CheckpointError`. Format-1 files go to :mod:`.le
 from __future__ import annotations
 
 import json
+import logging
 import mmap
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -327,9 +328,10 @@ def load(path: str | Path, comm: MPI.Intracomm, *, shard_size: int | None = None
     if shard_size is not None:
         new_sizes = np.array(comm.allgather(int(shard_size)), dtype=np.int64)
     rows, dropped = remap_per_rank(tables, size, rank, shard_sizes_new=new_sizes)
-    if dropped and rank == 0:
-        log.warning("%s: saved at %d ranks, loaded at %d: per-rank entries %s have no "
-                    "remapping rule and were dropped", path, saved, size, dropped)
+    if dropped and rank == 0:              # only a resume (shard_size given) uses them
+        log.log(logging.WARNING if shard_size is not None else logging.DEBUG,
+                "%s: saved at %d ranks, loaded at %d: per-rank entries %s have no "
+                "remapping rule and were dropped", path, saved, size, dropped)
     return Loaded(path=path, step=int(attrs["step"]), params=group("params"),
                   state=_state(groups, arrays, kinds), per_rank=rows, per_rank_tables=tables,
                   extras=group("extras"), metrics=dict(groups.get("metrics", {})),

@@ -18,7 +18,8 @@ from mpi4py import MPI
 from ..deck import from_toml_text
 from ..model import export_hf, load_model
 from ..model.storage import same_storage_copy
-from ..runtime import SemzoError, get_logger
+from ..preflight import default_label_words
+from ..runtime import AllRanksError, SemzoError, get_logger
 from . import modelfile
 from .format import CheckpointError, manifest_checksum
 from .manager import find_resumable, list_checkpoints, read_latest
@@ -178,10 +179,49 @@ def rebuild_model(loaded, meta: dict):
     return model
 
 
-def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
-    """Write the checkpoint's model as a Hugging Face folder (rank 0). Collective: the file
-    is read and verified by every rank. Raises :class:`SemzoError` on every rank on error."""
+EXPORT_INFO = "semzo_export.json"
+
+
+def _export_info(path: Path, loaded, meta: dict, dtype: str) -> dict:
+    """What an exported folder needs beside the weights to reproduce the run's model: where
+    it came from (file, step), the task, and for the prompt task the template and the label
+    word of each class (the defaults resolved), from the stored deck."""
+    info = {"source": str(path), "step": int(loaded.step), "task": meta.get("task"),
+            "dtype": dtype}
+    head = meta.get("head") or {}
+    if head.get("label_names"):
+        info["label_names"] = list(head["label_names"])
+    deck = from_toml_text(loaded.deck_toml) if loaded.deck_toml.strip() else None
+    if deck is not None and meta.get("task") == "prompt":
+        names = _stored_label_names(loaded, meta)
+        words = list(deck.prompt.label_words) or default_label_words(names, deck.prompt.template)
+        info["prompt"] = {"template": deck.prompt.template, "label_names": names,
+                          "label_words": words}
+    if deck is not None:
+        info["deck"] = loaded.deck_toml
+    return info
+
+
+def _stored_label_names(loaded, meta: dict) -> list[str]:
+    """The class names in order: ``model_meta`` (checkpoints), else model.h5's attribute."""
+    names = meta.get("label_names") or (meta.get("head") or {}).get("label_names")
+    if names is None:
+        names = np.atleast_1d(loaded.attrs.get("label_names", []))
+    return [x.decode() if isinstance(x, bytes) else str(x) for x in names]
+
+
+def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm, *, force: bool = False,
+           dtype: str | None = None, report: dict | None = None) -> Path:
+    """Write the checkpoint's (or model.h5's) model as a Hugging Face folder (rank 0), with
+    ``semzo_export.json`` (:func:`_export_info`). An existing non-empty ``outdir`` is refused
+    unless ``force``; ``dtype``: the weights' dtype (None: the stored one). ``report`` (a
+    dict) receives the step and the dtype written. Collective: the file is read and verified
+    by every rank. Raises :class:`SemzoError` on every rank on error."""
     path = Path(path)
+    out = Path(outdir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise AllRanksError(f"{out}: exists and is not an empty folder; pass --force to "
+                            f"overwrite it")
     if path.is_dir():
         found = find_resumable(path, comm)
         if found is None:
@@ -191,7 +231,7 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
         loaded = modelfile.read(path, comm) if modelfile.is_model_file(path) else load(path, comm)
     except CheckpointError as exc:
         raise _damaged(exc) from None
-    err, out = None, Path(outdir)
+    err = None
     if comm.Get_rank() == 0:
         try:
             meta = json.loads(loaded.attrs.get("model_meta") or "{}")
@@ -211,10 +251,16 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
             kept = len(model.params) - len(loaded.params)
             if kept:
                 log.info("%d tensors not in the checkpoint keep the base model's values", kept)
-            export_hf(model, out, label_names=(meta.get("head") or {}).get("label_names") or None)
+            dt = dtype or model.storage
+            export_hf(model, out, label_names=(meta.get("head") or {}).get("label_names") or None,
+                      dtype=dt)
+            info = _export_info(path, loaded, meta, dt)
+            (out / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         except (SemzoError, OSError, ValueError) as exc:
             err = str(exc) if isinstance(exc, SemzoError) else f"{out}: {exc}"
     err = comm.bcast(err, root=0)
     if err:
         raise SemzoError(err)
+    if report is not None:
+        report.update(step=int(loaded.step), dtype=dtype or _deck_dtype(loaded.deck_toml))
     return out

@@ -189,6 +189,13 @@ class TrainState:
 
 
 
+def perplexity(task, loss: float) -> dict:
+    """``{"heldout_ppl": exp(loss)}`` for the lm task (its loss is a mean per token), else {}."""
+    if getattr(task, "kind", "") != "lm" or not math.isfinite(loss):
+        return {}
+    return {"heldout_ppl": math.exp(min(loss, 700.0))}
+
+
 def evaluate(task: Task, topo, store=None) -> tuple[float, float, int]:
     """Held-out (loss, accuracy, count) over all ranks. Collective over the world.
 
@@ -248,8 +255,10 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
     t_start = time.perf_counter()
     first = state.step
     last_log = (t_start, first)
+    per_s = "tokens_per_s" if getattr(task, "kind", "") == "lm" else "samples_per_s"
     while state.step < cfg.steps:
         step = state.step
+        t_step = time.perf_counter()
         if stop is not None:
             stop.start(step)
         lr = lr_at(step, cfg.steps, cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio)
@@ -281,8 +290,12 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
                     f"(train.max_skips = {cfg.max_skips}); lower zo.lr or zo.eps, or check "
                     f"the data")
         if on_row is not None:
+            now = time.perf_counter()
+            # throughput over all ranks: the step's global weight (the samples, or for the lm
+            # task the predicted tokens, of the global batch) per second of this step
             on_row({"kind": "train", "step": step, "loss": res.loss, "g": res.g, "lr": lr,
-                    "compute_s": res.compute_s, "comm_s": res.comm_s, "skipped": int(not res.ok)})
+                    "compute_s": res.compute_s, "comm_s": res.comm_s, "skipped": int(not res.ok),
+                    "elapsed_s": now - t_start, per_s: res.n / max(now - t_step, 1e-9)})
         done = state.step
         if cfg.checksum_every and done % cfg.checksum_every == 0 and done < cfg.steps:
             engine.verify(step)
@@ -291,7 +304,8 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
             loss, acc, n = evaluate(task, topo, engine.store)
             if on_row is not None:
                 on_row({"kind": "eval", "step": done, "heldout_loss": loss, "heldout_acc": acc,
-                        "heldout_n": n})
+                        "heldout_n": n, "elapsed_s": time.perf_counter() - t_start,
+                        **perplexity(task, loss)})
             log.info("step %d: held-out loss %.4f, accuracy %.4f (%d %s)", done, loss,
                      acc, n, "tokens" if getattr(task, "kind", "") == "lm" else "samples")
         if done % cfg.log_every == 0 or done == cfg.steps:

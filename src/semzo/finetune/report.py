@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 COLUMNS = ("kind", "step", "loss", "g", "lr", "compute_s", "comm_s", "skipped",
-           "heldout_loss", "heldout_acc", "heldout_n")
+           "heldout_loss", "heldout_acc", "heldout_n", "elapsed_s", "samples_per_s",
+           "tokens_per_s", "heldout_ppl")
 
 
 class Metrics:
@@ -147,22 +148,27 @@ def plot_metrics(rows: list[dict], outdir: Path, title: str = "") -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     tr = [r for r in rows if r["kind"] == "train" and not r.get("skipped")
-          and math.isfinite(r["loss"])]
+          and isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]
     ev = [r for r in rows if r["kind"] == "eval"]
     paths = []
     fig, ax = plt.subplots(figsize=(7, 4), constrained_layout=True)
     if tr:
         xs = [r["step"] for r in tr]
         ys = [r["loss"] for r in tr]
-        ax.plot(xs, ys, color="0.75", lw=0.8, label="training loss (global batch)")
-        ax.plot(xs, _smooth(ys, max(1, len(ys) // 20)), color="C0", lw=1.5,
-                label="training loss, running mean")
+        k = len(ys) // 20                      # a running mean only where it averages
+        ax.plot(xs, ys, color="0.7" if k >= 2 else "C0", lw=0.8 if k >= 2 else 1.2,
+                marker="" if len(ys) > 60 else ".", label="training loss (global batch)")
+        if k >= 2:
+            ax.plot(xs, _smooth(ys, k), color="C0", lw=1.5,
+                    label=f"training loss, running mean of {k} steps")
     if ev:
         ax.plot([r["step"] for r in ev], [r["heldout_loss"] for r in ev], "o-", color="C3",
                 label="held-out loss")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("loss")
     ax.set_title(f"semzo ZO fine-tuning: loss {title}".strip())
     ax.legend()
@@ -174,7 +180,10 @@ def plot_metrics(rows: list[dict], outdir: Path, title: str = "") -> list[Path]:
         ax.plot([r["step"] for r in ev], [r["heldout_acc"] for r in ev], "o-", color="C2",
                 label="held-out accuracy")
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("accuracy")
+    ax.set_ylim(-0.02, 1.02)                    # an accuracy lies in [0, 1]
+    ax.set_yticks([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ax.set_title(f"semzo ZO fine-tuning: held-out accuracy {title}".strip())
     ax.legend()
     paths.append(_save(fig, outdir / "accuracy.png"))

@@ -53,6 +53,7 @@ from .loop import (
     StopRequest,
     TrainState,
     evaluate,
+    perplexity,
     train,
 )
 from .report import Metrics
@@ -180,7 +181,8 @@ def run_finetune_stage(ctx) -> dict:
         before = evaluate(task, topo, engine.store)
         if resumed_from is None:
             metrics.add({"kind": "eval", "step": state.step, "heldout_loss": before[0],
-                         "heldout_acc": before[1], "heldout_n": before[2]})
+                         "heldout_acc": before[1], "heldout_n": before[2],
+                         **perplexity(task, before[0])})
         log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d " + unit + ")",
                  (" (ZERO-SHOT, the prompt alone)" if task_kind == "prompt" else "")
                  if resumed_from is None else f" (at the resumed step {resumed_from})", *before)
@@ -210,7 +212,8 @@ def run_finetune_stage(ctx) -> dict:
                         f"the same command with --resume continues")
     after = evaluate(task, topo, engine.store)
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": after[0],
-                 "heldout_acc": after[1], "heldout_n": after[2]})
+                 "heldout_acc": after[1], "heldout_n": after[2],
+                 "elapsed_s": time.perf_counter() - t0, **perplexity(task, after[0])})
     if t.save != "none":
         save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after,
                    meta=ck.model_meta)
@@ -225,9 +228,22 @@ def run_finetune_stage(ctx) -> dict:
              before[0], after[0], after[2])
     out = {"task": task_kind, "steps": state.step, "skipped": state.skips,
            "steps/s": ran / max(secs, 1e-9), "heldout acc before": float(before[1]),
-           "heldout acc after": float(after[1])}
+           "heldout acc after": float(after[1]), "heldout loss before": float(before[0]),
+           "heldout loss after": float(after[0])}
+    if task_kind == "lm" and math.isfinite(after[0]):
+        out["heldout ppl after"] = math.exp(min(after[0], 700.0))
     if resumed_from is not None:
         out["resumed from step"] = resumed_from
+    files = [p for p in ("model.h5", "metrics.csv", "loss.png", "accuracy.png")
+             if p != "model.h5" or t.save != "none"]
+    where = ctx.outdir
+    log.info("finetune: wrote %s in %s%s", ", ".join(files), where,
+             f"; checkpoints in {ck.dir}" if deck.checkpoint.every_steps else "")
+    if t.save != "none":
+        log.info("next: `semzo export %s OUTDIR` writes a Hugging Face folder%s; `semzo inspect "
+                 "%s` describes it", where / "model.h5",
+                 f", `semzo generate {where / 'model.h5'} --prompt TEXT` runs it"
+                 if model.kind == "decoder" else "", where / "model.h5")
     return out
 
 
@@ -265,7 +281,8 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     fine-tuning that the checkpoint recorded, or None)``."""
 
     deck, topo = ctx.deck, ctx.topo
-    meta: dict = {"task": task_kind, "trainable": names}
+    meta: dict = {"task": task_kind, "trainable": names,
+                  "label_names": [str(x) for x in label_names]}
     if model.source is not None:               # what `semzo generate CKPT` checks
         digest = folder_checksum(model.source) if topo.rank == 0 else None
         meta["model_folder"] = str(Path(model.source).resolve())
@@ -408,6 +425,10 @@ class _StepSaver:
         if self.signal and self.signal[:2] == (self.topo.rank, state.step):
 
             os.kill(os.getpid(), getattr(signal, self.signal[2]))
+        if self.signal:
+            # tests: steps of a realistic length (a tiny model's steps take milliseconds: the
+            # stop checks, about StopRequest.PERIOD_S apart, would then fall after the run)
+            time.sleep(0.05)
         if self.ck.due(state.step):
             self.flush()                          # save exactly the updated model
             if self.rows is not None:             # the rows up to here are on disk first

@@ -108,24 +108,41 @@ def merged_weights(model: TransformerBase) -> dict[str, np.ndarray]:
     return out
 
 
+def _as_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
+    """A float tensor (float32, float16 or bfloat16 bits) in the storage ``dtype``: upcast
+    exactly to float32, then rounded once to nearest even (float16, bfloat16)."""
+    f = to_float32(a)
+    if dtype == "float32":
+        return np.ascontiguousarray(f, np.float32)
+    if dtype == "float16":
+        return f.astype(np.float16)
+    return to_bits(f)
+
+
 def export_hf(model: TransformerBase, outdir: str | Path,
               tokenizer_folder: str | Path | None = None,
-              label_names: list[str] | None = None) -> Path:
+              label_names: list[str] | None = None, dtype: str | None = None) -> Path:
     """Write ``model`` to ``outdir`` as a Hugging Face folder; returns the folder.
 
     ``tokenizer_folder`` defaults to the folder the model was loaded from. ``label_names``
     (one per class of the head) go to config.json as ``id2label`` / ``label2id`` and to the
-    head file's metadata as a JSON list.
+    head file's metadata as a JSON list. ``dtype`` ("float32", "float16", "bfloat16"; None:
+    the model's storage) is the weights' dtype in model.safetensors.
     """
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
+    dname = dtype or model.storage
+    if dname not in ("float32", "float16", "bfloat16"):
+        raise ValueError(f"unknown export dtype {dname!r}")
     tensors = merged_weights(model)
+    if dname != model.storage:
+        tensors = {n: _as_dtype(a, dname) if a.dtype in (np.float32, np.float16, BF16) else a
+                   for n, a in tensors.items()}
     tensors.update({n: np.ascontiguousarray(b) for n, b in model.buffers.items()})
     _save_safetensors(tensors, out / "model.safetensors", {"format": "pt"},
-                      bf16=model.storage == "bfloat16")
+                      bf16=dname == "bfloat16")
 
     cfg = dict(model.config.raw)
-    dname = model.storage
     for key in ("torch_dtype", "dtype"):
         if key in cfg or key == "torch_dtype":
             cfg[key] = dname

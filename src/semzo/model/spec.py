@@ -236,7 +236,7 @@ class Fields:
         known = self.honoured | self.inert | COMMON_INERT | set(self.refused)
         unknown = sorted(k for k in self.raw if k not in known)
         if unknown:
-            log.info("%s: keys unknown to semzo's %s reader, ignored as transformers ignores "
+            log.debug("%s: keys unknown to semzo's %s reader, ignored as transformers ignores "
                      "them: %s", self.path, self.arch, ", ".join(unknown))
 
 

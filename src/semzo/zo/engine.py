@@ -163,6 +163,7 @@ class StepResult:
     lm: float = math.nan   # this rank's L- (local)
     compute_s: float = 0.0  # this rank: forward passes and parameter passes
     comm_s: float = 0.0     # this rank: time inside the exchange collectives
+    n: float = 0.0          # the step's weight over all ranks (samples, or predicted tokens)
 
 
 class ZOEngine:
@@ -268,7 +269,7 @@ class ZOEngine:
             g_mean, loss = math.nan, math.nan
         t3 = time.perf_counter()
         return StepResult(step, ok, g_mean, loss, seeds, gs, lp, lm,
-                          compute_s=(t1 - t0) + (t3 - t2), comm_s=t2 - t1)
+                          compute_s=(t1 - t0) + (t3 - t2), comm_s=t2 - t1, n=n_tot)
 
     def flush(self) -> None:
         """Apply the pending (deferred) update to every trainable tensor, so the parameters
