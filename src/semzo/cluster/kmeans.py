@@ -220,8 +220,10 @@ def _local_data(x_local, block_rows: int, k: int):
     bad = getattr(x_local, "ndim", np.ndim(x_local)) != 2
     if _is_cupy(x_local):
         from . import gpu  # imports cupy: only when a GPU array is given
-        return gpu.LocalData(np.zeros((0, 0), np.float32) if bad else x_local, block_rows,
-                             k), bad
+        # a bad rank's placeholder from its own module (CuPy's ascontiguousarray takes no
+        # NumPy array): no rows, no columns
+        empty = x_local.reshape(-1)[:0].reshape(0, 0) if bad else x_local
+        return gpu.LocalData(empty, block_rows, k), bad
     x = np.zeros((0, 0), np.float32) if bad else np.ascontiguousarray(x_local,
                                                                        dtype=np.float32)
     return cpu.LocalData(x, block_rows), bad
