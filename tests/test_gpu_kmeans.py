@@ -37,6 +37,13 @@ def test_gpu_kmeans_mpi(nranks):
 
 
 @gpu_skip()
+def test_gpu_kmeans_rank_without_rows():
+    """2 ranks, the second holding no rows: the same labels as the CPU path (cupy 8116)."""
+    proc = check(mpirun(2, [SCRIPT, "cupy", "empty"], timeout=240, env=ENV))
+    assert "ok: kmeans on cupy, 2 ranks (the last without rows)" in proc.stdout
+
+
+@gpu_skip()
 @pytest.mark.parametrize("spherical", [False, True])
 def test_gpu_predict_equals_cpu(spherical):
     cp = cupy_or_none()
@@ -48,23 +55,35 @@ def test_gpu_predict_equals_cpu(spherical):
     assert np.array_equal(got, km.predict(x, c, spherical=spherical, block_rows=700))
 
 
-def test_kmeans_script_on_cpu():
-    proc = check(mpirun(2, [SCRIPT, "numpy"], timeout=180, env=ENV))
+@pytest.mark.parametrize("empty", [False, True])
+def test_kmeans_script_on_cpu(empty):
+    proc = check(mpirun(2, [SCRIPT, "numpy"] + (["empty"] if empty else []), timeout=180,
+                        env=ENV))
     assert "ok: kmeans on numpy, 2 ranks" in proc.stdout
+    assert ("(the last without rows)" in proc.stdout) == empty
 
 
 class _Dev(np.ndarray):
     """Marks an array as 'on the device' for the stand-in run below."""
 
 
+def _old_cupy_bincount(x, minlength=0):
+    """``cp.bincount`` of CuPy releases without the fix for cupy issue 8116."""
+    if x.size == 0:
+        raise ValueError("bincount of an empty array (cupy issue 8116)")
+    return np.bincount(x, minlength=minlength)
+
+
 def _shim_gpu_module():
+    """cluster/gpu.py loaded against a stand-in ``cupy`` (NumPy, with the old bincount that
+    raises on an empty array) and no ``cupyx`` at all (scatter_add is deprecated)."""
     fake = types.ModuleType("cupy")
     fake.__getattr__ = lambda name: getattr(np, name)
     fake.asnumpy = lambda a: np.array(a)
-    fakex = types.ModuleType("cupyx")
-    fakex.scatter_add = np.add.at
+    fake.bincount = _old_cupy_bincount
     saved = {k: sys.modules.get(k) for k in ("cupy", "cupyx")}
-    sys.modules["cupy"], sys.modules["cupyx"] = fake, fakex
+    sys.modules["cupy"] = fake
+    sys.modules["cupyx"] = None        # import cupyx raises: cluster/gpu.py must not need it
     try:
         spec = importlib.util.spec_from_file_location(
             "semzo.cluster.gpu", Path(cluster_pkg.__file__).parent / "gpu.py")
@@ -105,3 +124,78 @@ def test_gpu_estep_logic_on_cpu(monkeypatch, spherical):
     assert same_partition(np.asarray(par.labels), truth)
     got = km.predict(x.view(_Dev), cpu.centers, spherical=spherical, block_rows=300)
     assert np.array_equal(np.asarray(got), km.predict(x, cpu.centers, spherical=spherical))
+
+
+def _estep_without_rows(gpu, xp) -> None:
+    """A rank that holds no rows: E-step, exact cost and predict give empty labels and zero
+    counts (cluster/gpu.py on ``xp``)."""
+    data = gpu.LocalData(xp.zeros((0, 4), dtype=xp.float32), 100, 3)
+    a = gpu.LloydGPU(data, 3, False)
+    centers = np.eye(3, 4, dtype=np.float32)
+    sums, counts = np.zeros((3, 4)), np.zeros(3)
+    changed, inertia, n = a.estep(centers, sums, counts, True)
+    assert (changed, inertia, n) == (0, 0.0, 0)
+    assert not sums.any() and not counts.any()
+    fin = np.zeros(3)
+    e2, cost = data.exact_cost(a.labels, centers, fin, False)
+    assert e2.shape == (0,) and cost == 0.0 and not fin.any()
+    assert host(gpu.predict(xp.zeros((0, 4), dtype=xp.float32), centers, False, 100)).shape \
+        == (0,)
+
+
+def test_gpu_estep_without_rows_on_cpu():
+    _estep_without_rows(_shim_gpu_module(), np)
+
+
+@gpu_skip()
+def test_gpu_estep_without_rows():
+    from semzo.cluster import gpu
+    _estep_without_rows(gpu, cupy_or_none())
+
+
+class _Recorder:
+    """An allreduce that records its calls (and sums nothing: one rank)."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, buf):
+        self.calls += 1
+
+
+def _bad_shape_raises_after_one_collective(x_bad) -> None:
+    """A rank whose rows are not 2-D raises the same ValueError as every rank, after the shape
+    agreement (one allreduce) and before any other collective: on the GPU it used to raise in
+    LocalData while the others waited in allreduce."""
+    from mpi4py import MPI
+    for fn, kw in ((km.kmeans, {"max_iter": 2}), (km.init_centers, {})):
+        rec = _Recorder()
+        with pytest.raises(ValueError, match="must be 2-D"):
+            fn(x_bad, 3, MPI.COMM_SELF, global_offset=0, allreduce=rec, **kw)
+        assert rec.calls == 1, fn.__name__
+
+
+def test_kmeans_bad_shape_is_collective_on_cpu(monkeypatch):
+    x = np.zeros(12, np.float32)
+    _bad_shape_raises_after_one_collective(x)                  # the CPU path
+    gpu = _shim_gpu_module()
+    monkeypatch.setitem(sys.modules, "semzo.cluster.gpu", gpu)
+    monkeypatch.setattr(cluster_pkg, "gpu", gpu, raising=False)
+    monkeypatch.setattr(km, "_is_cupy", lambda a: isinstance(a, _Dev))
+    _bad_shape_raises_after_one_collective(x.view(_Dev))       # the device path, stand-in
+
+
+@gpu_skip()
+def test_gpu_kmeans_bad_shape_is_collective():
+    cp = cupy_or_none()
+    _bad_shape_raises_after_one_collective(cp.zeros(12, dtype=cp.float32))
+
+
+@gpu_skip()
+def test_gpu_predict_returns_device_labels():
+    """``predict``'s contract: labels where the rows live (a CuPy array for CuPy rows)."""
+    from semzo.backend import array_module
+    cp = cupy_or_none()
+    x, _ = planted(n=500, d=8, k=4)
+    lab = km.predict(cp.asarray(x), x[:4].copy(), block_rows=100)
+    assert array_module(lab) is cp and lab.dtype == cp.int32 and lab.shape == (500,)

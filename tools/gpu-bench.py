@@ -1,10 +1,16 @@
-"""The Python half of tools/gpu-check.sh: environment report, model folders, GPU benchmarks
-against torch on the same device, and the one-page summary.
+"""The Python half of tools/gpu-check.sh: environment report (with the installed packages
+checked against pyproject.toml's bounds), model folders, GPU benchmarks against torch on the
+same device, and each phase's lines of summary.md.
 
     python tools/gpu-bench.py env
     python tools/gpu-bench.py make-models --kit .gpu --prefix P [--cpu]
     python tools/gpu-bench.py run --prefix P --out bench.jsonl [--cpu] [--only NAME,...]
-    python tools/gpu-bench.py summary --out OUTDIR --phases FILE
+    python tools/gpu-bench.py report --junit FILE --rc N          # a pytest phase's verdict
+    python tools/gpu-bench.py report --bench FILE --items A,B     # a benchmark phase's verdict
+
+``report`` prints the phase's lines for summary.md and exits 0 only when everything asked for
+ran and passed: a skipped test, a benchmark item not measured, or no test selected at all
+is a failure (a kit whose GPU tests all skipped must not read "ok").
 
 ``--cpu`` (SEMZO_GPU_KIT_CPU=1 in gpu-check.sh) runs every step with xp=numpy, torch on the
 CPU and small sizes: the rehearsal of the kit on a machine without a GPU. Each benchmark is
@@ -34,13 +40,23 @@ sys.path.insert(0, str(ROOT / "tests" / "mpi"))
 # ----------------------------------------------------------------------------- environment
 def cmd_env(_args) -> None:
     print(f"python: {sys.version.split()[0]} ({sys.executable})")
+    # versions from the installed metadata: importing torch and transformers only to print
+    # their versions would cost seconds of the budget
+    from importlib import metadata
+    dists = metadata.packages_distributions()
     for name in ("numpy", "numba", "cupy", "torch", "transformers", "h5py", "mpi4py",
-                 "safetensors", "tokenizers", "xxhash", "threadpoolctl", "pytest"):
+                 "safetensors", "tokenizers", "xxhash", "threadpoolctl", "pytest", "scipy",
+                 "matplotlib"):
+        spec = importlib.util.find_spec(name)
+        if spec is None:
+            print(f"{name}: not importable (not installed)")
+            continue
+        where = Path(spec.origin).parent if spec.origin else "?"
         try:
-            mod = __import__(name)
-            print(f"{name}: {getattr(mod, '__version__', '?')} ({Path(mod.__file__).parent})")
+            dist = (dists.get(name) or [name])[0]
+            print(f"{name}: {metadata.version(dist)} ({where}; distribution {dist})")
         except Exception as exc:  # noqa: BLE001 - report, never stop
-            print(f"{name}: not importable ({type(exc).__name__}: {exc})")
+            print(f"{name}: ? ({where}; {type(exc).__name__})")
     try:
         import cupy
         props = cupy.cuda.runtime.getDeviceProperties(0)
@@ -68,6 +84,106 @@ def cmd_env(_args) -> None:
         print(f"mpi cuda-aware: {cuda_aware_support()}")
     except Exception as exc:  # noqa: BLE001
         print(f"mpi library: none ({type(exc).__name__}: {exc})")
+    drv = _driver_cuda_major()
+    print(f"cuda driver major: {drv or '?'}")
+    try:
+        for ln in check_bounds():
+            print(ln)
+    except Exception as exc:  # noqa: BLE001 - report, never stop
+        print(f"bounds: not checked ({type(exc).__name__}: {exc})")
+
+
+#: the distributions of the CuPy wheels, one per CUDA major (pyproject.toml's gpu extras)
+CUPY_WHEELS = {"12": "cupy-cuda12x", "13": "cupy-cuda13x"}
+
+
+def _requirements() -> list[tuple[str, str]]:
+    """(group, requirement) of pyproject.toml: runtime, the gpu extras, test."""
+    import tomllib
+    proj = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    out = [("runtime", r) for r in proj["dependencies"]]
+    for group in ("gpu", "gpu-cuda13", "test"):
+        out += [(group, r) for r in proj.get("optional-dependencies", {}).get(group, [])]
+    return out
+
+
+def check_bounds() -> list[str]:
+    """Lines ``bounds: ...``: every package of pyproject.toml whose installed version lies
+    outside its bounds or is missing (the test extra's only where the kit uses it), the CuPy
+    wheel against the driver's CUDA major, and a count of those within bounds."""
+    from importlib import metadata
+    try:
+        from packaging.requirements import Requirement
+    except ImportError:
+        return ["bounds: not checked (no `packaging` module)"]
+    lines, ok = [], 0
+    used_tests = {"torch", "transformers", "pytest"}
+    for group, text in _requirements():
+        req = Requirement(text)
+        try:
+            have = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            have = None
+        if group.startswith("gpu"):
+            if have is not None:
+                (lines.append(f"bounds: {req.name} {have} outside {req.specifier} "
+                              f"[{group}]") if not req.specifier.contains(have, prereleases=True)
+                 else None)
+                ok += req.specifier.contains(have, prereleases=True)
+            continue
+        if have is None:
+            if group == "runtime" or req.name in used_tests:
+                lines.append(f"bounds: {req.name} not installed (pyproject [{group}]: "
+                             f"{req.specifier or 'any'})")
+            continue
+        if req.specifier and not req.specifier.contains(have, prereleases=True):
+            lines.append(f"bounds: {req.name} {have} outside {req.specifier} [{group}]")
+        else:
+            ok += 1
+    wheels = {m: metadata.version(d) for m, d in CUPY_WHEELS.items() if _installed(d)}
+    if not wheels:
+        lines.append("bounds: no CuPy wheel installed (cupy-cuda12x or cupy-cuda13x)")
+    elif len(wheels) > 1:
+        lines.append("bounds: both cupy-cuda12x and cupy-cuda13x installed: keep one")
+    drv = _driver_cuda_major()
+    for major in wheels:
+        if drv is None:
+            lines.append(f"bounds: {CUPY_WHEELS[major]} installed; driver CUDA major unknown")
+        elif int(major) > int(drv):
+            lines.append(f"bounds: {CUPY_WHEELS[major]} needs a CUDA {major}.x driver, the "
+                         f"driver is {drv}.x: install {CUPY_WHEELS.get(drv, '?')}")
+        else:
+            lines.append(f"bounds: {CUPY_WHEELS[major]} matches the CUDA {drv}.x driver")
+    lines.append(f"bounds: {ok} packages within pyproject.toml's bounds")
+    return lines
+
+
+def _installed(dist: str) -> bool:
+    from importlib import metadata
+    try:
+        metadata.version(dist)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _driver_cuda_major() -> str | None:
+    """The CUDA major the driver supports (nvidia-smi's "CUDA Version", or CuPy's query)."""
+    import re
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30,
+                             check=False).stdout
+    except Exception:  # noqa: BLE001 - no nvidia-smi
+        out = ""
+    m = re.search(r"CUDA Version:\s*(\d+)\.", out)
+    if m:
+        return m.group(1)
+    try:
+        import cupy
+        return str(cupy.cuda.runtime.driverGetVersion() // 1000)
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def cuda_aware_support() -> str:
@@ -561,14 +677,10 @@ def _junit(path: Path) -> dict:
     return c
 
 
-def _merge_junit(out: Path) -> None:
-    """The tests phase's per-file junit files (``.junit/NN.xml``) as one ``tests.xml``; the
-    folder is removed (a file a timeout cut short is left out, its log kept)."""
-    import shutil
+def merge_junit(parts: Path, dest: Path) -> None:
+    """Every pytest phase's junit file in ``parts`` (outside OUTDIR: it brings back at most 8
+    files) as one ``dest``, rewritten after each phase so that a timeout keeps all finished."""
     import xml.etree.ElementTree as ET
-    parts = out / ".junit"
-    if not parts.is_dir():
-        return
     root = ET.Element("testsuites")
     for f in sorted(parts.glob("*.xml")):
         try:
@@ -576,55 +688,66 @@ def _merge_junit(out: Path) -> None:
         except ET.ParseError:
             continue
         root.extend([got] if got.tag == "testsuite" else list(got))
-    ET.ElementTree(root).write(out / "tests.xml", encoding="utf-8", xml_declaration=True)
-    shutil.rmtree(parts)
+    ET.ElementTree(root).write(dest, encoding="utf-8", xml_declaration=True)
 
 
-def cmd_summary(args) -> None:
-    out = Path(args.out)
-    _merge_junit(out)
-    lines = ["# semzo GPU check: summary", ""]
-    env = (out / "env.txt").read_text().splitlines() if (out / "env.txt").is_file() else []
-    keep = ("date", "mode", "gpu", "cupy device", "os", "glibc", "python", "cupy:", "torch:",
-            "mpi library", "mpi cuda-aware", "h5py", "git", "libmpi", "libhdf5", "model ")
-    lines += [f"- {ln}" for ln in env if ln.startswith(keep)] or ["- env.txt missing"]
-    lines += ["", "## Phases", "", "| phase | status | seconds |", "|---|---|---|"]
-    if args.phases and Path(args.phases).is_file():
-        for ln in Path(args.phases).read_text().splitlines():
-            p = ln.split("\t")
-            if len(p) >= 3:
-                lines.append(f"| {p[0]} | {p[1]} | {p[2]} |")
-    c = _junit(out / "tests.xml")
-    lines += ["", "## Tests", ""]
-    if c:
-        passed = c["tests"] - c["failures"] - c["errors"] - c["skipped"]
-        lines.append(f"{passed} passed, {c['failures'] + c['errors']} failed, "
-                     f"{c['skipped']} skipped (of {c['tests']})")
-        lines += [f"- FAILED {n}: {m}" for n, m in c["failed"]]
-        reasons = sorted({m for _, m in c["skips"]})
-        lines += [f"- skipped ({sum(1 for _, x in c['skips'] if x == m)}): {m}" for m in reasons]
+def report_junit(path: Path, rc: int) -> tuple[bool, list[str]]:
+    """(ok, lines) of a pytest phase: ok only when pytest exited 0, something ran, and
+    nothing was skipped (a GPU test skips only where CuPy or the device is missing: on the
+    GPU machine that is the failure the kit is there to find)."""
+    c = _junit(path)
+    if not c:
+        return False, [f"no junit file (pytest exit {rc}): see tests.log"]
+    failed = c["failures"] + c["errors"]
+    passed = c["tests"] - failed - c["skipped"]
+    lines = [(f"{passed} passed, {failed} failed, {c['skipped']} skipped "
+              f"(a skip counts as a failure), pytest exit {rc}")]
+    lines += [f"- FAILED {n}: {m}" for n, m in c["failed"]]
+    lines += [f"- SKIPPED = FAILED {n}: {m}" for n, m in c["skips"]]
+    if c["tests"] == 0 or rc == 5:
+        lines.append("- FAILED: no test selected")
+    return rc == 0 and c["tests"] > 0 and c["skipped"] == 0 and failed == 0, lines
+
+
+#: a note written by cmd_run when items could not run -> the items it stands for
+NOTE_ITEMS = {"smollm2": ("smollm2_",), "demo_llm_gpu": ("demo_llm_gpu",),
+              "offload": ("offload_vs_resident", "largest_model")}
+
+
+def report_bench(path: Path, items: list[str]) -> tuple[bool, list[str]]:
+    """(ok, lines) of a benchmark phase: one table row per item asked for (its last record);
+    an item with no figure (error, not available, not reached) is a failure."""
+    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] \
+        if path.is_file() else []
+    last = {r["name"]: r for r in recs}
+    lines = ["| item | ours s | peer s | ratio | goal | note |", "|---|---|---|---|---|---|"]
+    ok = True
+    for name in items:
+        r = last.get(name)
+        if r is None:
+            why = next((last[n]["skipped"] for n, pre in NOTE_ITEMS.items()
+                        if n in last and name.startswith(pre)), "not reached")
+            lines.append(f"| {name} | NOT RUN = FAILED | | | | {why} |")
+            ok = False
+        elif "error" in r:
+            lines.append(f"| {name} | FAILED | | | | {r['error'][:160]} |")
+            ok = False
+        else:
+            lines.append(f"| {name} | {r['ours_s']:.4g} | {r['peer_s']:.4g} | "
+                         f"{r['ratio']:.3f} ({r.get('ratio_is', '')}) | {r.get('goal', '')} | "
+                         f"{r.get('note', '')} |")
+    return ok, lines
+
+
+def cmd_report(args) -> None:
+    if args.merge:
+        merge_junit(Path(args.junit).parent, Path(args.merge))
+    if args.junit:
+        ok, lines = report_junit(Path(args.junit), int(args.rc))
     else:
-        lines.append("not run (no tests.xml)")
-    lines += ["", "## Benchmarks", ""]
-    bj = out / "bench.jsonl"
-    if bj.is_file():
-        lines += ["| item | ours s | peer s | ratio | goal | note |", "|---|---|---|---|---|---|"]
-        for ln in bj.read_text().splitlines():
-            r = json.loads(ln)
-            if "error" in r:
-                lines.append(f"| {r['name']} | FAILED | | | | {r['error'][:120]} |")
-            elif "skipped" in r:
-                lines.append(f"| {r['name']} | skipped | | | | {r['skipped']} |")
-            else:
-                lines.append(f"| {r['name']} | {r['ours_s']:.4g} | {r['peer_s']:.4g} | "
-                             f"{r['ratio']:.3f} ({r.get('ratio_is', '')}) | "
-                             f"{r.get('goal', '')} | {r.get('note', '')} |")
-    else:
-        lines.append("not run (no bench.jsonl)")
-    lines += ["", ("Logs beside this file: env.txt, setup.log, tests.log, tests.xml, "
-                   "bench.log, bench.jsonl.")]
-    (out / "summary.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        ok, lines = report_bench(Path(args.bench), [i for i in args.items.split(",") if i])
     print("\n".join(lines))
+    sys.exit(0 if ok else 1)
 
 
 def main() -> None:
@@ -640,14 +763,17 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--cpu", action="store_true")
     p.add_argument("--only", default="")
-    p = sub.add_parser("summary")
-    p.add_argument("--out", required=True)
-    p.add_argument("--phases", default="")
+    p = sub.add_parser("report")
+    p.add_argument("--junit", default="")
+    p.add_argument("--merge", default="", help="also merge --junit's folder into this file")
+    p.add_argument("--rc", default="0")
+    p.add_argument("--bench", default="")
+    p.add_argument("--items", default="")
     args = ap.parse_args()
     if getattr(args, "cpu", False) or os.environ.get("SEMZO_GPU_KIT_CPU") == "1":
         args.cpu = True
     {"env": cmd_env, "make-models": cmd_make_models, "run": cmd_run,
-     "summary": cmd_summary}[args.cmd](args)
+     "report": cmd_report}[args.cmd](args)
 
 
 if __name__ == "__main__":

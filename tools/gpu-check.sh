@@ -1,83 +1,73 @@
 #!/usr/bin/env bash
-# The GPU bring-up of semzo in one or two commands of at most 10 minutes each, on the GPU
-# machine, from the working tree plus the folder made by tools/gpu-pack.sh (.gpu/):
+# The GPU check of semzo in ONE command of at most 8 minutes, on the GPU machine, from the
+# working tree plus the folder made by tools/gpu-pack.sh (.gpu/):
 #
-#   bash tools/gpu-check.sh OUTDIR tests    # setup (unpack, MPI, h5py with MPI) + GPU tests
-#   bash tools/gpu-check.sh OUTDIR bench    # setup (MPI only) + GPU benchmarks
-#   bash tools/gpu-check.sh OUTDIR all      # both (only where one command may take 20 min)
+#   bash tools/gpu-check.sh OUTDIR
 #
-# Writes into OUTDIR at most 8 files: summary.md (one page), env.txt, setup.log, tests.log,
-# tests.xml, bench.log, bench.jsonl. Every phase runs under its own timeout; a failing phase
-# is recorded in the summary and the later phases still run (no set -e on purpose).
+# Phases, in order of value, each under its own `timeout` and each appending its result to
+# OUTDIR/summary.md as soon as it ends (a timeout of the whole command still returns every
+# phase that finished):
+#   setup       the kit checked, missing Python wheels, MPI (the h5py build with MPI starts in
+#               the background here: only the checkpoint and pipeline phases need it)
+#   env         GPU, driver, CUDA, CuPy, numba, MPI, h5py; the installed packages checked
+#               against pyproject.toml's bounds (what differs is printed)
+#   forward     forward parity CuPy vs NumPy, every family, float32 / float16 / bfloat16
+#   zo-kernels  the ZO kernels' bits, CuPy (and numba.cuda) vs CPU; their argument checks
+#   zo-step     the ZO step at 1 rank (full and LoRA, streamed and offloaded) vs the CPU step
+#   kmeans      GPU k-means labels vs CPU labels at 1 and 2 ranks (a rank without rows)
+#   fixes       the other defects of issue 35 (bind_gpu, allgather, encoder slots, type ids)
+#   checkpoint  a checkpoint from device arrays, then a bit-exact resume (2 ranks, h5py MPI)
+#   bench-forward, bench-zo, bench-offload   torch on the same GPU as the peer
+#   pipeline    the 2-rank pipeline end to end with run.device = "gpu", the ZO modes at 1 and
+#               2 ranks (MPI and parallel h5py: last)
+#   bench-extra k-means, ZO pass and demo-llm benchmarks: only when named in PHASES
 #
-# Environment: SEMZO_GPU_KIT_CPU=1 runs the same phases on the CPU (xp=numpy, small sizes):
-# the rehearsal that tests/test_gpu_kit.py runs without a GPU. KIT (default .gpu) the packed
-# folder; PREFIX (default a fresh mktemp -d) where it is unpacked; TESTS_TIMEOUT,
-# BENCH_TIMEOUT, SETUP_TIMEOUT, H5PY_TIMEOUT seconds, and DEADLINE (default 570): the tests
-# and bench phases get at most what is left of DEADLINE seconds; PYTHON (default python3).
+# A GPU test that skips counts as a failure, as does a phase that selects no test or a
+# benchmark item that gives no figure. OUTDIR gets at most 7 files: summary.md, env.txt,
+# setup.log, tests.log, tests.xml, bench.log, bench.jsonl.
+#
+# Environment: DEADLINE (default 465 s: a phase gets at most what is left of it, less 10 s
+# for the last words; a phase with under 20 s left is recorded "not run (no time left)");
+# RESUME=FILE: the summary.md of an earlier call: its phases that read "ok" are skipped
+# (setup and env run in every call: a machine keeps nothing);
+# PHASES=a,b: only these phases (setup and env always run); SEMZO_GPU_KIT_K: the pytest -k of
+# every test phase, ANDed with the phase's own (default: "not on_cpu" on the GPU, "on_cpu" on
+# the CPU); SEMZO_GPU_KIT_BENCH_ONLY=a,b: only these benchmark items; SEMZO_GPU_KIT_CPU=1: the
+# same phases on the CPU (xp=numpy, small sizes), the rehearsal tests/test_gpu_kit.py runs.
+# KIT (default .gpu) the packed folder; PREFIX (default a fresh mktemp -d) where it is
+# unpacked; H5PY_TIMEOUT seconds for the background build; PYTHON (default python3).
 # SEMZO_GPU_KIT_FORCE_DEBS=1 / SEMZO_GPU_KIT_FORCE_H5PY=1: use the carried Open MPI / build
-# h5py even where the machine's own work (rehearsals). SEMZO_GPU_KIT_PYTEST_ARGS and
-# SEMZO_GPU_KIT_BENCH_ARGS: extra arguments (e.g. -k EXPR, --only NAME,...).
+# h5py even where the machine's own work (rehearsals).
 set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
 
 OUTDIR=${1:-}
-WHAT=${2:-all}
-if [ -z "$OUTDIR" ]; then echo "usage: tools/gpu-check.sh OUTDIR [tests|bench|all]" >&2; exit 2; fi
-case "$WHAT" in tests|bench|all) ;; *) echo "gpu-check: phase must be tests, bench or all, not $WHAT" >&2; exit 2 ;; esac
+if [ -z "$OUTDIR" ] || [ $# -gt 1 ]; then
+  echo "usage: tools/gpu-check.sh OUTDIR   (one command: every phase; see the header)" >&2; exit 2
+fi
 mkdir -p "$OUTDIR" || exit 2
 OUTDIR=$(cd "$OUTDIR" && pwd)
 CPU=${SEMZO_GPU_KIT_CPU:-0}
 KIT=${KIT:-.gpu}
 PY=${PYTHON:-python3}
-SETUP_TIMEOUT=${SETUP_TIMEOUT:-150}
 H5PY_TIMEOUT=${H5PY_TIMEOUT:-300}
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-480}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-480}
-# the device tool stops a command at 600 s: tests and bench get what is left of DEADLINE
-DEADLINE=${DEADLINE:-570}
+DEADLINE=${DEADLINE:-465}
 START=$(date +%s)
-left() {   # left WANTED: min(WANTED, seconds left before DEADLINE less 20 for the summary)
-  local l=$(( DEADLINE - ($(date +%s) - START) - 20 ))
-  [ "$l" -lt 30 ] && l=30
-  [ "$1" -lt "$l" ] && l=$1
-  echo "$l"
-}
-if [ "$CPU" != 1 ] && [ -z "${SEMZO_GPU_KIT_PYTEST_ARGS+x}" ]; then
-  # on the GPU the CPU proofs of the harnesses add nothing (make test runs them)
-  SEMZO_GPU_KIT_PYTEST_ARGS="-k not(on_cpu)"
+WHAT=all                     # build_h5py and setup_mpi: the pipeline needs parallel h5py
+if [ -z "${SEMZO_GPU_KIT_K+x}" ]; then
+  if [ "$CPU" = 1 ]; then SEMZO_GPU_KIT_K="on_cpu"; else SEMZO_GPU_KIT_K="not on_cpu"; fi
 fi
-export SEMZO_GPU_KIT_PYTEST_ARGS="${SEMZO_GPU_KIT_PYTEST_ARGS:-}" \
-  SEMZO_GPU_KIT_BENCH_ARGS="${SEMZO_GPU_KIT_BENCH_ARGS:-}"
 PREFIX=${PREFIX:-$(mktemp -d /tmp/semzo-gpu.XXXXXX)}
-mkdir -p "$PREFIX/site" "$PREFIX/root" "$PREFIX/models" "$PREFIX/bin"
-PHASES="$OUTDIR/.phases"      # name<TAB>status<TAB>seconds<TAB>note; folded into summary.md
-: > "$PHASES"
+mkdir -p "$PREFIX/site" "$PREFIX/root" "$PREFIX/models" "$PREFIX/bin" "$PREFIX/junit"
+SUMMARY="$OUTDIR/summary.md"
 SETUP_LOG="$OUTDIR/setup.log"
 ENV_TXT="$OUTDIR/env.txt"
 : > "$SETUP_LOG"
+: > "$OUTDIR/tests.log"
+: > "$OUTDIR/bench.log"
 log() { printf '[gpu-check %s] %s\n' "$(date -u +%H:%M:%S)" "$*" | tee -a "$SETUP_LOG" >&2; }
-
-# phase NAME TIMEOUT CMD...: run CMD under timeout, record status and seconds, never exit
-phase() {
-  local name=$1 limit=$2; shift 2
-  local t0 rc status
-  t0=$(date +%s.%N)
-  log "phase $name: start (limit ${limit}s)"
-  timeout -k 10 "$limit" "$@"
-  rc=$?
-  case $rc in
-    0) status=ok ;;
-    124|137) status="timeout after ${limit}s" ;;
-    *) status="failed (exit $rc)" ;;
-  esac
-  local dt
-  dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
-  printf '%s\t%s\t%s\n' "$name" "$status" "$dt" >> "$PHASES"
-  log "phase $name: $status in ${dt}s"
-  return 0
-}
+elapsed() { echo $(( $(date +%s) - START )); }
 
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PIP_NO_INDEX=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -269,8 +259,13 @@ report_env() {
     echo "glibc: $(ldd --version 2>/dev/null | head -1)"
     echo "git: $(git -C "$ROOT" log -1 --format='%h %s' 2>/dev/null || echo '?')"
     echo "prefix: $PREFIX"
-    command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
-      --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
+    if command -v nvidia-smi >/dev/null; then
+      nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 \
+        | sed 's/^/gpu: /'
+      nvidia-smi 2>/dev/null | grep -o 'CUDA Version: [0-9.]*' | head -1 | sed 's/^/driver /'
+    else
+      echo "gpu: no nvidia-smi"
+    fi
     "$PY" "$ROOT/tools/gpu-bench.py" env 2>&1
     for f in "$PREFIX"/models/*/KIT_WEIGHTS.txt; do
       [ -f "$f" ] && echo "model $(basename "$(dirname "$f")"): $(cat "$f")"
@@ -278,80 +273,176 @@ report_env() {
     command -v ompi_info >/dev/null && echo "ompi cuda: $(ompi_info --parsable --all 2>/dev/null \
       | grep -m1 'mpi_built_with_cuda_support:value' || echo '?')"
   } > "$ENV_TXT" 2>&1
-  return 0
+  [ -s "$ENV_TXT" ] || { echo "- FAILED: no environment report"; return 1; }
+  # what summary.md keeps of it: the machine, the stack, and every bound that differs
+  grep -E '^(date|mode|gpu|driver CUDA|cupy|cuda driver major|os|glibc|python|numpy|numba|torch|transformers|h5py|mpi|git|model |bounds)' \
+    "$ENV_TXT" | sed 's/^/- /'
 }
 
-# ------------------------------------------------------------------ tests and benchmarks
-run_tests() {   # one pytest per file (each with its junit file, merged into tests.xml by the
-  # summary), the end-to-end pipeline last: a timeout still leaves every finished file's results
-  local files f rc worst=0 n=0
-  files=$(cd "$ROOT" && ls tests/test_*gpu*.py 2>/dev/null | grep -v -e test_gpu_kit.py -e test_gpu_pipeline.py)
-  files="$files tests/test_gpu_pipeline.py"
-  mkdir -p "$OUTDIR/.junit"
-  : > "$OUTDIR/tests.log"
-  if [ "$CPU" != 1 ]; then   # the ZO kernels' module (0.8 MB of CUDA C) into CuPy's disk cache
-    # once, before the 2-rank tests would compile it in every rank at the same time
-    (cd "$ROOT" && "$PY" -c "import cupy; from semzo.zo import kernels_gpu as k; \
-k._cupy_function(cupy.cuda.runtime.getDevice(), 'zo_zvec'); print('zo kernels compiled')") \
-      >> "$OUTDIR/tests.log" 2>&1
-  fi
-  for f in $files; do
+# ------------------------------------------------------------------ test and bench phases
+pytest_phase() {   # pytest_phase NAME K FILE...: prints the phase's lines, exit 0 = ok
+  local name=$1 k=$2 rc files=() f; shift 2
+  for f in "$@"; do
     [ -f "$ROOT/$f" ] || continue
-    n=$((n + 1))
-    echo "=== $f" >> "$OUTDIR/tests.log"
-    # shellcheck disable=SC2086
-    (cd "$ROOT" && "$PY" -m pytest -v -rs -p no:cacheprovider --durations=5 \
-       --junitxml="$OUTDIR/.junit/$(printf %02d $n).xml" ${SEMZO_GPU_KIT_PYTEST_ARGS:-} "$f") \
-       >> "$OUTDIR/tests.log" 2>&1
-    rc=$?
-    # 5: no test of this file selected (-k)
-    if [ $rc != 0 ] && [ $rc != 5 ] && [ $worst = 0 ]; then worst=$rc; fi
+    # on the CPU, a file without *_on_cpu harnesses would only skip (module-level skips
+    # ignore -k): it is the GPU's, not the rehearsal's
+    if [ "$CPU" = 1 ] && ! grep -q "on_cpu" "$ROOT/$f"; then continue; fi
+    files+=("$f")
   done
-  return $worst
+  [ -n "$k" ] && k="($k) and ($SEMZO_GPU_KIT_K)" || k=$SEMZO_GPU_KIT_K
+  echo "=== $name: pytest -k '$k' ${files[*]}" >> "$OUTDIR/tests.log"
+  if [ ${#files[@]} = 0 ]; then echo "- FAILED: none of the phase's test files is here"; return 1; fi
+  (cd "$ROOT" && "$PY" -m pytest -v -rs -p no:cacheprovider --durations=5 \
+     --junitxml="$PREFIX/junit/$name.xml" -k "$k" "${files[@]}") >> "$OUTDIR/tests.log" 2>&1
+  rc=$?
+  "$PY" "$ROOT/tools/gpu-bench.py" report --junit "$PREFIX/junit/$name.xml" \
+    --merge "$OUTDIR/tests.xml" --rc "$rc"
 }
 
-run_bench() {
+bench_phase() {   # bench_phase NAME ITEM,...: prints the phase's lines, exit 0 = ok
+  local name=$1 items=$2 only=${SEMZO_GPU_KIT_BENCH_ONLY:-} i keep=""
+  if [ -n "$only" ]; then    # the intersection, in the phase's order
+    for i in ${items//,/ }; do case ",$only," in *",$i,"*) keep="$keep,$i" ;; esac; done
+    items=${keep#,}
+  fi
+  if [ -z "$items" ]; then echo "- FAILED: no benchmark item selected"; return 1; fi
+  echo "=== $name: $items" >> "$OUTDIR/bench.log"
   (cd "$ROOT" && "$PY" tools/gpu-bench.py run --prefix "$PREFIX" --out "$OUTDIR/bench.jsonl" \
-     $( [ "$CPU" = 1 ] && echo --cpu ) ${SEMZO_GPU_KIT_BENCH_ARGS:-}) > "$OUTDIR/bench.log" 2>&1
+     --only "$items" $( [ "$CPU" = 1 ] && echo --cpu )) >> "$OUTDIR/bench.log" 2>&1
+  "$PY" "$ROOT/tools/gpu-bench.py" report --bench "$OUTDIR/bench.jsonl" --items "$items"
 }
 
-summarize() {
-  "$PY" "$ROOT/tools/gpu-bench.py" summary --out "$OUTDIR" --phases "$PHASES" \
-    > /dev/null 2>> "$SETUP_LOG" || {
-    # the summary must exist even if Python itself is broken
-    { echo "# semzo GPU check: summary"; echo; echo "Python could not write the summary."
-      echo; echo "| phase | status | seconds |"; echo "|---|---|---|"
-      awk -F'\t' '{printf "| %s | %s | %s |\n", $1, $2, $3}' "$PHASES"; } > "$OUTDIR/summary.md"
-  }
+wait_h5py() {   # the background h5py build (started by setup), waited for at most $1 s
+  local n=0
+  while [ ! -f "$PREFIX/h5py.done" ] && [ $n -lt "$1" ]; do sleep 2; n=$((n + 2)); done
+  [ -f "$PREFIX/h5py.done" ] || { echo "- FAILED: the h5py build (MPI) is still running"; return 1; }
+  [ "$(cat "$PREFIX/h5py.done")" = 0 ] || { echo "- FAILED: h5py with MPI is not available (setup.log)"; return 1; }
 }
 
-# phase_here NAME FUNCTION: a phase that must change this shell's environment (no timeout:
-# each command inside it has its own limit)
-phase_here() {
-  local name=$1 t0 rc dt; shift
+checkpoint_phase() {
+  wait_h5py "$1" || return 1
+  pytest_phase checkpoint "checkpoint" tests/test_gpu_pipeline.py
+}
+
+pipeline_phase() {
+  wait_h5py "$1" || return 1
+  pytest_phase pipeline "end_to_end or prefix_cache or modes or cuda_aware" \
+    tests/test_gpu_pipeline.py tests/test_gpu_zo.py
+}
+
+setup_phase() {   # in this shell: MPI's variables must reach the later phases
+  local bad=0
+  verify_kit || bad=1
+  timeout -k 5 120 bash -c install_py || bad=1
+  setup_mpi || bad=1
+  timeout -k 5 150 bash -c setup_models || { log "models: failed (setup.log)"; bad=1; }
+  # parallel h5py in the background, on the machine's other cores, while the GPU phases run
+  # (its own lines go to setup.log; stopped at the end if still running)
+  ( timeout -k 10 "$H5PY_TIMEOUT" bash -c build_h5py & echo $! > "$PREFIX/h5py.pid"
+    wait $!; echo $? > "$PREFIX/h5py.done" ) > /dev/null 2>&1 &
+  return $bad
+}
+
+# ------------------------------------------------------------------ the phase runner
+RESUMED=" "
+if [ -n "${RESUME:-}" ] && [ -f "$RESUME" ]; then
+  RESUMED=" $(sed -n 's/^## \([a-z0-9-]*\): ok .*/\1/p' "$RESUME" | tr '\n' ' ')"
+fi
+wanted() {   # wanted NAME: whether PHASES asks for it (bench-extra only when named)
+  local name=$1
+  case $name in setup|env) return 0 ;; esac
+  if [ -n "${PHASES:-}" ]; then case ",$PHASES," in *",$name,"*) return 0 ;; *) return 1 ;; esac; fi
+  [ "$name" != bench-extra ]
+}
+N_OK=0; N_FAIL=0; N_SKIP=0; FAILED=""
+# phase NAME LIMIT FUNCTION [ARGS...]: runs FUNCTION ARGS under `timeout LIMIT` (LIMIT cut
+# to what is left before DEADLINE), appends "## NAME: STATUS (S s ...)" and its lines
+phase() {
+  local name=$1 limit=$2 fn=$3 left t0 rc status dt out; shift 3
+  if ! wanted "$name"; then return 0; fi
+  case "$name:$RESUMED" in setup:*|env:*) ;; *" $name "*)   # setup and env: every call
+    printf '## %s: ok in an earlier call (RESUME)\n\n' "$name" >> "$SUMMARY"; N_SKIP=$((N_SKIP + 1))
+    return 0 ;;
+  esac
+  left=$(( DEADLINE - $(elapsed) - 10 ))
+  case $name in setup|env) ;; *) [ "$left" -lt "$limit" ] && limit=$left ;; esac
+  if [ "$limit" -lt 20 ]; then
+    printf '## %s: not run (no time left: %s s of %s used)\n\n' "$name" "$(elapsed)" "$DEADLINE" >> "$SUMMARY"
+    N_FAIL=$((N_FAIL + 1)); FAILED="$FAILED $name"
+    return 0
+  fi
+  log "phase $name: start (limit ${limit}s)"
   t0=$(date +%s.%N)
-  log "phase $name: start"
-  "$@"; rc=$?
+  out="$PREFIX/phase.out"
+  if [ "$fn" = setup_phase ]; then
+    "$fn" "$@" > "$out" 2>&1; rc=$?
+  else
+    timeout -k 10 "$limit" bash -c '"$@"' _ "$fn" "$@" > "$out" 2>&1; rc=$?
+  fi
   dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN {printf "%.1f", b - a}')
-  printf '%s\t%s\t%s\n' "$name" "$( [ $rc = 0 ] && echo ok || echo "failed (exit $rc)")" "$dt" >> "$PHASES"
-  log "phase $name: exit $rc in ${dt}s"
+  case $rc in
+    0) status=ok; N_OK=$((N_OK + 1)) ;;
+    124|137) status="FAILED: timeout after ${limit} s"; N_FAIL=$((N_FAIL + 1)); FAILED="$FAILED $name" ;;
+    *) status="FAILED (exit $rc)"; N_FAIL=$((N_FAIL + 1)); FAILED="$FAILED $name" ;;
+  esac
+  { printf '## %s: %s (%s s, limit %s s, at %s s)\n\n' "$name" "$status" "$dt" "$limit" "$(elapsed)"
+    cat "$out"; echo; } >> "$SUMMARY"
+  log "phase $name: $status in ${dt}s"
   return 0
 }
 
-log "gpu-check: $WHAT into $OUTDIR (prefix $PREFIX, $( [ "$CPU" = 1 ] && echo CPU rehearsal || echo GPU))"
-export ROOT OUTDIR CPU PREFIX KIT PY SETUP_LOG
+{
+  echo "# semzo GPU check: summary"
+  echo
+  echo "$( [ "$CPU" = 1 ] && echo "CPU rehearsal (SEMZO_GPU_KIT_CPU=1)" || echo GPU) run of" \
+    "\`tools/gpu-check.sh\`, started $(date -u +%Y-%m-%dT%H:%M:%SZ), deadline ${DEADLINE} s," \
+    "commit $(git -C "$ROOT" log -1 --format=%h 2>/dev/null || echo '?')."
+  echo "Each phase below was appended when it ended. A skipped test, a phase that selected"
+  echo "no test and a benchmark item without a figure count as failures. pytest -k:"
+  echo "\`$SEMZO_GPU_KIT_K\`.${RESUME:+ Resumed from $RESUME: skipped$RESUMED.}"
+  echo
+} > "$SUMMARY"
+
+export ROOT OUTDIR CPU PREFIX KIT PY SETUP_LOG ENV_TXT WHAT SEMZO_GPU_KIT_K
 export -f log verify_kit install_py deb_x build_h5py h5py_mpi unpack_mpi fix_links setup_models \
-  run_tests run_bench
-phase kit 60 bash -c verify_kit
-phase python 120 bash -c install_py
-phase_here mpi setup_mpi
-[ "$WHAT" = bench ] || phase h5py-mpi "$H5PY_TIMEOUT" bash -c build_h5py
-phase models "$SETUP_TIMEOUT" bash -c setup_models
-report_env
-[ "$WHAT" = bench ] || phase tests "$(left "$TESTS_TIMEOUT")" bash -c run_tests
-[ "$WHAT" = tests ] || phase bench "$(left "$BENCH_TIMEOUT")" bash -c run_bench
-summarize
-rm -f "$PHASES"
-log "gpu-check: done; $OUTDIR/summary.md"
-cat "$OUTDIR/summary.md"
+  pytest_phase bench_phase wait_h5py checkpoint_phase pipeline_phase report_env
+log "gpu-check into $OUTDIR (prefix $PREFIX, $( [ "$CPU" = 1 ] && echo CPU rehearsal || echo GPU), deadline ${DEADLINE}s)"
+phase setup 300 setup_phase
+# the setup phase exported MPI's variables in this shell; the later phases inherit them
+[ -f "$PREFIX/env.sh" ] && . "$PREFIX/env.sh"
+phase env 60 report_env
+if [ "$CPU" != 1 ]; then   # the ZO kernels' module (0.8 MB of CUDA C) into CuPy's disk cache
+  # once, before the 2-rank tests would compile it in every rank at the same time
+  (cd "$ROOT" && timeout -k 5 120 "$PY" -c "import cupy; from semzo.zo import kernels_gpu as k; \
+k._cupy_function(cupy.cuda.runtime.getDevice(), 'zo_zvec'); print('zo kernels compiled')") \
+    >> "$OUTDIR/tests.log" 2>&1 &
+fi
+phase forward 90 pytest_phase forward "" tests/test_gpu_model.py tests/test_decoder_gpu.py \
+  tests/test_model_gpu.py
+phase zo-kernels 90 pytest_phase zo-kernels "kernel or zvec or checksum" tests/test_gpu_zo.py \
+  tests/test_gpu_fixes.py
+phase zo-step 120 pytest_phase zo-step \
+  "engine or streamed or offload or replay or feature" tests/test_gpu_zo.py
+phase kmeans 90 pytest_phase kmeans "" tests/test_gpu_kmeans.py
+phase fixes 60 pytest_phase fixes "not kernel" tests/test_gpu_fixes.py
+phase checkpoint 150 checkpoint_phase 90
+phase bench-forward 60 bench_phase bench-forward smollm2_forward_bf16,minilm_forward_f16
+phase bench-zo 120 bench_phase bench-zo \
+  minilm_zo_step_over_2fwd,minilm_zo_vs_mezo,smollm2_zo_lora_vs_mezo,smollm2_zo_full_vs_mezo
+phase bench-offload 150 bench_phase bench-offload offload_vs_resident,largest_model
+phase pipeline 150 pipeline_phase 60
+phase bench-extra 150 bench_phase bench-extra kmeans_vs_torch_floor,zo_pass_gpu,demo_llm_gpu
+{
+  echo "## overall: $N_OK ok, $N_FAIL failed, $N_SKIP ok in an earlier call; $(elapsed) s" \
+    "(deadline $DEADLINE s)"
+  if [ -n "$FAILED" ]; then
+    echo; echo "Failed or not run:$FAILED. With RESUME=<this summary.md> a next call runs only these."
+  fi
+} >> "$SUMMARY"
+if [ ! -f "$PREFIX/h5py.done" ] && [ -f "$PREFIX/h5py.pid" ]; then
+  kill "$(cat "$PREFIX/h5py.pid")" 2>/dev/null     # the background h5py build (its timeout)
+  log "h5py build still running at the end: stopped"
+fi
+log "gpu-check: done in $(elapsed)s; $SUMMARY"
+cat "$SUMMARY"
 exit 0

@@ -252,7 +252,7 @@ manifest="$OUT/MANIFEST.tsv"
 cat > "$OUT/README.txt" <<EOF
 semzo GPU kit, packed $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(. /etc/os-release 2>/dev/null; echo "${PRETTY_NAME:-?}")
 by tools/gpu-pack.sh. On the GPU machine, from the working tree:
-  bash tools/gpu-check.sh OUTDIR tests     (then: bash tools/gpu-check.sh OUTDIR bench)
+  bash tools/gpu-check.sh OUTDIR     (one command, at most 8 minutes: docs/results/gpu.md)
 EOF
 
 total=$(size_of "$OUT")

@@ -52,15 +52,32 @@ def cuda_aware_mpi() -> bool:
 
 
 def bind_gpu(local_rank: int) -> int:
-    """Bind this rank to GPU ``local_rank mod n_gpus`` (one rank per GPU); return its id."""
-    import cupy  # only when a GPU is asked for
+    """Bind this rank to GPU ``local_rank mod n_gpus`` (one rank per GPU); return its id.
 
-    n = cupy.cuda.runtime.getDeviceCount()
+    Raises RuntimeError with one line when CuPy is missing or sees no device: CuPy's
+    ``getDeviceCount`` raises (``CUDARuntimeError``: no driver, no device, driver too old for
+    the wheel) where one would expect 0."""
+    try:
+        import cupy  # only when a GPU is asked for
+    except Exception as exc:  # noqa: BLE001 - ImportError, or a CUDA library that fails to load
+        raise RuntimeError(f"run.device = gpu but CuPy does not import ({type(exc).__name__}: "
+                           f"{_first_line(exc)}); install the CuPy wheel of the machine's "
+                           f"CUDA major (docs/guide.md)") from None
+    try:
+        n = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # noqa: BLE001 - CUDARuntimeError without driver or device
+        raise RuntimeError(f"run.device = gpu but no GPU is visible ({type(exc).__name__}: "
+                           f"{_first_line(exc)})") from None
     if n == 0:
         raise RuntimeError("run.device = gpu but no GPU is visible")
     dev = local_rank % n
     cupy.cuda.Device(dev).use()
     return dev
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def set_threads(n: int) -> int:

@@ -1,10 +1,12 @@
 """GPU (CuPy) E-step of k-means: the same interface as :mod:`semzo.cluster.cpu`, plain Lloyd.
 
 Imported only when :func:`semzo.cluster.kmeans` receives a CuPy array. Distances by cuBLAS
-SGEMM per block, argmin by CuPy, per-cluster sums by ``cupyx.scatter_add`` in float64 (atomic
-adds: the sums are not bit-reproducible run to run, unlike the CPU path). The reduced buffer
-lives on the host (k*(d+1) numbers), so any ``allreduce`` on numpy buffers works; the device is
-synchronised by the ``.get()`` copies before any MPI call. tests/test_gpu_kmeans.py checks it
+SGEMM per block, argmin by CuPy, per-cluster sums by ``cupy.add.at`` in float64 (atomic
+adds: the sums are not bit-reproducible run to run, unlike the CPU path; ``cupyx.scatter_add``
+is deprecated). A rank may hold no rows: counts never go through ``cp.bincount`` on an empty
+array, which raises in CuPy releases without the fix for cupy issue 8116 (:func:`_bincount`).
+The reduced buffer lives on the host (k*(d+1) numbers), so any ``allreduce`` on numpy buffers
+works; the device is synchronised by the ``.get()`` copies before any MPI call. tests/test_gpu_kmeans.py checks it
 against the CPU path (the reference) where a GPU is present (the GPU kit); row blocks are sized
 for the device (:attr:`LocalData.BLOCK_BYTES`), not for a CPU cache.
 """
@@ -12,8 +14,15 @@ for the device (:attr:`LocalData.BLOCK_BYTES`), not for a CPU cache.
 from __future__ import annotations
 
 import cupy as cp
-import cupyx
 import numpy as np
+
+
+def _bincount(labels, k: int):
+    """``cp.bincount(labels, minlength=k)`` (int64, length k), also for an empty ``labels``:
+    CuPy releases without the fix for cupy issue 8116 raise there instead of returning zeros."""
+    if labels.size == 0:
+        return cp.zeros(k, dtype=cp.int64)
+    return cp.bincount(labels, minlength=k)
 
 
 class LocalData:
@@ -82,7 +91,7 @@ class LocalData:
             e2[s:e] = ((xb - cb) ** 2).sum(axis=1)
             inertia += (1.0 - (xb * cb).sum(axis=1)).sum() if spherical else e2[s:e].sum()
         if counts.shape[0]:
-            counts += cp.asnumpy(cp.bincount(labels, minlength=counts.shape[0]))
+            counts += cp.asnumpy(_bincount(labels, counts.shape[0]))
         return e2, float(inertia)
 
 
@@ -117,8 +126,8 @@ class LloydGPU:
             self.labels[s:e] = lab
             inertia += (data.x_sq[s:e] + best.astype(cp.float64)).sum()
             if accumulate:
-                cupyx.scatter_add(s_dev, lab, xb.astype(cp.float64))
-                n_dev += cp.bincount(lab, minlength=k).astype(cp.float64)
+                cp.add.at(s_dev, lab, xb.astype(cp.float64))
+                n_dev += _bincount(lab, k).astype(cp.float64)
         if accumulate:
             sums[...] = cp.asnumpy(s_dev)
             counts[...] = cp.asnumpy(n_dev)

@@ -101,31 +101,17 @@ def kmeans(x_local, k: int, comm, *, global_offset: int, allreduce=None, init="k
     if allreduce is None:
         allreduce = default_allreduce(comm)
     t_start = time.perf_counter()
-    bad = False
+    data, bad = _local_data(x_local, block_rows, k)
     if _is_cupy(x_local):
-        from . import gpu  # imports cupy: only when a GPU array is given
-        data = gpu.LocalData(x_local, block_rows, k)
         if algorithm != "lloyd":
             log.warning("algorithm %r has no GPU path; running plain Lloyd", algorithm)
             algorithm = "lloyd"
+        from . import gpu  # loaded by _local_data already
         make = gpu.LloydGPU
     else:
-        x = np.ascontiguousarray(x_local, dtype=np.float32)
-        bad = x.ndim != 2
-        data = cpu.LocalData(x if not bad else np.zeros((0, 0), np.float32), block_rows)
         make = cpu.LloydCPU if algorithm == "lloyd" else cpu.PrunedCPU
     n_local, d = data.n, data.d
-
-    # -- global shape; every rank learns the same n_total and whether d agrees ---------------
-    head = np.array([n_local, d, d * d, float(bad)], dtype=np.float64)
-    allreduce(head)
-    size = comm.Get_size()
-    n_total = int(head[0])
-    if head[3] > 0:
-        raise ValueError("x_local must be 2-D (n_local, d) on every rank (use shape (0, d) "
-                         "for a rank without rows)")
-    if head[1] != size * d or head[2] != size * d * d:
-        raise ValueError("x_local has a different number of columns on some ranks")
+    n_total = _agree_shape(comm, allreduce, n_local, d, bad)
     if n_total < k:
         raise ValueError(f"k={k} clusters need at least k rows; there are {n_total}")
     tol_abs = _tolerance(data, n_total, tol, allreduce) if tol > 0 else 0.0
@@ -217,18 +203,46 @@ def init_centers(x_local, k: int, comm, *, global_offset: int, allreduce=None, s
     identical on every rank. Collective over ``comm``; arguments as for :func:`kmeans`."""
     if allreduce is None:
         allreduce = default_allreduce(comm)
+    data, bad = _local_data(x_local, block_rows, int(k))
+    n_total = _agree_shape(comm, allreduce, data.n, data.d, bad)
+    if n_total < k:
+        raise ValueError(f"k={k} clusters need at least k rows; there are {n_total}")
+    return kmeans_parallel(data, int(k), comm, allreduce, global_offset=global_offset,
+                           n_total=n_total, seed=seed, oversampling=oversampling,
+                           rounds=rounds, max_candidates=max_candidates, spherical=spherical)
+
+
+def _local_data(x_local, block_rows: int, k: int):
+    """(this rank's LocalData, whether ``x_local`` is malformed). Raises nothing on a bad shape:
+    a rank whose rows are not 2-D gets an empty (0, 0) LocalData of its device and says so in
+    :func:`_agree_shape`, so every rank raises the same error after the same collective
+    instead of one rank raising while the others wait in ``allreduce`` (both devices)."""
+    bad = getattr(x_local, "ndim", np.ndim(x_local)) != 2
     if _is_cupy(x_local):
         from . import gpu  # imports cupy: only when a GPU array is given
-        data = gpu.LocalData(x_local, block_rows, k)
-    else:
-        data = cpu.LocalData(np.ascontiguousarray(x_local, dtype=np.float32), block_rows)
-    head = np.array([data.n], dtype=np.float64)
+        # a bad rank's placeholder from its own module (CuPy's ascontiguousarray takes no
+        # NumPy array): no rows, no columns
+        empty = x_local.reshape(-1)[:0].reshape(0, 0) if bad else x_local
+        return gpu.LocalData(empty, block_rows, k), bad
+    x = np.zeros((0, 0), np.float32) if bad else np.ascontiguousarray(x_local,
+                                                                       dtype=np.float32)
+    return cpu.LocalData(x, block_rows), bad
+
+
+def _agree_shape(comm, allreduce, n_local: int, d: int, bad: bool) -> int:
+    """The global row count; raises the same ValueError on every rank if some rank's rows
+    are not 2-D or the column counts differ. The first collective of :func:`kmeans` and
+    :func:`init_centers`, on a host buffer whatever the device."""
+    head = np.array([n_local, d, d * d, float(bad)], dtype=np.float64)
     allreduce(head)
-    if int(head[0]) < k:
-        raise ValueError(f"k={k} clusters need at least k rows; there are {int(head[0])}")
-    return kmeans_parallel(data, int(k), comm, allreduce, global_offset=global_offset,
-                           n_total=int(head[0]), seed=seed, oversampling=oversampling,
-                           rounds=rounds, max_candidates=max_candidates, spherical=spherical)
+    size = comm.Get_size()
+    if head[3] > 0:
+        raise ValueError("x_local must be 2-D (n_local, d) on every rank (use shape (0, d) "
+                         "for a rank without rows)")
+    # d from the ranks that are not bad: sum d == P d and sum d^2 == P d^2 iff all equal
+    if head[1] != size * d or head[2] != size * d * d:
+        raise ValueError("x_local has a different number of columns on some ranks")
+    return int(head[0])
 
 
 def _tolerance(data, n_total, tol, allreduce) -> float:
@@ -285,9 +299,12 @@ def _repair_empty(comm, allreduce, data, assigner, centers, sums, counts, global
     log.info("repaired %d empty cluster(s) with the farthest points", m)
 
 
-def predict(x, centers, spherical: bool = False, block_rows: int = 1024) -> np.ndarray:
+def predict(x, centers, spherical: bool = False, block_rows: int = 1024):
     """Labels (n,) int32 of rows x (n, d) for the centres (k, d): nearest by the same float32
     score as the Lloyd E-step (largest dot product when ``spherical``). Local, no collectives.
+
+    The labels live where ``x`` lives: a NumPy array for NumPy rows, a CuPy array (on the
+    current device) for CuPy rows; ``semzo.backend.array_module(labels)`` tells which.
     """
     if _is_cupy(x):
         from . import gpu  # imports cupy: only when a GPU array is given

@@ -22,6 +22,7 @@ from semzo.model.kernels import (
     run_split,
     split_slices,
 )
+from semzo.model.losses import check_ids
 from semzo.model.storage import to_float32
 
 _QKV = ("query", "key", "value")
@@ -79,7 +80,6 @@ class Encoder(TransformerBase):
             for j, q in enumerate(_QKV):
                 p[f"{base}{q}.weight"], p[f"{base}{q}.bias"] = views[j]
             self._fused.append((w, b, views))
-        self._qkv_groups: list[tuple] = list(self._fused)   # every fused layout ever bound
 
     def inference_layout(self) -> bool:
         """Store the block projection weights transposed (Fortran order) for inference only.
@@ -107,7 +107,6 @@ class Encoder(TransformerBase):
             self._fused[i] = (wf, b, nv)
             for mod in ("attention.output.dense", "intermediate.dense", "output.dense"):
                 p[f"{base}{mod}.weight"] = np.asfortranarray(p[f"{base}{mod}.weight"])
-        self._qkv_groups = list(self._fused)
         return True
 
     def lora_modules(self) -> list[str]:
@@ -177,20 +176,22 @@ class Encoder(TransformerBase):
             views = [(w[j * h:(j + 1) * h], b[j * h:(j + 1) * h]) for j in range(3)]
             for j in range(3):
                 out[wn[j]], out[bn[j]] = views[j]
-            self._qkv_groups.append((w, b, views))
         return out
 
     def bind_params(self, arrays: dict) -> None:
+        """As the base method; a layer whose Q, K and V now point at the three row blocks of
+        one (3H, H) buffer (and its bias at one (3H,) buffer), as :meth:`alloc_stage` lays a
+        slot out, keeps the fused GEMM. The fused layout is read off the bound arrays
+        themselves: the model keeps no list of slots, so a slot the offload schedule drops
+        is freed once it is unbound (nothing here holds it)."""
         super().bind_params(arrays)
         p = self.params
         for i in range(self.config.num_layers):
             base = f"{self.prefix}encoder.layer.{i}.attention.self."
             cur = [(p[f"{base}{q}.weight"], p[f"{base}{q}.bias"]) for q in _QKV]
-            for grp in self._qkv_groups:
-                if all(cur[j][0] is grp[2][j][0] and cur[j][1] is grp[2][j][1]
-                       for j in range(3)):
-                    self._fused[i] = grp
-                    break
+            grp = _fused_group(cur, self.config.hidden_size)
+            if grp is not None:
+                self._fused[i] = grp
 
     def _stage_run(self, k: int, part: dict) -> None:
         b, t = part["b"], part["t"]
@@ -284,7 +285,7 @@ class Encoder(TransformerBase):
         embed_sum(ids, p[f"{e}word_embeddings.weight"], p[f"{e}position_embeddings.weight"],
                   tt[0], x)
         if token_type_ids is not None:
-            tti = xp.asarray(token_type_ids).reshape(-1)
+            tti = _type_ids(xp, token_type_ids, ids.shape, tt.shape[0])
             x += tt[tti] - tt[0]
         layernorm(x, self.fparam(f"{e}LayerNorm.weight"), self.fparam(f"{e}LayerNorm.bias"),
                   cfg.layer_norm_eps, out=x)
@@ -370,3 +371,38 @@ class Encoder(TransformerBase):
                                     p(f"{m}LayerNorm.bias"), eps, out=xr)
         if rows is not None:
             x[rows] = xr
+
+
+def _type_ids(xp, token_type_ids, shape: tuple, n_types: int):
+    """token_type_ids as a flat integer array of ``xp``, checked like the token ids on every
+    device (CuPy's fancy indexing does not check bounds: an id >= n_types would read past the
+    type embedding table, a negative one wrap): a 2-D integer array of the ids' ``shape``,
+    every id in [0, n_types). Checked on the host when given as NumPy (no device sync)."""
+    tti = xp.asarray(token_type_ids)
+    if tuple(tti.shape) != tuple(shape) or tti.dtype.kind not in "iu":
+        raise ValueError(f"token_type_ids must be an integer array shaped as input_ids "
+                         f"{tuple(shape)}, got {tuple(tti.shape)} {tti.dtype}")
+    if isinstance(token_type_ids, np.ndarray):
+        check_ids(np, token_type_ids, n_types, what="token type id")
+    else:
+        check_ids(xp, tti, n_types, what="token type id")
+    return tti.reshape(-1)
+
+
+def _addr(a) -> int:
+    """Address of ``a[0]`` (numpy or cupy)."""
+    return a.data.ptr if hasattr(a.data, "ptr") else a.ctypes.data
+
+
+def _fused_group(cur: list[tuple], h: int):
+    """(w, b, views) when the (weight, bias) pairs ``cur`` of Q, K, V are rows j*h .. (j+1)*h of
+    one (3h, h) buffer ``w`` and one (3h,) buffer ``b`` (any memory order), else None."""
+    w, b = cur[0][0].base, cur[0][1].base
+    if w is None or b is None or tuple(w.shape) != (3 * h, h) or tuple(b.shape) != (3 * h,):
+        return None
+    for j, (wj, bj) in enumerate(cur):
+        if wj.base is not w or bj.base is not b or tuple(wj.shape) != (h, h) or \
+                wj.strides != w.strides or _addr(wj) != _addr(w) + j * h * w.strides[0] or \
+                _addr(bj) != _addr(b) + j * h * b.strides[0]:
+            return None
+    return w, b, list(cur)

@@ -12,16 +12,17 @@ class TokenIdError(SemzoError, ValueError):
     since the ids come from the user's tokenizer and data)."""
 
 
-def check_ids(xp, ids, vocab_size: int) -> None:
+def check_ids(xp, ids, vocab_size: int, what: str = "token id") -> None:
     """Raise :class:`TokenIdError` naming the first token id outside [0, vocab_size) (padded positions
-    included): the embedding kernels index with them. One reduction (a device sync on GPU)."""
+    included): the embedding kernels index with them. One reduction (a device sync on GPU).
+    ``what`` names the ids in the message (token type ids use the same check)."""
     if ids.size == 0:
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= vocab_size:
         bad = lo if lo < 0 else hi
         where = tuple(int(i) for i in xp.argwhere(ids == bad)[0])
-        raise TokenIdError(f"token id {bad} at position {where} is outside the vocabulary "
+        raise TokenIdError(f"{what} {bad} at position {where} is outside the vocabulary "
                          f"of {vocab_size} ids")
 
 

@@ -17,14 +17,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 from mpi4py import MPI
 
-from ..backend import cuda_aware_mpi, is_device_array, synchronize
+from ..backend import array_module, cuda_aware_mpi, is_device_array, synchronize
 
 if TYPE_CHECKING:
     from .comms import Topology
 
 
 def _staged(fn):
-    """Run ``fn(topo, host_buf, ...)`` on a host copy of a GPU buffer, then copy back."""
+    """Run ``fn(topo, host_buf, ...)`` on a host copy of a GPU buffer, then copy back. Under
+    CUDA-aware MPI ``fn`` gets the device buffer itself. Either way the result is an array of
+    the input's module (CuPy in, CuPy out)."""
 
     def wrapper(topo: Topology, buf, *args, **kwargs):
         if not is_device_array(buf):
@@ -81,14 +83,17 @@ def allreduce(topo: Topology, buf, op: MPI.Op = MPI.SUM):
 @_staged
 def allgather(topo: Topology, sendbuf):
     """Gather every rank's ``sendbuf`` (same shape everywhere) into ``(P, *shape)``, in world
-    rank order, on every rank. Collective over the world."""
+    rank order, on every rank: an array of ``sendbuf``'s module (a device buffer under
+    CUDA-aware MPI gathers into a device array, as the staged path returns one). Collective
+    over the world."""
     _check(sendbuf)
-    out = np.empty((topo.size, *sendbuf.shape), dtype=sendbuf.dtype)
+    xp = array_module(sendbuf)
+    out = xp.empty((topo.size, *sendbuf.shape), dtype=sendbuf.dtype)
     if not topo.hierarchical or topo.size == 1:
         topo.world.Allgather(sendbuf, out)
         return out
     item = sendbuf.size
-    gathered = np.empty_like(out)            # ranks in hierarchy order, see Topology.gather_order
+    gathered = xp.empty_like(out)            # ranks in hierarchy order, see Topology.gather_order
     flat = gathered.reshape(topo.size, item)
     # 1. inside the node, onto the node leader: slot [node_offset, node_offset + local_size)
     lo = topo.node_offset
@@ -113,7 +118,7 @@ def allgather(topo: Topology, sendbuf):
             nl.Bcast(flat, root=0)
     if topo.node.Get_size() > 1:
         topo.node.Bcast(flat, root=0)
-    out[topo.gather_order] = gathered
+    out[xp.asarray(topo.gather_order)] = gathered
     return out
 
 

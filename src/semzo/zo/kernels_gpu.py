@@ -22,6 +22,12 @@ Entry points mirror kernels.py: ``zvec``, ``perturb``, ``restore_update``, ``mul
 a flat device array ``p`` (float32, float64, float16, or uint16 bfloat16 bits: CuPy backend
 only), the element offset ``off`` of ``p[0]`` in
 tensor ``t``, the seed key words, and act in place on the current CuPy stream.
+
+Every entry point checks its arrays before any launch (:func:`_check_flat`,
+:func:`_check_seeds`): a kernel indexes ``p`` as a flat C-ordered buffer of ``p.size``
+elements and the seed arrays up to ``gs.size``, so a strided view, an unsupported dtype, a
+``q`` smaller than ``p`` or a ``k0s`` shorter than ``gs`` would read or write past the end of
+device memory instead of raising.
 """
 
 from __future__ import annotations
@@ -90,6 +96,51 @@ def _storage(p):
     return sfx, (p.view(cupy.uint16) if sfx == "f16" else p)
 
 
+def _check_flat(name: str, a, dtypes) -> None:
+    """``a`` must be a C-contiguous array of one of ``dtypes`` (the kernels index it flat)."""
+    dt = getattr(a, "dtype", None)
+    if dt is None or not hasattr(a, "size"):
+        raise TypeError(f"ZO kernels: {name} must be a device array, got {type(a).__name__}")
+    if np.dtype(dt) not in dtypes:
+        names = ", ".join(sorted(np.dtype(d).name for d in dtypes))
+        raise TypeError(f"ZO kernels: {name} has dtype {np.dtype(dt).name}; supported: {names} "
+                        f"(uint16 = bfloat16 bits)")
+    flags = getattr(a, "flags", None)
+    # numpy and cupy: flags.c_contiguous; numba's device arrays: a dict
+    contiguous = flags is not None and bool(flags["C_CONTIGUOUS"] if isinstance(flags, dict)
+                                            else flags.c_contiguous)
+    if not contiguous:
+        raise ValueError(f"ZO kernels: {name} must be C-contiguous (the kernels index it as a "
+                         f"flat buffer of {a.size} elements); got a strided view of shape "
+                         f"{tuple(a.shape)}")
+
+
+def _check_pair(p, q) -> None:
+    """``q`` (the post-perturb destination of stream_pass) shaped and typed as ``p``."""
+    _check_flat("q", q, SUFFIX)
+    if q.size != p.size or np.dtype(q.dtype) != np.dtype(p.dtype):
+        raise ValueError(f"ZO kernels: q ({q.size} x {np.dtype(q.dtype).name}) must match p "
+                         f"({p.size} x {np.dtype(p.dtype).name})")
+
+
+def _check_seeds(k0s, k1s, gs) -> int:
+    """The number of perturbations; k0s, k1s, gs: 1-D, one entry each per perturbation."""
+    lens = [np.shape(a) for a in (k0s, k1s, gs)]
+    if any(len(s) != 1 for s in lens) or len({s[0] for s in lens}) != 1:
+        raise ValueError(f"ZO kernels: k0s, k1s and gs must be 1-D of equal length (one entry "
+                         f"per perturbation), got shapes {lens}")
+    return lens[0][0]
+
+
+def _check_scalar(name: str, v) -> None:
+    """Offsets and seed words are unsigned 64-bit: reject what would wrap (a negative offset)."""
+    if int(v) < 0 or int(v) >= 2**64:
+        raise ValueError(f"ZO kernels: {name} = {v} is not an unsigned 64-bit integer")
+
+
+_OUT_F32 = (np.dtype(np.float32),)
+
+
 def _u(x) -> np.uint64:
     return np.uint64(x)
 
@@ -100,6 +151,8 @@ def _use_numba() -> bool:
 
 def zvec(out, e0, t, k0, k1, dist) -> None:
     """out[i] = z(seed, t, e0 + i) into a float32 device array."""
+    _check_flat("out", out, _OUT_F32)
+    _check_scalar("e0", e0)
     if _use_numba():
         numba_cuda_kernels().zvec(out, e0, t, k0, k1, dist)
         return
@@ -110,6 +163,8 @@ def zvec(out, e0, t, k0, k1, dist) -> None:
 
 def perturb(p, off, t, k0, k1, dist, scale) -> None:
     """p <- p + scale z, in place (formula of kernels.perturb_kernel)."""
+    _check_flat("p", p, SUFFIX)
+    _check_scalar("off", off)
     if _use_numba():
         numba_cuda_kernels().perturb(p, off, t, k0, k1, dist, scale)
         return
@@ -121,6 +176,8 @@ def perturb(p, off, t, k0, k1, dist, scale) -> None:
 
 def restore_update(p, off, t, k0, k1, dist, eps, lr, g, wd) -> None:
     """pr = p + eps z; p <- pr - lr (g z + wd pr), in place."""
+    _check_flat("p", p, SUFFIX)
+    _check_scalar("off", off)
     if _use_numba():
         numba_cuda_kernels().restore_update(p, off, t, k0, k1, dist, eps, lr, g, wd)
         return
@@ -134,8 +191,11 @@ def restore_update(p, off, t, k0, k1, dist, eps, lr, g, wd) -> None:
 def multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1, eps, dist) -> None:
     """pr = p + eps z_r (if restore); p <- pr - lr (sum_k gs[k] z_k + wd pr), in place.
 
-    k0s, k1s: uint64[P], gs: float64[P] host (numpy) arrays.
+    k0s, k1s: uint64[P], gs: float64[P] host (numpy) arrays of equal length P.
     """
+    _check_flat("p", p, SUFFIX)
+    _check_scalar("off", off)
+    _check_seeds(k0s, k1s, gs)
     if _use_numba():
         numba_cuda_kernels().multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1,
                                           eps, dist)
@@ -152,7 +212,12 @@ def multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1, eps, dist) 
 def stream_pass(p, q, off, t, mode, k0, k1, a, lr, g, wd, k0s, k1s, gs, post, pk0, pk1, pa,
                 dist) -> None:
     """The block-streamed schedule's fused pass (kernels.fused_kernel's modes, then ``post``:
-    q <- p + pa z(pk0, pk1), q may be p), one launch, CuPy only. k0s, k1s, gs: host arrays."""
+    q <- p + pa z(pk0, pk1), q may be p), one launch, CuPy only. k0s, k1s, gs: host arrays
+    of equal length; q shaped and typed as p."""
+    _check_flat("p", p, SUFFIX)
+    _check_pair(p, q)
+    _check_scalar("off", off)
+    _check_seeds(k0s, k1s, gs)
     sfx, pp = _storage(p)
     _, qq = _storage(q)
     n = p.size
@@ -281,4 +346,4 @@ def numba_cuda_kernels(threads_per_block: int = THREADS_PER_BLOCK) -> _NumbaCuda
 
 
 __all__ = ["THREADS_PER_BLOCK", "cuda_source", "multi_update", "numba_cuda_kernels", "perturb",
-           "restore_update", "zvec"]
+           "restore_update", "stream_pass", "zvec"]

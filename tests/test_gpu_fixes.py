@@ -1,0 +1,265 @@
+"""Defects a first GPU run would have met (issue 35), each proven on the CPU (a NumPy stand-in
+for CuPy, a monkeypatched module, or plain NumPy where the fix is device-independent) and on
+the GPU beside it (``test_gpu_*``: skipped only without CuPy and a device, and the kit counts
+a skip as a failure):
+
+- ``backend.bind_gpu``: CuPy's ``getDeviceCount`` raising (no driver / device) gives the
+  friendly one-line error, as does a CuPy that does not import;
+- ``topology.collectives.allgather`` under CUDA-aware MPI returns an array of the input's
+  module (it returned NumPy while the staged path returns CuPy);
+- ``zo.kernels_gpu``: dtype, contiguity and equal seed/scalar lengths checked before any launch;
+- ``model.encoder``: an offload slot is freed once unbound (``_qkv_groups`` kept every slot);
+- token type ids checked on every device (CuPy's fancy indexing does not check bounds).
+
+(cluster/gpu.py and cluster/kmeans.py: tests/test_gpu_kmeans.py; the float16 engine step
+against the CPU: tests/test_gpu_zo.py.)
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+from gpu_common import cupy_or_none, gpu_skip, host
+from zo_common import make_model
+
+from semzo import backend
+from semzo.model import Tokenizer, load_model
+from semzo.model.losses import TokenIdError
+from semzo.topology import collectives
+from semzo.zo import kernels_gpu
+
+
+# ----------------------------------------------------------------------------- bind_gpu
+class CUDARuntimeError(RuntimeError):
+    """Named as CuPy's (cupy_backends.cuda.api.runtime.CUDARuntimeError)."""
+
+
+def _fake_cupy(count):
+    def get_count():
+        if isinstance(count, Exception):
+            raise count
+        return count
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDeviceCount=get_count),
+                                      Device=lambda i: types.SimpleNamespace(use=lambda: None))
+    return fake
+
+
+def test_bind_gpu_friendly_errors_on_cpu(monkeypatch):
+    err = CUDARuntimeError("cudaErrorNoDevice: no CUDA-capable device is detected\ndetail")
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(err))
+    with pytest.raises(RuntimeError) as info:
+        backend.bind_gpu(0)
+    msg = str(info.value)
+    assert msg == ("run.device = gpu but no GPU is visible (CUDARuntimeError: "
+                   "cudaErrorNoDevice: no CUDA-capable device is detected)")
+    assert info.value.__cause__ is None and "\n" not in msg
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(0))
+    with pytest.raises(RuntimeError, match="^run.device = gpu but no GPU is visible$"):
+        backend.bind_gpu(0)
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(2))
+    assert backend.bind_gpu(3) == 1
+    monkeypatch.setitem(sys.modules, "cupy", None)          # import cupy raises ImportError
+    with pytest.raises(RuntimeError, match="CuPy does not import .*CUDA major"):
+        backend.bind_gpu(0)
+
+
+@gpu_skip()
+def test_gpu_bind_gpu():
+    cp = cupy_or_none()
+    n = cp.cuda.runtime.getDeviceCount()
+    assert backend.bind_gpu(n) == 0 and cp.cuda.runtime.getDevice() == 0
+
+
+# ----------------------------------------------------------------------------- allgather
+class _Dev(np.ndarray):
+    """A NumPy array standing for a device array."""
+
+
+class _DevModule:
+    """The array module of ``_Dev`` arrays (what cupy is to cupy arrays)."""
+
+    @staticmethod
+    def empty(shape, dtype):
+        return np.empty(shape, dtype).view(_Dev)
+
+    @staticmethod
+    def empty_like(a):
+        return np.empty_like(np.asarray(a)).view(_Dev)
+
+    @staticmethod
+    def asarray(a):
+        return np.asarray(a).view(_Dev)
+
+
+class _SelfWorld:
+    """A one-rank communicator's Allgather, as a device copy (a CUDA-aware library's)."""
+
+    def Allgather(self, send, out):       # mpi4py's name
+        out[0] = send
+
+
+_SOLO = types.SimpleNamespace(hierarchical=False, size=1, world=_SelfWorld())
+
+
+def _allgather_keeps_module(xp, buf) -> None:
+    got = collectives.allgather(_SOLO, buf)
+    assert backend.array_module(got) is backend.array_module(buf)
+    assert type(got) is type(buf) and got.shape == (1, *buf.shape)
+    assert np.array_equal(host(got)[0], host(buf))
+
+
+def test_allgather_cuda_aware_keeps_module_on_cpu(monkeypatch):
+    monkeypatch.setenv("SEMZO_CUDA_AWARE_MPI", "1")
+    monkeypatch.setattr(collectives, "is_device_array", lambda a: isinstance(a, _Dev))
+    monkeypatch.setattr(collectives, "synchronize", lambda a: None)
+    monkeypatch.setattr(collectives, "array_module",
+                        lambda a: _DevModule if isinstance(a, _Dev) else np)
+    _allgather_keeps_module(_DevModule, np.arange(6, dtype=np.float64).view(_Dev))
+    _allgather_keeps_module(np, np.arange(6, dtype=np.float64))
+
+
+@gpu_skip()
+@pytest.mark.parametrize("aware", ["0", "1"])
+def test_gpu_allgather_keeps_module(monkeypatch, aware):
+    cp = cupy_or_none()
+    monkeypatch.setenv("SEMZO_CUDA_AWARE_MPI", aware)
+    _allgather_keeps_module(cp, cp.arange(6, dtype=cp.float64))
+
+
+# ----------------------------------------------------------------------------- ZO kernels
+def _kernel_misuse(xp) -> None:
+    """Each entry point raises before any launch on what would read or write out of bounds."""
+    f32 = xp.zeros(16, dtype=xp.float32)
+    u64 = np.zeros(2, np.uint64)
+    with pytest.raises(TypeError, match="dtype int32"):
+        kernels_gpu.perturb(xp.zeros(8, dtype=xp.int32), 0, 0, 1, 2, 0, 1.0)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernels_gpu.perturb(f32[::2], 0, 0, 1, 2, 0, 1.0)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        kernels_gpu.restore_update(f32.reshape(4, 4).T, 0, 0, 1, 2, 0, 1e-3, 0.1, 1.0, 0.0)
+    with pytest.raises(TypeError, match="out has dtype float64"):
+        kernels_gpu.zvec(xp.zeros(8, dtype=xp.float64), 0, 0, 1, 2, 0)
+    with pytest.raises(ValueError, match="equal length"):
+        kernels_gpu.multi_update(f32, 0, 0, u64, np.zeros(3, np.uint64), np.zeros(3), 0.1, 0.0,
+                                 False, 0, 0, 0.0, 0)
+    with pytest.raises(ValueError, match="equal length"):
+        kernels_gpu.stream_pass(f32, f32, 0, 0, 3, 0, 0, 0.0, 0.1, 0.0, 0.0, u64, u64,
+                                np.zeros(1), 0, 0, 0, 0.0, 0)
+    with pytest.raises(ValueError, match="q .* must match p"):
+        kernels_gpu.stream_pass(f32, f32[:8], 0, 0, 0, 0, 0, 0.0, 0.1, 0.0, 0.0, u64, u64,
+                                np.zeros(2), 1, 0, 0, 0.0, 0)
+    with pytest.raises(ValueError, match="not an unsigned 64-bit"):
+        kernels_gpu.perturb(f32, -1, 0, 1, 2, 0, 1.0)
+
+
+def test_zo_kernels_validate_before_launch_on_cpu():
+    """NumPy arrays: every check fires before the CuPy or numba launch (no cupy is imported:
+    a check after it would fail here with ModuleNotFoundError instead)."""
+    _kernel_misuse(np)
+    assert "cupy" not in sys.modules or sys.modules["cupy"] is None
+
+
+@gpu_skip()
+def test_gpu_zo_kernels_validate_before_launch():
+    cp = cupy_or_none()
+    _kernel_misuse(cp)
+    p = cp.zeros(300, dtype=cp.float32)                   # a valid call still runs
+    kernels_gpu.perturb(p, 0, 0, 1, 2, 0, 1.0)
+    assert bool((p != 0).any())
+
+
+# ----------------------------------------------------------------------------- the encoder
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_model(tmp_path_factory.mktemp("gpu_fixes") / "bert")
+
+
+def _batch(folder, xp):
+    tok = Tokenizer.from_folder(folder, max_length=16)
+    enc = tok.encode_batch(["alpha beta gamma", "delta"])
+    t = max(len(e) for e in enc)
+    ids = np.zeros((2, t), np.int64)
+    mask = np.zeros((2, t), np.int64)
+    for i, e in enumerate(enc):
+        ids[i, :len(e)], mask[i, :len(e)] = e, 1
+    return xp.asarray(ids), xp.asarray(mask)
+
+
+def _slot_freed_once_unbound(folder, xp) -> int:
+    """A layer's Q/K/V bound to a slot from alloc_stage: the fused GEMM on the slot gives the
+    resident bits; bound back to the host arrays and dropped by its owner, the slot is freed
+    (the model holds none). Returns the weakref's target count left (0) on NumPy, the device
+    pool's bytes still used beyond the start on CuPy (0)."""
+    m = load_model(folder, xp=xp)
+    ids, mask = _batch(folder, xp)
+    ref = host(m.hidden_states(ids, mask))
+    base = f"{m.prefix}encoder.layer.0.attention.self."
+    names = [f"{base}{q}.{w}" for q in ("query", "key", "value") for w in ("weight", "bias")]
+    pool = xp.get_default_memory_pool() if xp is not np else None
+    before = pool.used_bytes() if pool is not None else 0
+    slot = m.alloc_stage(names, xp)
+    for n in names:
+        slot[n][...] = m.params[n]
+    resident = {n: m.params[n] for n in names}
+    m.bind_params(slot)
+    w = slot[names[0]].base
+    assert m._fused[0][0] is w, "the slot's fused buffer is used"
+    assert np.array_equal(host(m.hidden_states(ids, mask)), ref)
+    m.bind_params(resident)
+    assert m._fused[0][0] is resident[names[0]].base
+    assert np.array_equal(host(m.hidden_states(ids, mask)), ref)
+    if pool is None:
+        gone = weakref.ref(w)
+        del slot, w
+        gc.collect()
+        return int(gone() is not None)
+    del slot, w
+    gc.collect()
+    return max(0, pool.used_bytes() - before)
+
+
+def test_encoder_slot_freed_once_unbound_on_cpu(tiny):
+    assert _slot_freed_once_unbound(tiny, np) == 0
+
+
+@gpu_skip()
+def test_gpu_encoder_slot_freed_once_unbound(tiny):
+    assert _slot_freed_once_unbound(tiny, cupy_or_none()) == 0
+
+
+def _type_ids_checked(folder, xp) -> None:
+    m = load_model(folder, xp=xp)
+    ids, mask = _batch(folder, xp)
+    ok = host(m.hidden_states(ids, mask, token_type_ids=xp.zeros(ids.shape, dtype=xp.int64)))
+    assert np.array_equal(ok, host(m.hidden_states(ids, mask)))
+    ones = host(m.hidden_states(ids, mask, token_type_ids=xp.ones(ids.shape, dtype=xp.int64)))
+    assert not np.array_equal(ones, ok)
+    for bad in (2, -1):                      # the tiny model has 2 token types
+        tti = xp.zeros(ids.shape, dtype=xp.int64)
+        tti[1, 0] = bad
+        with pytest.raises(TokenIdError, match=f"token type id {bad} at position \\(1, 0\\)"):
+            m.hidden_states(ids, mask, token_type_ids=tti)
+        with pytest.raises(TokenIdError, match="token type id"):
+            m.hidden_states(host(ids), host(mask), token_type_ids=host(tti))
+    with pytest.raises(ValueError, match="shaped as input_ids"):
+        m.hidden_states(ids, mask, token_type_ids=xp.zeros((2, 1), dtype=xp.int64))
+    with pytest.raises(ValueError, match="integer array"):
+        m.hidden_states(ids, mask, token_type_ids=xp.zeros(ids.shape, dtype=xp.float32))
+
+
+def test_token_type_ids_checked_on_cpu(tiny):
+    _type_ids_checked(tiny, np)
+
+
+@gpu_skip()
+def test_gpu_token_type_ids_checked(tiny):
+    _type_ids_checked(tiny, cupy_or_none())
