@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from semzo.model import (
-    Decoder,
+    CausalLM,
     Encoder,
     Tokenizer,
     embed_ids,
@@ -448,7 +448,7 @@ def test_export_roundtrip_bit_identical_with_head(minilm, tmp_path, tok):
 def test_decoder_loss_matches_logits_and_prefix(tmp_path):
     a = load_model(tiny_gpt2(tmp_path / "g"))
     b = load_model(tiny_gpt2(tmp_path / "t", prefix="transformer."))
-    assert isinstance(a, Decoder) and a.prefix == "" and b.prefix == "transformer."
+    assert isinstance(a, CausalLM) and a.prefix == "" and b.prefix == "transformer."
     rng = np.random.default_rng(5)
     ids = rng.integers(0, 97, size=(3, 11))
     mask = np.ones((3, 11), np.int64)

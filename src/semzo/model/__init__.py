@@ -4,7 +4,7 @@ Public API::
 
     from semzo.model import load_model, Tokenizer, embed_texts, export_hf
     model = load_model()                     # packaged all-MiniLM-L6-v2 -> Encoder
-    lm = load_model("llama-folder")          # Llama / Qwen2 / Mistral / OPT -> CausalLM
+    lm = load_model("llama-folder")          # any decoder family (Llama ... GPT-2) -> CausalLM
     tok = Tokenizer.from_folder()            # its tokenizer.json
     ids, mask = tok(["a sentence", "another one"])
     emb = model.embed(ids, mask)             # (B, 384) float32, L2-normalized
@@ -15,8 +15,7 @@ See docs/model.md for the parameter contract the zeroth-order engine relies on.
 
 from semzo.model.base import HeadSpec, LoraSpec, TokenIdError, TransformerBase, is_no_decay
 from semzo.model.causal import CausalLM, KVCache
-from semzo.model.config import DecoderConfig, EncoderConfig, read_config
-from semzo.model.decoder import Decoder
+from semzo.model.config import EncoderConfig, read_config
 from semzo.model.embed import embed_ids, embed_texts, length_batches
 from semzo.model.encoder import Encoder
 from semzo.model.export import export_hf
@@ -29,8 +28,6 @@ from semzo.model.weights import Checkpoint
 __all__ = [
     "CausalLM",
     "Checkpoint",
-    "Decoder",
-    "DecoderConfig",
     "DecoderSpec",
     "Encoder",
     "EncoderConfig",

@@ -50,7 +50,6 @@ from typing import Any
 
 import numpy as np
 
-from semzo.model.config import DecoderConfig, EncoderConfig
 from semzo.model.kernels import matmul_into, run_slices, run_split, split_slices
 from semzo.model.kernels_lm import token_nll
 from semzo.model.losses import (
@@ -97,7 +96,7 @@ def is_no_decay(name: str) -> bool:
 
 
 class TransformerBase(StagedModel):
-    """Base of :class:`~semzo.model.encoder.Encoder` and :class:`~semzo.model.decoder.Decoder`.
+    """Base of :class:`~semzo.model.encoder.Encoder` and :class:`~semzo.model.causal.CausalLM`.
 
     Attributes: ``config`` (frozen dataclass), ``xp`` (numpy or cupy), ``storage`` (the weight
     storage: "float32", "float16" or "bfloat16"), ``param_dtype`` (numpy dtype of the stored
@@ -111,7 +110,7 @@ class TransformerBase(StagedModel):
     #: "out_in": weights are (out, in) like torch.nn.Linear; "in_out": GPT-2 Conv1D (in, out)
     layout = "out_in"
 
-    def __init__(self, config: EncoderConfig | DecoderConfig, params: dict[str, Any],
+    def __init__(self, config, params: dict[str, Any],
                  buffers: dict[str, np.ndarray], frozen: set[str], xp, dtype,
                  source: Path | None, prefix: str) -> None:
         self.config = config

@@ -1,5 +1,5 @@
-"""The spec-driven causal decoder: one block, described by a :class:`DecoderSpec`, runs the
-Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, Phi-3, SmolLM3 and OPT families (see
+"""The spec-driven causal decoder: one block, described by a :class:`DecoderSpec`, runs every
+decoder: the Llama, Qwen2, Qwen3, Mistral, Gemma 2/3, Phi-3, SmolLM3, OPT and GPT-2 families (see
 :mod:`semzo.model.families`; the later families' pieces live in :mod:`semzo.model.variants`),
 NumPy or CuPy.
 
@@ -7,7 +7,8 @@ Shapes: ids (B, T) integers, mask (B, T) 0/1, right padding. Activations are 2-D
 every projection is one GEMM (``TransformerBase._proj``: weights (out, in), LoRA deltas).
 Attention is grouped by key/value head: the g = heads / kv_heads query heads that share a
 K/V head form one (g*T, d) x (d, Tk) GEMM. Positions follow transformers for a right-padded
-batch: 0..T-1 (rotary families), ``cumsum(mask) * mask - 1 + 2`` (OPT).
+batch: 0..T-1 (rotary families, GPT-2), ``cumsum(mask) * mask - 1 + 2`` (OPT). GPT-2 keeps its
+Conv1D weights (in, out) (``spec.layout``; ``_proj`` reads either layout).
 
 Stages (the block-streamed schedule runs them one at a time): stage 0 = embeddings (+ learned
 positions, ``project_in``), stage 1..L = block i-1, stage L+1 = final norm (+ ``project_out``;
@@ -67,7 +68,8 @@ def expected_tensors(s: DecoderSpec, prefix: str) -> list[tuple[str, tuple[int, 
                 out += _norm_tensors(s, lp + mod, li + 1)
             else:
                 shape, bias = shapes[role]
-                out.append((f"{lp}{mod}.weight", shape, li + 1))
+                w = shape[::-1] if s.layout == "in_out" else shape   # Conv1D: (in, out)
+                out.append((f"{lp}{mod}.weight", w, li + 1))
                 if bias:
                     out.append((f"{lp}{mod}.bias", (shape[0],), li + 1))
     last = s.num_layers + 1
@@ -110,6 +112,19 @@ class DecoderState:
         """Bytes of the state's own array (the residual stream)."""
         return 0 if self.hidden is None else int(self.hidden.nbytes)
 
+    @property
+    def slices(self) -> list[slice]:
+        """The row blocks the threads take now (each a run of consecutive groups of the plan,
+        as ``StageState.slices``)."""
+        groups, w = self.packs["plan"]
+        return [slice(groups[sh.start][0].start, groups[sh.stop - 1][0].stop)
+                for sh in _shares(groups, w)]
+
+
+def _shares(groups, w) -> list[slice]:
+    """Consecutive groups per thread (by their real tokens)."""
+    return [slice(0, 1)] if len(groups) == 1 else split_slices(len(groups), 0, 1, w)
+
 
 @dataclass
 class KVCache:
@@ -143,6 +158,10 @@ class CausalLM(TransformerBase):
         self._zeros = xp.zeros(s.hidden_size, dtype=self.dtype)
         self._rope: dict = {}                                  # RopeSpec -> tables
         self.scale = s.attn_scale or 1.0 / math.sqrt(s.head_dim)
+        self.layout = s.layout
+        #: score scale per block (GPT-2's scale_attn_by_inverse_layer_idx: / (i + 1))
+        self._scales = [self.scale / (i + 1) if s.scale_by_layer else self.scale
+                        for i in range(s.num_layers)]
 
     # ------------------------------------------------------------------ contract
     @property
@@ -171,8 +190,10 @@ class CausalLM(TransformerBase):
         return self.n_stages - 1 if st is None else st
 
     def lora_modules(self) -> list[str]:
-        """Every projection: q, k, v (or qkv), o, the MLP's (``add_lora(targets=...)``)."""
-        return [m[r] for m in self._mods for r in _PROJ if r in m]
+        """Every projection: q, k, v (or qkv), o, the MLP's (``add_lora(targets=...)``); those
+        of ``spec.lora_roles`` when the family names them (GPT-2: attention only)."""
+        roles = self.config.lora_roles or _PROJ
+        return [m[r] for m in self._mods for r in _PROJ if r in m and r in roles]
 
     def add_classifier(self, n_classes: int, init: str = "normal", std: float = 0.02,
                        seed: int = 0, normalize: bool = False) -> None:
@@ -195,7 +216,8 @@ class CausalLM(TransformerBase):
         """Checked inputs and positions (reads no parameter). SemzoError-free ValueError for
         malformed arrays; token ids outside [0, vocab) raise naming the id."""
         ids, maskf = self._inputs(input_ids, attention_mask)
-        return DecoderState(ids, maskf, self._positions(maskf, 0, None))
+        return DecoderState(ids, maskf, self._positions(maskf, 0, None),
+                            packs={"plan": self._plan(maskf)})
 
     def _positions(self, maskf, past: int, seen):
         """Positions (B, T) int64: full forward: ``0..T-1`` (rotary; transformers without
@@ -220,7 +242,7 @@ class CausalLM(TransformerBase):
         the final hidden states (B, T, E) (E = ``embed_dim``). The residual stream of a block
         is updated in place; the embedding and final stages make new arrays."""
         if k != state.stage:
-            raise ValueError(f"stage {k} run on a state waiting for stage {state.stage}")
+            raise ValueError(f"stage {k} run on a state whose next stage is {state.stage}")
         ids, maskf, pos = state.ids, state.maskf, state.pos
         t = ids.shape[1]
         plan = state.packs.get("plan")
@@ -237,8 +259,8 @@ class CausalLM(TransformerBase):
             self._map_groups(run, plan, collect=False)
         elif k == self.n_stages - 1:
             h = state.hidden
-            state.hidden = self._map_groups(lambda sl, _: self._final(
-                h[sl].reshape(-1, h.shape[-1])).reshape(h[sl].shape[0], t, -1), plan)
+            state.hidden = self._map_groups(lambda sl, rows: self._final(
+                h[sl].reshape(-1, h.shape[-1]), rows).reshape(h[sl].shape[0], t, -1), plan)
         else:
             raise ValueError(f"stage must lie in [0, {self.n_stages}), got {k}")
         state.stage = k + 1
@@ -275,8 +297,8 @@ class CausalLM(TransformerBase):
         if len(groups) == 1:
             out = [fn(*groups[0])]
         else:
-            shares = split_slices(len(groups), 0, 1, w)
-            out = [o for part in run_slices(lambda sh: [fn(*g) for g in groups[sh]], shares)
+            out = [o for part in run_slices(lambda sh: [fn(*g) for g in groups[sh]],
+                                            _shares(groups, w))
                    for o in part]
         if not collect:
             return None
@@ -318,14 +340,19 @@ class CausalLM(TransformerBase):
         x = self.xp.take(table, idx, axis=0)
         return to_float32(x) if self.storage == "bfloat16" else x
 
-    def _final(self, x):
-        """Final norm (+ project_out) of the residual stream x (N, H) -> (N, E), new array."""
+    def _final(self, x, rows=None):
+        """Final norm (+ project_out) of the residual stream x (N, H) -> (N, E), new array.
+        ``rows``: the rows the blocks computed (packed); the others come out zero."""
         s, pre = self.config, self.prefix
         a = self._norm(x, pre + s.names.final_norm, self.xp.empty_like(x)) if s.final_norm \
             else x.copy()
         if s.proj_dim:
             y = self.xp.empty((a.shape[0], s.embed_dim), dtype=self.dtype)
             a = self._proj(a, f"{pre}{s.names.project_out}", y)
+        if rows is not None:
+            keep = self.xp.zeros(a.shape[0], dtype=bool)
+            keep[rows] = True
+            a[~keep] = 0.0
         return a
 
     def _nw(self, mod: str):
@@ -392,7 +419,7 @@ class CausalLM(TransformerBase):
         tk = past + t
         sc = xp.empty((b, nkv, g * t, tk), dtype=dt)
         matmul_into(q.reshape(b, nkv, g * t, d), kc[:, :, :tk].transpose(0, 1, 3, 2), sc)
-        scale = self.scale
+        scale = self._scales[i]
         if s.attn_softcap:                          # c * tanh(scale * s / c), then softmax
             scale = vx.softcap(sc, s.attn_softcap, scale)
         attn_softmax(sc.reshape(b * nkv, g, t, tk), maskf, scale, nkv, past, s.window(i))

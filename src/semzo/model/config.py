@@ -17,7 +17,7 @@ from semzo.model.kernels import ACTIVATIONS
 from semzo.model.spec import Fields
 from semzo.runtime import SemzoError
 
-SUPPORTED = {"bert": "encoder (BertModel)", "gpt2": "decoder (GPT2Model / GPT2LMHeadModel)"}
+SUPPORTED = {"bert": "encoder (BertModel)"}
 
 
 @dataclass(frozen=True)
@@ -35,29 +35,6 @@ class EncoderConfig:
     hidden_act: str
     pad_token_id: int
     model_type: str = "bert"
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-
-@dataclass(frozen=True)
-class DecoderConfig:
-    """A GPT-2-family decoder (pre-LayerNorm blocks, causal attention, tied LM head)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    max_positions: int
-    layer_norm_eps: float
-    hidden_act: str
-    tie_word_embeddings: bool
-    scale_attn_weights: bool = True
-    scale_attn_by_inverse_layer_idx: bool = False
-    model_type: str = "gpt2"
     raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @property
@@ -85,7 +62,7 @@ def read_raw(folder: str | Path) -> dict[str, Any]:
     return raw
 
 
-def read_config(folder: str | Path) -> EncoderConfig | DecoderConfig:
+def read_config(folder: str | Path) -> EncoderConfig:
     """Parse ``folder/config.json`` into an :class:`EncoderConfig` or :class:`DecoderConfig`
     (BERT and GPT-2; the decoder families of :mod:`semzo.model.families` have their own)."""
     path = Path(folder) / "config.json"
@@ -117,20 +94,9 @@ BERT_HONOURED = frozenset({
 BERT_INERT = frozenset({"tie_word_embeddings"})
 #: is_decoder makes BERT's self-attention causal: not implemented
 BERT_REFUSED = {"is_decoder": (False,)}
-GPT2_HONOURED = frozenset({
-    "vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner",
-    "activation_function", "layer_norm_epsilon", "scale_attn_weights",
-    "scale_attn_by_inverse_layer_idx", "tie_word_embeddings"})
-#: summary_*: the multiple-choice head of GPT2DoubleHeadsModel (not the LM);
-#: reorder_and_upcast_attn: computes attention scores in float32, which semzo always does
-#: (float32 accumulation on every path); add_cross_attention: used only with encoder states
-GPT2_INERT = frozenset({
-    "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
-    "summary_first_dropout", "reorder_and_upcast_attn", "add_cross_attention"})
-GPT2_REFUSED: dict = {}
 
 
-def _build(mt: str, raw: dict[str, Any], path: Path) -> EncoderConfig | DecoderConfig:
+def _build(mt: str, raw: dict[str, Any], path: Path) -> EncoderConfig:
     if mt == "bert":
         f = Fields(raw, path, _arch(raw), BERT_HONOURED, BERT_INERT, BERT_REFUSED)
         if f("position_embedding_type", "absolute") != "absolute":
@@ -147,17 +113,3 @@ def _build(mt: str, raw: dict[str, Any], path: Path) -> EncoderConfig | DecoderC
             pad_token_id=int(f("pad_token_id", 0)), raw=raw)
         f.finish()
         return cfg
-    f = Fields(raw, path, _arch(raw), GPT2_HONOURED, GPT2_INERT, GPT2_REFUSED)
-    h = int(f("n_embd", req=True))
-    cfg = DecoderConfig(
-        vocab_size=int(f("vocab_size", req=True)), hidden_size=h,
-        num_layers=int(f("n_layer", req=True)), num_heads=int(f("n_head", req=True)),
-        intermediate_size=int(f("n_inner", 4 * h)), max_positions=int(f("n_positions", req=True)),
-        layer_norm_eps=float(f("layer_norm_epsilon", 1e-5)),
-        hidden_act=str(f("activation_function", "gelu_new")),
-        tie_word_embeddings=bool(f("tie_word_embeddings", True)),
-        scale_attn_weights=bool(f("scale_attn_weights", True)),
-        scale_attn_by_inverse_layer_idx=bool(f("scale_attn_by_inverse_layer_idx", False)),
-        raw=raw)
-    f.finish()
-    return cfg

@@ -1,6 +1,6 @@
-"""Build a model from a Hugging Face folder (no torch): an :class:`Encoder` (BERT), a
-:class:`Decoder` (GPT-2) or a :class:`~semzo.model.causal.CausalLM` (the families of
-:mod:`semzo.model.families`: Llama, Qwen2, Mistral, OPT), picked from ``config.json``.
+"""Build a model from a Hugging Face folder (no torch): an :class:`Encoder` (BERT) or a
+:class:`~semzo.model.causal.CausalLM` (every decoder family of :mod:`semzo.model.families`:
+Llama, Qwen2/3, Mistral, Gemma 2/3, Phi-3, SmolLM3, OPT, GPT-2), picked from ``config.json``.
 
 The folder holds ``config.json`` and ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``), read lazily one tensor at a time
@@ -17,12 +17,11 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from semzo.model import decoder as _dec
 from semzo.model import encoder as _enc
 from semzo.model import families
 from semzo.model.base import HeadSpec, TransformerBase
 from semzo.model.causal import CausalLM, expected_tensors
-from semzo.model.config import DecoderConfig, EncoderConfig, read_config, read_raw
+from semzo.model.config import EncoderConfig, read_config, read_raw
 from semzo.model.storage import STORAGE, storage_name, to_storage
 from semzo.model.weights import Checkpoint
 from semzo.model.zoo import resolve_model_path
@@ -73,9 +72,6 @@ def build_model(folder: Path, cfg, tensors: dict[str, np.ndarray], xp, dtype,
     if isinstance(cfg, EncoderConfig):
         prefix = _detect_prefix(tensors, "embeddings.word_embeddings.weight", ("", "bert."), folder)
         expected, cls = _enc.expected_names(cfg, prefix), _enc.Encoder
-    elif isinstance(cfg, DecoderConfig):
-        prefix = _detect_prefix(tensors, "wte.weight", ("", "transformer."), folder)
-        expected, cls = _dec.expected_names(cfg, prefix), _dec.Decoder
     else:  # pragma: no cover - read_config only returns these two
         raise TypeError(type(cfg))
     missing = [n for n in expected if n not in tensors]
@@ -122,8 +118,7 @@ def _name_key(name: str) -> tuple:
 
 def _check_shapes(cfg, params, prefix: str, folder: Path) -> None:
     h = cfg.hidden_size
-    key = f"{prefix}embeddings.word_embeddings.weight" if isinstance(cfg, EncoderConfig) \
-        else f"{prefix}wte.weight"
+    key = f"{prefix}embeddings.word_embeddings.weight"
     if params[key].shape != (cfg.vocab_size, h):
         raise SemzoError(f"{folder}/model.safetensors: {key} has shape {params[key].shape}, "
                          f"config.json says ({cfg.vocab_size}, {h})")
@@ -182,7 +177,8 @@ def model_kind(path: str | Path | None = None) -> str:
     raw = read_raw(folder)
     if families.find(raw) is not None:
         return "decoder"
-    return "decoder" if isinstance(read_config(folder), DecoderConfig) else "encoder"
+    read_config(folder)
+    return "encoder"
 
 
 def load_causal(folder: Path, fam, raw: dict, xp, dt, host_params: bool = False) -> CausalLM:

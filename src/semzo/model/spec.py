@@ -23,7 +23,10 @@ from another by the values below and by its weight names (:class:`Names`), nothi
   ``embed_scale``, ``attn_scale`` (scores times it; 0: 1/sqrt(head_dim)), ``attn_softcap`` and
   ``final_softcap`` (c * tanh(x / c) on the scores / logits), ``rope_local`` (the rotary of
   sliding-window layers, Gemma 3), ``RopeSpec.partial`` (Phi-3: rotate the first
-  ``head_dim * partial`` dims), ``no_rope`` (layers without rotary, SmolLM3).
+  ``head_dim * partial`` dims), ``no_rope`` (layers without rotary, SmolLM3);
+- GPT-2: ``scale_by_layer`` (the scores of block i divided by i + 1 too), ``layout`` "in_out"
+  (projection weights stored (in, out), Conv1D, as the checkpoint has them; default "out_in",
+  torch.nn.Linear), ``lora_roles`` (the projection roles LoRA may target; empty: all).
 
 :class:`Fields` reads ``config.json`` for a family: every key the family's transformers config
 class has is honoured (read into the spec), declared inert (it does not change the forward
@@ -167,6 +170,9 @@ class DecoderSpec:
     final_softcap: float = 0.0
     rope_local: RopeSpec | None = None
     no_rope: tuple[bool, ...] = ()
+    scale_by_layer: bool = False
+    layout: str = "out_in"
+    lora_roles: tuple[str, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     # names the base class and the finetune stage read

@@ -12,13 +12,29 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from semzo.model.families import gemma2, gemma3, llama, mistral, opt, phi3, qwen2, qwen3, smollm3
+from semzo.model.families import (
+    gemma2,
+    gemma3,
+    gpt2,
+    llama,
+    mistral,
+    opt,
+    phi3,
+    qwen2,
+    qwen3,
+    smollm3,
+)
+from semzo.model.kernels import ACTIVATIONS
+from semzo.model.kernels_lm import GATED_ACTS as GATED
 from semzo.model.spec import DecoderSpec, Fields
 from semzo.runtime import SemzoError
 
-FAMILIES = (llama, qwen2, mistral, opt, qwen3, gemma2, gemma3, phi3, smollm3)
+FAMILIES = (llama, qwen2, mistral, opt, qwen3, gemma2, gemma3, phi3, smollm3, gpt2)
 SUPPORTED_ARCHS = tuple(f.ARCHITECTURES[0] for f in FAMILIES)
-_SUPPORTED_ACTS = ("silu", "swish", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+#: activations of the gated MLP (``kernels_lm.gated_act``) and of ``fc2(act(fc1(x)))``
+#: (``kernels.bias_act``)
+GATED_ACTS = tuple(GATED)
+PLAIN_ACTS = ACTIVATIONS
 
 
 def find(raw: dict[str, Any]):
@@ -45,9 +61,10 @@ def read_spec(fam, raw: dict[str, Any], path: Path) -> DecoderSpec:
     except (TypeError, ValueError) as exc:
         raise SemzoError(f"{path}: bad value in {arch} config: {exc}") from None
     f.finish()
-    if s.act not in _SUPPORTED_ACTS:
+    acts = GATED_ACTS if s.gated else PLAIN_ACTS
+    if s.act not in acts:
         key = "hidden_act" if "hidden_act" in fam.HONOURED else "activation_function"
-        f.refuse(key, f"supported: {', '.join(_SUPPORTED_ACTS)}")
+        f.refuse(key, f"supported: {', '.join(acts)}")
     for key, v in (("hidden_size", s.hidden_size), ("num_hidden_layers", s.num_layers),
                    ("num_attention_heads", s.num_heads), ("vocab_size", s.vocab_size),
                    ("num_key_value_heads", s.num_kv_heads), ("head_dim", s.head_dim)):
