@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from .deck import Deck, DeckError
-from .model import Tokenizer, families
-from .model.config import EncoderConfig, read_config, read_raw
+from .model import Tokenizer
+from .model.config import read_config
 from .model.loader import model_kind
 from .model.zoo import NAMED, resolve_model_path
 from .rng import philox_hash
@@ -58,12 +58,7 @@ def check_model_path(d: Deck, path: str, key: str) -> None:
     # config.json is read now (not when the stage that loads the model starts, after earlier
     # stages wrote their files): unreadable, an unsupported architecture or bad values
     try:
-        raw = read_raw(folder)
-        fam = families.find(raw)
-        if fam is not None:
-            families.read_spec(fam, raw, folder / "config.json")
-        else:
-            read_config(folder)
+        read_config(folder)
     except SemzoError as exc:
         raise DeckError(f"{d.source}: {key}: {exc}") from None
 
@@ -77,10 +72,9 @@ def embed_model_path(deck) -> tuple[str | None, str]:
     if deck.model.path:
         try:
             folder = resolve_model_path(deck.model.path)
-            if families.find(read_raw(folder)) is not None:
-                return None, "embed.model"              # a decoder family: MiniLM shards
-            if isinstance(read_config(folder), EncoderConfig):
+            if read_config(folder).kind == "encoder":
                 return deck.model.path, "model.path"
+            return None, "embed.model"                  # a decoder: MiniLM shards
         except SemzoError as exc:       # unreadable or unsupported: say so before any work
             raise DeckError(f"{deck.source}: model.path: {exc}") from None
     return None, "embed.model"

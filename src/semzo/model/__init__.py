@@ -15,13 +15,13 @@ See docs/model.md for the parameter contract the zeroth-order engine relies on.
 
 from semzo.model.base import HeadSpec, LoraSpec, TokenIdError, TransformerBase, is_no_decay
 from semzo.model.causal import CausalLM, KVCache
-from semzo.model.config import EncoderConfig, read_config
+from semzo.model.config import read_config
 from semzo.model.embed import embed_ids, embed_texts, length_batches
 from semzo.model.encoder import Encoder
 from semzo.model.export import export_hf
 from semzo.model.kernels import get_threads, set_threads
 from semzo.model.loader import default_model_path, load_model
-from semzo.model.spec import DecoderSpec
+from semzo.model.spec import DecoderSpec, EncoderSpec
 from semzo.model.tokenizer import Tokenizer
 from semzo.model.weights import Checkpoint
 
@@ -30,7 +30,7 @@ __all__ = [
     "Checkpoint",
     "DecoderSpec",
     "Encoder",
-    "EncoderConfig",
+    "EncoderSpec",
     "HeadSpec",
     "KVCache",
     "LoraSpec",

@@ -60,6 +60,7 @@ from semzo.model.losses import (
     cross_entropy_sums,
     mean_pool,
 )
+from semzo.model.spec import DecoderSpec, EncoderSpec
 from semzo.model.stages import StagedModel, StageState
 from semzo.model.storage import COMPUTE, STORAGE, storage_name, to_float32, to_storage
 
@@ -110,7 +111,7 @@ class TransformerBase(StagedModel):
     #: "out_in": weights are (out, in) like torch.nn.Linear; "in_out": GPT-2 Conv1D (in, out)
     layout = "out_in"
 
-    def __init__(self, config, params: dict[str, Any],
+    def __init__(self, config: DecoderSpec | EncoderSpec, params: dict[str, Any],
                  buffers: dict[str, np.ndarray], frozen: set[str], xp, dtype,
                  source: Path | None, prefix: str) -> None:
         self.config = config

@@ -42,50 +42,10 @@ from semzo.model.kernels_lm import (
     rmsnorm,
     rope_split,
 )
-from semzo.model.spec import DecoderSpec
+from semzo.model.spec import expected_tensors
 from semzo.model.storage import to_float32
 
-
-def expected_tensors(s: DecoderSpec, prefix: str) -> list[tuple[str, tuple[int, ...], int]]:
-    """(name, shape, stage) of every tensor the forward pass reads, in stage/module order."""
-    nm, h, e, d, i_ = s.names, s.hidden_size, s.embed_dim, s.head_dim, s.intermediate_size
-    nq, nk = s.num_heads * d, s.num_kv_heads * d
-    out = [(prefix + nm.embed, (s.vocab_size, e), 0)]
-    if s.positions == "learned":
-        out.append((prefix + nm.pos, (s.max_positions + s.pos_offset, h), 0))
-    if s.proj_dim:
-        out.append((f"{prefix}{nm.project_in}.weight", (h, e), 0))
-    shapes = {"q": ((nq, h), s.qkv_bias), "k": ((nk, h), s.qkv_bias), "v": ((nk, h), s.qkv_bias),
-              "o": ((h, nq), s.o_bias), "gate": ((i_, h), s.mlp_bias),
-              "up": ((i_, h), s.mlp_bias), "down": ((h, i_), s.mlp_bias),
-              "qkv": ((nq + 2 * nk, h), s.qkv_bias), "gate_up": ((2 * i_, h), s.mlp_bias)}
-    for li in range(s.num_layers):
-        lp = prefix + nm.layer_prefix.format(i=li)
-        for role, mod in nm.layer:
-            if role in ("qnorm", "knorm"):                  # per-head norms (head_dim,)
-                out.append((f"{lp}{mod}.weight", (d,), li + 1))
-            elif role.startswith("norm"):
-                out += _norm_tensors(s, lp + mod, li + 1)
-            else:
-                shape, bias = shapes[role]
-                w = shape[::-1] if s.layout == "in_out" else shape   # Conv1D: (in, out)
-                out.append((f"{lp}{mod}.weight", w, li + 1))
-                if bias:
-                    out.append((f"{lp}{mod}.bias", (shape[0],), li + 1))
-    last = s.num_layers + 1
-    if s.final_norm:
-        out += _norm_tensors(s, prefix + nm.final_norm, last)
-    if s.proj_dim:
-        out.append((f"{prefix}{nm.project_out}.weight", (e, h), last))
-    if not s.tied:
-        out.append((nm.lm_head, (s.vocab_size, e), last))
-    return out
-
-
-def _norm_tensors(s: DecoderSpec, mod: str, stage: int) -> list:
-    out = [(f"{mod}.weight", (s.hidden_size,), stage)] if s.norm_affine else []
-    return out + ([(f"{mod}.bias", (s.hidden_size,), stage)] if s.norm_bias else [])
-
+__all__ = ["CausalLM", "DecoderState", "KVCache", "expected_tensors"]
 
 _PROJ = ("q", "k", "v", "qkv", "o", "gate", "up", "gate_up", "down")   # module order
 
@@ -159,9 +119,6 @@ class CausalLM(TransformerBase):
         self._rope: dict = {}                                  # RopeSpec -> tables
         self.scale = s.attn_scale or 1.0 / math.sqrt(s.head_dim)
         self.layout = s.layout
-        #: score scale per block (GPT-2's scale_attn_by_inverse_layer_idx: / (i + 1))
-        self._scales = [self.scale / (i + 1) if s.scale_by_layer else self.scale
-                        for i in range(s.num_layers)]
 
     # ------------------------------------------------------------------ contract
     @property
@@ -419,7 +376,7 @@ class CausalLM(TransformerBase):
         tk = past + t
         sc = xp.empty((b, nkv, g * t, tk), dtype=dt)
         matmul_into(q.reshape(b, nkv, g * t, d), kc[:, :, :tk].transpose(0, 1, 3, 2), sc)
-        scale = self._scales[i]
+        scale = self.scale / (i + 1) if s.scale_by_layer else self.scale   # GPT-2's option
         if s.attn_softcap:                          # c * tanh(scale * s / c), then softmax
             scale = vx.softcap(sc, s.attn_softcap, scale)
         attn_softmax(sc.reshape(b * nkv, g, t, tk), maskf, scale, nkv, past, s.window(i))

@@ -1,45 +1,26 @@
-"""Model configurations parsed from a Hugging Face ``config.json``.
+"""Model configurations parsed from a Hugging Face ``config.json``: one reader for every model.
 
-Two families are supported: BERT-style encoders (``model_type`` "bert") and GPT-2-style
-decoders (``model_type`` "gpt2"). Anything else raises :class:`semzo.runtime.SemzoError` with a
-one-line message naming the ``config.json`` and the architecture.
+:func:`read_config` finds the family of a folder's config.json (:mod:`semzo.model.families`,
+by ``architectures`` then ``model_type``) and reads it key by key into a
+:class:`~semzo.model.spec.DecoderSpec` (every decoder family, GPT-2 included) or an
+:class:`~semzo.model.spec.EncoderSpec` (BERT). Anything else raises
+:class:`semzo.runtime.SemzoError` with a one-line message naming the ``config.json`` and the
+architecture.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from semzo.model.families import SUPPORTED_ARCHS
-from semzo.model.kernels import ACTIVATIONS
-from semzo.model.spec import Fields
+from semzo.model import families
+from semzo.model.spec import DecoderSpec, EncoderSpec
 from semzo.runtime import SemzoError
 
-SUPPORTED = {"bert": "encoder (BertModel)"}
-
-
-@dataclass(frozen=True)
-class EncoderConfig:
-    """A BERT-family encoder (post-LayerNorm blocks, learned absolute positions)."""
-
-    vocab_size: int
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    intermediate_size: int
-    max_positions: int
-    type_vocab_size: int
-    layer_norm_eps: float
-    hidden_act: str
-    pad_token_id: int
-    model_type: str = "bert"
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+#: model_type -> what semzo builds from it
+SUPPORTED = {f.MODEL_TYPE: f"{families.kind(f)} ({' / '.join(f.ARCHITECTURES)})"
+             for f in families.FAMILIES}
 
 
 def _arch(raw: dict[str, Any]) -> str:
@@ -62,54 +43,19 @@ def read_raw(folder: str | Path) -> dict[str, Any]:
     return raw
 
 
-def read_config(folder: str | Path) -> EncoderConfig:
-    """Parse ``folder/config.json`` into an :class:`EncoderConfig` or :class:`DecoderConfig`
-    (BERT and GPT-2; the decoder families of :mod:`semzo.model.families` have their own)."""
+def find_family(raw: dict[str, Any], path: Path):
+    """The family module of ``raw`` (config.json at ``path``); SemzoError listing the
+    supported architectures when there is none."""
+    fam = families.find(raw)
+    if fam is None:
+        sup = ", ".join(f"{k} ({v})" for k, v in SUPPORTED.items())
+        raise SemzoError(f"{path}: unsupported architecture {_arch(raw)}; supported: {sup}")
+    return fam
+
+
+def read_config(folder: str | Path) -> DecoderSpec | EncoderSpec:
+    """Parse ``folder/config.json`` into the spec of its family (``spec.kind``: "decoder" or
+    "encoder")."""
     path = Path(folder) / "config.json"
     raw = read_raw(folder)
-    mt = raw.get("model_type")
-    if mt not in SUPPORTED:
-        sup = ", ".join([f"{k} ({v})" for k, v in SUPPORTED.items()] + list(SUPPORTED_ARCHS))
-        raise SemzoError(f"{path}: unsupported architecture {_arch(raw)}; supported: {sup}")
-    try:
-        cfg = _build(mt, raw, path)
-    except KeyError as exc:
-        raise SemzoError(f"{path}: missing key {exc.args[0]!r} for {_arch(raw)}") from None
-    if cfg.hidden_act not in ACTIVATIONS:
-        raise SemzoError(f"{path}: unsupported activation {cfg.hidden_act!r} in {_arch(raw)}; "
-                         f"supported: {', '.join(ACTIVATIONS)}")
-    if cfg.hidden_size % cfg.num_heads:
-        raise SemzoError(f"{path}: hidden size {cfg.hidden_size} is not a multiple of "
-                         f"{cfg.num_heads} heads")
-    return cfg
-
-
-#: BertConfig keys read into :class:`EncoderConfig` (with the common keys of
-#: :data:`semzo.model.spec.COMMON_INERT` and the refusals below, every key of the class)
-BERT_HONOURED = frozenset({
-    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-    "intermediate_size", "hidden_act", "max_position_embeddings", "type_vocab_size",
-    "layer_norm_eps", "pad_token_id", "position_embedding_type"})
-#: an encoder has no LM head to tie
-BERT_INERT = frozenset({"tie_word_embeddings"})
-#: is_decoder makes BERT's self-attention causal: not implemented
-BERT_REFUSED = {"is_decoder": (False,)}
-
-
-def _build(mt: str, raw: dict[str, Any], path: Path) -> EncoderConfig:
-    if mt == "bert":
-        f = Fields(raw, path, _arch(raw), BERT_HONOURED, BERT_INERT, BERT_REFUSED)
-        if f("position_embedding_type", "absolute") != "absolute":
-            f.refuse("position_embedding_type", "semzo implements absolute positions")
-        cfg = EncoderConfig(
-            vocab_size=int(f("vocab_size", req=True)), hidden_size=int(f("hidden_size", req=True)),
-            num_layers=int(f("num_hidden_layers", req=True)),
-            num_heads=int(f("num_attention_heads", req=True)),
-            intermediate_size=int(f("intermediate_size", req=True)),
-            max_positions=int(f("max_position_embeddings", req=True)),
-            type_vocab_size=int(f("type_vocab_size", 2)),
-            layer_norm_eps=float(f("layer_norm_eps", 1e-12)),
-            hidden_act=str(f("hidden_act", "gelu")),
-            pad_token_id=int(f("pad_token_id", 0)), raw=raw)
-        f.finish()
-        return cfg
+    return families.read_spec(find_family(raw, path), raw, path)

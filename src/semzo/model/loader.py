@@ -17,11 +17,12 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
-from semzo.model import encoder as _enc
 from semzo.model import families
 from semzo.model.base import HeadSpec, TransformerBase
 from semzo.model.causal import CausalLM, expected_tensors
-from semzo.model.config import EncoderConfig, read_config, read_raw
+from semzo.model.config import find_family, read_config, read_raw
+from semzo.model.encoder import Encoder, expected_names
+from semzo.model.spec import EncoderSpec
 from semzo.model.storage import STORAGE, storage_name, to_storage
 from semzo.model.weights import Checkpoint
 from semzo.model.zoo import resolve_model_path
@@ -65,22 +66,20 @@ def _detect_prefix(tensors: dict, probe: str, prefixes: tuple[str, ...], folder:
                      f"(with prefix {', '.join(repr(p) for p in prefixes)})")
 
 
-def build_model(folder: Path, cfg, tensors: dict[str, np.ndarray], xp, dtype,
-                host_params: bool = False) -> TransformerBase:
-    """Assemble a model from parsed config and NumPy tensors (names as in the checkpoint);
-    ``host_params``: keep the parameters as NumPy arrays (see :func:`load_model`)."""
-    if isinstance(cfg, EncoderConfig):
-        prefix = _detect_prefix(tensors, "embeddings.word_embeddings.weight", ("", "bert."), folder)
-        expected, cls = _enc.expected_names(cfg, prefix), _enc.Encoder
-    else:  # pragma: no cover - read_config only returns these two
-        raise TypeError(type(cfg))
+def build_encoder(folder: Path, fam, cfg: EncoderSpec, tensors: dict[str, np.ndarray], xp,
+                  dtype, host_params: bool = False) -> Encoder:
+    """Assemble an :class:`Encoder` of family module ``fam`` from its spec and NumPy tensors
+    (names as in the checkpoint); ``host_params``: keep the parameters as NumPy arrays (see
+    :func:`load_model`). Tensors under the prefix that the forward pass does not read (BERT's
+    pooler) are kept, frozen, for export; non-float ones (``position_ids``) as buffers."""
+    prefix = _detect_prefix(tensors, "embeddings.word_embeddings.weight", fam.PREFIXES, folder)
+    expected = expected_names(cfg, prefix)
     missing = [n for n in expected if n not in tensors]
     if missing:
         raise SemzoError(f"{folder}/model.safetensors: missing tensor {missing[0]!r} "
                          f"({len(missing)} missing)")
     known = set(expected)
-    unused = [n for n in tensors if n not in known and prefix and not n.startswith(prefix)
-              and n != "lm_head.weight"]
+    unused = [n for n in tensors if n not in known and prefix and not n.startswith(prefix)]
     if unused:
         log.info("%s: ignored %d tensors outside the %s model (%s): %s", folder, len(unused),
                  cfg.model_type, prefix.rstrip("."), ", ".join(unused[:4]) +
@@ -90,15 +89,14 @@ def build_model(folder: Path, cfg, tensors: dict[str, np.ndarray], xp, dtype,
     params, buffers, frozen = {}, {}, set()
     for name in expected + extra:
         arr = tensors[name]
-        is_buffer = arr.dtype.kind not in "f" or name.endswith((".attn.bias", ".attn.masked_bias"))
-        if is_buffer:
+        if arr.dtype.kind not in "f":
             buffers[name] = arr
             continue
         params[name] = _param(to_storage(arr, STORAGE[dtype]), xp, host_params)
-        if name not in expected and name != "lm_head.weight":
+        if name not in known:
             frozen.add(name)
     _check_shapes(cfg, params, prefix, folder)
-    return cls(cfg, params, buffers, frozen, xp, dtype, folder, prefix)
+    return Encoder(cfg, params, buffers, frozen, xp, dtype, folder, prefix)
 
 
 def _param(arr: np.ndarray, xp, host: bool):
@@ -155,13 +153,13 @@ def load_model(path: str | Path | None = None, xp=np, dtype: str = "float32", *,
         raise SemzoError("model dtype float16 needs xp=cupy (CPU computes in float32; "
                          "bfloat16 storage runs on CPU)")
     raw = read_raw(folder)
-    fam = families.find(raw)
-    if fam is not None:
-        model = load_causal(folder, fam, raw, xp, dt, host_params)
-        cfg = model.config
+    fam = find_family(raw, folder / "config.json")
+    if families.kind(fam) == "encoder":
+        spec = families.read_spec(fam, raw, folder / "config.json")
+        model = build_encoder(folder, fam, spec, read_safetensors(folder), xp, dt, host_params)
     else:
-        cfg = read_config(folder)
-        model = build_model(folder, cfg, read_safetensors(folder), xp, dt, host_params)
+        model = load_causal(folder, fam, raw, xp, dt, host_params)
+    cfg = model.config
     head = folder / HEAD_FILE
     if head.is_file():
         _load_head(model, head)
@@ -174,11 +172,7 @@ def model_kind(path: str | Path | None = None) -> str:
     """``"encoder"`` or ``"decoder"``: what :func:`load_model` would build from ``path``
     (None: the packaged MiniLM), read from config.json alone, no weights."""
     folder = default_model_path() if path is None else resolve_model_path(path)
-    raw = read_raw(folder)
-    if families.find(raw) is not None:
-        return "decoder"
-    read_config(folder)
-    return "encoder"
+    return read_config(folder).kind
 
 
 def load_causal(folder: Path, fam, raw: dict, xp, dt, host_params: bool = False) -> CausalLM:

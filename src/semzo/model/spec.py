@@ -1,5 +1,6 @@
-"""What a decoder block computes, as data: :class:`DecoderSpec` (one per model), filled in by a
-family file (``semzo.model.families.*``) from ``config.json``.
+"""What a model computes, as data: :class:`DecoderSpec` (one per decoder) or
+:class:`EncoderSpec` (BERT), filled in by a family file (``semzo.model.families.*``) from
+``config.json`` through the same reader (:class:`Fields`).
 
 The spec-driven decoder (:mod:`semzo.model.causal`) reads only the spec, so a family differs
 from another by the values below and by its weight names (:class:`Names`), nothing else:
@@ -38,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -132,6 +133,7 @@ class Names:
 class DecoderSpec:
     """One decoder model, block by block (see the module docstring)."""
 
+    kind: ClassVar[str] = "decoder"
     family: str
     vocab_size: int
     hidden_size: int
@@ -200,6 +202,32 @@ class DecoderSpec:
         if self.positions != "rotary" or (self.no_rope and self.no_rope[layer]):
             return None
         return self.rope_local if self.rope_local and self.window(layer) else self.rope
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """One BERT-family encoder (:class:`~semzo.model.encoder.Encoder`): post-LayerNorm blocks,
+    learned absolute positions and token types, an ``hidden_act`` MLP, biases everywhere; the
+    weight names are BERT's (``encoder.layer.{i}.``)."""
+
+    kind: ClassVar[str] = "encoder"
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    max_positions: int
+    type_vocab_size: int
+    layer_norm_eps: float
+    hidden_act: str
+    pad_token_id: int
+    model_type: str = "bert"
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
 
 
 class Fields:
@@ -295,3 +323,44 @@ def rope_from(f: Fields, max_positions: int, params: dict | None = None,
                         partial=frac)
     except KeyError as exc:
         raise SemzoError(f"{f.path}: {key} of type llama3 lacks {exc.args[0]!r}") from None
+
+
+def expected_tensors(s: DecoderSpec, prefix: str) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, shape, stage) of every tensor the forward pass reads, in stage/module order."""
+    nm, h, e, d, i_ = s.names, s.hidden_size, s.embed_dim, s.head_dim, s.intermediate_size
+    nq, nk = s.num_heads * d, s.num_kv_heads * d
+    out = [(prefix + nm.embed, (s.vocab_size, e), 0)]
+    if s.positions == "learned":
+        out.append((prefix + nm.pos, (s.max_positions + s.pos_offset, h), 0))
+    if s.proj_dim:
+        out.append((f"{prefix}{nm.project_in}.weight", (h, e), 0))
+    shapes = {"q": ((nq, h), s.qkv_bias), "k": ((nk, h), s.qkv_bias), "v": ((nk, h), s.qkv_bias),
+              "o": ((h, nq), s.o_bias), "gate": ((i_, h), s.mlp_bias),
+              "up": ((i_, h), s.mlp_bias), "down": ((h, i_), s.mlp_bias),
+              "qkv": ((nq + 2 * nk, h), s.qkv_bias), "gate_up": ((2 * i_, h), s.mlp_bias)}
+    for li in range(s.num_layers):
+        lp = prefix + nm.layer_prefix.format(i=li)
+        for role, mod in nm.layer:
+            if role in ("qnorm", "knorm"):                  # per-head norms (head_dim,)
+                out.append((f"{lp}{mod}.weight", (d,), li + 1))
+            elif role.startswith("norm"):
+                out += _norm_tensors(s, lp + mod, li + 1)
+            else:
+                shape, bias = shapes[role]
+                w = shape[::-1] if s.layout == "in_out" else shape   # Conv1D: (in, out)
+                out.append((f"{lp}{mod}.weight", w, li + 1))
+                if bias:
+                    out.append((f"{lp}{mod}.bias", (shape[0],), li + 1))
+    last = s.num_layers + 1
+    if s.final_norm:
+        out += _norm_tensors(s, prefix + nm.final_norm, last)
+    if s.proj_dim:
+        out.append((f"{prefix}{nm.project_out}.weight", (e, h), last))
+    if not s.tied:
+        out.append((nm.lm_head, (s.vocab_size, e), last))
+    return out
+
+
+def _norm_tensors(s: DecoderSpec, mod: str, stage: int) -> list:
+    out = [(f"{mod}.weight", (s.hidden_size,), stage)] if s.norm_affine else []
+    return out + ([(f"{mod}.bias", (s.hidden_size,), stage)] if s.norm_bias else [])
