@@ -123,6 +123,16 @@ def test_sft_loss_equals_transformers_with_prompt_labels_masked(llama):
     assert it.tk.decode(ids2[loss2].tolist()) == "goodmoon tree"
 
 
+def test_sft_prefix_cache_equals_full_forward(llama):
+    recs = [{"prompt": t, "completion": [" good", " bad"][y]} for t, y in sentiment(10)]
+    _, plain = _sft(llama, recs)
+    _, cached = _sft(llama, recs, layer=1)
+    assert cached.stage_count() == plain.stage_count() - 2 and not cached.tied_head
+    b = plain.batch(np.arange(10))
+    assert cached.loss(b) == pytest.approx(plain.loss(b), rel=1e-6)
+    np.testing.assert_allclose(cached.eval_sums(), plain.eval_sums(), rtol=1e-6)
+
+
 def test_sft_truncation_keeps_the_completion(llama):
     it = InstructTokenizer.from_folder(llama)
     rec = {"prompt": " ".join(NOUNS * 3), "completion": " good bad"}
@@ -206,17 +216,21 @@ def test_choice_scores_equal_transformers_log_likelihoods(llama):
                                np.array(want) / np.array(lens), rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["sft", "choice"])
-def test_streamed_equals_three_pass(llama, kind):
-    """The default streamed schedule gives the three-pass step's bits (LoRA, tied head)."""
+@pytest.mark.parametrize("kind,layer", [("sft", 0), ("sft", 1), ("choice", 0)],
+                         ids=["sft", "sft-prefix-cache", "choice"])
+def test_streamed_equals_three_pass(llama, kind, layer):
+    """The default streamed schedule gives the three-pass step's bits (LoRA, tied head; for
+    sft also LoRA in the top block over the frozen-prefix cache)."""
     data = sentiment(12, seed=3)
 
     def run(schedule):
         m = load_model(llama)
-        names = select_trainable(m, "lora", lora_rank=4, lora_alpha=8)
+        names = select_trainable(m, "lora", lora_rank=4, lora_alpha=8,
+                                 lora_layers=1 if layer else 0)
         if kind == "sft":
             _, task = _sft(llama, [{"prompt": t, "completion": [" good", " bad"][y]}
-                                   for t, y in data], model=m)
+                                   for t, y in data], model=m, layer=layer)
+            assert (task.cache is not None) == (layer > 0)
         else:
             _, task = _choice(llama, [{"prompt": t, "choices": [" good", " bad no"],
                                        "answer": y} for t, y in data], model=m)

@@ -28,6 +28,7 @@ from ..corpus.records import parse_stored
 from ..model.chat import InstructTokenizer
 from ..runtime import AllRanksError, get_logger
 from .base import Task, pad_batch
+from .prefix import PrefixCached, cache_layer
 
 log = get_logger(__name__)
 
@@ -85,19 +86,21 @@ def greedy(model, ids, n_new: int, eos: set) -> list[int]:
             logits = _host(model.logits(np.array([ids + out], np.int64))[0, -1])
 
 
-class SFTTask(Task):
+class SFTTask(PrefixCached, Task):
     """``seqs``: token ids per row; ``loss_masks``: bool per token, True on the tokens the loss
     predicts. ``gen_rows``: the held-out rows whose greedy generations are scored (with
     ``tk`` to decode, ``eos`` the ids that end a generation, ``topo`` to sum the scores over
-    the ranks: :meth:`eval_sums` is then collective)."""
+    the ranks: :meth:`eval_sums` is then collective). ``layer > 0``: the frozen-prefix cache
+    (:mod:`.prefix`; the caller checks that nothing below block ``layer`` trains)."""
 
     kind = "sft"
 
     def __init__(self, model, seqs, loss_masks, train_rows, heldout_rows, pad_id: int,
                  eval_batch_size: int, *, tk=None, eos=(), gen_rows=(), gen_tokens: int = 32,
-                 topo=None) -> None:
+                 topo=None, layer: int = 0) -> None:
         super().__init__(model, seqs, np.full(len(seqs), -1, np.int64), train_rows,
                          heldout_rows, pad_id, eval_batch_size)
+        self._init_cache(layer, eval_batch_size)
         self.loss_masks = loss_masks
         self.tk, self.eos, self.topo = tk, set(eos), topo
         self.gen_rows = np.asarray(gen_rows, np.int64)
@@ -105,15 +108,11 @@ class SFTTask(Task):
         self.last_gen = None            # (exact match, F1, count) of the last evaluation
         self.examples: list = []        # (prompt, reference, generation) of this rank's rows
 
-    @property
-    def tied_head(self) -> bool:
-        return bool(self.model.tied_head)
-
     def _rows_batch(self, rows):
         rows = np.asarray(rows, np.int64)
         ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
         lw, _ = pad_batch([self.loss_masks[r].astype(np.int64) for r in rows], 0)
-        return ids, mask, self.labels[rows], len(rows), lw.astype(np.float32) * mask
+        return ids, mask, self.labels[rows], len(rows), lw.astype(np.float32) * mask, rows
 
     def batch(self, positions: np.ndarray):
         return self._rows_batch(self.train_rows[positions])
@@ -130,19 +129,10 @@ class SFTTask(Task):
         return self.model.next_token_loss_from_hidden(state.hidden, state.ids, lw,
                                                       return_accuracy=acc)
 
-    def _full(self, batch):
-        st = self.model.stage_start(batch[0], batch[1])
-        for k in range(self.model.n_stages):
-            st = self.model.stage_forward(k, st)
-        return st
-
     def loss(self, batch) -> float:
         if batch[3] == 0 or self.batch_weight(batch) == 0:
             return 0.0
         return float(self._score(self._full(batch), batch, False))
-
-    def stage_begin(self, batch):
-        return self.model.stage_start(batch[0], batch[1]) if batch[3] else None
 
     def loss_from_state(self, state, batch) -> float:
         if state is None or self.batch_weight(batch) == 0:
@@ -247,8 +237,10 @@ def _overlong_error(deck, topo, ids: np.ndarray, over: np.ndarray, what: str,
     return int(n[0])
 
 
-def build_sft_task(ctx, model, rows, train_idx, held_idx, max_len: int) -> SFTTask:
-    """The run's :class:`SFTTask` from the shard's records. Collective (a few allreduces)."""
+def build_sft_task(ctx, model, names, rows, train_idx, held_idx, max_len: int,
+                   cache: bool = True) -> SFTTask:
+    """The run's :class:`SFTTask` from the shard's records, with the frozen-prefix cache when
+    ``cache`` and the trainable set allows it. Collective (a few allreduces)."""
     deck, topo, t = ctx.deck, ctx.topo, ctx.deck.train
     itok = InstructTokenizer.from_folder(deck.model.path)
     recs = _load_records(rows.texts, deck.corpus.path, "sft", topo)
@@ -273,15 +265,18 @@ def build_sft_task(ctx, model, rows, train_idx, held_idx, max_len: int) -> SFTTa
         log.info("finetune: sft: the model has no chat template: conversations are plain "
                  "concatenations (each system/user turn and a newline, each assistant turn "
                  "and the end token)")
+    layer = cache_layer(ctx, model, names, seqs, cache)
     log.info("finetune: sft task: loss on completion tokens only, sequences of at most %d "
-             "tokens; %d records had their prompt cut from the left (%d tokens in all)%s",
+             "tokens; %d records had their prompt cut from the left (%d tokens in all)%s%s",
              max_len, int(stats[0]), int(stats[1]),
              f"; {n_over} records left out: their completion alone is longer "
-             f"(train.overlong = \"skip\")" if n_over else "")
+             f"(train.overlong = \"skip\")" if n_over else "",
+             f"; blocks 0..{layer - 1} frozen: their output is computed once per record"
+             if layer else "")
     k, p, r = t.gen_samples, topo.size, topo.rank
     mine = k * (r + 1) // p - k * r // p
     order = held_idx[np.argsort(rows.ids[held_idx], kind="stable")]
     eos = {itok.eos_id} if itok.eos_id is not None else set()
     return SFTTask(model, seqs, masks, train_idx, held_idx, itok.pad_id, t.eval_batch_size,
                    tk=itok.tk, eos=eos, gen_rows=order[:mine], gen_tokens=t.gen_tokens,
-                   topo=topo if k else None)
+                   topo=topo if k else None, layer=layer)
