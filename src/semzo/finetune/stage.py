@@ -223,8 +223,9 @@ def run_finetune_stage(ctx) -> dict:
              ran / max(secs, 1e-9), state.skips)
     _log_device_memory(ctx, topo, engine, model)
     log.info("HELD-OUT %s before %.4f -> after %.4f (%+.2f points); loss %.4f -> %.4f "
-             "(%d samples)", what.upper(), before[1], after[1], 100 * (after[1] - before[1]),
-             before[0], after[0], after[2])
+             "(%d %s)", what.upper(), before[1], after[1], 100 * (after[1] - before[1]),
+             before[0], after[0], after[2],
+             "completion tokens" if task_kind == "sft" else "samples")
     if gen_before and gen_after:
         log.info("HELD-OUT GENERATIONS exact match %.4f -> %.4f, token F1 %.4f -> %.4f "
                  "(%d greedy generations)", gen_before[0], gen_after[0], gen_before[1],
