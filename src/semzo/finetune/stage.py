@@ -185,9 +185,9 @@ def run_finetune_stage(ctx) -> dict:
     before = evaluate(task, topo, engine.store)
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": before[0],
                  "heldout_acc": before[1], "heldout_n": before[2]})
-    log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d samples)",
+    log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d %s)",
              " (ZERO-SHOT, the prompt alone)" if task_kind in ("prompt", "choice") else "",
-             *before)
+             *before, "completion tokens" if task_kind == "sft" else "samples")
     gen_before = _log_generations(task, topo, "before fine-tuning")
     batcher = Batcher(train_idx.size, t.batch_size, deck.run.seed, topo.rank)
 
