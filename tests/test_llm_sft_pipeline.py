@@ -40,7 +40,7 @@ def _args(out, corpus, model, *extra):
             "--set", "cluster.k=3", "--set", "topology.nodes_per_switch=1",
             "--set", "model.max_length=32", "--set", "train.max_length=32",
             "--set", "train.lora_layers=1", "--set", "train.steps=20",
-            "--set", "train.eval_every=10", "--set", "train.gen_samples=4",
+            "--set", "train.eval_every=10", "--set", "train.gen_samples=6",
             "--set", "train.gen_tokens=4", "--set", "checkpoint.every_steps=0", *extra]
 
 
@@ -100,8 +100,6 @@ def test_choice_pipeline(setup):
 @pytest.mark.parametrize("task,rec,want", [
     ("choice", {"prompt": "a", "choices": ["x", "y"], "answer": 2},
      "bad.jsonl:3: 'answer' 2 is out of range for 2 choices (0..1)"),
-    ("sft", {"messages": [{"role": "robot", "content": "x"}]},
-     "bad.jsonl:3: messages[0]: 'role' must be one of system, user, assistant"),
     ("sft", {"prompt": "a", "completion": " " + "cat dog " * 30},
      "bad.jsonl:3: the record's completion alone does not fit train.max_length = 32"),
 ])
@@ -110,7 +108,7 @@ def test_bad_records_stop_before_embedding(setup, task, rec, want):
     good = ({"prompt": "a b", "choices": ["x", "y"], "answer": 0} if task == "choice"
             else {"prompt": "a b", "completion": " c"})
     path = tmp / "bad.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in (good, good, rec, good)))
+    path.write_text("".join(json.dumps(r) + "\n" for r in (good, good, rec, *[good] * 30)))
     p = mpirun(2, _args(tmp / "bad", path, model, "--set", f"train.task={task}"),
                timeout=120, env=ENV)
     assert p.returncode == 2, p.stderr[-2000:]
