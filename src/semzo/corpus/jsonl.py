@@ -117,7 +117,7 @@ def parse_line(raw: bytes, kind: str = "text") -> tuple | str | None:
 def parse_object(obj, kind: str = "text") -> tuple | str:
     """A parsed JSON object (or a Parquet row) as :func:`parse_line` returns it."""
     if not isinstance(obj, dict):
-        return f"expected a JSON object, got {_jtype(obj)}"
+        return f"expected a JSON object, got {type(obj).__name__}"
     if kind != "text":
         rec = check_record(obj, kind)
         if isinstance(rec, str):
