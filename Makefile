@@ -7,7 +7,7 @@ VENV    ?= .venv
 PY      := $(VENV)/bin/python
 MPIEXEC ?= mpirun
 NP      ?= 4
-DECK    ?= inputs/demo.toml
+DECK    ?= inputs/llm.toml
 EXPDECK ?= inputs/experiment.toml
 EXPOUT  ?= runs/experiment
 RESULTS ?= docs/results
@@ -26,11 +26,13 @@ export TRANSFORMERS_OFFLINE := 1
 
 RUN = timeout -k 10 $(TIMEOUT) $(MPIEXEC) $(NPFLAG) $(NP) $(PY) -m semzo
 
-.PHONY: help setup setup-test demo demo-llm experiment experiment-debian test test-mpi test-multinode bench lint docs corpus clean
+.PHONY: help setup setup-test demo demo-llm demo-encoder demo-sft experiment experiment-debian test test-mpi test-multinode bench lint docs corpus clean
 
 help:
-	@echo "make demo    set up if needed, then run the default deck under $(MPIEXEC) -n $(NP)"
-	@echo "make demo-llm  SmolLM2 prompt classification fine-tuned by ZO (inputs/llm.toml)"
+	@echo "make demo    set up if needed, then SmolLM2 prompt classification fine-tuned by ZO"
+	@echo "             (inputs/llm.toml) under $(MPIEXEC) -n $(NP): zero-shot vs trained accuracy"
+	@echo "make demo-sft  SmolLM2 instruction-tuned by ZO on chat records (inputs/sft.toml)"
+	@echo "make demo-encoder  the encoder demo: a head over frozen MiniLM (inputs/demo.toml)"
 	@echo "make test    set up if needed (test extras too), then the whole test suite"
 	@echo "make test-multinode  the LLM deck on 2 network namespaces as 2 nodes (root, iproute2)"
 	@echo "make experiment  semantic vs shuffled vs random sharding x ZO modes x seeds: $(RESULTS)/"
@@ -53,14 +55,26 @@ data/debian.jsonl: | setup
 	@mkdir -p data
 	$(PY) -m semzo corpus debian $@
 
-corpus: data/fortunes.jsonl data/debian.jsonl
+data/debian-sft.jsonl: | setup
+	@mkdir -p data
+	$(PY) -m semzo corpus debian-sft $@
 
+corpus: data/fortunes.jsonl data/debian.jsonl data/debian-sft.jsonl
+
+# MeZO-style prompt classification with SmolLM2 (converted by setup), zero-shot vs trained
 demo: setup data/fortunes.jsonl
 	$(RUN) run $(DECK)
 
-# MeZO-style prompt classification with SmolLM2 (converted by setup), zero-shot vs trained
-demo-llm: setup data/fortunes.jsonl
-	$(RUN) run inputs/llm.toml
+demo-llm: demo
+
+# instruction tuning (train.task = "sft") of SmolLM2 on chat records built offline from the
+# apt indexes: held-out completion loss, exact match / F1 and three generations before/after
+demo-sft: setup data/debian-sft.jsonl
+	$(RUN) run inputs/sft.toml
+
+# the encoder demo: a classification head over frozen all-MiniLM-L6-v2 features
+demo-encoder: setup data/fortunes.jsonl
+	$(RUN) run inputs/demo.toml
 
 # the sharding experiment (docs/results/experiment.md): about 7 min on 2 cores
 experiment: setup data/fortunes.jsonl

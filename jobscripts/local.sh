@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# semzo on one machine with mpirun (what `make demo` does).
+# semzo on one machine with mpirun (what `make demo-encoder` does with inputs/demo.toml;
+# `make demo` runs the LLM deck inputs/llm.toml).
 # EDIT: NP (ranks) and DECK, or pass them: NP=2 DECK=inputs/debian.toml jobscripts/local.sh
 # The default deck simulates 2 switches x 2 nodes on one host, so NP must be 4 for it
 # (or override: --set topology.ranks_per_node=1 --set topology.nodes_per_switch=1).

@@ -201,8 +201,11 @@ class TrainSection:
                     "`lm` (next-token loss of a decoder on the shard texts, padding excluded), "
                     "`prompt` (a decoder scores one label word per class after a template "
                     "around each text, MeZO's prompt-based classification: see [prompt]), "
+                    "`sft` (a decoder on instruction records, prompt/completion or chat "
+                    "`messages`: loss on the completion tokens only), `choice` (a decoder "
+                    "scores each choice of a multiple-choice record by its log-likelihood), "
                     "`auto` (by model: classify for encoders, lm for decoders).",
-                    choices=("auto", "classify", "lm", "prompt"))
+                    choices=("auto", "classify", "lm", "prompt", "sft", "choice"))
     params: str = key("head+last", "Trainable tensors: `all`, `head+last` (the classification "
                       "head plus the last `last_layers` blocks; 0 = head only), `lora` "
                       "(adapters of rank `lora_rank` on the attention projections, plus the "
@@ -255,6 +258,18 @@ class TrainSection:
                                  "entering the first trained block of every local text (at "
                                  "most this many MiB per rank) so each step runs only the "
                                  "trained blocks; 0 = always run the whole model.", min=0.0)
+    overlong: str = key("error", "`sft` / `choice`: a record whose completion (longest "
+                        "choice) alone does not fit `max_length` tokens (prompts are cut from "
+                        "the left) is an `error` naming its file and line, or is left out and "
+                        "counted (`skip`).", choices=("error", "skip"))
+    choice_score: str = key("sum", "`choice`: score a choice by the `sum` of its tokens' "
+                            "log-likelihoods after the prompt, or their `mean` per token.",
+                            choices=("sum", "mean"))
+    gen_samples: int = key(16, "`sft`: held-out records (over all ranks, a fixed subset) "
+                           "whose greedy generations are scored at each evaluation (exact "
+                           "match and token F1); 0 = none.", min=0, max=4096)
+    gen_tokens: int = key(32, "`sft`: most tokens generated per held-out record.", min=1,
+                          max=4096)
     save: str = key("trainable", "Write model.h5 at the end with the `trainable` tensors, "
                     "`all` tensors, or `none`.", choices=("trainable", "all", "none"))
 

@@ -34,6 +34,7 @@ from .checkpoint.tools import checkpoint_dtype, rebuild_model
 from .deck import from_toml_text
 from .model import families, load_model
 from .model.causal import CausalLM, expected_tensors
+from .model.chat import chat_template, render_chat
 from .model.gguf import GGUFModel
 from .model.gguf_tokenizer import build_tokenizer
 from .model.storage import STORAGE, same_storage_copy, to_storage
@@ -189,30 +190,13 @@ def load_for_generation(source: str, dtype: str | None = None) -> Loaded:
 
 def chat_prompt(loaded: Loaded, text: str) -> str:
     """``text`` as one user message through the model's chat template (generation prompt
-    added). A model without a template, or no jinja2, is a :class:`SemzoError`."""
-    tpl = loaded.tok_config.get("chat_template")
-    if isinstance(tpl, list):      # named templates: take "default"
-        tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
-    if not tpl:
+    added; :func:`semzo.model.chat.render_chat`, the renderer the ``sft`` task uses). A model
+    without a template, or no jinja2, is a :class:`SemzoError`."""
+    if not chat_template(loaded.tok_config):
         raise SemzoError(f"{loaded.what}: --chat: the model has no chat_template in "
                          f"tokenizer_config.json")
-    try:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        raise SemzoError("--chat needs the jinja2 package (a runtime dependency: run make setup)") \
-            from None
-
-    def tok_str(key: str) -> str:
-        v = loaded.tok_config.get(key)
-        return v.get("content", "") if isinstance(v, dict) else (v or "")
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(msg):
-        raise SemzoError(f"{loaded.what}: chat template: {msg}")
-    env.globals["raise_exception"] = raise_exception
-    return env.from_string(tpl).render(
-        messages=[{"role": "user", "content": text}], add_generation_prompt=True,
-        bos_token=tok_str("bos_token"), eos_token=tok_str("eos_token"))
+    return render_chat(loaded.tok_config, [{"role": "user", "content": text}], True,
+                       loaded.what)
 
 
 def sample_next(logits: np.ndarray, temperature: float, top_p: float,

@@ -11,9 +11,12 @@ files it reads. Nothing here imports a stage: the stages import it.
 from __future__ import annotations
 
 import numpy as np
+from mpi4py import MPI
 
+from .corpus.records import parse_stored
 from .deck import Deck, DeckError
 from .model import Tokenizer
+from .model.chat import InstructTokenizer
 from .model.config import read_config
 from .model.loader import model_kind
 from .model.zoo import NAMED, resolve_model_path
@@ -96,7 +99,7 @@ def resolve_task(deck, model_kind: str) -> str:
     decoder, else "classify"); a task the model cannot run is an error on every rank."""
     task = deck.train.task
     kind = task if task != "auto" else ("lm" if model_kind == "decoder" else "classify")
-    if kind in ("lm", "prompt") and model_kind != "decoder":
+    if kind in ("lm", "prompt", "sft", "choice") and model_kind != "decoder":
         raise AllRanksError(f"{deck.source}: train.task: {kind} fine-tuning needs a decoder "
                           f"in model.path, got an {model_kind}")
     return kind
@@ -158,12 +161,14 @@ def check_prompt(deck, label_names: list[str]) -> None:
 
 
 def check_later_stages(ctx, ids: np.ndarray, labels: np.ndarray,
-                       label_names: list[str]) -> None:
+                       label_names: list[str], records: list | None = None) -> None:
     """Before any embedding work, what the later stages of this run check of the samples:
     ``cluster.k`` against their number, the finetune stage's labels and held-out split (and
     that ``train.task`` suits the model). A deck those stages refuse then fails in seconds
     with their message, not after the corpus has been embedded. ``ids``, ``labels``: this
-    rank's samples as they will be written. Collective; every rank raises together."""
+    rank's samples as they will be written; ``records``: for ``sft`` and ``choice`` corpora,
+    ``(stored JSON, embedded text, line or row)`` of each (:func:`check_record_lengths`).
+    Collective; every rank raises together."""
     deck, topo = ctx.deck, ctx.topo
     if "cluster" in deck.run.stages:
         n = np.array([len(ids)], np.int64)
@@ -174,6 +179,37 @@ def check_later_stages(ctx, ids: np.ndarray, labels: np.ndarray,
         check_samples(deck, task, ids, labels, len(label_names), topo.allreduce, placed=False)
         if task == "prompt":
             check_prompt(deck, label_names)
+        if records is not None and task in ("sft", "choice"):
+            check_record_lengths(ctx, task, records)
+
+
+def check_record_lengths(ctx, task: str, records: list) -> None:
+    """With ``train.overlong = "error"``: the first record (in file order) whose completion
+    (``sft``) or longest choice (``choice``) alone does not fit ``train.max_length`` tokens of
+    the decoder's tokenizer (the prompt is cut from the left, see :mod:`semzo.model.chat`) is
+    an error naming the corpus file and its line (row for Parquet), before any embedding.
+    Collective; every rank raises together."""
+    deck, topo = ctx.deck, ctx.topo
+    if deck.train.overlong != "error":
+        return
+    max_len = deck.train.max_length or deck.model.max_length
+    itok = InstructTokenizer.from_folder(deck.model.path)
+    fit = itok.sft if task == "sft" else itok.choice
+    bad = [(line, rec) for rec, _, line in records if fit(parse_stored(rec), max_len) is None]
+    first = np.array([bad[0][0] if bad else np.iinfo(np.int64).max], np.int64)
+    topo.allreduce(first, op=MPI.MIN)
+    if first[0] == np.iinfo(np.int64).max:
+        return
+    n = np.array([len(bad)], np.int64)
+    topo.allreduce(n)
+    where = (f":{int(first[0])}" if not str(deck.corpus.path).endswith(".parquet")
+             else f": row {int(first[0])} (0-based)")
+    what = "completion" if task == "sft" else "longest choice"
+    raise AllRanksError(f"{deck.corpus.path}{where}: the record's {what} alone does not fit "
+                        f"train.max_length = {max_len} tokens of {deck.model.path} (prompts "
+                        f"are cut from the left; {int(n[0])} such records): raise "
+                        f"train.max_length or set train.overlong = \"skip\" to leave them out")
+
 
 
 # ----------------------------------------------------------------------------- prompt

@@ -6,6 +6,8 @@ number of records. They run on one process (not collective).
 
 - :func:`fortunes`: the Debian ``fortunes`` package (about 15k quotes, 43 categories).
 - :func:`debian`: package descriptions from ``apt-cache dumpavail`` (about 60k, label = Section).
+- :func:`debian_sft`: instruction records (chat ``messages``, the ``sft`` task) from the same
+  source: "What is the Debian package NAME for?" -> its one-line short description.
 """
 
 from __future__ import annotations
@@ -243,4 +245,50 @@ def debian(out_path: str | os.PathLike, *, dumpavail: str | None = None,
     return n
 
 
-CONVERTERS: dict[str, Callable[..., int]] = {"fortunes": fortunes, "debian": debian}
+SFT_SYSTEM = "Answer in one short line."
+
+
+def sft_records(dumpavail: str, n: int = 600) -> list[dict]:
+    """Instruction records from ``apt-cache dumpavail`` output: for an evenly spaced subset of
+    ``n`` packages (sorted by name; the first stanza of each name; short descriptions of 3 to
+    12 words), ``{"id", "messages": [system, user question, assistant answer]}`` where the
+    answer is the package's short description."""
+    seen: dict[str, str] = {}
+    for st in iter_stanzas(dumpavail):
+        name, desc = st.get("Package"), st.get("Description")
+        if not name or name in seen or not desc:
+            continue
+        short = desc.split("\n", 1)[0].strip()
+        if 3 <= len(short.split()) <= 12:
+            seen[name] = short
+    names = sorted(seen)
+    if n < len(names):
+        names = [names[i * len(names) // n] for i in range(n)]
+    return [{"id": i, "messages": [
+        {"role": "system", "content": SFT_SYSTEM},
+        {"role": "user", "content": f"What is the Debian package {name} for?"},
+        {"role": "assistant", "content": seen[name]}]} for i, name in enumerate(names)]
+
+
+def debian_sft(out_path: str | os.PathLike, *, dumpavail: str | None = None,
+               n: int = 600) -> int:
+    """Write :func:`sft_records` of this machine's apt indexes to ``out_path`` (offline once
+    ``apt-get update`` has run, as ``make setup`` does); return the count."""
+    if dumpavail is None:
+        try:
+            r = subprocess.run(["apt-cache", "dumpavail"], capture_output=True, check=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            raise SemzoError(f"apt-cache dumpavail failed: {exc}") from exc
+        dumpavail = r.stdout.decode("utf-8", errors="replace")
+    records = sft_records(dumpavail, n)
+    if not records:
+        raise SemzoError("apt-cache dumpavail lists no package descriptions "
+                         "(run 'apt-get update' first)")
+    n_out = write_jsonl_atomic(out_path, records)
+    log.info("wrote %d instruction records (Debian package -> short description) to %s",
+             n_out, out_path)
+    return n_out
+
+
+CONVERTERS: dict[str, Callable[..., int]] = {"fortunes": fortunes, "debian": debian,
+                                             "debian-sft": debian_sft}

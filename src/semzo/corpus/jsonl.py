@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from semzo.corpus.records import canonical, check_record, embed_text
 from semzo.corpus.strings import allgather_strings
 from semzo.runtime import SemzoError, get_logger
 
@@ -53,6 +54,8 @@ class CorpusSlice:
     ids: np.ndarray
     first_record: int
     n_total: int
+    embed: list[str] | None = None     # what to embed when it is not ``texts`` (sft, choice)
+    lines: np.ndarray | None = None    # 1-based line (JSONL) or row (Parquet) of each record
 
     def __len__(self) -> int:
         return len(self.texts)
@@ -63,6 +66,8 @@ class _Scan:
     n_lines: int = 0                      # physical lines read (blank ones included)
     texts: list | None = None
     labels: list | None = None
+    embed: list | None = None
+    lines: list | None = None
     ids: list | None = None
     error: tuple[int, str] | None = None  # (local line index, or -1 for the file; message)
     first_labelled: int = -1              # local line index of first record with/without...
@@ -94,9 +99,10 @@ def read_lines(path: str, start: int, end: int) -> list[bytes]:
     return lines
 
 
-def parse_line(raw: bytes) -> tuple[str, object, object] | str | None:
+def parse_line(raw: bytes, kind: str = "text") -> tuple | str | None:
     """Parse one line: ``None`` if blank, ``(text, label, id)`` (missing -> ``...``) if valid,
-    else an error message (str)."""
+    else an error message (str). ``kind``: the record format (:mod:`.records`); for ``sft`` and
+    ``choice`` the text is the record's canonical JSON and a fourth item is what to embed."""
     if not raw.strip():
         return None
     try:
@@ -105,8 +111,21 @@ def parse_line(raw: bytes) -> tuple[str, object, object] | str | None:
         return f"invalid UTF-8 ({exc.reason} at byte {exc.start})"
     except json.JSONDecodeError as exc:
         return f"invalid JSON ({exc.msg} at column {exc.colno})"
+    return parse_object(obj, kind)
+
+
+def parse_object(obj, kind: str = "text") -> tuple | str:
+    """A parsed JSON object (or a Parquet row) as :func:`parse_line` returns it."""
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}"
+    if kind != "text":
+        rec = check_record(obj, kind)
+        if isinstance(rec, str):
+            return rec
+        ident = _check_id(obj)
+        if isinstance(ident, str):
+            return ident
+        return canonical(rec), ..., ident, embed_text(rec)
     if "text" not in obj:
         return "missing 'text'"
     text = obj["text"]
@@ -117,13 +136,23 @@ def parse_line(raw: bytes) -> tuple[str, object, object] | str | None:
         if isinstance(label, bool) or not isinstance(label, (str, int)):
             return f"'label' must be a string or an integer, got {_jtype(label)}"
         label = str(label)
+    ident = _check_id(obj)
+    if isinstance(ident, str):
+        return ident
+    return text, label, ident
+
+
+def _check_id(obj: dict):
+    """``obj["id"]`` (``...`` when missing) or an error message."""
     ident = obj.get("id", ...)
     if ident is not ...:
+        if ident is None:
+            return ...                    # a Parquet column with nulls: no id
         if isinstance(ident, bool) or not isinstance(ident, int):
             return f"'id' must be an integer, got {_jtype(ident)}"
         if not 0 <= ident <= _ID_MAX:
             return f"'id' must lie in [0, 2**63), got {ident}"
-    return text, label, ident
+    return ident
 
 
 def _jtype(v: object) -> str:
@@ -131,8 +160,8 @@ def _jtype(v: object) -> str:
             str: "string", list: "array", dict: "object"}.get(type(v), type(v).__name__)
 
 
-def _scan(path: str, start: int, end: int) -> _Scan:
-    sc = _Scan(texts=[], labels=[], ids=[])
+def _scan(path: str, start: int, end: int, kind: str = "text") -> _Scan:
+    sc = _Scan(texts=[], labels=[], ids=[], embed=[], lines=[])
     try:
         lines = read_lines(path, start, end)
     except OSError as exc:
@@ -140,33 +169,42 @@ def _scan(path: str, start: int, end: int) -> _Scan:
         return sc
     sc.n_lines = len(lines)
     for i, raw in enumerate(lines):
-        rec = parse_line(raw)
+        rec = parse_line(raw, kind)
         if rec is None:
             continue
         if isinstance(rec, str):
             sc.error = (i, rec)
             break
-        text, label, ident = rec
-        sc.texts.append(text)
-        if label is ...:
-            if sc.first_unlabelled < 0:
-                sc.first_unlabelled = i
-        else:
-            sc.labels.append(label)
-            if sc.first_labelled < 0:
-                sc.first_labelled = i
-        if ident is ...:
-            if sc.first_without_id < 0:
-                sc.first_without_id = i
-        else:
-            sc.ids.append(ident)
-            if sc.first_with_id < 0:
-                sc.first_with_id = i
+        add_record(sc, i, rec)
     return sc
 
 
-def read_jsonl_slice(path: str | os.PathLike, comm) -> CorpusSlice:
-    """Read this rank's byte range of the JSONL corpus at ``path`` (see the module docstring).
+def add_record(sc: _Scan, i: int, rec: tuple) -> None:
+    """Append a parsed record (local line or row index ``i``) to the scan."""
+    text, label, ident = rec[:3]
+    sc.texts.append(text)
+    sc.lines.append(i)
+    if len(rec) > 3:
+        sc.embed.append(rec[3])
+    if label is ...:
+        if sc.first_unlabelled < 0:
+            sc.first_unlabelled = i
+    else:
+        sc.labels.append(label)
+        if sc.first_labelled < 0:
+            sc.first_labelled = i
+    if ident is ...:
+        if sc.first_without_id < 0:
+            sc.first_without_id = i
+    else:
+        sc.ids.append(ident)
+        if sc.first_with_id < 0:
+            sc.first_with_id = i
+
+
+def read_jsonl_slice(path: str | os.PathLike, comm, kind: str = "text") -> CorpusSlice:
+    """Read this rank's byte range of the JSONL corpus at ``path`` (see the module docstring);
+    ``kind``: the record format (:mod:`.records`: ``text``, ``sft``, ``choice``).
 
     Collective over comm (Bcast of the file size from rank 0, Exscan and Allreduce of line and
     record counts, Allreduce(MIN) of error positions, a Bcast of the message on error). On a
@@ -190,7 +228,14 @@ def read_jsonl_slice(path: str | os.PathLike, comm) -> CorpusSlice:
         raise exc
 
     start, end = _byte_range(int(size[0]), rank, nranks)
-    sc = _scan(path, start, end)
+    return gather_scan(path, comm, _scan(path, start, end, kind), kind)
+
+
+def gather_scan(path: str, comm, sc: _Scan, kind: str, unit: str = "line") -> CorpusSlice:
+    """The slice from this rank's scan: global line (or row) and record numbers, the first
+    error of the whole file raised on every rank. Collective. ``unit``: ``"line"`` (JSONL,
+    1-based ``PATH:LINE: ...``) or ``"row"`` (Parquet, ``PATH: row N (0-based): ...``)."""
+    rank, nranks = comm.Get_rank(), comm.Get_size()
 
     counts = np.array([sc.n_lines, len(sc.texts)], dtype=np.int64)
     before = np.zeros(2, dtype=np.int64)
@@ -211,7 +256,7 @@ def read_jsonl_slice(path: str | os.PathLike, comm) -> CorpusSlice:
                       glob(sc.first_with_id), glob(sc.first_without_id)], dtype=np.int64)
     first = np.empty_like(local)
     comm.Allreduce([local, MPI.INT64_T], [first, MPI.INT64_T], op=MPI.MIN)
-    _raise_first_error(path, comm, first, sc, err_key)
+    _raise_first_error(path, comm, first, sc, err_key, unit)
 
     texts = sc.texts
     labels = sc.labels if first[1] != _NONE else None
@@ -220,13 +265,16 @@ def read_jsonl_slice(path: str | os.PathLike, comm) -> CorpusSlice:
     else:
         ids = np.arange(first_record, first_record + len(texts), dtype=np.int64)
     if rank == 0:
-        log.info("read %s: %d records (%d lines) on %d ranks", path, int(totals[1]),
-                 int(totals[0]), nranks)
+        log.info("read %s: %d records (%d %ss) on %d ranks", path, int(totals[1]),
+                 int(totals[0]), unit, nranks)
     return CorpusSlice(texts=texts, labels=labels, ids=ids, first_record=first_record,
-                       n_total=int(totals[1]))
+                       n_total=int(totals[1]), embed=sc.embed if kind != "text" else None,
+                       lines=np.array(sc.lines, np.int64) + first_line
+                       + (1 if unit == "line" else 0))
 
 
-def _raise_first_error(path: str, comm, first: np.ndarray, sc: _Scan, err_key: int) -> None:
+def _raise_first_error(path: str, comm, first: np.ndarray, sc: _Scan, err_key: int,
+                       unit: str = "line") -> None:
     """Raise, identically on every rank, the error at the first bad line of the file (if any).
 
     ``first`` is the MIN-reduced ``[error key, first labelled, first unlabelled, first with id,
@@ -238,10 +286,10 @@ def _raise_first_error(path: str, comm, first: np.ndarray, sc: _Scan, err_key: i
     for name, a, b in (("label", first[1], first[2]), ("id", first[3], first[4])):
         if a != _NONE and b != _NONE:
             if a < b:
-                msg = f"record has no '{name}' but line {a + 1} has one"
+                msg = f"record has no '{name}' but {_where(unit, a)} has one"
                 cands.append((int(b), f"{msg} (give every record a '{name}' or none)"))
             else:
-                msg = f"record has a '{name}' but line {b + 1} has none"
+                msg = f"record has a '{name}' but {_where(unit, b)} has none"
                 cands.append((int(a), f"{msg} (give every record a '{name}' or none)"))
     key = int(first[0])
     if key != _NONE:
@@ -258,9 +306,19 @@ def _raise_first_error(path: str, comm, first: np.ndarray, sc: _Scan, err_key: i
     if not cands:
         return
     line, msg = min(cands)
-    exc = SemzoError(f"{path}: {msg}" if line < 0 else f"{path}:{line + 1}: {msg}")
+    if line < 0:
+        exc = SemzoError(f"{path}: {msg}")
+    elif unit == "line":
+        exc = SemzoError(f"{path}:{line + 1}: {msg}")
+    else:
+        exc = SemzoError(f"{path}: {_where(unit, line)}: {msg}")
     exc.all_ranks = True                   # every rank raises it; run_spmd prints it once
     raise exc
+
+
+def _where(unit: str, i: int) -> str:
+    """Line ``i`` (0-based) as the error messages name it."""
+    return f"line {i + 1}" if unit == "line" else f"row {i} (0-based)"
 
 
 def label_vocab(labels_local: Sequence[str] | None, comm) -> list[str]:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from ..corpus import label_codes, label_vocab, read_jsonl_slice
+from ..corpus import label_codes, label_vocab, read_corpus_slice
+from ..corpus.records import record_kind
 from ..h5check import DAMAGED, agree, attr_int, finite_error, range_error, shape_error
 from ..h5io import (
     create_collective,
@@ -96,9 +97,14 @@ def run_embed_stage(ctx) -> dict:
 
     deck, topo = ctx.deck, ctx.topo
     comm = topo.world
-    part = read_jsonl_slice(deck.corpus.path, comm)
+    # sft and choice records: texts hold each record's canonical JSON (what the finetune
+    # stage reads back), part.embed what is embedded for sharding (corpus/records.py)
+    part = read_corpus_slice(deck.corpus.path, comm, record_kind(deck.train.task))
     texts, ids, labels_s = part.texts, part.ids, part.labels
     first, n_total = part.first_record, part.n_total
+    structured = part.embed is not None
+    if structured:
+        texts = list(zip(texts, part.embed, part.lines.tolist()))
     if deck.corpus.labels:
         texts, ids, labels_s, first, n_total = filter_labels(
             deck, comm, texts, ids, labels_s)
@@ -110,10 +116,14 @@ def run_embed_stage(ctx) -> dict:
     if n_total == 0:                      # before anything counts clusters or classes
         raise AllRanksError(f"{deck.corpus.path}: the corpus has no records"
                             + (" with a label in corpus.labels" if deck.corpus.labels else ""))
+    records = None
+    if structured:
+        records = texts
+        texts = [r[0] for r in records]
     vocab = label_vocab(labels_s, comm)
     labels = (label_codes(labels_s, vocab) if labels_s is not None
               else np.full(len(texts), -1, np.int64))
-    check_later_stages(ctx, ids, labels, vocab)
+    check_later_stages(ctx, ids, labels, vocab, records)
     model_path, key = embed_model_path(deck)
     model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype)
     if model.kind != "encoder":
@@ -126,7 +136,8 @@ def run_embed_stage(ctx) -> dict:
     tok = Tokenizer.from_folder(model_path, max_length=deck.model.max_length)
     set_threads(ctx.threads)    # a rank owning several cores splits each batch over them
     t0 = time.perf_counter()
-    emb = embed_texts(model, tok, texts, batch_size=deck.embed.batch_size).astype(np.float32)
+    emb = embed_texts(model, tok, texts if records is None else [r[1] for r in records],
+                      batch_size=deck.embed.batch_size).astype(np.float32)
     dt = time.perf_counter() - t0
     with ctx.timer.comm():
         off, total = offsets(len(texts), comm)

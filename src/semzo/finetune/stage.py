@@ -33,6 +33,7 @@ from ..model.storage import BF16, storage_name
 from ..model.zoo import folder_checksum
 from ..preflight import check_samples, resolve_task
 from ..runtime import SemzoError, get_logger
+from ..tasks.choice import build_choice_task
 from ..tasks.classify import (
     ClassifyTask,
     FeatureClassifyTask,
@@ -43,6 +44,7 @@ from ..tasks.classify import (
 )
 from ..tasks.lm import LMTask
 from ..tasks.prompt import build_prompt_task
+from ..tasks.sft import build_sft_task
 from ..zo.engine import ZOEngine
 from ..zo.offload import HostStore
 from ..zo.perturb import ztensors
@@ -113,6 +115,13 @@ def run_finetune_stage(ctx) -> dict:
     if task_kind == "prompt":
         task = build_prompt_task(ctx, model, names, rows, train_idx, held_idx, max_len,
                                  cache=not offload)
+    elif task_kind in ("sft", "choice"):
+        task = (build_sft_task(ctx, model, names, rows, train_idx, held_idx, max_len,
+                               cache=not offload) if task_kind == "sft" else
+                build_choice_task(ctx, model, rows, train_idx, held_idx, max_len))
+        train_idx, held_idx = task.train_rows, task.heldout_rows    # overlong ones left out
+        if offload and task_kind == "sft":
+            task.topo = None           # greedy generation needs the resident model
     elif head_only and (not offload or features_in_shards(ctx, model, rows, max_len)):
         feats, how = head_features(ctx, model, rows, max_len, t.eval_batch_size)
         log.info("finetune: only the head trains: the frozen encoder's pooled features are "
@@ -176,7 +185,8 @@ def run_finetune_stage(ctx) -> dict:
     # a resumed run keeps the rows of metrics.csv up to its checkpoint and the held-out
     # figures from before fine-tuning that the checkpoint recorded (not those at the resume)
     metrics = Metrics(ctx.outdir, active=topo.rank == 0, keep_until=resumed_from)
-    unit = "tokens" if task_kind == "lm" else "samples"    # what the held-out count counts
+    # what the held-out count counts
+    unit = {"lm": "tokens", "sft": "completion tokens"}.get(task_kind, "samples")
     if before is None:
         before = evaluate(task, topo, engine.store)
         if resumed_from is None:
@@ -184,12 +194,14 @@ def run_finetune_stage(ctx) -> dict:
                          "heldout_acc": before[1], "heldout_n": before[2],
                          **perplexity(task, before[0])})
         log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d " + unit + ")",
-                 (" (ZERO-SHOT, the prompt alone)" if task_kind == "prompt" else "")
+                 (" (ZERO-SHOT, the prompt alone)" if task_kind in ("prompt", "choice") else "")
                  if resumed_from is None else f" (at the resumed step {resumed_from})", *before)
     else:
         log.info("held-out before fine-tuning%s, recorded in the checkpoint: loss %.4f, "
                  "accuracy %.4f (%d " + unit + ")",
-                 " (ZERO-SHOT, the prompt alone)" if task_kind == "prompt" else "", *before)
+                 " (ZERO-SHOT, the prompt alone)" if task_kind in ("prompt", "choice") else "",
+                 *before)
+    gen_before = _log_generations(task, topo, "before fine-tuning")
     batcher = Batcher(train_idx.size, t.batch_size, deck.run.seed, topo.rank)
 
     def add_comm(s: float) -> None:
@@ -218,7 +230,9 @@ def run_finetune_stage(ctx) -> dict:
         save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after,
                    meta=ck.model_meta)
     metrics.finish(f"({task_kind}, {z.mode}, {topo.size} ranks)")   # renamed once it all worked
-    what = "next-token accuracy" if task_kind == "lm" else "accuracy"
+    gen_after = _log_generations(task, topo, "after fine-tuning")
+    what = {"lm": "next-token accuracy", "sft": "completion-token accuracy"}.get(task_kind,
+                                                                              "accuracy")
     ran = state.step - first_step
     log.info("finetune: %d steps in %.1f s (%.2f steps/s), %d skipped", ran, secs,
              ran / max(secs, 1e-9), state.skips)
@@ -226,6 +240,10 @@ def run_finetune_stage(ctx) -> dict:
     log.info("HELD-OUT %s before %.4f -> after %.4f (%+.2f points); loss %.4f -> %.4f "
              "(%d " + unit + ")", what.upper(), before[1], after[1], 100 * (after[1] - before[1]),
              before[0], after[0], after[2])
+    if gen_before and gen_after:
+        log.info("HELD-OUT GENERATIONS exact match %.4f -> %.4f, token F1 %.4f -> %.4f "
+                 "(%d greedy generations)", gen_before[0], gen_after[0], gen_before[1],
+                 gen_after[1], gen_after[2])
     out = {"task": task_kind, "steps": state.step, "skipped": state.skips,
            "steps/s": ran / max(secs, 1e-9), "heldout acc before": float(before[1]),
            "heldout acc after": float(after[1]), "heldout loss before": float(before[0]),
@@ -245,6 +263,25 @@ def run_finetune_stage(ctx) -> dict:
                  f", `semzo generate {where / 'model.h5'} --prompt TEXT` runs it"
                  if model.kind == "decoder" else "", where / "model.h5")
     return out
+
+
+def _log_generations(task, topo, when: str):
+    """The sft task's last generation metrics (exact match, F1, count) and, on rank 0, three
+    of its held-out prompts with their reference and greedy generation; None for other
+    tasks."""
+    got = getattr(task, "last_gen", None)
+    if got is None:
+        return None
+    if topo.rank == 0:
+        for i, (prompt, ref, gen) in enumerate(task.examples[:3]):
+            log.info("generation %d %s:\n  prompt:    %s\n  reference: %s\n  generated: %s",
+                     i + 1, when, _clip(prompt), _clip(ref), _clip(gen))
+    return got
+
+
+def _clip(s: str, n: int = 160) -> str:
+    s = " ".join(s.split())
+    return s if len(s) <= n else s[:n - 3] + "..."
 
 
 def _log_device_memory(ctx, topo, engine, model) -> None:

@@ -1,0 +1,209 @@
+"""Chat templates and the token layout of instruction records, shared by ``semzo generate
+--chat`` (:mod:`semzo.generate`) and the ``sft`` task (:mod:`semzo.tasks.sft`).
+
+* :func:`chat_template` / :func:`render_chat`: the ``chat_template`` of tokenizer_config.json
+  rendered by jinja2 in its immutable sandbox (no attribute access outside the sandbox's
+  allow-list, no mutation of the inputs), ``raise_exception`` as in transformers.
+* :func:`sft_tokens`: the token ids of one instruction record and the mask of the tokens the
+  loss is computed on (the completion, or every assistant turn with the template's own end of
+  turn), see its docstring for the layout.
+* :func:`fit_left`: truncation that keeps the completion (the prompt is cut from the left).
+
+Nothing here is collective.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..runtime import SemzoError
+from .tokenizer import Tokenizer
+from .zoo import resolve_model_path
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SemzoError(f"{path}: not valid JSON ({exc})") from None
+
+
+def chat_template(tok_config: dict) -> str | None:
+    """The chat template of a tokenizer_config.json (a list of named ones: "default"), or
+    None."""
+    tpl = tok_config.get("chat_template")
+    if isinstance(tpl, list):      # named templates: take "default"
+        tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+    return tpl or None
+
+
+def _special(tok_config: dict, key: str) -> str:
+    v = tok_config.get(key)
+    return v.get("content", "") if isinstance(v, dict) else (v or "")
+
+
+class ChatRenderer:
+    """A compiled chat template: ``render(messages, add_generation_prompt)`` -> str."""
+
+    def __init__(self, template: str, tok_config: dict, what: str) -> None:
+        try:
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:      # a runtime dependency; only chat models need it
+            raise SemzoError("chat templates need the jinja2 package (a runtime dependency: "
+                             "run make setup)") from None
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(msg):
+            raise SemzoError(f"{what}: chat template: {msg}")
+        env.globals["raise_exception"] = raise_exception
+        self.tpl = env.from_string(template)
+        self.what = what
+        self.bos, self.eos = _special(tok_config, "bos_token"), _special(tok_config, "eos_token")
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos, eos_token=self.eos)
+
+
+def render_chat(tok_config: dict, messages: list[dict], add_generation_prompt: bool = True,
+                what: str = "model") -> str:
+    """``messages`` through the model's chat template. A model without a template, or no
+    jinja2, is a :class:`SemzoError`."""
+    tpl = chat_template(tok_config)
+    if not tpl:
+        raise SemzoError(f"{what}: the model has no chat_template in tokenizer_config.json")
+    return ChatRenderer(tpl, tok_config, what).render(messages, add_generation_prompt)
+
+
+def _enc(tk, text: str, special: bool) -> list[int]:
+    return list(tk.encode(text, add_special_tokens=special).ids) if text else []
+
+
+def sft_tokens(tk, rec: dict, renderer: ChatRenderer | None, eos_id: int | None
+               ) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(ids, loss, n_prompt)`` of one instruction record (a dict as
+    :mod:`semzo.corpus.records` makes it): ``ids`` int64 (T,), ``loss`` bool (T,) True on the
+    tokens the loss predicts, ``n_prompt`` the tokens before the first of them.
+
+    * ``{"prompt", "completion"}``: the prompt's tokens (special tokens added as the tokenizer
+      does), then the completion's, then ``eos_id`` (when the tokenizer has one, so that the
+      model learns to stop); the completion and the end token are the loss tokens.
+    * ``{"messages"}`` with a chat ``renderer``: the whole conversation rendered once; the
+      characters of assistant turn i are those between the render of ``messages[:i]`` with
+      the generation prompt and the render of ``messages[:i+1]`` (the template's end of turn
+      included); a token is a loss token when its first character lies in such a span. A
+      template whose renders are not prefixes of each other cannot be masked this way
+      (:class:`SemzoError`).
+    * ``{"messages"}`` without a template (plain concatenation): each system/user turn's
+      content and a newline, each assistant turn's content and ``eos_id`` (the loss tokens).
+    """
+    if "messages" not in rec:
+        p = _enc(tk, rec["prompt"], True)
+        c = _enc(tk, rec["completion"], False) + ([int(eos_id)] if eos_id is not None else [])
+        ids = np.array(p + c, np.int64)
+        loss = np.zeros(len(ids), bool)
+        loss[len(p):] = True
+        return ids, loss, len(p)
+    msgs = rec["messages"]
+    if renderer is None:
+        parts: list[int] = []
+        flags: list[bool] = []
+        for i, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                t = _enc(tk, m["content"], False) + ([int(eos_id)] if eos_id is not None else [])
+            else:
+                t = _enc(tk, m["content"] + "\n", i == 0)
+            parts += t
+            flags += [m["role"] == "assistant"] * len(t)
+        ids, loss = np.array(parts, np.int64), np.array(flags, bool)
+    else:
+        full = renderer.render(msgs, False)
+        spans = []
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            head = renderer.render(msgs[:i], True) if i else ""
+            upto = renderer.render(msgs[:i + 1], False)
+            if not (full.startswith(upto) and upto.startswith(head)):
+                raise SemzoError(f"{renderer.what}: chat template: the render of the first "
+                                 f"{i} messages is not a prefix of the conversation's: the "
+                                 f"assistant turns cannot be told from the template")
+            spans.append((len(head), len(upto)))
+        enc = tk.encode(full, add_special_tokens=False)
+        ids = np.array(enc.ids, np.int64)
+        starts = np.array([o[0] for o in enc.offsets], np.int64)
+        loss = np.zeros(len(ids), bool)
+        for a, b in spans:
+            loss |= (starts >= a) & (starts < b)
+    first = int(np.argmax(loss)) if loss.any() else len(ids)
+    return ids, loss, first
+
+
+def fit_left(ids: np.ndarray, loss: np.ndarray, n_prompt: int, max_len: int
+             ) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """Cut ``ids``/``loss`` to ``max_len`` tokens from the left (the prompt goes first):
+    ``(ids, loss, tokens cut)``, or None when that would cut a loss token or leave none of the
+    prompt before the first (the completion alone does not fit)."""
+    cut = len(ids) - max_len
+    if cut <= 0:
+        return ids, loss, 0
+    if cut + 1 > n_prompt:
+        return None
+    return ids[cut:], loss[cut:], cut
+
+
+def choice_tokens(tk, rec: dict) -> tuple[np.ndarray, list[np.ndarray]]:
+    """``(prompt ids, [ids of each choice])`` of a multiple-choice record: the prompt with the
+    tokenizer's special tokens, each choice's own tokens (scored after the prompt)."""
+    return (np.array(_enc(tk, rec["prompt"], True), np.int64),
+            [np.array(_enc(tk, c, False), np.int64) for c in rec["choices"]])
+
+
+@dataclass
+class InstructTokenizer:
+    """What the ``sft`` and ``choice`` tasks need of a decoder's folder: the tokenizer (no
+    truncation, no padding), pad and end-of-sequence ids, the chat renderer (None without a
+    template)."""
+
+    tk: object
+    pad_id: int
+    eos_id: int | None
+    renderer: ChatRenderer | None
+    what: str
+
+    @classmethod
+    def from_folder(cls, path) -> InstructTokenizer:
+        folder = resolve_model_path(path)
+        tok = Tokenizer.from_folder(folder, max_length=None)
+        tok.tk.no_truncation()
+        tc, cfg = _json(folder / "tokenizer_config.json"), _json(folder / "config.json")
+        eos = cfg.get("eos_token_id")
+        eos = eos[0] if isinstance(eos, list) and eos else eos
+        if not isinstance(eos, int):
+            name = _special(tc, "eos_token")
+            eos = tok.tk.token_to_id(name) if name else None
+        tpl = chat_template(tc)
+        return cls(tok.tk, tok.pad_id, eos,
+                   ChatRenderer(tpl, tc, str(folder)) if tpl else None, str(folder))
+
+    def sft(self, rec: dict, max_len: int):
+        """``(ids, loss, tokens cut)`` of an sft record within ``max_len`` tokens (prompt cut
+        from the left), or None when its completion alone does not fit."""
+        return fit_left(*sft_tokens(self.tk, rec, self.renderer, self.eos_id), max_len)
+
+    def choice(self, rec: dict, max_len: int):
+        """``(prompt ids, choice ids, tokens cut)`` with every choice after the prompt within
+        ``max_len`` tokens (prompt cut from the left), or None when the longest choice alone
+        (with one prompt token) does not fit."""
+        p, cs = choice_tokens(self.tk, rec)
+        longest = max(len(c) for c in cs)
+        if longest == 0:
+            return None
+        cut = max(0, len(p) + longest - max_len)
+        if cut + 1 > len(p):
+            return None
+        return p[cut:], cs, cut

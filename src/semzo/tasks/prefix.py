@@ -1,0 +1,104 @@
+"""The frozen-prefix cache for decoder tasks whose sequences are fixed (``sft``): when nothing
+below block ``layer`` trains (LoRA or ``head+last`` in the top blocks), the residual stream
+entering block ``layer`` is computed once per sequence and kept, so each loss runs only blocks
+``layer .. L-1``, the final norm and the head (the :class:`~.prompt.PromptTask` scheme).
+
+:class:`PrefixCached` is a mixin for a :class:`~.base.Task` whose batches carry their row
+indices last (``batch[-1]``); :func:`cache_layer` decides the layer on every rank alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from .base import pad_batch
+from .prompt import PromptTask, first_trained_block
+
+
+class PrefixCached:
+    """Stage protocol and forward pass over cached prefix states (``layer > 0``), or the whole
+    model (``layer == 0``, no cache)."""
+
+    layer = 0
+    cache = None
+
+    def _init_cache(self, layer: int, bs: int) -> None:
+        self.layer = int(layer)
+        if self.layer > 0:
+            self._build_cache(bs)
+
+    def _run(self, st, lo: int, hi: int):
+        for k in range(lo, hi):
+            st = self.model.stage_forward(k, st)
+        return st
+
+    def _build_cache(self, bs: int) -> None:
+        xp, model = self.model.xp, self.model
+        lens = np.array([len(q) for q in self.seqs], np.int64)
+        self.offs = np.concatenate(([0], np.cumsum(lens)))
+        self.cache = xp.empty((int(self.offs[-1]), model.config.hidden_size), model.dtype)
+        order = [r for r in np.argsort(-lens, kind="stable") if lens[r]]
+        for i in range(0, len(order), bs):
+            rows = order[i:i + bs]
+            ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
+            x = self._run(model.stage_start(ids, mask), 0, self.layer + 1).hidden
+            for j, r in enumerate(rows):
+                self.cache[self.offs[r]:self.offs[r + 1]] = x[j, :lens[r]]
+
+    def _cached_state(self, rows, ids, mask):
+        xp = self.model.xp
+        st = self.model.stage_start(ids, mask)
+        x = xp.zeros((len(rows), ids.shape[1], self.cache.shape[1]), self.cache.dtype)
+        for j, r in enumerate(rows):
+            x[j, :self.offs[r + 1] - self.offs[r]] = self.cache[self.offs[r]:self.offs[r + 1]]
+        return dataclasses.replace(st, hidden=x, stage=self.layer + 1)
+
+    def _first(self) -> int:
+        return self.layer + 1 if self.cache is not None else 0
+
+    def _full(self, batch):
+        """The state after the last stage (from the cache when there is one)."""
+        st = self.stage_begin(batch)
+        return self._run(st, self._first(), self.model.n_stages)
+
+    @property
+    def tied_head(self) -> bool:
+        return bool(getattr(self.model, "tied_head", False)) and self.cache is None
+
+    def stage_count(self) -> int:
+        return self.model.n_stages - self._first()
+
+    def stage_params(self, k: int) -> list[str]:
+        return self.model.stage_names(self._first() + k)
+
+    def stage_rows(self, batch) -> dict:
+        if self.cache is not None:
+            return {}                 # stage 0 starts from cached states: no rows gathered
+        return super().stage_rows(batch)
+
+    def stage_begin(self, batch):
+        ids, mask, n, rows = batch[0], batch[1], batch[3], batch[-1]
+        if n == 0:
+            return None
+        if self.cache is None:
+            return self.model.stage_start(ids, mask)
+        return self._cached_state(rows, ids, mask)
+
+    def stage_run(self, k: int, state):
+        return None if state is None else self.model.stage_forward(self._first() + k, state)
+
+
+def cache_layer(ctx, model, names: list[str], seqs, enabled: bool) -> int:
+    """The block whose input is cached (0: no cache): the lowest trained block when it is above
+    0, the model supports it and every rank's cache fits ``train.prefix_cache_mb``.
+    Collective (one allreduce)."""
+    t, topo = ctx.deck.train, ctx.topo
+    first = first_trained_block(model, names) if t.prefix_cache_mb > 0 and enabled else 0
+    ok = first > 0 and PromptTask.can_cache(model) and \
+        PromptTask.nbytes(seqs, model.config.hidden_size, np.dtype(model.dtype).itemsize) \
+        <= t.prefix_cache_mb * 2**20
+    agree = np.array([int(ok)], np.int64)
+    topo.allreduce(agree)
+    return first if int(agree[0]) == topo.size else 0
