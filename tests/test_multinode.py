@@ -134,7 +134,8 @@ def _same_datasets(a: Path, b: Path, names: tuple[str, ...] = ()) -> None:
 def _rows(path: Path) -> list[tuple]:
     """metrics.csv without the timing columns."""
     with open(path, newline="") as f:
-        return [tuple(v for k, v in r.items() if k not in ("compute_s", "comm_s"))
+        return [tuple(v for k, v in r.items()
+                      if k not in ("compute_s", "comm_s", "elapsed_s", "samples_per_s", "tokens_per_s"))
                 for r in csv.DictReader(f)]
 
 
