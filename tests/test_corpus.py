@@ -292,4 +292,5 @@ def test_debian_real_corpus(tmp_path):
 
 
 def test_converters_registry():
-    assert convert.CONVERTERS == {"fortunes": convert.fortunes, "debian": convert.debian}
+    assert convert.CONVERTERS == {"fortunes": convert.fortunes, "debian": convert.debian,
+                                  "debian-sft": convert.debian_sft}
