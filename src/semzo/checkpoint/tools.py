@@ -20,7 +20,7 @@ from ..model import export_hf, load_model
 from ..model.storage import same_storage_copy
 from ..runtime import SemzoError, get_logger
 from .format import CheckpointError, manifest_checksum
-from .manager import find_resumable, list_checkpoints, read_latest
+from .manager import find_model_checkpoint, list_checkpoints, read_latest
 from .reader import describe, load, verify
 
 log = get_logger(__name__)
@@ -177,9 +177,12 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm) -> Path:
     is read and verified by every rank. Raises :class:`SemzoError` on every rank on error."""
     path = Path(path)
     if path.is_dir():
-        found = find_resumable(path, comm)
+        found, which = find_model_checkpoint(path, comm)
         if found is None:
             raise _damaged(f"{path}: no valid checkpoint in this folder")
+        if comm.Get_rank() == 0:
+            log.info("export: %s (the %s checkpoint of %s)", found.name,
+                     "best held-out" if which == "best" else "newest", path)
         path = found
     try:
         loaded = load(path, comm)
