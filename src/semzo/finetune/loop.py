@@ -161,11 +161,11 @@ class TrainState:
     pos: int = 0
     skips: int = 0                 # steps skipped for a NaN/Inf loss
     lr: float = 0.0                # schedule: learning rate of the last step
-    base_lr: float = math.nan      # the peak lr (zo.lr, or what its "auto" scan chose)
+    base_lr: float = -1.0          # the peak lr (zo.lr, or what its "auto" scan chose); -1: none
     forwards: int = 0              # forward passes of ZO steps (and the lr scan) on this rank
     best_step: int = -1            # the best held-out evaluation so far (-1: none)
-    best_acc: float = math.nan
-    best_loss: float = math.nan
+    best_acc: float = -1.0
+    best_loss: float = math.inf
     hist_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     hist_seed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     hist_g: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
@@ -185,7 +185,7 @@ class TrainState:
         if self.best_step < 0:
             return True
         if by == "acc" and math.isfinite(acc) and acc != self.best_acc:
-            return acc > self.best_acc or not math.isfinite(self.best_acc)
+            return acc > self.best_acc
         return loss < self.best_loss
 
     def to_dict(self) -> dict:
@@ -198,10 +198,10 @@ class TrainState:
     def from_dict(cls, d: dict) -> TrainState:
         s = cls(step=int(d["step"]), run_seed=int(d["run_seed"]), epoch=int(d["epoch"]),
                 pos=int(d["pos"]), skips=int(d["skips"]), lr=float(d["lr"]),
-                base_lr=float(d.get("base_lr", math.nan)), forwards=int(d.get("forwards", 0)),
+                base_lr=float(d.get("base_lr", -1.0)), forwards=int(d.get("forwards", 0)),
                 best_step=int(d.get("best_step", -1)),
-                best_acc=float(d.get("best_acc", math.nan)),
-                best_loss=float(d.get("best_loss", math.nan)))
+                best_acc=float(d.get("best_acc", -1.0)),
+                best_loss=float(d.get("best_loss", math.inf)))
         s.hist_step = np.array(d["hist_step"], np.int64)
         s.hist_seed = np.array(d["hist_seed"], np.uint64)
         s.hist_g = np.array(d["hist_g"], np.float64)
@@ -289,7 +289,7 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
             return staged_loss(engine.store, task, batch)
         return task.loss(batch)
 
-    if cfg.lr == "auto" and not math.isfinite(state.base_lr):
+    if cfg.lr == "auto" and state.base_lr < 0:
         state.base_lr, used = scan_lr(engine, task, batcher, cfg.steps - state.step,
                                       cfg.lr_scan_fraction, run_step, loss_of)
         state.forwards += used
