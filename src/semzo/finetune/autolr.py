@@ -4,11 +4,13 @@ The scan (collective over the world; every rank takes the same decisions because
 it compares is allreduced first):
 
 1. Snapshot the trainable tensors (and the reference copy of ``zo.restore = "copy"``).
-2. Scan batches: ``K`` training batches per rank from a cursor far from the run's (epoch
+2. The scan batch: one training batch per rank from a cursor far from the run's (epoch
    :data:`PROBE_EPOCH` of the data order): the training cursor is not moved, the run's own
-   batches and seeds are not used. The probe loss is their mean loss (allreduced, weighted by
-   the batch sizes): a candidate's K steps must lower the loss of the batches they stepped
-   on, which small steps always do to first order and too large ones stop doing.
+   batches and seeds are not used. Every scan step runs on it, and the probe loss is its
+   loss (allreduced over the ranks, weighted by the batch sizes): a candidate's K steps must
+   lower the loss of the batch they step on, which small steps do to first order and too
+   large ones stop doing. (Probing other batches measures mostly how well a handful of random
+   directions generalize, which is noise at this scale.)
 3. One step at lr 0 measures the update's size per unit of lr, ``u = ||sum_k w_k z_k||``
    (``sqrt(d sum_k w_k^2)`` for independent z of squared norm d); the first candidate is
    ``lr0 = RHO ||theta|| / u``: a step that moves the parameters by RHO of their norm.
@@ -21,7 +23,7 @@ it compares is allreduced first):
    favour a step larger than a long run tolerates). None beats the start: the smallest
    candidate tried, times :data:`SAFETY`.
 
-Cost: ``K`` forward passes per probe, one step at lr 0, ``K`` steps per candidate; K and
+Cost: one forward pass per probe, one step at lr 0, ``K`` steps per candidate; K and
 the number of candidates are sized so the whole stays within ``zo.lr_scan_fraction`` of the
 run's forward passes (``K`` at least 1; with too small a budget fewer candidates run). The
 chosen lr goes into the training state (``base_lr``), so a resumed run never scans again.
@@ -53,11 +55,11 @@ def forwards_per_step(engine: ZOEngine) -> int:
 
 
 def plan(budget: int, per_step: int) -> tuple[int, int]:
-    """(steps per candidate K, candidates C) fitting ``budget`` forward passes: a probe of K
-    batches, a step at lr 0, and C times (K steps + a probe). C = 0: nothing fits."""
-    for c in (5, 4, 3, 2):
-        k = (budget - per_step) // ((c + 1) + c * per_step)
-        if k >= 3 or (c == 2 and k >= 1):
+    """(steps per candidate K, candidates C) fitting ``budget`` forward passes: a probe, a
+    step at lr 0, and C times (K steps + a probe). C = 0: nothing fits."""
+    for c in (MAX_CANDIDATES, 5, 4, 3, 2):
+        k = (budget - per_step - 1 - c) // (c * per_step)
+        if k >= 4 or (c == 2 and k >= 1):
             return int(min(k, 20)), c
     return 0, 0
 
@@ -103,13 +105,10 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
     per = forwards_per_step(engine)
     budget = int(frac * max(steps_left, 0) * per)
     k, c_max = plan(budget, per)
-    cursor = (PROBE_EPOCH, 0)
-    scan = []
-    for _ in range(max(k, 1)):
-        pos, *cursor = batcher.next(*cursor)
-        scan.append(task.batch(pos))
-    probes = scan
-    probe_n = len(scan)
+    pos, _e, _p = batcher.next(PROBE_EPOCH, 0)
+    scan = [task.batch(pos)] * max(k, 1)
+    probes = scan[:1]
+    probe_n = 1
 
     def weight(b) -> float:
         return float(task.batch_weight(b) if hasattr(task, "batch_weight") else b[3])
