@@ -39,7 +39,7 @@ from semzo.runtime import SemzoError
 from semzo.tasks.classify import ClassifyTask
 from semzo.tasks.lm import LMTask
 from semzo.zo.engine import ZOEngine
-from semzo.zo.perturb import ZTensor, zvec, ztensors
+from semzo.zo.perturb import ZTensor, ztensors, zvec
 
 ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
 
