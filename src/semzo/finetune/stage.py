@@ -232,13 +232,15 @@ def run_finetune_stage(ctx) -> dict:
            "steps/s": ran / max(secs, 1e-9), "heldout acc before": float(before[1]),
            "heldout acc after": float(after[1]), "lr": float(state.base_lr),
            "forward passes": int(state.forwards)}
-    out.update(_summary_best(state, before, after, task_kind, t.eval_every > 0, ck))
+    out.update(_summary_best(state, before, after, task_kind, t.eval_every > 0, ck,
+                             topo.rank == 0))
     if resumed_from is not None:
         out["resumed from step"] = resumed_from
     return out
 
 
-def _summary_best(state: TrainState, before, after, task_kind: str, evals: bool, ck) -> dict:
+def _summary_best(state: TrainState, before, after, task_kind: str, evals: bool, ck,
+                  speak: bool = True) -> dict:
     """The final and the best held-out metric and their steps (logged, and for the stage's
     summary), and a warning when the final model is worse than the one before training."""
     lm = task_kind == "lm"
@@ -254,6 +256,8 @@ def _summary_best(state: TrainState, before, after, task_kind: str, evals: bool,
         out["best step"] = state.best_step
     worse = fin > zero if lm else fin < zero
     if worse and math.isfinite(fin) and math.isfinite(zero):
+        out["warning"] = "final model worse than before training"
+    if worse and math.isfinite(fin) and math.isfinite(zero) and speak:
         log.warning("finetune: the final model is WORSE than before training on the held-out "
                     "set (%s %.4f -> %.4f)%s", name, zero, fin,
                     f"; the best held-out model (step {state.best_step}) is "
