@@ -65,7 +65,8 @@ def build(max_texts: int = 0):
 
     deck = load(ROOT / "inputs" / "llm.toml", check_inputs=False)
     labels = list(deck.corpus.labels)
-    recs = [json.loads(line) for line in open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8")]
+    with open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f]
     recs = [r for r in recs if r.get("label") in labels]
     if max_texts:
         recs = recs[:max_texts]
