@@ -40,6 +40,14 @@ deferred into the next step's first pass; :meth:`ZOEngine.flush` applies a defer
 
 Per-step seeds are a counter-based hash of (run seed, step, group), so a resumed run
 regenerates them (:func:`step_seed`).
+
+Estimators (``[zo] estimator``): ``mezo`` (above) or ``fzoo`` (:meth:`ZOEngine.step_fzoo`,
+FZOO: a base loss L0 and N one-sided perturbations per step, the N-direction update divided
+by the standard deviation of the differences L_i - L0). fzoo's N directions are spread over
+the seed groups (``ceil(N / groups)`` each, direction q = group x m + i has the seed of
+"group" q), each rank exchanges only its losses (one allreduce in data mode, one allgather
+otherwise), and every rank applies the same multi-update; it runs whole forward passes
+(``loss_fn``) under either schedule.
 """
 
 from __future__ import annotations
