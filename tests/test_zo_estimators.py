@@ -188,16 +188,17 @@ def test_resume_under_another_estimator_is_refused(tmp_path):
 @pytest.mark.parametrize("est", ["fzoo", "mezo"])
 def test_auto_step_lands_in_a_sane_range(folders, est):
     """The scan's lr: positive, within its budget, and a factor of 20 of a hand-tuned one
-    (mezo: test_learning's 0.05; fzoo: the lr whose normalized step moves each coordinate by
-    the 1e-4..1e-2 of its magnitude that ZO fine-tuning lives on)."""
+    (mezo: test_learning's 0.05), or for fzoo a normalized step that moves a coordinate by
+    between 1e-4 and 0.5 of the parameters' RMS (orders of magnitude: a unit or sign error
+    lands far outside)."""
     m, names, task = _task(folders, "classify")
     z = ZoSection(estimator=est)
     eng = _engine(m, names, 0, z, **({"dist": "gaussian"} if est == "mezo" else {}))
     b = Batcher(task.train_rows.size, 16, 0, 0)
     s = train(eng, task, b, TrainState(), LoopConfig(steps=1, lr="auto"))
     per = autolr.forwards_per_step(eng)
-    # a 1-step run cannot afford a scan: the lr comes from one step's size (one probe
-    # forward and one step)
+    # a 1-step run cannot afford a line search: the lr comes from one step's size (one
+    # probe forward and one step at lr 0, then the run's step)
     assert s.base_lr > 0 and s.forwards == 1 + 2 * per
     m, names, task = _task(folders, "classify")
     eng = _engine(m, names, 0, z, **({"dist": "gaussian"} if est == "mezo" else {}))
@@ -213,7 +214,7 @@ def test_auto_step_lands_in_a_sane_range(folders, est):
         # normalized step per coordinate ~ lr / (eps sqrt(N)); parameters ~ 0.05-0.5
         per_coord = lr / (eng.eps * math.sqrt(eng.n_directions))
         rms = float(np.sqrt(np.mean(theta0.astype(np.float64) ** 2)))
-        assert 1e-5 * rms < per_coord < 1e-1 * rms, (lr, per_coord, rms)
+        assert 1e-4 * rms < per_coord < 0.5 * rms, (lr, per_coord, rms)
 
 
 # ----------------------------------------------------------------------------- learning

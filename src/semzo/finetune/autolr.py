@@ -1,4 +1,4 @@
-"""``zo.lr = "auto"``: the learning rate picked by a short scan at the start of training.
+"""``zo.lr = "auto"``: the learning rate picked by line searches at the start of training.
 
 The scan (collective over the world; every rank takes the same decisions because every loss
 it compares is allreduced first):
@@ -6,27 +6,27 @@ it compares is allreduced first):
 1. Snapshot the trainable tensors (and the reference copy of ``zo.restore = "copy"``).
 2. The scan batch: one training batch per rank from a cursor far from the run's (epoch
    :data:`PROBE_EPOCH` of the data order): the training cursor is not moved, the run's own
-   batches and seeds are not used. Every scan step runs on it, and the probe loss is its
-   loss (allreduced over the ranks, weighted by the batch sizes): a candidate's K steps must
-   lower the loss of the batch they step on, which small steps do to first order and too
-   large ones stop doing. (Probing other batches measures mostly how well a handful of random
-   directions generalize, which is noise at this scale.)
-3. One step at lr 0 measures the update's size per unit of lr, ``u = ||sum_k w_k z_k||``
-   (``sqrt(d sum_k w_k^2)`` for independent z of squared norm d); the first candidate is
-   ``lr0 = RHO ||theta|| / u``: a step that moves the parameters by RHO of their norm.
-4. Each candidate lr runs ``K`` steps from the snapshot, on the same batches with the same
-   seeds (step indices from :data:`SCAN_STEP0`: common random numbers, so candidates differ
-   only by their lr), then the global probe loss is measured and the snapshot restored
-   bit for bit. Candidates go up by :data:`FACTOR` while the probe loss falls below the
-   start's and the last candidate's, else down by the same factor until one beats the start.
-5. The lowest probe loss wins; the run uses it times :data:`SAFETY` (a handful of steps
-   favour a step larger than a long run tolerates). None beats the start: the smallest
-   candidate tried, times :data:`SAFETY`.
+   batches and seeds are not used. Its loss, allreduced over the ranks (weighted by the batch
+   sizes), is the probe loss.
+3. For each of R directions: one ZO step at lr 0 (seeds from step :data:`SCAN_STEP0` + r, the
+   estimator of the run) gives the update the step would apply per unit lr, ``u = sum_k w_k
+   z_k``; then a line search along it on the scan batch: the probe loss at ``theta - lr u``
+   for lr = lr0 x 4^j (lr0 moves theta by RHO of its norm), up while the loss keeps falling,
+   else down until it falls below the start's; the minimizer is kept. Each candidate costs
+   one forward pass (the update applied by the multi-update kernel, the snapshot restored bit
+   for bit after it).
+4. The run's lr is the geometric mean of the R minimizers times :data:`SAFETY`. Along a ZO
+   direction the loss is ``L0 - lr a + lr^2 b / 2`` with b of the order of the trace of the
+   Hessian (the curvature the noise of a d-dimensional random direction sees), so the
+   minimizer a / b measures the largest step ZO-SGD tolerates at this point, whatever the
+   model, the trainable set, the estimator's scale (fzoo's normalized step or mezo's) or the
+   loss's.
 
-Cost: one forward pass per probe, one step at lr 0, ``K`` steps per candidate; K and
-the number of candidates are sized so the whole stays within ``zo.lr_scan_fraction`` of the
-run's forward passes (``K`` at least 1; with too small a budget fewer candidates run). The
-chosen lr goes into the training state (``base_lr``), so a resumed run never scans again.
+Cost: one probe, and per direction a step at lr 0 plus at most :data:`MAX_CANDIDATES` probes;
+R (at most :data:`MAX_DIRECTIONS`) is sized so the whole stays within
+``zo.lr_scan_fraction`` of the run's forward passes. A run too short for one line search
+takes lr0 of one step (a warning says so). The chosen lr goes into the training state
+(``base_lr``), so a resumed run never scans again.
 """
 
 from __future__ import annotations
@@ -37,16 +37,17 @@ import numpy as np
 
 from ..runtime import get_logger
 from ..zo.engine import ZOEngine
-from ..zo.perturb import ZTensor
+from ..zo.perturb import ZTensor, multi_update
 
 log = get_logger(__name__)
 
-PROBE_EPOCH = 1 << 30     # the probe's (and, + 1, the scan's) epoch of the data order
+PROBE_EPOCH = 1 << 30     # the scan batch's epoch of the data order (far from the run's)
 SCAN_STEP0 = 1 << 48      # the scan's step indices (seeds), far from the run's
-RHO = 1e-2                # first candidate: this relative change of ||theta|| per step
+RHO = 1e-3                # first candidate: this relative change of ||theta|| per step
 FACTOR = 4.0              # between candidates
-SAFETY = 0.5              # the winner times this
-MAX_CANDIDATES = 6
+SAFETY = 0.5              # the line search's minimizer times this
+MAX_CANDIDATES = 12       # per direction
+MAX_DIRECTIONS = 4
 
 
 def forwards_per_step(engine: ZOEngine) -> int:
@@ -54,14 +55,10 @@ def forwards_per_step(engine: ZOEngine) -> int:
     return 1 + engine.dirs_per_group if engine.estimator == "fzoo" else 2
 
 
-def plan(budget: int, per_step: int) -> tuple[int, int]:
-    """(steps per candidate K, candidates C) fitting ``budget`` forward passes: a probe, a
-    step at lr 0, and C times (K steps + a probe). C = 0: nothing fits."""
-    for c in (MAX_CANDIDATES, 5, 4, 3, 2):
-        k = (budget - per_step - 1 - c) // (c * per_step)
-        if k >= 4 or (c == 2 and k >= 1):
-            return int(min(k, 20)), c
-    return 0, 0
+def plan(budget: int, per_step: int) -> int:
+    """Directions R whose line searches fit ``budget`` forward passes: a probe, then per
+    direction a step at lr 0 and up to :data:`MAX_CANDIDATES` probes. 0: not even one."""
+    return int(max(0, min(MAX_DIRECTIONS, (budget - 1) // (per_step + MAX_CANDIDATES))))
 
 
 def _norm(tensors: list[ZTensor]) -> float:
@@ -104,80 +101,84 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
     topo = engine.topo
     per = forwards_per_step(engine)
     budget = int(frac * max(steps_left, 0) * per)
-    k, c_max = plan(budget, per)
+    n_dirs = plan(budget, per)
     pos, _e, _p = batcher.next(PROBE_EPOCH, 0)
-    scan = [task.batch(pos)] * max(k, 1)
-    probes = scan[:1]
-    probe_n = 1
-
-    def weight(b) -> float:
-        return float(task.batch_weight(b) if hasattr(task, "batch_weight") else b[3])
+    batch = task.batch(pos)
+    n_b = float(task.batch_weight(batch) if hasattr(task, "batch_weight") else batch[3])
 
     def probe_loss() -> float:
         engine.flush()
-        buf = np.zeros(3)
-        for b in probes:
-            v, n = float(loss_of(b)), weight(b)
-            if math.isfinite(v):
-                buf[0] += n * v
-            else:
-                buf[2] = 1.0
-            buf[1] += n
+        v = float(loss_of(batch))
+        buf = np.array([n_b * v if math.isfinite(v) else 0.0, n_b,
+                        0.0 if math.isfinite(v) else 1.0])
         topo.allreduce(buf)
         return math.inf if buf[2] or buf[1] <= 0 else float(buf[0] / buf[1])
 
-    used = 0
     snap = _Snapshot(engine)
     base = probe_loss()
-    used += probe_n
-    res = step_fn(scan[0], SCAN_STEP0, 0.0)
-    used += per
-    snap.restore()
-    w = np.asarray(res.gs, np.float64)
-    if engine.estimator == "mezo":
-        w = w / max(len(w), 1)
-    unit = math.sqrt(engine.n_trainable * float(np.dot(w, w))) if res.ok else 0.0
+    used = 1
     theta = _norm(engine.tensors)
     if theta <= 0.0:
         theta = 1e-2 * math.sqrt(engine.n_trainable)
-    if c_max == 0 or unit <= 0.0 or not math.isfinite(unit):
-        lr = RHO * theta / unit * SAFETY if unit > 0 and math.isfinite(unit) else 1e-6
-        log.warning("zo.lr = \"auto\": %s; lr %.3g from the size of one step (no scan)",
-                    "the scan does not fit zo.lr_scan_fraction of this run's forward passes"
-                    if c_max == 0 else "the first step's update is zero", lr)
-        return lr, used
-    lr0 = RHO * theta / unit
-    tried: dict[float, float] = {}
-
-    def run(lr: float) -> float:
-        nonlocal used
-        for i in range(k):
-            step_fn(scan[i], SCAN_STEP0 + i, lr)
-        used += k * per + probe_n
-        loss = probe_loss()
+    picks = []
+    for r in range(max(n_dirs, 1)):
+        res = step_fn(batch, SCAN_STEP0 + r, 0.0)
+        used += per
         snap.restore()
-        tried[lr] = loss
-        log.info("zo.lr = \"auto\": lr %.3e, %d steps: probe loss %.5f (start %.5f)", lr, k,
-                 loss, base)
-        return loss
+        if not res.ok:
+            continue
+        seeds = [int(x) for x in res.seeds]
+        w = np.asarray(res.gs, np.float64)
+        if engine.estimator == "mezo":           # the update applies g_k n_k / n
+            w = w / max(len(w), 1)
+        unit = math.sqrt(engine.n_trainable * float(np.dot(w, w)))
+        if unit <= 0.0 or not math.isfinite(unit):
+            continue
+        lr0 = RHO * theta / unit
+        if n_dirs == 0:
+            picks.append(lr0)
+            break
+        tried: dict[float, float] = {}
 
-    lr, best = lr0, run(lr0)
-    if best < base:                                 # up while it keeps improving
-        while len(tried) < c_max:
-            nxt = lr * FACTOR
-            v = run(nxt)
-            if not v < best:
-                break
-            lr, best = nxt, v
-    else:                                           # down until one improves on the start
-        while len(tried) < c_max and not best < base:
-            lr /= FACTOR
-            best = run(lr)
-    win = min(tried, key=lambda x: (tried[x], x))
-    if not tried[win] < base:
-        win = min(tried)
-    chosen = win * SAFETY
-    log.info("zo.lr = \"auto\": lr %.3e (best candidate %.3e x %.2g; %d candidates, %d steps "
-             "each, %d forward passes per rank, %.1f%% of the run's)", chosen, win, SAFETY,
-             len(tried), k, used, 100.0 * used / max(steps_left * per, 1))
+        def at(lr: float, seeds=seeds, w=w, tried=tried) -> float:
+            nonlocal used
+            for grp, th in engine._split(engine.tensors):
+                multi_update(grp, seeds, w, lr, engine.wd, dist=engine.dist, threads=th)
+            v = probe_loss()
+            used += 1
+            snap.restore()
+            tried[lr] = v
+            return v
+
+        lr, best = lr0, at(lr0)
+        if best < base:                              # up while the loss keeps falling
+            while len(tried) < MAX_CANDIDATES:
+                v = at(lr * FACTOR)
+                if not v < best:
+                    break
+                lr, best = lr * FACTOR, v
+        else:                                        # down until one improves on the start
+            while len(tried) < MAX_CANDIDATES and not best < base:
+                lr /= FACTOR
+                best = at(lr)
+        if best < base:
+            picks.append(lr)
+        log.info("zo.lr = \"auto\": direction %d: %s", r, ", ".join(
+            f"lr {x:.2e} -> {v:.5f}" for x, v in sorted(tried.items())) + f" (start {base:.5f})")
+    snap.restore()
+    if not picks:
+        lr = 1e-6
+        log.warning("zo.lr = \"auto\": no step along the scanned directions lowered the loss; "
+                    "lr %.3g", lr)
+        return lr, used
+    best_lr = float(np.exp(np.mean(np.log(picks))))
+    chosen = best_lr * (SAFETY if n_dirs else 1.0)
+    if n_dirs == 0:
+        log.warning("zo.lr = \"auto\": the line search does not fit zo.lr_scan_fraction of "
+                    "this run's forward passes; lr %.3g from the size of one step", chosen)
+    else:
+        log.info("zo.lr = \"auto\": lr %.3e (the line searches' minimizers %s, geometric "
+                 "mean x %.2g; %d forward passes per rank, %.1f%% of the run's)", chosen,
+                 ", ".join(f"{x:.2e}" for x in picks), SAFETY, used,
+                 100.0 * used / max(steps_left * per, 1))
     return chosen, used
