@@ -68,8 +68,8 @@ def build(max_texts: int = 0):
     with open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8") as f:
         recs = [json.loads(line) for line in f]
     recs = [r for r in recs if r.get("label") in labels]
-    if max_texts:
-        recs = recs[:max_texts]
+    if max_texts:                    # every k-th record: the classes keep their shares
+        recs = recs[::max(1, len(recs) // max_texts)][:max_texts]
     folder = ROOT / "models" / "smollm2-135m-instruct"
     m = load_model(str(folder))
     t = deck.train
