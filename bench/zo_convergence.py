@@ -4,7 +4,7 @@ LLM prompt task (issue 32).
 
     .venv/bin/python bench/zo_convergence.py [--seeds 5] [--forwards 800] [--batch 8]
         [--eval-every 80] [--configs mezo-fixed,auto-fzoo] [--target-acc +0.10]
-        [--target-loss 0.80] [--texts 0] [--json out.json]
+        [--target-loss -0.30] [--texts 0] [--json out.json] [--from-log OUT.txt]
 
 The task is inputs/llm.toml's: SmolLM2-135M-Instruct (models/smollm2-135m-instruct), the
 fortunes of the labels food / love / sports, its template and label words, LoRA rank 8 on q
@@ -26,8 +26,12 @@ one batch of ``--batch`` prompts; evaluation passes not counted); the held-out s
 evaluated every ``--eval-every`` forward passes (rounded to whole steps). Printed: per
 configuration the mean over seeds of the final held-out accuracy and loss, the forward passes
 and wall seconds to first reach the accuracy target (zero-shot + ``--target-acc`` when it
-starts with + , else absolute) and the loss target, how many seeds reached each, and the
-ratios against the first configuration; then the paired per-seed final accuracies.
+starts with + , else absolute) and the loss target (zero-shot + ``--target-loss`` when it
+starts with -), how many seeds reached each, and the ratios against the first
+configuration; then the paired per-seed final accuracies and the best accuracy on each
+curve (what ``checkpoints/best.h5`` keeps). The targets are checked at the evaluations only
+(every ``--eval-every`` forward passes): the figures are that coarse. ``--from-log`` prints
+the same tables from the per-run lines of an earlier invocation cut short.
 Timings are on a shared 2-core machine: noisy, say so.
 """
 
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import time
 from pathlib import Path
@@ -155,6 +160,30 @@ def first_reach(curve, ok) -> tuple[float, float]:
     return math.nan, math.nan
 
 
+_LINE = re.compile(r"^(\S+)\s+seed (\d+): lr (\S+), (\d+) steps, acc (\S+) -> (\S+), loss (\S+) -> "
+                   r"(\S+), (\S+) s; curve \(fw, acc, loss\): (.*)$")
+
+
+def from_log(path: str) -> dict[str, list[dict]]:
+    """The runs a (possibly cut short) earlier invocation printed: its per-run lines. The
+    curve's wall times are the run's, spread in proportion to the forward passes."""
+    res: dict[str, list[dict]] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        m = _LINE.match(line.strip())
+        if not m:
+            continue
+        pts = [tuple(float(x) for x in p.split(",")) for p in re.findall(r"\(([^)]*)\)",
+                                                                            m.group(10))]
+        wall, fw_end = float(m.group(9)), pts[-1][0] or 1.0
+        curve = [(fw, wall * fw / fw_end, loss, acc) for fw, acc, loss in pts]
+        res.setdefault(m.group(1), []).append(
+            {"seed": int(m.group(2)), "lr": float(m.group(3)), "steps": int(m.group(4)),
+             "zero_acc": float(m.group(5)), "final_acc": float(m.group(6)),
+             "zero_loss": float(m.group(7)), "final_loss": float(m.group(8)), "curve": curve})
+    seeds = set.intersection(*[{r["seed"] for r in v} for v in res.values()]) if res else set()
+    return {c: [r for r in v if r["seed"] in seeds] for c, v in res.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
@@ -163,11 +192,18 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=80)
     ap.add_argument("--configs", default="mezo-fixed,auto-fzoo")
     ap.add_argument("--target-acc", default="+0.10")
-    ap.add_argument("--target-loss", type=float, default=0.80)
+    ap.add_argument("--target-loss", default="-0.30", help="absolute, or relative to the "
+                    "zero-shot held-out loss when it starts with -")
     ap.add_argument("--texts", type=int, default=0, help="only the first N labelled texts")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", default="")
+    ap.add_argument("--from-log", default="", help="summarize the per-run lines of an earlier "
+                    "invocation's output (the seeds every configuration finished)")
     a = ap.parse_args()
+    if a.from_log:
+        res = from_log(a.from_log)
+        summarize(res, list(res), a)
+        return
     if a.threads:
         import numba
         numba.set_num_threads(a.threads)
@@ -186,11 +222,21 @@ def main() -> None:
                   f"{r['final_loss']:.3f}, {r['curve'][-1][1]:.1f} s; curve (fw, acc, loss): "
                   + " ".join(f"({fw},{acc:.3f},{loss:.3f})" for fw, _, loss, acc in r["curve"]),
                   flush=True)
+    summarize(res, configs, a)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+def summarize(res: dict[str, list[dict]], configs: list[str], a) -> None:
+    n_seeds = len(res[configs[0]])
     zero = res[configs[0]][0]["zero_acc"]
     tacc = zero + float(a.target_acc) if a.target_acc.startswith("+") else float(a.target_acc)
-    print(f"\n## {a.seeds} seeds, {a.forwards} forward passes of {a.batch} prompts per run; "
+    zl = res[configs[0]][0]["zero_loss"]
+    tl = str(a.target_loss)
+    tloss = zl + float(tl) if tl.startswith("-") else float(tl)
+    print(f"\n## {n_seeds} seeds, {a.forwards} forward passes of {a.batch} prompts per run; "
           f"targets: held-out accuracy >= {tacc:.3f} (zero-shot {zero:.3f}), held-out loss "
-          f"<= {a.target_loss}\n")
+          f"<= {tloss:.3f} (zero-shot {zl:.3f})\n")
     print("| config | final acc (mean +- sd) | final loss | fw to acc target | s to acc "
           "target | reached | fw to loss target | s to loss target | reached |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -200,7 +246,7 @@ def main() -> None:
         fa = np.array([r["final_acc"] for r in rs])
         fl = np.array([r["final_loss"] for r in rs])
         ra = [first_reach(r["curve"], lambda loss, acc: acc >= tacc) for r in rs]
-        rl = [first_reach(r["curve"], lambda loss, acc: loss <= a.target_loss) for r in rs]
+        rl = [first_reach(r["curve"], lambda loss, acc: loss <= tloss) for r in rs]
 
         def mean_reached(xs, i):
             v = [x[i] for x in xs if math.isfinite(x[i])]
@@ -223,8 +269,11 @@ def main() -> None:
               + " ".join(f"{x:+.3f}" for x in d)
               + f"; mean {d.mean():+.3f}"
               + (f", sd {d.std(ddof=1):.3f}" if len(d) > 1 else ""))
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=1))
+        best = np.array([max(p[3] for p in r["curve"]) for r in res[c]])
+        bbase = np.array([max(p[3] for p in r["curve"]) for r in res[base]])
+        print(f"best held-out accuracy on the curve (what best.h5 keeps): {c} "
+              f"{best.mean():.3f}, {base} {bbase.mean():.3f}; paired {c} - {base}: "
+              + " ".join(f"{x:+.3f}" for x in best - bbase))
 
 
 if __name__ == "__main__":
