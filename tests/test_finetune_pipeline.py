@@ -153,6 +153,41 @@ def test_finetune_stage_lm_llama_streamed_offload(run):
         assert "model.embed_tokens.weight" in json.loads(f.attrs["trainable"])
 
 
+def test_finetune_stage_fzoo_auto_offload_keeps_the_best(run):
+    """The deck defaults (zo.lr = "auto", so fzoo and Rademacher z) through the finetune stage
+    with a tied-head CausalLM, the streamed schedule and the simulated host offload, hybrid
+    mode: the scan runs and is logged, every step's spread is finite, the best held-out
+    model is kept as checkpoints/best.h5 (what export and generate take from the run folder)
+    and the summary names the final and the best held-out figures."""
+    from mpi4py import MPI
+
+    from semzo.checkpoint import find_model_checkpoint
+
+    tmp, shared, _ = run
+    out = tmp / "out_fzoo"
+    out.mkdir()
+    shutil.copy(shared / "shards.h5", out / "shards.h5")
+    llama = make_model(tmp / "llama_fz", kind="llama_tied")
+    proc = check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
+                            "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
+                            "--set", f"corpus.path={tmp / 'corpus.jsonl'}",
+                            "--set", f"model.path={llama}", "--set", "train.task=lm",
+                            "--set", "train.params=all", "--set", "train.steps=8",
+                            "--set", "train.eval_every=4", "--set", "zo.schedule=streamed",
+                            "--set", "zo.offload=host", "--set", "zo.mode=hybrid",
+                            "--set", 'zo.lr="auto"', "--set", "zo.lr_scan_fraction=0.5",
+                            *COMMON], timeout=180, env=ENV))
+    assert 'zo.lr = "auto": lr' in proc.stderr
+    assert "fzoo (4 directions per step)" in proc.stderr
+    rows = _metrics(out / "metrics.csv")
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    assert len(train_rows) == 8 and all(math.isfinite(float(r["sigma"])) for r in train_rows)
+    assert (out / "checkpoints" / "best.h5").is_file()
+    found, which = find_model_checkpoint(out, MPI.COMM_SELF)
+    assert (found.name, which) == ("best.h5", "best")
+    assert "best heldout loss" in proc.stderr and "final heldout loss" in proc.stderr
+
+
 @pytest.mark.parametrize("kind,task", [("llama", "lm"), ("llama_tied", "prompt")],
                          ids=["untied-lm", "tied-prompt"])
 def test_finetune_stage_streamed_with_deferred_rows_equals_three_pass(run, kind, task):

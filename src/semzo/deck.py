@@ -156,13 +156,32 @@ class ZoSection:
                     choices=("data", "perturbation", "hybrid"))
     eps: float = key(1e-3, "Perturbation size: losses at theta + eps z and theta - eps z.",
                      min=0.0, min_excl=True)
-    lr: float = key(1e-4, "Peak learning rate (see train.schedule).", min=0.0)
+    lr: float = key("auto", "Peak learning rate (see train.schedule), or `auto`: a short "
+                    "scan at the start picks it (a few candidates, each a handful of steps from "
+                    "the same start on training batches, the lowest loss on probe batches "
+                    "wins, halved; at most `lr_scan_fraction` of the run's forward passes; "
+                    "logged and kept in checkpoints).", min=0.0, kind="float_or_auto")
+    estimator: str = key("auto", "Gradient estimator: `mezo` (two-sided SPSA, one direction "
+                         "per seed group), `fzoo` (a base loss and N one-sided directions per "
+                         "step, the step divided by the spread of their losses: FZOO, Dang et "
+                         "al. 2025), `auto` (`fzoo` when lr is `auto`, `mezo` for a fixed lr, "
+                         "so fixed-lr decks keep their meaning).",
+                         choices=("auto", "mezo", "fzoo"))
+    directions: int = key(4, "`fzoo`: directions N per step (data mode: every rank evaluates "
+                          "all N on its batch; perturbation/hybrid: spread over the seed "
+                          "groups, ceil(N / groups) each, one seed and one loss per "
+                          "direction). Each costs one forward pass; the base loss one more.",
+                          min=1, max=1024)
+    lr_scan_fraction: float = key(0.1, "`lr = \"auto\"`: the scan's forward passes at most this "
+                                  "fraction of the run's.", min=0.0, max=0.5, min_excl=True)
     weight_decay: float = key(0.0, "Weight decay (not on biases and LayerNorm weights).",
                               min=0.0)
-    dist: str = key("gaussian", "Distribution of the direction z: `gaussian` (Box-Muller, "
+    dist: str = key("auto", "Distribution of the direction z: `gaussian` (Box-Muller, "
                     "the stream of earlier runs), `gaussian-fast` (a 16-bit inverse-CDF table, "
                     "eight z per Philox call: |z| <= 4.32, a cheaper pass, a different stream), "
-                    "`rademacher` (+-1).", choices=("gaussian", "gaussian-fast", "rademacher"))
+                    "`rademacher` (+-1), `auto` (`rademacher` with the `fzoo` estimator, "
+                    "`gaussian` with `mezo`).",
+                    choices=("auto", "gaussian", "gaussian-fast", "rademacher"))
     restore: str = key("copy", "`perturbation`/`hybrid` modes: `copy` keeps a reference copy of "
                        "the trainable tensors so every replica stays bit-identical; `fused` "
                        "restores inside the update pass (no copy; replicas drift by rounding "
@@ -191,6 +210,20 @@ class ZoSection:
                         "makes for a stage (float32, one transformer block's worth of memory) "
                         "and pass 2 reads it back instead of generating it again; the same "
                         "bits either way. `false` saves that buffer.")
+
+    @property
+    def estimator_name(self) -> str:
+        """The estimator that runs (``auto`` resolved)."""
+        if self.estimator != "auto":
+            return self.estimator
+        return "fzoo" if self.lr == "auto" else "mezo"
+
+    @property
+    def dist_name(self) -> str:
+        """The z distribution that runs (``auto`` resolved)."""
+        if self.dist != "auto":
+            return self.dist
+        return "rademacher" if self.estimator_name == "fzoo" else "gaussian"
 
 
 @dataclass(frozen=True)
@@ -421,6 +454,10 @@ def _check_value(src: str, path: str, f: dataclasses.Field, value: Any) -> Any:
     def bad(msg: str) -> DeckError:
         return DeckError(f"{src}: {path}: {msg}")
 
+    if meta["kind"] == "float_or_auto" and isinstance(value, str):
+        if value != "auto":
+            raise bad(f"expected a number or \"auto\", got {value!r}")
+        return value
     if want == "float" and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     ok = {"int": isinstance(value, int) and not isinstance(value, bool),

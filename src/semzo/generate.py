@@ -1,8 +1,9 @@
 """``semzo generate MODEL_OR_CHECKPOINT --prompt TEXT``: text generation with a decoder.
 
 Sources: a Hugging Face folder (or a named model such as ``smollm2``), a GGUF file (converted
-in memory with :mod:`semzo.model.gguf`; nothing is written), or a semzo checkpoint (file or
-checkpoint folder): its stored deck names the base model folder, whose checksum the checkpoint
+in memory with :mod:`semzo.model.gguf`; nothing is written), or a semzo checkpoint (file, or a
+run or checkpoint folder: its ``best.h5``, the best held-out model, when there, else the newest
+valid checkpoint): its stored deck names the base model folder, whose checksum the checkpoint
 records (``model_meta``: ``model_folder``, ``model_checksum``); a missing or different folder is
 an error. The checkpoint's trained tensors (LoRA adapters included) then replace the base ones.
 
@@ -28,7 +29,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from .checkpoint import modelfile
 from .checkpoint.format import CheckpointError
-from .checkpoint.manager import find_resumable
+from .checkpoint.manager import find_model_checkpoint
 from .checkpoint.reader import load
 from .checkpoint.tools import checkpoint_dtype, rebuild_model
 from .deck import from_toml_text
@@ -119,7 +120,7 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> Loaded:
 
     comm = MPI.COMM_SELF
     if path.is_dir():
-        found = find_resumable(path, comm)
+        found, _which = find_model_checkpoint(path, comm)   # best.h5 first
         if found is None:
             raise SemzoError(f"{path}: no valid checkpoint in this folder")
         path = found
@@ -180,7 +181,8 @@ def load_for_generation(source: str, dtype: str | None = None) -> Loaded:
         return _from_checkpoint(p, dtype)
     if p.is_dir() and (p / "config.json").is_file():
         return _from_folder(p, str(p), dtype or "float32")
-    if p.is_dir() and (any(p.glob("ckpt-*.h5")) or (p / "checkpoints").is_dir()):
+    if p.is_dir() and (any(p.glob("ckpt-*.h5")) or (p / "best.h5").is_file()
+                       or (p / "checkpoints").is_dir()):
         return _from_checkpoint(p / "checkpoints" if (p / "checkpoints").is_dir() else p, dtype)
     if not p.exists():
         raise SemzoError(f"{source}: no such model folder, GGUF file or checkpoint")

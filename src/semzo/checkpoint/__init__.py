@@ -16,6 +16,7 @@ from .format import CheckpointError, manifest_checksum
 from .manager import (
                       CheckpointDirError,
                       Checkpointer,
+                      find_model_checkpoint,
                       find_resumable,
                       list_checkpoints,
                       read_latest,
@@ -25,5 +26,5 @@ from .reader import Loaded, load, verify
 from .reshard import remap_cursors
 
 __all__ = ["CheckpointDirError", "CheckpointError", "Checkpointer", "Loaded", "check_file",
-           "find_resumable", "list_checkpoints", "load", "manifest_checksum", "read_latest",
+           "find_model_checkpoint", "find_resumable", "list_checkpoints", "load", "manifest_checksum", "read_latest",
            "remap_cursors", "resume", "verify"]

@@ -44,6 +44,7 @@ from .writer import WriteOptions, fsync_dir, prepare, write_file
 log = get_logger(__name__)
 
 LATEST = "latest"
+BEST = "best.h5"               # the best held-out model (Checkpointer.save_best)
 _THREAD_LEVELS = {MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE", MPI.THREAD_FUNNELED:
                   "MPI_THREAD_FUNNELED", MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
                   MPI.THREAD_MULTIPLE: "MPI_THREAD_MULTIPLE"}
@@ -199,7 +200,7 @@ class Checkpointer:
                     manifest = manifest_checksum(shards_path)
                 except OSError as exc:
                     err = f"{shards_path}: cannot read the shard manifest: {exc}"
-            for p in self.dir.glob("ckpt-*.h5.tmp"):
+            for p in [*self.dir.glob("ckpt-*.h5.tmp"), *self.dir.glob(BEST + ".tmp")]:
                 log.warning("removing %s, left by an interrupted checkpoint write", p)
                 p.unlink(missing_ok=True)
         manifest, err = self.comm.bcast((manifest, err), root=0)
@@ -239,12 +240,7 @@ class Checkpointer:
             return self.last_path
         t0 = time.perf_counter()
         comm = self.comm
-        created = comm.bcast(time.strftime("%Y-%m-%dT%H:%M:%S%z"), root=0)
-        root = {"semzo_deck": self.deck_toml, "created": created,
-                "topology": json.dumps(self.topology, sort_keys=True),
-                "metrics": json.dumps({k: float(v) for k, v in (metrics or {}).items()}),
-                "shards_path": self.shards_path, "shards_manifest": self.shards_manifest,
-                "model_meta": json.dumps(self.model_meta, sort_keys=True)}
+        root = self._root(metrics)
         background = self._acomm is not None
         # a background writer must not wait for the other ranks at every tensor: its data
         # transfers are independent whatever the deck says (metadata stays collective)
@@ -270,6 +266,40 @@ class Checkpointer:
                                             daemon=True)
             self._thread.start()
         self.last_step, self.last_path = int(step), path
+        return path
+
+    def _root(self, metrics: dict | None) -> dict:
+        created = self.comm.bcast(time.strftime("%Y-%m-%dT%H:%M:%S%z"), root=0)
+        return {"semzo_deck": self.deck_toml, "created": created,
+                "topology": json.dumps(self.topology, sort_keys=True),
+                "metrics": json.dumps({k: float(v) for k, v in (metrics or {}).items()}),
+                "shards_path": self.shards_path, "shards_manifest": self.shards_manifest,
+                "model_meta": json.dumps(self.model_meta, sort_keys=True)}
+
+    def save_best(self, step: int, params: dict, state: dict | None = None,
+                  per_rank: dict | None = None, extras: dict | None = None,
+                  metrics: dict | None = None) -> Path:
+        """Write the checkpoint of the best held-out model so far to ``BEST`` (``best.h5``) in
+        the folder, atomically (``best.h5.tmp``, then renamed over the previous one), apart
+        from the rolling checkpoints: never pruned, never a resume candidate, not named by
+        ``latest``. Synchronous. Collective over the world."""
+        self.wait()
+        t0 = time.perf_counter()
+        comm = self.comm
+        payload = prepare(comm, step, params, state, per_rank, extras, metrics,
+                          self._root(metrics), opts=self.opts, copy=False)
+        err = None
+        if comm.Get_rank() == 0 and os.environ.get("SEMZO_CKPT_SKIP_SPACE_CHECK") != "1":
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                err = check_space(self.dir, payload.nbytes)
+            except OSError as exc:
+                err = f"checkpoint dir {self.dir}: cannot write: {exc.strerror or exc}"
+        _agree_error(comm, err)
+        path = self.dir / BEST
+        write_file(payload, path, comm)
+        log.info("best held-out model so far (step %d) -> %s (%.2f s)", step, path,
+                 time.perf_counter() - t0)
         return path
 
     def resume(self, *, shard_size: int | None = None) -> Loaded | None:
@@ -388,6 +418,25 @@ def find_resumable(d: str | Path, comm: MPI.Intracomm, *,
         if comm.Get_rank() == 0:
             log.warning("skipping checkpoint %s", why)
     return None
+
+
+def find_model_checkpoint(path: str | Path, comm: MPI.Intracomm) -> tuple[Path | None, str]:
+    """The checkpoint ``export`` and ``generate`` take from a folder: a run folder (its
+    ``checkpoints/``) or a checkpoint folder. ``best.h5`` (the best held-out model, see
+    :meth:`Checkpointer.save_best`) when it is there and verifies, else the newest valid
+    rolling checkpoint. Returns (path or None, "best" / "newest"). Collective over ``comm``."""
+    d = Path(path)
+    if (d / "checkpoints").is_dir() and not list_checkpoints(d) and not (d / BEST).is_file():
+        d = d / "checkpoints"
+    best = d / BEST
+    there = comm.bcast(best.is_file() if comm.Get_rank() == 0 else None, root=0)
+    if there:
+        ok, why = verify(best, comm)
+        if ok:
+            return best, "best"
+        if comm.Get_rank() == 0:
+            log.warning("skipping checkpoint %s", why)
+    return find_resumable(d, comm), "newest"
 
 
 def resume(d: str | Path, comm: MPI.Intracomm, *, shard_size: int | None = None,

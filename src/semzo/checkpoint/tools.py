@@ -22,7 +22,7 @@ from ..preflight import default_label_words
 from ..runtime import AllRanksError, SemzoError, get_logger
 from . import modelfile
 from .format import CheckpointError, manifest_checksum
-from .manager import find_resumable, list_checkpoints, read_latest
+from .manager import find_model_checkpoint, list_checkpoints, read_latest
 from .reader import describe, load, verify
 
 log = get_logger(__name__)
@@ -223,9 +223,12 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm, *, force: 
         raise AllRanksError(f"{out}: exists and is not an empty folder; pass --force to "
                             f"overwrite it")
     if path.is_dir():
-        found = find_resumable(path, comm)
+        found, which = find_model_checkpoint(path, comm)
         if found is None:
             raise _damaged(f"{path}: no valid checkpoint in this folder")
+        if comm.Get_rank() == 0:
+            log.info("export: %s (the %s checkpoint of %s)", found.name,
+                     "best held-out" if which == "best" else "newest", path)
         path = found
     try:
         loaded = modelfile.read(path, comm) if modelfile.is_model_file(path) else load(path, comm)

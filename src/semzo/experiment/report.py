@@ -155,8 +155,8 @@ def write_report(base: str | Path) -> Path:
           f"`{d.model.path or 'all-MiniLM-L6-v2'}`; trainable "
           f"`{d.train.params}" + (f":{d.train.last_layers}`" if d.train.params == "head+last"
                                   else "`") +
-          f"; batch {d.train.batch_size} per rank; lr {d.zo.lr:g} ({d.train.schedule}, warm-up "
-          f"{d.train.warmup_steps}), eps {d.zo.eps:g}, z {d.zo.dist}; k-means k = "
+          f"; batch {d.train.batch_size} per rank; lr {_lr_text(d.zo.lr)} ({d.train.schedule}, warm-up "
+          f"{d.train.warmup_steps}), eps {d.zo.eps:g}, z {d.zo.dist_name}; k-means k = "
           f"{d.cluster.k}; topology ranks_per_node = {d.topology.ranks_per_node}, "
           f"nodes_per_switch = {d.topology.nodes_per_switch}.", "",
           (f"Budget: {exp.budget:,} steps = {_fp(exp.fp(exp.budget))} forward passes of "
@@ -248,3 +248,8 @@ def write_report(base: str | Path) -> Path:
     out = base / "report.md"
     out.write_text("\n".join(L), encoding="utf-8")
     return out
+
+
+def _lr_text(lr) -> str:
+    """``zo.lr`` as written: a number, or "auto"."""
+    return lr if isinstance(lr, str) else f"{lr:g}"

@@ -23,7 +23,8 @@ from mpi4py import MPI
 from ..runtime import EXIT_FAILURE, SemzoError, get_logger
 from ..tasks.base import Task
 from ..zo.engine import ZOEngine
-from ..zo.streamed import staged_score, step_streamed
+from ..zo.streamed import staged_loss, staged_score, step_streamed
+from .autolr import scan_lr
 from .data import Batcher
 from .schedule import lr_at
 
@@ -160,6 +161,11 @@ class TrainState:
     pos: int = 0
     skips: int = 0                 # steps skipped for a NaN/Inf loss
     lr: float = 0.0                # schedule: learning rate of the last step
+    base_lr: float = -1.0          # the peak lr (zo.lr, or what its "auto" scan chose); -1: none
+    forwards: int = 0              # forward passes of ZO steps (and the lr scan) on this rank
+    best_step: int = -1            # the best held-out evaluation so far (-1: none)
+    best_acc: float = -1.0
+    best_loss: float = math.inf
     hist_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     hist_seed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     hist_g: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
@@ -171,6 +177,17 @@ class TrainState:
         self.hist_seed = np.concatenate([self.hist_seed, np.asarray(seeds, np.uint64)])[-keep:]
         self.hist_g = np.concatenate([self.hist_g, np.asarray(gs, np.float64)])[-keep:]
 
+    def better(self, loss: float, acc: float, by: str) -> bool:
+        """Whether a held-out (loss, accuracy) beats the best so far: ``by = "acc"``: the
+        higher accuracy, a tie broken by the lower loss; ``"loss"``: the lower loss."""
+        if not math.isfinite(loss):
+            return False
+        if self.best_step < 0:
+            return True
+        if by == "acc" and math.isfinite(acc) and acc != self.best_acc:
+            return acc > self.best_acc
+        return loss < self.best_loss
+
     def to_dict(self) -> dict:
         """Numbers and numpy arrays only (copies)."""
         return {f.name: (getattr(self, f.name).copy() if isinstance(getattr(self, f.name),
@@ -180,7 +197,11 @@ class TrainState:
     @classmethod
     def from_dict(cls, d: dict) -> TrainState:
         s = cls(step=int(d["step"]), run_seed=int(d["run_seed"]), epoch=int(d["epoch"]),
-                pos=int(d["pos"]), skips=int(d["skips"]), lr=float(d["lr"]))
+                pos=int(d["pos"]), skips=int(d["skips"]), lr=float(d["lr"]),
+                base_lr=float(d.get("base_lr", -1.0)), forwards=int(d.get("forwards", 0)),
+                best_step=int(d.get("best_step", -1)),
+                best_acc=float(d.get("best_acc", -1.0)),
+                best_loss=float(d.get("best_loss", math.inf)))
         s.hist_step = np.array(d["hist_step"], np.int64)
         s.hist_seed = np.array(d["hist_seed"], np.uint64)
         s.hist_g = np.array(d["hist_g"], np.float64)
@@ -218,7 +239,7 @@ class LoopConfig:
     """What :func:`train` needs from the deck (``[zo]`` and ``[train]``)."""
 
     steps: int
-    lr: float
+    lr: float | str                # a number, or "auto" (the scan of autolr.py)
     schedule: str = "constant"
     warmup_steps: int = 0
     min_lr_ratio: float = 0.0
@@ -227,19 +248,22 @@ class LoopConfig:
     checksum_every: int = 50
     max_skips: int = 10
     history: int = 16
+    lr_scan_fraction: float = 0.1
 
     @classmethod
     def from_deck(cls, deck) -> LoopConfig:
         t, z = deck.train, deck.zo
         return cls(steps=t.steps, lr=z.lr, schedule=t.schedule, warmup_steps=t.warmup_steps,
                    min_lr_ratio=t.min_lr_ratio, eval_every=t.eval_every, log_every=t.log_every,
-                   checksum_every=z.checksum_every, max_skips=t.max_skips, history=z.history)
+                   checksum_every=z.checksum_every, max_skips=t.max_skips, history=z.history,
+                   lr_scan_fraction=z.lr_scan_fraction)
 
 
 def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
           cfg: LoopConfig, *, on_row: Callable[[dict], None] | None = None,
           on_comm: Callable[[float], None] | None = None,
           on_step: Callable[[TrainState], None] | None = None,
+          on_eval: Callable[[TrainState, float, float], None] | None = None,
           stop: StopRequest | None = None) -> TrainState:
     """Run steps ``state.step .. cfg.steps - 1``. Collective over ``engine.topo.world``.
 
@@ -248,7 +272,12 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
 
     ``on_row(row)`` receives every metrics row (train rows every step, eval rows every
     ``cfg.eval_every`` steps), on every rank. ``on_step(state)`` is called on every rank after
-    every completed step (the hook for periodic checkpoints; it may be collective). Raises :class:`TooManySkips` (every rank, same
+    every completed step (the hook for periodic checkpoints; it may be collective).
+    ``on_eval(state, loss, acc)`` after every periodic held-out evaluation (collective: the
+    best-checkpoint hook).
+
+    ``cfg.lr = "auto"``: unless the state already holds the chosen lr (``base_lr``, a resumed
+    run), :func:`.autolr.scan_lr` picks it first. Raises :class:`TooManySkips` (every rank, same
     step) and :class:`~.engine.ReplicaMismatch` (every rank, after the checksum collective).
     """
     topo = engine.topo
@@ -256,19 +285,35 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
     first = state.step
     last_log = (t_start, first)
     per_s = "tokens_per_s" if getattr(task, "kind", "") == "lm" else "samples_per_s"
+
+    def run_step(batch, step, lr):
+        weight = task.batch_weight(batch) if hasattr(task, "batch_weight") else batch[3]
+        if engine.schedule == "streamed" and engine.estimator == "mezo":
+            return step_streamed(engine, task, batch, step, lr, weight)
+        return engine.step(lambda b=batch: loss_of(b), step, lr, weight)
+
+    def loss_of(batch):
+        if getattr(engine.store, "offloads", False):
+            return staged_loss(engine.store, task, batch)
+        return task.loss(batch)
+
+    if cfg.lr == "auto" and state.base_lr < 0:
+        state.base_lr, used = scan_lr(engine, task, batcher, cfg.steps - state.step,
+                                      cfg.lr_scan_fraction, run_step, loss_of)
+        state.forwards += used
+    elif cfg.lr != "auto":
+        state.base_lr = float(cfg.lr)
     while state.step < cfg.steps:
         step = state.step
         t_step = time.perf_counter()
         if stop is not None:
             stop.start(step)
-        lr = lr_at(step, cfg.steps, cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio)
+        lr = lr_at(step, cfg.steps, state.base_lr, cfg.schedule, cfg.warmup_steps,
+                   cfg.min_lr_ratio)
         positions, state.epoch, state.pos = batcher.next(state.epoch, state.pos)
         batch = task.batch(positions)
-        weight = task.batch_weight(batch) if hasattr(task, "batch_weight") else batch[3]
-        if engine.schedule == "streamed":
-            res = step_streamed(engine, task, batch, step, lr, weight)
-        else:
-            res = engine.step(lambda b=batch: task.loss(b), step, lr, weight)
+        res = run_step(batch, step, lr)
+        state.forwards += res.forwards
         if on_comm is not None:
             on_comm(res.comm_s)
         state.lr = lr
@@ -295,7 +340,8 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
             # task the predicted tokens, of the global batch) per second of this step
             on_row({"kind": "train", "step": step, "loss": res.loss, "g": res.g, "lr": lr,
                     "compute_s": res.compute_s, "comm_s": res.comm_s, "skipped": int(not res.ok),
-                    "elapsed_s": now - t_start, per_s: res.n / max(now - t_step, 1e-9)})
+                    "elapsed_s": now - t_start, per_s: res.n / max(now - t_step, 1e-9),
+                    "sigma": res.sigma, "forwards": state.forwards})
         done = state.step
         if cfg.checksum_every and done % cfg.checksum_every == 0 and done < cfg.steps:
             engine.verify(step)
@@ -305,9 +351,12 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
             if on_row is not None:
                 on_row({"kind": "eval", "step": done, "heldout_loss": loss, "heldout_acc": acc,
                         "heldout_n": n, "elapsed_s": time.perf_counter() - t_start,
-                        **perplexity(task, loss)})
+                        "forwards": state.forwards, **perplexity(task, loss)})
+            if on_eval is not None:
+                on_eval(state, loss, acc)
             log.info("step %d: held-out loss %.4f, accuracy %.4f (%d %s)", done, loss,
-                     acc, n, "tokens" if getattr(task, "kind", "") == "lm" else "samples")
+                     acc, n, {"lm": "tokens", "sft": "completion tokens"}.get(
+                         getattr(task, "kind", ""), "samples"))
         if done % cfg.log_every == 0 or done == cfg.steps:
             now = time.perf_counter()
             rate = (done - last_log[1]) / max(now - last_log[0], 1e-9)

@@ -4,7 +4,9 @@
 L- over the global batch), ``g`` (projected gradient), ``lr``, ``compute_s`` and ``comm_s``
 (rank 0's time in forward/parameter passes and in the exchange collectives), ``skipped``
 (1 for a NaN/Inf step), ``heldout_loss``, ``heldout_acc``, ``heldout_n`` (eval rows; step 0 is
-the model before training). Empty cells are fields a row does not have.
+the model before training), ``sigma`` (``zo.estimator = "fzoo"``: the spread of the step's loss
+differences the update was divided by), ``forwards`` (rank 0's forward passes of ZO steps so
+far, the ``zo.lr = "auto"`` scan included). Empty cells are fields a row does not have.
 
 While the stage runs the rows go to ``metrics.csv.tmp`` (follow progress there); only when the
 stage has finished (``model.h5`` saved) do the plots and ``metrics.csv`` take their final
@@ -22,8 +24,8 @@ from pathlib import Path
 import numpy as np
 
 COLUMNS = ("kind", "step", "loss", "g", "lr", "compute_s", "comm_s", "skipped",
-           "heldout_loss", "heldout_acc", "heldout_n", "elapsed_s", "samples_per_s",
-           "tokens_per_s", "heldout_ppl")
+           "heldout_loss", "heldout_acc", "heldout_n", "sigma", "forwards", "elapsed_s",
+           "samples_per_s", "tokens_per_s", "heldout_ppl")
 
 
 class Metrics:

@@ -157,3 +157,20 @@ def check_same_task(loaded, deck) -> None:
         if _plain(old[key]) != new:
             raise _deck_error(f"{loaded.path}: {section}.{key} = {old[key]!r} in the checkpoint, "
                               f"{new!r} in this deck; {_HINT}")
+
+
+def check_same_estimator(loaded, estimator: str, directions: int) -> None:
+    """Refuse (one line naming ``zo.estimator`` or ``zo.directions``, exit 2) a checkpoint
+    written with another gradient estimator or another number of fzoo directions: its seed
+    history and deferred state belong to that estimator's step. Reads
+    ``model_meta["zo"]["estimator"]`` (checkpoints written before it was recorded: mezo)."""
+    zo = _meta(loaded).get("zo", {})
+    zo = zo if isinstance(zo, dict) else {}
+    saved = zo.get("estimator", "mezo")
+    if saved != estimator:
+        raise _deck_error(f"{loaded.path}: zo.estimator = {saved!r} in the checkpoint, "
+                          f"{estimator!r} in this deck; {_HINT}")
+    nd = zo.get("directions")
+    if estimator == "fzoo" and nd is not None and int(nd) != int(directions):
+        raise _deck_error(f"{loaded.path}: zo.directions = {int(nd)} in the checkpoint, "
+                          f"{int(directions)} in this deck; {_HINT}")

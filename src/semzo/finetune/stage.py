@@ -59,7 +59,14 @@ from .loop import (
     train,
 )
 from .report import Metrics
-from .resume import check_same_dist, check_same_seeds, check_same_task, dist_name, split_meta
+from .resume import (
+    check_same_dist,
+    check_same_estimator,
+    check_same_seeds,
+    check_same_task,
+    dist_name,
+    split_meta,
+)
 from .trainable import first_trained_block, select_trainable
 
 log = get_logger(__name__)
@@ -163,8 +170,9 @@ def run_finetune_stage(ctx) -> dict:
                                                 train_idx.size, rows.label_names)
     engine = ZOEngine(ztensors([(n, model.params[n]) for n in names]), topo, mode=z.mode,
                       eps=z.eps, weight_decay=z.weight_decay,
-                      dist=z.dist, restore=z.restore, run_seed=deck.run.seed,
-                      schedule=z.schedule, cache_z=z.cache_z)
+                      dist=z.dist_name, restore=z.restore, run_seed=deck.run.seed,
+                      schedule=z.schedule, cache_z=z.cache_z, estimator=z.estimator_name,
+                      directions=z.directions)
     if offload:
         engine.store = HostStore(model, task, engine, device=deck.run.device)
         log.info("finetune: zo.offload = \"host\": parameters in host memory, %d stages "
@@ -175,12 +183,15 @@ def run_finetune_stage(ctx) -> dict:
     n_all = model.num_parameters(include_frozen=True)
     log.info("finetune: task %s, %s model, trainable %s: %d tensors, %d of %d parameters "
              "(%.2f%%); %d training / %d held-out samples; mode %s (%d seed group%s), "
-             "batch %d per rank, max_length %d, %d steps, lr %.2e (%s), eps %.1e, z %s",
+             "batch %d per rank, max_length %d, %d steps, lr %s (%s), eps %.1e, z %s, "
+             "estimator %s",
              task_kind, model.kind, t.params if t.params != "head+last"
              else f"head+last:{t.last_layers}", len(names), n_tr, n_all,
              100.0 * n_tr / max(n_all, 1), n_train, n_held, z.mode, engine.n_groups,
-             "s" if engine.n_groups > 1 else "", t.batch_size, max_len, steps, z.lr,
-             t.schedule, z.eps, z.dist)
+             "s" if engine.n_groups > 1 else "", t.batch_size, max_len, steps,
+             z.lr if z.lr == "auto" else f"{z.lr:.2e}", t.schedule, z.eps, z.dist_name,
+             z.estimator_name if z.estimator_name == "mezo" else
+             f"fzoo ({engine.n_directions} directions per step)")
 
     # a resumed run keeps the rows of metrics.csv up to its checkpoint and the held-out
     # figures from before fine-tuning that the checkpoint recorded (not those at the resume)
@@ -211,13 +222,17 @@ def run_finetune_stage(ctx) -> dict:
     cfg = LoopConfig.from_deck(deck)
     cfg.steps = steps
     saver = _StepSaver(ck, model, names, train_idx.size, centroids=_centroids(ctx), topo=topo,
-                       flush=engine.flush, before=before, rows=metrics)
+                       flush=engine.flush, before=before, rows=metrics,
+                       keep_best=t.eval_every > 0, by="loss" if task_kind == "lm" else "acc")
+    if state.step == 0:                          # the model before training is a candidate
+        saver.on_eval(state, before[0], before[1])
     with StopRequest(topo.world) as stop:       # SIGUSR1 / SIGTERM: checkpoint, then stop
         state = train(engine, task, batcher, state, cfg, on_row=saver.on_row(metrics.add),
-                      on_comm=add_comm, on_step=saver, stop=stop)
+                      on_comm=add_comm, on_step=saver, on_eval=saver.on_eval, stop=stop)
     secs = time.perf_counter() - t0
     saver.final(state)
     if stop.signum:
+        saver.close()
 
         raise Preempted(f"finetune: {signal.Signals(stop.signum).name} received: stopped after "
                         f"step {state.step} of {steps}, checkpoint {ck.last_path} written; "
@@ -225,7 +240,10 @@ def run_finetune_stage(ctx) -> dict:
     after = evaluate(task, topo, engine.store)
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": after[0],
                  "heldout_acc": after[1], "heldout_n": after[2],
-                 "elapsed_s": time.perf_counter() - t0, **perplexity(task, after[0])})
+                 "elapsed_s": time.perf_counter() - t0, "forwards": state.forwards,
+                 **perplexity(task, after[0])})
+    saver.on_eval(state, after[0], after[1])
+    saver.close()
     if t.save != "none":
         save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after,
                    meta=ck.model_meta)
@@ -247,9 +265,12 @@ def run_finetune_stage(ctx) -> dict:
     out = {"task": task_kind, "steps": state.step, "skipped": state.skips,
            "steps/s": ran / max(secs, 1e-9), "heldout acc before": float(before[1]),
            "heldout acc after": float(after[1]), "heldout loss before": float(before[0]),
-           "heldout loss after": float(after[0])}
+           "heldout loss after": float(after[0]), "lr": float(state.base_lr),
+           "forward passes": int(state.forwards)}
     if task_kind == "lm" and math.isfinite(after[0]):
         out["heldout ppl after"] = math.exp(min(after[0], 700.0))
+    out.update(_summary_best(state, before, after, task_kind, t.eval_every > 0, ck,
+                             topo.rank == 0))
     if resumed_from is not None:
         out["resumed from step"] = resumed_from
     files = [p for p in ("model.h5", "metrics.csv", "loss.png", "accuracy.png")
@@ -282,6 +303,35 @@ def _log_generations(task, topo, when: str):
 def _clip(s: str, n: int = 160) -> str:
     s = " ".join(s.split())
     return s if len(s) <= n else s[:n - 3] + "..."
+
+
+def _summary_best(state: TrainState, before, after, task_kind: str, evals: bool, ck,
+                  speak: bool = True) -> dict:
+    """The final and the best held-out metric and their steps (logged, and for the stage's
+    summary), and a warning when the final model is worse than the one before training."""
+    lm = task_kind == "lm"
+    name = "loss" if lm else "accuracy"
+    fin = float(after[0] if lm else after[1])
+    zero = float(before[0] if lm else before[1])
+    out = {f"final heldout {'loss' if lm else 'acc'}": fin, "final step": state.step}
+    if evals and state.best_step >= 0:
+        best = state.best_loss if lm else state.best_acc
+        log.info("held-out %s: final %.4f (step %d), best %.4f (step %d, kept as %s)", name,
+                 fin, state.step, best, state.best_step, ck.dir / "best.h5")
+        out[f"best heldout {'loss' if lm else 'acc'}"] = float(best)
+        out["best step"] = state.best_step
+    worse = fin > zero if lm else fin < zero
+    if worse and math.isfinite(fin) and math.isfinite(zero):
+        out["warning"] = "final model worse than before training"
+    if worse and math.isfinite(fin) and math.isfinite(zero) and speak:
+        log.warning("finetune: the final model is WORSE than before training on the held-out "
+                    "set (%s %.4f -> %.4f)%s", name, zero, fin,
+                    f"; the best held-out model (step {state.best_step}) is "
+                    f"{ck.dir / 'best.h5'}, which `semzo export` and `semzo generate` take "
+                    f"from the run folder" if evals and state.best_step >= 0 else
+                    "; set train.eval_every to keep the best held-out model")
+        out["warning"] = "final model worse than before training"
+    return out
 
 
 def _log_device_memory(ctx, topo, engine, model) -> None:
@@ -330,7 +380,8 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     if model.lora:
         meta["lora"] = {"rank": deck.train.lora_rank, "alpha": deck.train.lora_alpha,
                         "targets": sorted(model.lora)}
-    meta["zo"] = {"dist": dist_name(deck.zo.dist)}       # the z stream the state refers to
+    meta["zo"] = {"dist": dist_name(deck.zo.dist_name),   # the z stream the state refers to
+                  "estimator": deck.zo.estimator_name, "directions": deck.zo.directions}
     t = deck.train                                        # the held-out split it trained beside
     split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
     meta["split"] = split_meta(split_seed, t.heldout_fraction)
@@ -349,6 +400,7 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
         return ck, state, None, None
     check_same_dist(loaded, meta["zo"]["dist"])
     check_same_task(loaded, deck)
+    check_same_estimator(loaded, deck.zo.estimator_name, deck.zo.directions)
     check_same_seeds(loaded, deck.run.seed, split_seed, t.heldout_fraction)
     missing = sorted(set(names) - set(loaded.params))
     extra = sorted(set(loaded.params) - set(names))
@@ -418,13 +470,13 @@ class _StepSaver:
     tests only)."""
 
     def __init__(self, ck, model, names, n_local, *, centroids, topo, flush=None,
-                 before=None, rows=None) -> None:
+                 before=None, rows=None, keep_best: bool = False, by: str = "acc") -> None:
         self.before = before                     # held-out figures before fine-tuning
         self.rows = rows                         # the Metrics whose rows a checkpoint covers
-
         self.flush = flush or (lambda: None)     # the streamed step's deferred update
         self.ck, self.model, self.names, self.n_local = ck, model, names, int(n_local)
         self.extras, self.topo = centroids, topo
+        self.keep_best, self.by = keep_best, by
         self.last: dict = {}
         kill = os.environ.get("SEMZO_TEST_KILL", "")
         self.kill = tuple(int(x) for x in kill.split(":")) if kill else None
@@ -475,15 +527,32 @@ class _StepSaver:
         else:
             self.ck.poll()
 
+    def on_eval(self, state: TrainState, loss: float, acc: float) -> None:
+        """After a held-out evaluation (the parameters flushed): a new best (``by``: "acc",
+        ties broken by the loss, or "loss") is recorded in the state and written to
+        ``best.h5``. Collective (every rank holds the same evaluation)."""
+        if not self.keep_best or not state.better(loss, acc, self.by):
+            return
+        state.best_step, state.best_acc, state.best_loss = state.step, float(acc), float(loss)
+        self.flush()
+        params, d, per_rank, metrics = self._payload(state)
+        metrics.update({"heldout_loss": float(loss), "heldout_acc": float(acc)})
+        self.ck.save_best(state.step, params, d, per_rank, self.extras, metrics)
+
     def final(self, state: TrainState) -> None:
-        """The last checkpoint (a no-op when this step was just saved), then close."""
+        """The last checkpoint (a no-op when this step was just saved); the checkpointer
+        stays open for :meth:`on_eval` of the final evaluation (:meth:`close`)."""
         try:
             if state.step != self.ck.last_step:
                 self.flush()
                 params, d, per_rank, metrics = self._payload(state)
                 self.ck.save(state.step, params, d, per_rank, self.extras, metrics)
-        finally:
+        except BaseException:
             self.ck.close()
+            raise
+
+    def close(self) -> None:
+        self.ck.close()
 
 
 def save_model(ctx, model, names: list[str], which: str, task_kind: str,

@@ -40,6 +40,14 @@ deferred into the next step's first pass; :meth:`ZOEngine.flush` applies a defer
 
 Per-step seeds are a counter-based hash of (run seed, step, group), so a resumed run
 regenerates them (:func:`step_seed`).
+
+Estimators (``[zo] estimator``): ``mezo`` (above) or ``fzoo`` (:meth:`ZOEngine.step_fzoo`,
+FZOO: a base loss L0 and N one-sided perturbations per step, the N-direction update divided
+by the standard deviation of the differences L_i - L0). fzoo's N directions are spread over
+the seed groups (``ceil(N / groups)`` each, direction q = group x m + i has the seed of
+"group" q), each rank exchanges only its losses (one allreduce in data mode, one allgather
+otherwise), and every rank applies the same multi-update; it runs whole forward passes
+(``loss_fn``) under either schedule.
 """
 
 from __future__ import annotations
@@ -70,6 +78,9 @@ from .perturb import (
 
 MODES = ("data", "perturbation", "hybrid")
 SCHEDULES = ("three-pass", "streamed")
+ESTIMATORS = ("mezo", "fzoo")
+#: added to the spread of the fzoo losses before dividing by it
+SIGMA_TINY = 1e-12
 _DOMAIN_SEED = np.uint64(0x5EED)
 _M32 = np.uint64(0xFFFFFFFF)
 _U32 = np.uint64(32)
@@ -164,6 +175,8 @@ class StepResult:
     compute_s: float = 0.0  # this rank: forward passes and parameter passes
     comm_s: float = 0.0     # this rank: time inside the exchange collectives
     n: float = 0.0          # the step's weight over all ranks (samples, or predicted tokens)
+    sigma: float = math.nan  # fzoo: the spread (std) of the N loss differences
+    forwards: int = 2        # forward passes this rank ran
 
 
 class ZOEngine:
@@ -178,7 +191,10 @@ class ZOEngine:
                  eps: float = 1e-3, weight_decay: float = 0.0, dist: str = "gaussian",
                  restore: str = "copy", run_seed: int = 0, threads: int | None = None,
                  schedule: str = "three-pass", store=None, cache_z: bool = True,
-                 defer_rows: bool = True) -> None:
+                 defer_rows: bool = True, estimator: str = "mezo",
+                 directions: int = 4) -> None:
+        if estimator not in ESTIMATORS:
+            raise ValueError(f"unknown ZO estimator {estimator!r}")
         if mode not in MODES:
             raise ValueError(f"unknown ZO mode {mode!r}")
         if schedule not in SCHEDULES:
@@ -199,6 +215,11 @@ class ZOEngine:
             self.group, self.n_groups = topo.rank, topo.size
         else:
             self.group, self.n_groups = topo.node_id, topo.n_nodes
+        self.estimator = estimator
+        # fzoo: m directions per seed group, N = m x groups in all (at least 2: a spread)
+        self.dirs_per_group = max(1, -(-int(directions) // self.n_groups))
+        if estimator == "fzoo" and self.dirs_per_group * self.n_groups < 2:
+            self.dirs_per_group = 2
         self.copy = restore == "copy" and self.n_groups > 1
         self.fused_groups = restore == "fused" and self.n_groups > 1
         self.ref: list[ZTensor] = []
@@ -232,6 +253,8 @@ class ZOEngine:
         parameters; ``n_local`` its size, the weight of this rank). Collective over the world."""
         if self.pending is not None:
             self.flush()
+        if self.estimator == "fzoo":
+            return self.step_fzoo(loss_fn, step, lr, n_local)
         seed = self.seed_for(step)
         t0 = time.perf_counter()
         self._perturb(seed, self.eps)
@@ -270,6 +293,125 @@ class ZOEngine:
         t3 = time.perf_counter()
         return StepResult(step, ok, g_mean, loss, seeds, gs, lp, lm,
                           compute_s=(t1 - t0) + (t3 - t2), comm_s=t2 - t1, n=n_tot)
+
+    # ------------------------------------------------------------------ fzoo
+    @property
+    def n_directions(self) -> int:
+        """Directions per step: fzoo's N (m per seed group), mezo's one per group."""
+        return self.dirs_per_group * self.n_groups if self.estimator == "fzoo" \
+            else self.n_groups
+
+    def fzoo_seeds(self, step: int, group: int | None = None) -> list[int]:
+        """The seeds of seed group ``group``'s fzoo directions at ``step``: direction q =
+        group x m + i (i < m) has :func:`step_seed` (run seed, step, q)."""
+        g = self.group if group is None else group
+        m = self.dirs_per_group
+        return [step_seed(self.run_seed, step, g * m + i) for i in range(m)]
+
+    def step_fzoo(self, loss_fn: Callable[[], float], step: int, lr: float,
+                  n_local: float) -> StepResult:
+        """One FZOO step (Dang et al. 2025, Algorithm 1): the loss L0 at theta, then m
+        one-sided perturbations of this rank's group, L_i at theta + eps z_i (the restore of
+        z_i and the perturbation by z_{i+1} in one pass); every rank's (L0, L_i) are exchanged
+        (scalars only) and every rank applies
+
+            theta <- theta - lr / (sigma + tiny) x sum_k w_k (L_k - L0_k) / eps z_k
+
+        over the N = m x groups directions, w_k = n_k / sum_j n_j (1 / N in data mode) and
+        sigma the standard deviation of the N differences L_k - L0_k (FZOO's spread of the
+        perturbed losses: on one batch the same number), in one multi-update pass fused with
+        the restore of the last perturbation. Collective over the world."""
+        seeds = self.fzoo_seeds(step)
+        t0 = time.perf_counter()
+        l0 = float(loss_fn())
+        losses = []
+        for i, s in enumerate(seeds):
+            if i == 0:
+                self._perturb(s, self.eps)
+            else:                               # restore z_{i-1} and perturb z_i, one pass
+                for grp, th in self._split(self.tensors):
+                    apply_then_perturb(grp, Pending("perturb", seeds[i - 1], -self.eps), s,
+                                       self.eps, dist=self.dist, threads=th)
+            lv = float(loss_fn())
+            if self.loss_hook is not None:
+                lv = self.loss_hook(step, lv)
+            losses.append(lv)
+        t1 = time.perf_counter()
+        vals = np.array([l0, *losses], np.float64)
+        bad = 0.0 if bool(np.all(np.isfinite(vals))) else 1.0
+        allseeds, d, ns, l0s, nbad = self._exchange_fzoo(step, vals if not bad else
+                                                        np.zeros_like(vals), float(n_local), bad)
+        t2 = time.perf_counter()
+        n_tot = float(ns.sum())
+        n_batch = float(ns[::self.dirs_per_group].sum())      # the global batch, once
+        apply = nbad == 0 and n_tot > 0
+        sigma = float(np.std(d)) if apply else math.nan
+        last = seeds[-1]
+        if apply:
+            g = d / self.eps
+            w = g * (ns / n_tot) / (sigma + SIGMA_TINY)
+            seeds_i = [int(x) for x in allseeds]
+            if self.copy:
+                for grp, th in self._split(self.ref):
+                    multi_update(grp, seeds_i, w, lr, self.wd, dist=self.dist, threads=th)
+                self._copy_back()
+            else:
+                for grp, th in self._split(self.tensors):
+                    multi_update(grp, seeds_i, w, lr, self.wd, eps=-self.eps,
+                                 restore_seed=last, dist=self.dist, threads=th)
+            g_mean = float((g * ns).sum() / n_tot)
+            rows = ns[::self.dirs_per_group]
+            loss = float((l0s[::self.dirs_per_group] * rows).sum() / rows.sum())
+        else:
+            if self.copy:
+                self._copy_back()
+            else:
+                self._perturb(last, -self.eps)
+            w, g_mean, loss = np.zeros(len(allseeds)), math.nan, math.nan
+        t3 = time.perf_counter()
+        return StepResult(step, apply, g_mean, loss, allseeds, np.asarray(w, np.float64),
+                          l0, losses[-1], compute_s=(t1 - t0) + (t3 - t2), comm_s=t2 - t1,
+                          sigma=sigma, forwards=1 + len(seeds), n=n_batch)
+
+    def _exchange_fzoo(self, step: int, vals: np.ndarray, n: float, bad: float):
+        """(seeds uint64 (N,), loss differences (N,), weights n (N,), base losses (N,),
+        number of bad records), the directions in group order. data mode: one allreduce of
+        the n-weighted losses; perturbation: one allgather of every rank's record;
+        hybrid: a node allreduce, then one allgather (each node's record taken from its
+        first rank). Scalars only."""
+        m = self.dirs_per_group
+        if self.mode == "data":
+            buf = np.concatenate([vals * n, [n, bad]])
+            self.topo.allreduce(buf)
+            nt = buf[-2]
+            mean = buf[:-2] / nt if nt > 0 else np.zeros(m + 1)
+            seeds = np.array(self.fzoo_seeds(step, 0), np.uint64)
+            return (seeds, mean[1:] - mean[0], np.full(m, nt), np.full(m, mean[0]),
+                    int(buf[-1]))
+        rec = np.concatenate([vals * n, [n, bad]])
+        if self.mode == "hybrid" and self.topo.node.Get_size() > 1:
+            self.topo.node.Allreduce(MPI.IN_PLACE, rec, op=MPI.SUM)
+        out = np.concatenate([[float(step), float(self.group)], rec])
+        allr = self.topo.allgather(out)
+        first = {}
+        for row in allr:                        # one record per group (hybrid: per node)
+            first.setdefault(int(row[1]), row)
+        if sorted(first) != list(range(self.n_groups)) or any(
+                int(r[0]) != step for r in first.values()):
+            raise ReplicaMismatch(f"step {step}: the exchanged fzoo records do not match "
+                                  f"step {step} (a rank is out of step)")
+        seeds, d, ns, l0s, nbad = [], [], [], [], 0
+        for k in range(self.n_groups):
+            r = first[k][2:]
+            nk = r[-2]
+            mean = r[:-2] / nk if nk > 0 else np.zeros(m + 1)
+            seeds += self.fzoo_seeds(step, k)
+            d.append(mean[1:] - mean[0])
+            ns.append(np.full(m, nk))
+            l0s.append(np.full(m, mean[0]))
+            nbad += int(r[-1])
+        return (np.array(seeds, np.uint64), np.concatenate(d), np.concatenate(ns),
+                np.concatenate(l0s), nbad)
 
     def flush(self) -> None:
         """Apply the pending (deferred) update to every trainable tensor, so the parameters

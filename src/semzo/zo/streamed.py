@@ -332,3 +332,22 @@ def staged_score(store, task, batch) -> tuple[float, float]:
         for k in (n - 1, 0):
             store.release(k, [], dirty=False)
         store.finish()
+
+
+def staged_loss(store, task, batch) -> float:
+    """The training loss of ``batch`` at the current parameters, every stage streamed
+    through ``store`` as :func:`staged_score` does (the forward passes of the fzoo estimator
+    under ``zo.offload = "host"``)."""
+    n = task.stage_count()
+    state = task.stage_begin(batch)
+    try:
+        for k in range(n):
+            store.acquire(k, [])
+            state = task.stage_run(k, state)
+            if 0 < k < n - 1:
+                store.release(k, [], dirty=False)
+        return float(task.loss_from_state(state, batch))
+    finally:
+        for k in (n - 1, 0):
+            store.release(k, [], dirty=False)
+        store.finish()

@@ -1,0 +1,280 @@
+"""Forward passes and wall time to reach a held-out target: MeZO-SGD at the LLM demo's fixed lr
+against the new defaults (``zo.lr = "auto"``, ``zo.estimator = "fzoo"``, Rademacher z), on the
+LLM prompt task (issue 32).
+
+    .venv/bin/python bench/zo_convergence.py [--seeds 5] [--forwards 800] [--batch 8]
+        [--eval-every 80] [--configs mezo-fixed,auto-fzoo] [--target-acc +0.10]
+        [--target-loss -0.30] [--texts 0] [--json out.json] [--from-log OUT.txt]
+
+The task is inputs/llm.toml's: SmolLM2-135M-Instruct (models/smollm2-135m-instruct), the
+fortunes of the labels food / love / sports, its template and label words, LoRA rank 8 on q
+and v of the last 2 blocks (the frozen blocks run once per prompt: the prefix cache), prompts of
+at most 48 tokens, 30 % held out by the deck's split, eps 1e-2. One process (``SoloTopo``),
+built once; every run starts from the same LoRA initialization and differs by its run seed
+(z stream and data order), the same seeds for every configuration (paired).
+
+Configurations (``--configs``):
+
+* ``mezo-fixed``: ``estimator = "mezo"``, Gaussian z, lr 2e-2 (the demo's), 2 passes per step;
+* ``auto-fzoo``: the deck defaults: lr auto (its scan counted in the budget), fzoo with
+  4 directions, Rademacher z, 5 passes per step;
+* ``mezo-auto``: MeZO with the automatic lr; ``fzoo-gauss``: auto-fzoo with Gaussian z;
+  ``mezo-rad``: mezo-fixed with Rademacher z.
+
+Every run gets the same budget of ZO forward passes (``--forwards``, per process: a pass is
+one batch of ``--batch`` prompts; evaluation passes not counted); the held-out set is
+evaluated every ``--eval-every`` forward passes (rounded to whole steps). Printed: per
+configuration the mean over seeds of the final held-out accuracy and loss, the forward passes
+and wall seconds to first reach the accuracy target (zero-shot + ``--target-acc`` when it
+starts with + , else absolute) and the loss target (zero-shot + ``--target-loss`` when it
+starts with -), how many seeds reached each, and the ratios against the first
+configuration; then the paired per-seed final accuracies and the best accuracy on each
+curve (what ``checkpoints/best.h5`` keeps). The targets are checked at the evaluations only
+(every ``--eval-every`` forward passes): the figures are that coarse. ``--from-log`` prints
+the same tables from the per-run lines of an earlier invocation cut short.
+Timings are on a shared 2-core machine: noisy, say so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests" / "mpi"))
+
+CONFIGS = {
+    "mezo-fixed": {"estimator": "mezo", "dist": "gaussian", "lr": 2e-2},
+    "auto-fzoo": {"estimator": "fzoo", "dist": "rademacher", "lr": "auto"},
+    "mezo-auto": {"estimator": "mezo", "dist": "gaussian", "lr": "auto"},
+    "fzoo-gauss": {"estimator": "fzoo", "dist": "gaussian", "lr": "auto"},
+    "mezo-rad": {"estimator": "mezo", "dist": "rademacher", "lr": 2e-2},
+}
+
+
+def build(max_texts: int = 0):
+    """(model, trainable names, initial values, task) of inputs/llm.toml's prompt task."""
+    from semzo.deck import load
+    from semzo.finetune.trainable import select_trainable
+    from semzo.model import Tokenizer, load_model
+    from semzo.preflight import heldout_mask
+    from semzo.tasks.prompt import PromptTask, encode_prompts, first_trained_block, label_word_ids
+
+    deck = load(ROOT / "inputs" / "llm.toml", check_inputs=False)
+    labels = list(deck.corpus.labels)
+    with open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f]
+    recs = [r for r in recs if r.get("label") in labels]
+    if max_texts:                    # every k-th record: the classes keep their shares
+        recs = recs[::max(1, len(recs) // max_texts)][:max_texts]
+    folder = ROOT / "models" / "smollm2-135m-instruct"
+    m = load_model(str(folder))
+    t = deck.train
+    names = select_trainable(m, t.params, t.last_layers, t.lora_rank, t.lora_alpha, 0,
+                             targets=t.lora_targets, lora_layers=t.lora_layers)
+    tok = Tokenizer.from_folder(str(folder), max_length=None)
+    tok.tk.no_truncation()
+    pr = deck.prompt
+    word_ids = label_word_ids(tok, labels, pr.label_words, pr.template, "bench")
+    seqs = encode_prompts(tok, [r["text"] for r in recs], pr.template, t.max_length,
+                          int(m.config.max_positions), "bench")
+    y = np.array([labels.index(r["label"]) for r in recs])
+    held = heldout_mask(np.array([int(r["id"]) for r in recs]), deck.run.seed,
+                        t.heldout_fraction)
+    layer = first_trained_block(m, names)
+    t0 = time.perf_counter()
+    task = PromptTask(m, seqs, y, np.flatnonzero(~held), np.flatnonzero(held), tok.pad_id,
+                      t.eval_batch_size, word_ids, layer=layer)
+    print(f"# task: {len(recs)} prompts ({int((~held).sum())} train, {int(held.sum())} "
+          f"held out), {len(names)} trainable tensors, "
+          f"{sum(m.params[n].size for n in names)} parameters, prefix cache from block "
+          f"{layer} built in {time.perf_counter() - t0:.1f} s", flush=True)
+    init = {n: m.params[n].copy() for n in names}
+    return deck, m, names, init, task
+
+
+def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch: int,
+            eval_every: int) -> dict:
+    from zo_common import SoloTopo
+
+    from semzo.finetune.data import Batcher
+    from semzo.finetune.loop import LoopConfig, TrainState, evaluate, train
+    from semzo.zo.engine import ZOEngine
+    from semzo.zo.perturb import ztensors
+
+    for n in names:
+        np.copyto(m.params[n], init[n])
+    topo = SoloTopo()
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), topo, eps=deck.zo.eps,
+                   run_seed=seed, estimator=cfg["estimator"], dist=cfg["dist"],
+                   directions=deck.zo.directions, schedule="three-pass")
+    per = 2 if cfg["estimator"] == "mezo" else 1 + eng.dirs_per_group
+    steps = budget // per
+    ev = max(1, round(eval_every / per))
+    curve = []
+    t0 = time.perf_counter()
+    eval_s = [0.0]
+    loss0, acc0, _ = evaluate(task, topo)
+    curve.append((0, 0.0, loss0, acc0))
+
+    def on_eval(state, loss, acc):
+        curve.append((state.forwards, time.perf_counter() - t0 - eval_s[0], loss, acc))
+
+    b = Batcher(task.train_rows.size, batch, seed, 0)
+    lc = LoopConfig(steps=steps, lr=cfg["lr"], eval_every=ev, log_every=10**9,
+                    checksum_every=0)
+    # the held-out evaluations' time is not the optimizer's: timed and subtracted
+    import semzo.finetune.loop as loop_mod
+    real_eval = loop_mod.evaluate
+
+    def timed_eval(*a, **k):
+        te = time.perf_counter()
+        out = real_eval(*a, **k)
+        eval_s[0] += time.perf_counter() - te
+        return out
+
+    loop_mod.evaluate = timed_eval
+    try:
+        st = train(eng, task, b, TrainState(run_seed=seed), lc, on_eval=on_eval)
+    finally:
+        loop_mod.evaluate = real_eval
+    wall = time.perf_counter() - t0 - eval_s[0]
+    loss, acc, _ = evaluate(task, topo)
+    curve.append((st.forwards, wall, loss, acc))
+    return {"seed": seed, "lr": st.base_lr, "steps": steps, "curve": curve,
+            "zero_acc": acc0, "zero_loss": loss0, "final_acc": acc, "final_loss": loss}
+
+
+def first_reach(curve, ok) -> tuple[float, float]:
+    for fw, s, loss, acc in curve:
+        if ok(loss, acc):
+            return fw, s
+    return math.nan, math.nan
+
+
+_LINE = re.compile(r"^(\S+)\s+seed (\d+): lr (\S+), (\d+) steps, acc (\S+) -> (\S+), loss (\S+) -> "
+                   r"(\S+), (\S+) s; curve \(fw, acc, loss\): (.*)$")
+
+
+def from_log(path: str) -> dict[str, list[dict]]:
+    """The runs a (possibly cut short) earlier invocation printed: its per-run lines. The
+    curve's wall times are the run's, spread in proportion to the forward passes."""
+    res: dict[str, list[dict]] = {}
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        m = _LINE.match(line.strip())
+        if not m:
+            continue
+        pts = [tuple(float(x) for x in p.split(",")) for p in re.findall(r"\(([^)]*)\)",
+                                                                            m.group(10))]
+        wall, fw_end = float(m.group(9)), pts[-1][0] or 1.0
+        curve = [(fw, wall * fw / fw_end, loss, acc) for fw, acc, loss in pts]
+        res.setdefault(m.group(1), []).append(
+            {"seed": int(m.group(2)), "lr": float(m.group(3)), "steps": int(m.group(4)),
+             "zero_acc": float(m.group(5)), "final_acc": float(m.group(6)),
+             "zero_loss": float(m.group(7)), "final_loss": float(m.group(8)), "curve": curve})
+    seeds = set.intersection(*[{r["seed"] for r in v} for v in res.values()]) if res else set()
+    return {c: [r for r in v if r["seed"] in seeds] for c, v in res.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--forwards", type=int, default=800)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--eval-every", type=int, default=80)
+    ap.add_argument("--configs", default="mezo-fixed,auto-fzoo")
+    ap.add_argument("--target-acc", default="+0.10")
+    ap.add_argument("--target-loss", default="-0.30", help="absolute, or relative to the "
+                    "zero-shot held-out loss when it starts with -")
+    ap.add_argument("--texts", type=int, default=0, help="only the first N labelled texts")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--from-log", default="", help="summarize the per-run lines of an earlier "
+                    "invocation's output (the seeds every configuration finished)")
+    a = ap.parse_args()
+    if a.from_log:
+        res = from_log(a.from_log)
+        summarize(res, list(res), a)
+        return
+    if a.threads:
+        import numba
+        numba.set_num_threads(a.threads)
+    from semzo.runtime import get_logger
+    get_logger("semzo").setLevel("WARNING")
+    deck, m, names, init, task = build(a.texts)
+    configs = a.configs.split(",")
+    res: dict[str, list[dict]] = {c: [] for c in configs}
+    for seed in range(a.seeds):
+        for c in configs:
+            r = run_one(deck, m, names, init, task, CONFIGS[c], seed, a.forwards, a.batch,
+                        a.eval_every)
+            res[c].append(r)
+            print(f"{c:11s} seed {seed}: lr {r['lr']:.3g}, {r['steps']} steps, acc "
+                  f"{r['zero_acc']:.3f} -> {r['final_acc']:.3f}, loss {r['zero_loss']:.3f} -> "
+                  f"{r['final_loss']:.3f}, {r['curve'][-1][1]:.1f} s; curve (fw, acc, loss): "
+                  + " ".join(f"({fw},{acc:.3f},{loss:.3f})" for fw, _, loss, acc in r["curve"]),
+                  flush=True)
+    summarize(res, configs, a)
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+def summarize(res: dict[str, list[dict]], configs: list[str], a) -> None:
+    n_seeds = len(res[configs[0]])
+    zero = res[configs[0]][0]["zero_acc"]
+    tacc = zero + float(a.target_acc) if a.target_acc.startswith("+") else float(a.target_acc)
+    zl = res[configs[0]][0]["zero_loss"]
+    tl = str(a.target_loss)
+    tloss = zl + float(tl) if tl.startswith("-") else float(tl)
+    print(f"\n## {n_seeds} seeds, {a.forwards} forward passes of {a.batch} prompts per run; "
+          f"targets: held-out accuracy >= {tacc:.3f} (zero-shot {zero:.3f}), held-out loss "
+          f"<= {tloss:.3f} (zero-shot {zl:.3f})\n")
+    print("| config | final acc (mean +- sd) | final loss | fw to acc target | s to acc "
+          "target | reached | fw to loss target | s to loss target | reached |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = {}
+    for c in configs:
+        rs = res[c]
+        fa = np.array([r["final_acc"] for r in rs])
+        fl = np.array([r["final_loss"] for r in rs])
+        ra = [first_reach(r["curve"], lambda loss, acc: acc >= tacc) for r in rs]
+        rl = [first_reach(r["curve"], lambda loss, acc: loss <= tloss) for r in rs]
+
+        def mean_reached(xs, i):
+            v = [x[i] for x in xs if math.isfinite(x[i])]
+            return float(np.mean(v)) if v else math.nan
+        rows[c] = (mean_reached(ra, 0), mean_reached(ra, 1), mean_reached(rl, 0),
+                   mean_reached(rl, 1))
+        print(f"| {c} | {fa.mean():.3f} +- {fa.std(ddof=1) if len(fa) > 1 else 0:.3f} | "
+              f"{fl.mean():.3f} | {rows[c][0]:.0f} | {rows[c][1]:.1f} | "
+              f"{sum(math.isfinite(x[0]) for x in ra)}/{len(rs)} | {rows[c][2]:.0f} | "
+              f"{rows[c][3]:.1f} | {sum(math.isfinite(x[0]) for x in rl)}/{len(rs)} |")
+    base = configs[0]
+    for c in configs[1:]:
+        print(f"\n{base} / {c}: forward passes to the accuracy target "
+              f"{rows[base][0] / rows[c][0]:.2f}x, wall {rows[base][1] / rows[c][1]:.2f}x; "
+              f"to the loss target {rows[base][2] / rows[c][2]:.2f}x, wall "
+              f"{rows[base][3] / rows[c][3]:.2f}x (means over the seeds that reached it)")
+        d = np.array([r["final_acc"] for r in res[c]]) - np.array(
+            [r["final_acc"] for r in res[base]])
+        print(f"paired final accuracy {c} - {base} per seed: "
+              + " ".join(f"{x:+.3f}" for x in d)
+              + f"; mean {d.mean():+.3f}"
+              + (f", sd {d.std(ddof=1):.3f}" if len(d) > 1 else ""))
+        best = np.array([max(p[3] for p in r["curve"]) for r in res[c]])
+        bbase = np.array([max(p[3] for p in r["curve"]) for r in res[base]])
+        print(f"best held-out accuracy on the curve (what best.h5 keeps): {c} "
+              f"{best.mean():.3f}, {base} {bbase.mean():.3f}; paired {c} - {base}: "
+              + " ".join(f"{x:+.3f}" for x in best - bbase))
+
+
+if __name__ == "__main__":
+    main()

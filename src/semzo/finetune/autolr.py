@@ -1,0 +1,184 @@
+"""``zo.lr = "auto"``: the learning rate picked by line searches at the start of training.
+
+The scan (collective over the world; every rank takes the same decisions because every loss
+it compares is allreduced first):
+
+1. Snapshot the trainable tensors (and the reference copy of ``zo.restore = "copy"``).
+2. The scan batch: one training batch per rank from a cursor far from the run's (epoch
+   :data:`PROBE_EPOCH` of the data order): the training cursor is not moved, the run's own
+   batches and seeds are not used. Its loss, allreduced over the ranks (weighted by the batch
+   sizes), is the probe loss.
+3. For each of R directions: one ZO step at lr 0 (seeds from step :data:`SCAN_STEP0` + r, the
+   estimator of the run) gives the update the step would apply per unit lr, ``u = sum_k w_k
+   z_k``; then a line search along it on the scan batch: the probe loss at ``theta - lr u``
+   for lr = lr0 x 4^j (lr0 moves theta by RHO of its norm), up while the loss keeps falling,
+   else down until it falls below the start's; the minimizer is kept. Each candidate costs
+   one forward pass (the update applied by the multi-update kernel, the snapshot restored bit
+   for bit after it).
+4. The run's lr is the geometric mean of the R minimizers times :data:`SAFETY`. Along a ZO
+   direction the loss is ``L0 - lr a + lr^2 b / 2`` with b of the order of the trace of the
+   Hessian (the curvature the noise of a d-dimensional random direction sees), so the
+   minimizer a / b measures the largest step ZO-SGD tolerates at this point, whatever the
+   model, the trainable set, the estimator's scale (fzoo's normalized step or mezo's) or the
+   loss's.
+
+Cost: one probe, and per direction a step at lr 0 plus at most :data:`MAX_CANDIDATES` probes;
+R (at most :data:`MAX_DIRECTIONS`) is sized so the whole stays within
+``zo.lr_scan_fraction`` of the run's forward passes. A run too short for one line search
+takes lr0 of one step (a warning says so). The chosen lr goes into the training state
+(``base_lr``), so a resumed run never scans again.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..runtime import get_logger
+from ..zo.engine import ZOEngine
+from ..zo.perturb import ZTensor, multi_update
+
+log = get_logger(__name__)
+
+PROBE_EPOCH = 1 << 30     # the scan batch's epoch of the data order (far from the run's)
+SCAN_STEP0 = 1 << 48      # the scan's step indices (seeds), far from the run's
+RHO = 1e-3                # first candidate: this relative change of ||theta|| per step
+FACTOR = 4.0              # between candidates
+SAFETY = 0.5              # the line search's minimizer times this
+MAX_CANDIDATES = 12       # per direction
+MAX_DIRECTIONS = 4
+
+
+def forwards_per_step(engine: ZOEngine) -> int:
+    """Forward passes of one step on one rank: 2 (mezo), 1 + m (fzoo)."""
+    return 1 + engine.dirs_per_group if engine.estimator == "fzoo" else 2
+
+
+def plan(budget: int, per_step: int) -> int:
+    """Directions R whose line searches fit ``budget`` forward passes: a probe, then per
+    direction a step at lr 0 and up to :data:`MAX_CANDIDATES` probes. 0: not even one."""
+    return int(max(0, min(MAX_DIRECTIONS, (budget - 1) // (per_step + MAX_CANDIDATES))))
+
+
+def _norm(tensors: list[ZTensor]) -> float:
+    s = 0.0
+    for z in tensors:
+        a = z.array
+        a = a.get() if hasattr(a, "get") else a
+        a = np.asarray(a)
+        if a.dtype == np.uint16:                      # bfloat16 bits
+            a = (a.astype(np.uint32) << 16).view(np.float32)
+        s += float(np.dot(a.reshape(-1).astype(np.float64), a.reshape(-1).astype(np.float64)))
+    return math.sqrt(s)
+
+
+class _Snapshot:
+    """Copies of the trainable tensors (and references) to go back to, bit for bit."""
+
+    def __init__(self, engine: ZOEngine) -> None:
+        engine.flush()
+        engine.store.sync()
+        self.engine = engine
+        self.main = [z.array.copy() for z in engine.tensors]
+        self.ref = [z.array.copy() for z in engine.ref] if engine.copy else []
+
+    def restore(self) -> None:
+        e = self.engine
+        e.pending, e.pending_copy = None, False
+        e.owed.clear()
+        for z, a in zip(e.tensors, self.main):
+            z.array[...] = a
+        for z, a in zip(e.ref, self.ref):
+            z.array[...] = a
+
+
+def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_fn,
+            loss_of) -> tuple[float, int]:
+    """The scan above. ``step_fn(batch, step, lr)`` runs one ZO step (returns the
+    StepResult); ``loss_of(batch)`` is a batch's loss at the current parameters (flushed).
+    Returns (the chosen lr, forward passes it cost this rank). Collective over the world."""
+    topo = engine.topo
+    per = forwards_per_step(engine)
+    budget = int(frac * max(steps_left, 0) * per)
+    n_dirs = plan(budget, per)
+    pos, _e, _p = batcher.next(PROBE_EPOCH, 0)
+    batch = task.batch(pos)
+    n_b = float(task.batch_weight(batch) if hasattr(task, "batch_weight") else batch[3])
+
+    def probe_loss() -> float:
+        engine.flush()
+        v = float(loss_of(batch))
+        buf = np.array([n_b * v if math.isfinite(v) else 0.0, n_b,
+                        0.0 if math.isfinite(v) else 1.0])
+        topo.allreduce(buf)
+        return math.inf if buf[2] or buf[1] <= 0 else float(buf[0] / buf[1])
+
+    snap = _Snapshot(engine)
+    base = probe_loss()
+    used = 1
+    theta = _norm(engine.tensors)
+    if theta <= 0.0:
+        theta = 1e-2 * math.sqrt(engine.n_trainable)
+    picks = []
+    for r in range(max(n_dirs, 1)):
+        res = step_fn(batch, SCAN_STEP0 + r, 0.0)
+        used += per
+        snap.restore()
+        if not res.ok:
+            continue
+        seeds = [int(x) for x in res.seeds]
+        w = np.asarray(res.gs, np.float64)
+        if engine.estimator == "mezo":           # the update applies g_k n_k / n
+            w = w / max(len(w), 1)
+        unit = math.sqrt(engine.n_trainable * float(np.dot(w, w)))
+        if unit <= 0.0 or not math.isfinite(unit):
+            continue
+        lr0 = RHO * theta / unit
+        if n_dirs == 0:
+            picks.append(lr0)
+            break
+        tried: dict[float, float] = {}
+
+        def at(lr: float, seeds=seeds, w=w, tried=tried) -> float:
+            nonlocal used
+            for grp, th in engine._split(engine.tensors):
+                multi_update(grp, seeds, w, lr, engine.wd, dist=engine.dist, threads=th)
+            v = probe_loss()
+            used += 1
+            snap.restore()
+            tried[lr] = v
+            return v
+
+        lr, best = lr0, at(lr0)
+        if best < base:                              # up while the loss keeps falling
+            while len(tried) < MAX_CANDIDATES:
+                v = at(lr * FACTOR)
+                if not v < best:
+                    break
+                lr, best = lr * FACTOR, v
+        else:                                        # down until one improves on the start
+            while len(tried) < MAX_CANDIDATES and not best < base:
+                lr /= FACTOR
+                best = at(lr)
+        if best < base:
+            picks.append(lr)
+        log.info("zo.lr = \"auto\": direction %d: %s", r, ", ".join(
+            f"lr {x:.2e} -> {v:.5f}" for x, v in sorted(tried.items())) + f" (start {base:.5f})")
+    snap.restore()
+    if not picks:
+        lr = 1e-6
+        log.warning("zo.lr = \"auto\": no step along the scanned directions lowered the loss; "
+                    "lr %.3g", lr)
+        return lr, used
+    best_lr = float(np.exp(np.mean(np.log(picks))))
+    chosen = best_lr * (SAFETY if n_dirs else 1.0)
+    if n_dirs == 0:
+        log.warning("zo.lr = \"auto\": the line search does not fit zo.lr_scan_fraction of "
+                    "this run's forward passes; lr %.3g from the size of one step", chosen)
+    else:
+        log.info("zo.lr = \"auto\": lr %.3e (the line searches' minimizers %s, geometric "
+                 "mean x %.2g; %d forward passes per rank, %.1f%% of the run's)", chosen,
+                 ", ".join(f"{x:.2e}" for x in picks), SAFETY, used,
+                 100.0 * used / max(steps_left * per, 1))
+    return chosen, used
