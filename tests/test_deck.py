@@ -1,8 +1,10 @@
 """Decks: validation, overrides, the resolved TOML, docs/deck.md in step with the schema."""
 
+import dataclasses
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -144,7 +146,7 @@ def test_docs_deck_md_matches_schema():
     assert text.strip() == deckdoc.markdown().strip(), \
         "docs/deck.md is stale: run `make docs`"
     for cls in deckmod.SECTIONS.values():
-        for f in deckmod.dataclasses.fields(cls):
+        for f in dataclasses.fields(cls):
             assert f"| `{f.name}` |" in text
 
 
@@ -156,7 +158,7 @@ def test_cli_usage_error_exits_2():
 
 def test_demo_decks_are_valid(tmp_path):
     for deck in sorted((ROOT / "inputs").glob("*.toml")):
-        d = deckmod.build(deckmod.tomllib.loads(deck.read_text()), str(deck),
+        d = deckmod.build(tomllib.loads(deck.read_text()), str(deck),
                           ["run.stages=[\"topology\"]"])
         assert d.run.output_dir
         assert Path(deck).read_text().count("[") >= 1

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from semzo import deck as deckmod
+from semzo.tomlw import _toml_value
 
 # any text, control characters, quotes and backslashes favoured
 TEXT = st.text(st.one_of(st.characters(), st.sampled_from('\x00\x01\x08\t\n\x0b\x0c\r\x1f\x7f"\\')))
@@ -17,7 +18,7 @@ TEXT = st.text(st.one_of(st.characters(), st.sampled_from('\x00\x01\x08\t\n\x0b\
 @settings(max_examples=500, deadline=None)
 @given(TEXT)
 def test_any_string_round_trips(s):
-    assert tomllib.loads(f"x = {deckmod._toml_value(s)}\n")["x"] == s
+    assert tomllib.loads(f"x = {_toml_value(s)}\n")["x"] == s
 
 
 @settings(max_examples=200, deadline=None)
@@ -30,8 +31,8 @@ def test_deck_round_trips(output_dir, source, stages_like):
     again = deckmod.from_toml_text(text)
     assert again.run.output_dir == output_dir
     assert again.to_dict() == d.to_dict()
-    assert tomllib.loads(f"x = {deckmod._toml_value(stages_like)}\n")["x"] == stages_like
+    assert tomllib.loads(f"x = {_toml_value(stages_like)}\n")["x"] == stages_like
 
 
 def test_control_characters_use_spec_escapes():
-    assert deckmod._toml_value('a\nb\t"\\\x00\x7f') == '"a\\nb\\t\\"\\\\\\u0000\\u007F"'
+    assert _toml_value('a\nb\t"\\\x00\x7f') == '"a\\nb\\t\\"\\\\\\u0000\\u007F"'

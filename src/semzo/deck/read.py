@@ -1,0 +1,201 @@
+"""Reading a deck: TOML (``tomllib``) plus ``--set`` overrides, each value checked against the
+schema (:mod:`.sections`), then the rules that involve several keys.
+
+Errors are :class:`DeckError` (exit code 2) with one line: ``DECK: section.key: what is wrong``
+(``DECK: --set section.key: ...`` for a key a ``--set`` gave). Relative paths in a deck are
+resolved against the directory the job is launched from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from .sections import SECTIONS, Deck, DeckError
+
+
+def _suggest(name: str, options: Any) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1, cutoff=0.6)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _type_name(t: Any) -> str:
+    return {"int": "an integer", "float": "a number", "bool": "true or false",
+            "str": "a string", "tuple": "a list of strings"}[t]
+
+
+def _check_value(src: str, path: str, f: dataclasses.Field, value: Any) -> Any:
+    """Type-check and range-check one value; return it in its canonical Python type."""
+    want = f.type if isinstance(f.type, str) else f.type.__name__
+    meta = f.metadata
+
+    def bad(msg: str) -> DeckError:
+        return DeckError(f"{src}: {path}: {msg}")
+
+    if meta["kind"] == "float_or_auto" and isinstance(value, str):
+        if value != "auto":
+            raise bad(f"expected a number or \"auto\", got {value!r}")
+        return value
+    if want == "float" and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = {"int": isinstance(value, int) and not isinstance(value, bool),
+          "float": isinstance(value, float), "bool": isinstance(value, bool),
+          "str": isinstance(value, str),
+          "tuple": isinstance(value, list) and all(isinstance(x, str) for x in value)}[want]
+    if not ok:
+        raise bad(f"expected {_type_name(want)}, got {type(value).__name__} {value!r}")
+    if want == "tuple":
+        value = tuple(value)
+    if want == "float" and not math.isfinite(value):
+        raise bad(f"must be a finite number, got {value}")
+    lo, hi = meta["min"], meta["max"]
+    if lo is not None and (value < lo or (meta["min_excl"] and value == lo)):
+        raise bad(f"must be {'>' if meta['min_excl'] else '>='} {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise bad(f"must be <= {hi}, got {value}")
+    choices = meta["choices"]
+    if choices is not None:
+        items = value if want == "tuple" else [value]
+        for item in items:
+            if item not in choices:
+                raise bad(f"'{item}' is not one of {', '.join(map(str, choices))}"
+                          + _suggest(item, choices))
+        if want == "tuple":
+            what = "stage" if meta["kind"] == "stages" else "value"
+            if not items:
+                raise bad(f"must name at least one {what}")
+            if len(set(items)) != len(items):
+                raise bad(f"a {what} is listed twice")
+            order = [choices.index(x) for x in items]
+            if meta["kind"] == "stages" and order != sorted(order):
+                raise bad(f"stages must be in pipeline order: {', '.join(choices)}")
+            value = tuple(items)
+    if meta["kind"] == "outdir" and not value:
+        raise bad("must not be empty")
+    return value
+
+
+def parse_override(src: str, text: str) -> tuple[str, str, Any]:
+    """Parse one ``--set section.key=value``; the value is read as TOML, else as a string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise DeckError(f"{src}: --set {text}: expected section.key=value")
+    path, raw = text.split("=", 1)
+    section, name = path.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return section, name, value
+
+
+def build(raw: dict[str, Any], src: str, overrides: list[str] = (), *,
+          check_inputs: bool = True) -> Deck:
+    """Validate a raw TOML mapping plus ``--set`` overrides into a :class:`Deck`."""
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in raw.items()}
+    from_set: set[tuple[str, str]] = set()      # keys a --set gave: errors name the option
+    for text in overrides:
+        section, name, value = parse_override(src, text)
+        from_set.add((section, name))
+        if section not in SECTIONS:
+            raise DeckError(f"{src}: --set {section}: unknown section"
+                            + _suggest(section, SECTIONS))
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise DeckError(f"{src}: {section}: expected a table")
+        raw[section][name] = value
+    for name, table in raw.items():
+        if name not in SECTIONS:
+            raise DeckError(f"{src}: {name}: unknown section" + _suggest(name, SECTIONS))
+        if not isinstance(table, dict):
+            raise DeckError(f"{src}: {name}: expected a table [{name}], "
+                            f"got {type(table).__name__}")
+    sections = {}
+    for name, cls in SECTIONS.items():
+        table = raw.get(name, {})
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        where = {k: f"--set {name}.{k}" if (name, k) in from_set else f"{name}.{k}"
+                 for k in table}
+        for k, v in table.items():
+            if k not in fields:
+                raise DeckError(f"{src}: {where[k]}: unknown key" + _suggest(k, fields))
+            if isinstance(v, dict):
+                raise DeckError(f"{src}: {where[k]}: unexpected table")
+        values = {k: _check_value(src, where[k], fields[k], v) for k, v in table.items()}
+        sections[name] = cls(**values)
+    deck = Deck(source=src, **sections)
+    _check_consistency(deck, check_inputs)
+    return deck
+
+
+def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
+    """Rules that involve several keys."""
+    if d.model.dtype == "float16" and d.run.device == "cpu":
+        raise DeckError(f"{d.source}: model.dtype: float16 weights need run.device = \"gpu\" "
+                        f"(bfloat16 runs on the CPU)")
+    if d.zo.offload == "host" and d.zo.schedule != "streamed":
+        raise DeckError(f"{d.source}: zo.offload: \"host\" streams stages and needs "
+                        f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")
+    # inputs are checked only when a stage that reads them runs (so `semzo topology` works
+    # without a corpus); defaults are checked too, not only the keys the deck sets
+    # (the model folders are the preflight's: semzo.preflight.check_inputs)
+    if check_inputs and "embed" in d.run.stages and not Path(d.corpus.path).is_file():
+        raise DeckError(f"{d.source}: corpus.path: file not found: {d.corpus.path}")
+    if "{text}" not in d.prompt.template:
+        raise DeckError(f"{d.source}: prompt.template: must contain {{text}} (where each text "
+                        f"goes), got {d.prompt.template!r}")
+    if len(set(d.prompt.label_words)) != len(d.prompt.label_words):
+        raise DeckError(f"{d.source}: prompt.label_words: a word is listed twice")
+    if len(set(d.corpus.labels)) != len(d.corpus.labels):
+        raise DeckError(f"{d.source}: corpus.labels: a label is listed twice")
+
+
+def check_world(d: Deck, size: int) -> None:
+    """Rules that depend on the number of ranks (a simulated hierarchy must divide it)."""
+    rpn, nps = d.topology.ranks_per_node, d.topology.nodes_per_switch
+    if rpn > 0:
+        if size % rpn:
+            raise DeckError(f"{d.source}: topology.ranks_per_node: {size} ranks cannot be split "
+                            f"into nodes of {rpn} ranks")
+        if nps > 0 and (size // rpn) % nps:
+            raise DeckError(f"{d.source}: topology.nodes_per_switch: {size // rpn} nodes cannot "
+                            f"be split into switches of {nps} nodes")
+
+
+def load(path: str | Path | None, overrides: list[str] = (), *,
+         check_inputs: bool = True) -> Deck:
+    """Read and validate a deck file (``None``: defaults only). Raises :class:`DeckError`."""
+    if path is None:
+        return build({}, "<defaults>", overrides, check_inputs=check_inputs)
+    src = str(path)
+    p = Path(path)
+    if not p.is_file():
+        raise DeckError(f"{src}: deck file not found")
+    try:
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:
+        raise DeckError(f"{src}: not UTF-8 text ({exc.reason})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise DeckError(f"{src}: TOML syntax error: {exc}") from None
+    return build(raw, src, overrides, check_inputs=check_inputs)
+
+
+def from_toml_text(text: str, src: str = "<stored deck>") -> Deck:
+    """Rebuild a deck from the resolved TOML stored in an output file (no file checks)."""
+    raw = tomllib.loads(text)
+    for name, cls in SECTIONS.items():
+        if name in raw:
+            fields = {f.name: f for f in dataclasses.fields(cls)}
+            raw[name] = {k: v for k, v in raw[name].items() if k in fields}
+    # stored decks are validated when written; skip file-existence checks on reload
+    sections = {}
+    for name, cls in SECTIONS.items():
+        t = raw.get(name, {})
+        sections[name] = cls(**{k: (tuple(v) if isinstance(v, list) else v)
+                                for k, v in t.items()})
+    return Deck(source=src, **sections)
+
+
