@@ -66,6 +66,14 @@ def tiny(request, tmp_path_factory):
     return _tiny(tmp_path_factory.mktemp("tiny"), request.param)
 
 
+def _stored(name: str, w: np.ndarray, folder: Path) -> np.ndarray:
+    """What a GGUF round trip can give back exactly: Gemma's norms are stored as 1 + w in
+    float32 (llama.cpp's convention), so w comes back as (w + 1) - 1, rounded."""
+    if "gemma3" in folder.name and name.endswith("norm.weight"):
+        return (w.astype(np.float32) + np.float32(1)) - np.float32(1)
+    return w
+
+
 def _logits(folder, prompts=PROMPTS):
     model = load_model(folder)
     ids, mask = Tokenizer.from_folder(folder)(prompts)
@@ -79,12 +87,15 @@ def test_f32_round_trip_exact_and_tokenizer_kept(tiny, tmp_path):
     g = gguf.GGUFReader(str(tmp_path / "m.gguf"))
     assert {t.tensor_type.name for t in g.tensors} == {"F32"}
     assert s["arch"] == ("gemma3" if "gemma3" in tiny.name else "llama")
-    a, _, _, _ = _logits(tiny)
+    a, valid, _, _ = _logits(tiny)
     b, _, _, _ = _logits(tmp_path / "back")
-    np.testing.assert_array_equal(a, b)
+    if "gemma3" in tiny.name:    # the norms' 1 + w rounding: not bit-exact
+        assert float(np.abs(a - b)[valid].max() / np.abs(a[valid]).max()) < 1e-5
+    else:
+        np.testing.assert_array_equal(a, b)
     back = load_model(tmp_path / "back")
     for n, w in merged_weights(model).items():
-        np.testing.assert_array_equal(back.params[n], w, err_msg=n)
+        np.testing.assert_array_equal(back.params[n], _stored(n, w, tiny), err_msg=n)
     tj = [json.loads((d / "tokenizer.json").read_text(encoding="utf-8"))
           for d in (tiny, tmp_path / "back")]
     assert tj[0]["model"] == tj[1]["model"]
@@ -110,7 +121,7 @@ def test_other_types_within_their_rounding(tiny, tmp_path, gtype):
     for n, w in merged_weights(model).items():
         got = back.params[n]
         if w.ndim == 1:                                 # norms stay F32
-            np.testing.assert_array_equal(got, w, err_msg=n)
+            np.testing.assert_array_equal(got, _stored(n, w, tiny), err_msg=n)
         elif gtype == "f16":
             np.testing.assert_array_equal(got, w.astype(np.float16).astype(np.float32))
         elif gtype == "bf16":
