@@ -1,6 +1,7 @@
 """Test helpers: write small GGUF files with gguf.GGUFWriter, and reference decoders of the
-K-quant blocks written from ggml's C code (``dequantize_row_q{4,5,6}_K``), independent of
-the gguf package semzo calls."""
+K-quant, Q5_0 and Q8_0 blocks written from ggml's C code (``dequantize_row_q{4,5,6}_K``,
+``dequantize_row_q5_0``, ``dequantize_row_q8_0``), independent of the gguf package semzo
+calls."""
 
 from __future__ import annotations
 
@@ -174,14 +175,36 @@ def ref_q6_k(block: np.ndarray) -> np.ndarray:
     return y
 
 
+def ref_q5_0(block: np.ndarray) -> np.ndarray:
+    """``dequantize_row_q5_0``: f16 d, 32 high bits qh (little-endian), 16 bytes of nibbles;
+    element j takes bit j of qh, element j + 16 bit j + 16; value (q - 16) * d."""
+    d, qs = _f16(block[0:2]), block[6:22]
+    qh = int.from_bytes(bytes(block[2:6]), "little")
+    y = np.zeros(32, dtype=np.float32)
+    for j in range(16):
+        xh0 = ((qh >> j) << 4) & 0x10
+        xh1 = (qh >> (j + 12)) & 0x10
+        y[j] = np.float32(((int(qs[j]) & 0x0F) | xh0) - 16) * d
+        y[j + 16] = np.float32(((int(qs[j]) >> 4) | xh1) - 16) * d
+    return y
+
+
+def ref_q8_0(block: np.ndarray) -> np.ndarray:
+    """``dequantize_row_q8_0``: f16 d, 32 int8 values; value q * d."""
+    return block[2:34].view(np.int8).astype(np.float32) * _f16(block[0:2])
+
+
 def random_k_blocks(qtype: gguf.GGMLQuantizationType, n_blocks: int,
                     rng: np.random.Generator) -> np.ndarray:
-    """Random bytes for ``n_blocks`` K-quant blocks with finite float16 scales."""
+    """Random bytes for ``n_blocks`` quantized blocks (K-quants, Q5_0, Q8_0) with finite
+    float16 scales."""
     size = gguf.GGML_QUANT_SIZES[qtype][1]
     b = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
     scales = rng.uniform(0.001, 0.05, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)
     if qtype == gguf.GGMLQuantizationType.Q6_K:
         b[:, 208:210] = scales[:, :2]
+    elif qtype in (gguf.GGMLQuantizationType.Q5_0, gguf.GGMLQuantizationType.Q8_0):
+        b[:, 0:2] = scales[:, :2]
     else:
         b[:, 0:4] = scales
     return b

@@ -19,8 +19,10 @@ from ggufutil import (
     hf_to_gguf,
     random_k_blocks,
     ref_q4_k,
+    ref_q5_0,
     ref_q5_k,
     ref_q6_k,
+    ref_q8_0,
     tiny_vocab,
     write_gguf,
 )
@@ -94,6 +96,25 @@ def test_dequantize_k_quants_match_ggml_reference(tmp_path, qtype, ref):
     assert got.shape == (3, 512)
     want = np.concatenate([ref(blk) for blk in b]).reshape(3, 512)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("qtype,ref", [(Q.Q5_0, ref_q5_0), (Q.Q8_0, ref_q8_0)],
+                         ids=["Q5_0", "Q8_0"])
+def test_dequantize_q5_0_q8_0_match_ggml_reference(tmp_path, qtype, ref):
+    """Q5_0 and Q8_0 (Gemma 3 270M's q/k/gate/up and embedding/v types) on random block
+    bytes, every code and high bit reached, against ggml's C decoder re-written: exact."""
+    rng = np.random.default_rng(int(qtype) + 100)
+    b = random_k_blocks(qtype, 48, rng)  # 48 blocks of 32 = 3 rows of 512
+    p = write_gguf(tmp_path / "q.gguf", "llama", META,
+                   {"t.weight": (b.reshape(3, -1), qtype)}, tokenizer=False)
+    got = GGUFModel(p).dequantize("t.weight")
+    assert got.shape == (3, 512)
+    want = np.concatenate([ref(blk) for blk in b]).reshape(3, 512)
+    np.testing.assert_array_equal(got, want)
+    d = b[:, 0:2].copy().view(np.float16).astype(np.float32)          # (48, 1) scales
+    codes = np.rint(want.reshape(48, 32) / d).astype(int)
+    lo, hi = (-16, 15) if qtype == Q.Q5_0 else (-128, 127)
+    assert codes.min() == lo and codes.max() == hi and len(np.unique(codes)) == hi - lo + 1
 
 
 def test_dequantize_float_types_exact(tmp_path):

@@ -54,9 +54,16 @@ def _parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="summarize and verify a checkpoint (file or folder)")
     i.add_argument("ckpt")
     i.add_argument("--no-deck", action="store_true", help="do not print the stored deck")
-    e = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face folder")
-    e.add_argument("ckpt", help="checkpoint file, or folder (its newest valid checkpoint)")
-    e.add_argument("outdir")
+    e = sub.add_parser("export", help="write a checkpoint's model as a Hugging Face folder "
+                       "or a GGUF file")
+    e.add_argument("ckpt", help="checkpoint file, or folder (its newest valid checkpoint); "
+                   "with --format gguf also a model folder or a named model")
+    e.add_argument("outdir", help="folder (hf) or file (gguf) to write")
+    e.add_argument("--format", choices=("hf", "gguf"), default="hf",
+                   help="hf: Hugging Face folder (default); gguf: one GGUF file for "
+                   "llama.cpp / Ollama (llama and gemma3 models, tokenizer included)")
+    e.add_argument("--gguf-type", choices=("f32", "f16", "bf16", "q8_0"), default="f32",
+                   help="GGUF tensor type of the matrices (norms stay f32; default f32)")
     e.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="weight dtype in model.safetensors (default: the stored one)")
     e.add_argument("--force", action="store_true", help="overwrite a non-empty outdir")
@@ -180,8 +187,12 @@ def _checkpoint_tool(args: argparse.Namespace) -> int:
         return 0 if ok else 1
     rep: dict = {}
     out = tools.export(args.ckpt, args.outdir, comm, force=args.force, dtype=args.dtype,
-                       report=rep)
-    if comm.Get_rank() == 0:
+                       report=rep, format=args.format, gguf_type=args.gguf_type)
+    if comm.Get_rank() == 0 and args.format == "gguf":
+        step = "" if rep.get("step") is None else f"step {rep['step']}, "
+        print(f"exported {args.ckpt} to {out} (GGUF, {step}{rep.get('dtype')}; load it with "
+              f"llama.cpp, or `semzo convert gguf {out} FOLDER`)")
+    elif comm.Get_rank() == 0:
         print(f"exported {args.ckpt} to {out} (step {rep.get('step')}, weights "
               f"{rep.get('dtype')}; {tools.EXPORT_INFO} records the source, the task and its "
               f"prompt)")

@@ -17,7 +17,9 @@ from mpi4py import MPI
 
 from ..deck import from_toml_text
 from ..model import export_hf, load_model
+from ..model.gguf_export import GGUF_TYPES, export_gguf
 from ..model.storage import same_storage_copy
+from ..model.zoo import NAMED, resolve_model_path
 from ..preflight import default_label_words
 from ..runtime import AllRanksError, SemzoError, get_logger
 from . import modelfile
@@ -210,16 +212,55 @@ def _stored_label_names(loaded, meta: dict) -> list[str]:
     return [x.decode() if isinstance(x, bytes) else str(x) for x in names]
 
 
+def _export_gguf_model(path: Path, out: Path, comm: MPI.Intracomm, gguf_type: str,
+                       report: dict | None) -> Path:
+    """``semzo export MODEL OUT.gguf --format gguf`` of a model folder or named model (no
+    checkpoint): rank 0 loads and writes it."""
+    err = None
+    if comm.Get_rank() == 0:
+        try:
+            model = load_model(resolve_model_path(path))
+            export_gguf(model, out, gguf_type=gguf_type)
+        except (SemzoError, OSError, ValueError) as exc:
+            err = str(exc) if isinstance(exc, SemzoError) else f"{out}: {exc}"
+    err = comm.bcast(err, root=0)
+    if err:
+        raise SemzoError(err)
+    if report is not None:
+        report.update(step=None, dtype=gguf_type)
+    return out
+
+
 def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm, *, force: bool = False,
-           dtype: str | None = None, report: dict | None = None) -> Path:
+           dtype: str | None = None, report: dict | None = None, format: str = "hf",
+           gguf_type: str = "f32") -> Path:
     """Write the checkpoint's (or model.h5's) model as a Hugging Face folder (rank 0), with
     ``semzo_export.json`` (:func:`_export_info`). An existing non-empty ``outdir`` is refused
     unless ``force``; ``dtype``: the weights' dtype (None: the stored one). ``report`` (a
     dict) receives the step and the dtype written. Collective: the file is read and verified
-    by every rank. Raises :class:`SemzoError` on every rank on error."""
+    by every rank. Raises :class:`SemzoError` on every rank on error.
+
+    ``format="gguf"``: ``outdir`` is the GGUF file to write (llama / gemma3,
+    :func:`semzo.model.gguf_export.export_gguf`, LoRA merged, ``gguf_type`` f32, f16, bf16
+    or q8_0); ``path`` may then also be a model folder or a named model ("smollm2")."""
     path = Path(path)
     out = Path(outdir)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+    if format not in ("hf", "gguf"):
+        raise AllRanksError(f"--format {format!r}: choose hf or gguf")
+    if format == "gguf":
+        if gguf_type not in GGUF_TYPES:
+            raise AllRanksError(f"--gguf-type {gguf_type!r}: choose one of "
+                                f"{', '.join(GGUF_TYPES)}")
+        if out.is_dir():
+            raise AllRanksError(f"{out}: is a folder; --format gguf writes a file "
+                                f"(e.g. {out / 'model.gguf'})")
+        if out.exists() and not force:
+            raise AllRanksError(f"{out}: exists; pass --force to overwrite it")
+        if not out.resolve().parent.is_dir():
+            raise AllRanksError(f"{out}: folder {out.resolve().parent} does not exist")
+        if str(path) in NAMED or (path.is_dir() and (path / "config.json").is_file()):
+            return _export_gguf_model(path, out, comm, gguf_type, report)
+    elif out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise AllRanksError(f"{out}: exists and is not an empty folder; pass --force to "
                             f"overwrite it")
     if path.is_dir():
@@ -254,16 +295,21 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm, *, force: 
             kept = len(model.params) - len(loaded.params)
             if kept:
                 log.info("%d tensors not in the checkpoint keep the base model's values", kept)
-            dt = dtype or model.storage
-            export_hf(model, out, label_names=(meta.get("head") or {}).get("label_names") or None,
-                      dtype=dt)
-            info = _export_info(path, loaded, meta, dt)
-            (out / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+            if format == "gguf":
+                export_gguf(model, out, gguf_type=gguf_type)
+            else:
+                dt = dtype or model.storage
+                export_hf(model, out, dtype=dt,
+                          label_names=(meta.get("head") or {}).get("label_names") or None)
+                info = _export_info(path, loaded, meta, dt)
+                (out / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n",
+                                               encoding="utf-8")
         except (SemzoError, OSError, ValueError) as exc:
             err = str(exc) if isinstance(exc, SemzoError) else f"{out}: {exc}"
     err = comm.bcast(err, root=0)
     if err:
         raise SemzoError(err)
     if report is not None:
-        report.update(step=int(loaded.step), dtype=dtype or _deck_dtype(loaded.deck_toml))
+        report.update(step=int(loaded.step), dtype=gguf_type if format == "gguf" else
+                      dtype or _deck_dtype(loaded.deck_toml))
     return out

