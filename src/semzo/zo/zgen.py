@@ -55,8 +55,6 @@ _rad_at = _dev["rad_at"]
 _fast_words = _dev["fast_words"]
 _fast_at = _dev["fast_at"]
 _U0, _U1, _U2, _U3, _U7 = (np.uint64(v) for v in (0, 1, 2, 3, 7))
-_U63 = np.uint64(63)
-_ONE_BITS = np.uint64(0x3FF0000000000000)     # the bits of float64 +1.0
 _U10, _U15, _U16, _U127, _U1023 = (np.uint64(v) for v in (10, 15, 16, 127, 1023))
 _M16 = np.uint64(0xFFFF)
 FAST_TABLE = rng.fast_table()       # float32[65536], passed to the kernels as an argument
@@ -217,17 +215,20 @@ def philox_blocks(ws, nb, b0, t, dom, k0, k1):
 @njit(cache=True, error_model="numpy")
 def _rad_blocks(z, i, nb, ws):
     """z[i + 128 j + 32 k + b] = Rademacher z of bit b of word k of column j of ws (after
-    :func:`philox_blocks`), j < nb: +-1.0 with the bit as the sign, the same as
-    :func:`rng.rad_bit`.
-    The 32 bits of a word in one straight loop of shifts, which LLVM vectorizes (the
-    earlier 16-entry table lookup, four z per scalar load, cost 2.1x a plain pass)."""
-    zz = z[i:].view(np.uint64)  # indices from loop counters: known >= 0, no wraparound code
+    :func:`philox_blocks`), j < nb: four z at a time from :data:`RAD_NIBBLES` (the same
+    +-1.0 as :func:`rng.rad_bit`; a constant array to numba)."""
+    nib = RAD_NIBBLES
+    zz = z[i:]                  # indices from loop counters: known >= 0, no wraparound code
     for j in range(nb):
         for k in range(4):
             w = ws[k * WSTRIDE + j]
-            o = 128 * j + 32 * k
-            for b in range(32):         # the bits of +1.0, the bit as the sign: -1.0 for 1
-                zz[o + b] = _ONE_BITS | (((w >> np.uint64(b)) & _U1) << _U63)
+            for q in range(8):
+                n4 = np.int64((w >> np.uint64(4 * q)) & _U15) * 4
+                o = 128 * j + 32 * k + 4 * q
+                zz[o] = nib[n4]
+                zz[o + 1] = nib[n4 + 1]
+                zz[o + 2] = nib[n4 + 2]
+                zz[o + 3] = nib[n4 + 3]
 
 
 @njit(cache=True, error_model="numpy")
