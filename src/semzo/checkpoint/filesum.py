@@ -304,7 +304,8 @@ class _NodeBuffer:
     maps it copy-on-write (``MAP_PRIVATE``): every rank's arrays are private (a write never
     reaches another rank) but share the node's pages until written, so a load costs one
     copy of the file per node and a rank pays for a private page only when it writes one
-    (frozen parameters are never copied). Space is reserved with ``posix_fallocate``, so a
+    (frozen parameters are never copied). Space is reserved with ``posix_fallocate`` (each
+    rank the part it writes, in parallel), so a
     full ``/dev/shm`` is a fallback to private buffers (:meth:`open` returns None), never a
     SIGBUS; the file is unlinked as soon as every rank has mapped it."""
 
@@ -331,12 +332,13 @@ class _NodeBuffer:
         if not comm.allreduce(int(use), op=MPI.MIN):
             return None
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
-        name, fd, err = None, -1, None
+        name, fd, err, created = None, -1, None, None
         if node.Get_rank() == 0:
             name = os.path.join(SHM_DIR, f"semzo-ckpt-{os.getpid()}-{os.urandom(6).hex()}")
             try:
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                os.posix_fallocate(fd, 0, total)
+                created = name
+                os.ftruncate(fd, total)       # pages are reserved by reserve(), in parallel
             except OSError as exc:
                 err = str(exc)
         name = node.bcast(name if err is None else None, root=0)
@@ -354,16 +356,38 @@ class _NodeBuffer:
                 err = str(exc)
         ok = comm.allreduce(int(buf is not None), op=MPI.MIN)
         if not ok:
-            buf = None
             if fd >= 0:
                 os.close(fd)
             node.Barrier()
-            if node.Get_rank() == 0 and name is not None:
-                os.unlink(name)
+            if created is not None:
+                os.unlink(created)
             node.Free()
             log.debug("checkpoint read: no shared node buffer (%s); private buffers", err)
             return None
         return buf
+
+    def reserve(self, comm: MPI.Intracomm, regions: list[tuple[int, int, int]]) -> bool:
+        """Allocate the pages of ``regions`` ((range, lo, hi): what this rank will write)
+        with ``posix_fallocate``, every rank its own in parallel, so that a full
+        ``/dev/shm`` is an error here, never a SIGBUS on a write into the mapping. False
+        (on every rank, the file removed) when any rank failed. Collective over ``comm``."""
+        err = None
+        try:
+            for i, lo, hi in regions:
+                os.posix_fallocate(self.fd, self.starts[i] + lo, hi - lo)
+        except OSError as exc:
+            err = str(exc)
+        if comm.allreduce(int(err is None), op=MPI.MIN):
+            return True
+        self.views = []
+        os.close(self.fd)
+        self.node.Barrier()
+        if self.node.Get_rank() == 0:
+            os.unlink(self.name)
+        self.node.Free()
+        log.debug("checkpoint read: shared node buffer not reserved (%s); private buffers",
+                  err)
+        return False
 
     def rest(self, parts: list[list[tuple[int, int]]]) -> list[tuple[int, int, int]]:
         """(range, lo, hi) that this rank fills beyond its own segments: the bytes no rank
@@ -498,8 +522,13 @@ def read_collective(path: str | Path, comm: MPI.Intracomm, keep: str = "none"
     if keep == "all":
         shared = _NodeBuffer.open(comm, [n for _, n in ranges])
         if shared is not None:              # one copy per node: read each byte once
-            bufs, rest = shared.views, shared.rest(parts)
-        else:                               # a private copy: read the rest from the cache
+            rest = shared.rest(parts)
+            own = [(i, lo, hi) for i, (lo, hi) in enumerate(parts[rank]) if hi > lo]
+            if shared.reserve(comm, own + rest):
+                bufs = shared.views
+            else:
+                shared, rest = None, []
+        if shared is None:                  # a private copy: read the rest from the cache
             bufs = [empty_bytes(n) for _, n in ranges]
             for i, (lo, hi) in enumerate(parts[rank]):
                 n = ranges[i][1]
