@@ -8,7 +8,11 @@
 ``semzo.model.zoo``); any Llama/Qwen2/Mistral/OPT folder works. Runs alternate between the two
 libraries with a short pause at each switch (so one's idle workers stop spinning before the
 other runs). Prints both times (best and median), the ratio torch/semzo (> 1: semzo faster),
-load times, and the largest relative logits difference on the batch (on real tokens).
+load times, and the largest relative logits difference on the batch (on real tokens); the
+achieved GFLOP/s of each (2 x parameters x tokens, the issue-36 count: 275 GFLOP for SmolLM2
+at 8 x 128) and its share of a NumPy float32 sgemm of the model's largest shape (tokens x
+hidden x intermediate) measured in the same run on the same threads, and the CPU model.
+``--profile``: one semzo forward under cProfile, the 20 functions with the most own time.
 
 ``--padded``: row lengths drawn uniformly from ``seq / 4 .. seq``, right-padded (the
 blocks of semzo's forward skip padded rows, torch computes them; both compute the logits of
@@ -44,6 +48,33 @@ def resolve(path: str | None) -> str:
     return str(resolve_model_path(path or "smollm2"))
 
 
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def sgemm_rate(m: int, k: int, n: int, reps: int = 10) -> float:
+    """GFLOP/s of NumPy float32 (m, k) @ (k, n) with a transposed (n, k) weight, best of
+    reps (as bench/embed.py)."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    out = np.empty((m, n), dtype=np.float32)
+    np.matmul(a, w.T, out=out)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.matmul(a, w.T, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * m * k * n / best / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -52,6 +83,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--profile", action="store_true", help="cProfile one semzo forward")
     ap.add_argument("--padded", action="store_true",
                     help="rows of random lengths (seq/4 .. seq), right-padded")
     args = ap.parse_args()
@@ -100,6 +132,18 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
     n_par = ours.num_parameters(include_frozen=True)
     tokens = args.batch * args.seq
+    c = ours.config
+    inter = getattr(c, "intermediate_size", 4 * c.hidden_size)
+    gemm = max(sgemm_rate(tokens, c.hidden_size, inter) for _ in range(2))
+    flop = 2.0 * n_par * tokens
+    if args.profile:
+        import cProfile
+        import pstats
+        pr = cProfile.Profile()
+        pr.enable()
+        run_ours()
+        pr.disable()
+        pstats.Stats(pr).sort_stats("tottime").print_stats(20)
     best = {k: min(v) for k, v in times.items()}
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"model {folder}: {ours.config.family} {n_par / 1e6:.1f}M parameters, "
@@ -107,10 +151,15 @@ def main() -> None:
           f"({1 - valid.mean():.0%} padding), "
           f"{args.threads} threads; weights {args.dtype} (semzo "
           f"{sum(a.nbytes for a in ours.params.values()) / 2**20:.0f} MiB)")
+    print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.1f}")
     print(f"load: semzo {t_ours:.2f} s, transformers {t_ref:.2f} s")
     for k in ("semzo", "torch"):
         print(f"{k:6s} forward+logits: best {best[k] * 1e3:8.1f} ms, median {med[k] * 1e3:8.1f} "
-              f"ms ({tokens / best[k]:.0f} tokens/s)")
+              f"ms ({tokens / best[k]:.0f} tokens/s), {flop / best[k] / 1e9:.0f} GFLOP/s = "
+              f"{flop / best[k] / 1e9 / gemm:.0%} of sgemm (median "
+              f"{flop / med[k] / 1e9 / gemm:.0%})")
+    print(f"numpy sgemm {tokens}x{c.hidden_size}x{inter} float32, same threads, same run: "
+          f"{gemm:.0f} GFLOP/s (goal: semzo >= 85% of it); {flop / 1e9:.0f} GFLOP per forward")
     print(f"ratio torch/semzo: best {best['torch'] / best['semzo']:.2f}x, "
           f"median {med['torch'] / med['semzo']:.2f}x (goal >= 1.0x)")
     print(f"logits max relative difference semzo vs transformers: {err:.2e}")

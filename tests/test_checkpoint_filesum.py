@@ -201,3 +201,39 @@ def test_format1_superblock_damage_is_refused(tmp_path, damage):
             fh.truncate(p.stat().st_size - 100)
     ok, why = verify(p, COMM)
     assert not ok and "HDF5 superblock says the file ends at byte" in why
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_load_through_the_node_buffer_is_bit_identical_and_private(tmp_path, monkeypatch,
+                                                                   shared):
+    """distribute=read on one node: the data ranges go through one /dev/shm file mapped
+    copy-on-write (or private buffers); the arrays are bit-identical, writable, and a write
+    reaches neither the file nor a second load."""
+    from mpi4py import MPI
+
+    from semzo.checkpoint import Checkpointer, load
+    from semzo.deck import CheckpointSection
+
+    monkeypatch.setattr(filesum, "SHARED_MIN_BYTES", 0)
+    monkeypatch.setenv("SEMZO_CHECKPOINT_SHM", "1" if shared else "0")
+    rng = np.random.default_rng(5)
+    params = {"w": rng.standard_normal((300, 77)).astype(np.float32),
+              "h": rng.standard_normal(999).astype(np.float16),
+              "i": np.arange(5, dtype=np.int64)}
+    comm = MPI.COMM_WORLD
+    with Checkpointer(comm, CheckpointSection(dir=str(tmp_path), block_kib=4)) as ck:
+        p = ck.save(1, params)
+    before = len(list(Path(filesum.SHM_DIR).glob("semzo-ckpt-*")))
+    used = []
+    real = filesum._NodeBuffer.private
+    monkeypatch.setattr(filesum._NodeBuffer, "private",
+                        lambda self, bufs: used.append(1) or real(self, bufs))
+    a = load(p, comm, distribute="read")
+    assert used == ([1] if shared else [])
+    assert len(list(Path(filesum.SHM_DIR).glob("semzo-ckpt-*"))) == before   # unlinked
+    for k, v in params.items():
+        assert a.params[k].dtype == v.dtype and a.params[k].tobytes() == v.tobytes()
+    a.params["w"][:] = 7
+    b = load(p, comm, distribute="read")
+    assert b.params["w"].tobytes() == params["w"].tobytes()
+    assert filesum.check_file(p) == (2, None)

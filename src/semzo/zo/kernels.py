@@ -39,7 +39,21 @@ from numba import njit, prange
 from numba.core import types as nbtypes
 from numba.extending import intrinsic
 
-from .zgen import CHUNK, FAST_TABLE, SUB, WS, _load, _store, fill_z, zvec_kernel
+from .zgen import (
+    _U1,
+    _U7,
+    _U127,
+    CHUNK,
+    FAST_TABLE,
+    SUB,
+    WS,
+    _load,
+    _store,
+    fill_z,
+    philox_blocks,
+    rad_axpy,
+    zvec_kernel,
+)
 
 # ----------------------------------------------------------------------------- fused updates
 PERTURB, RESTORE_UPDATE, MULTI_RESTORE, MULTI, NONE, PLAIN, CACHED = 0, 1, 2, 3, 4, 5, 6
@@ -131,7 +145,11 @@ def _fused_piece(proto, addr, size, off, t, wd, c0, mc, dist, k0, k1, a, lr, g, 
         # views indexed by loop counters (known >= 0): no negative-index wraparound code
         # in the loops below, which LLVM then vectorizes
         pv = p[i0:i0 + m]
-        if mode == 0 or mode == 1:
+        if mode == 0 and dist == 1 and not pre and (e0 & _U127) == 0 and (m & 127) == 0:
+            # Rademacher perturbation of whole blocks: z never stored (rad_axpy)
+            philox_blocks(ws, m >> 7, e0 >> _U7, t, _U1, k0, k1)
+            rad_axpy(pv, m >> 7, ws, a)
+        elif mode == 0 or mode == 1:
             fill_z(z, e0, t, k0, k1, dist, tab, ws)
             if pre:
                 for i in range(m):

@@ -232,6 +232,19 @@ def _rad_blocks(z, i, nb, ws):
 
 
 @njit(cache=True, error_model="numpy")
+def rad_axpy(pv, nb, ws, a):
+    """pv[128 j + 32 k + b] += a z for the Rademacher z of :func:`_rad_blocks` (j < nb),
+    without a z buffer: a z = a (1 - 2 bit) is exactly +-a, the same value and rounding as
+    ``_load(pv, i) + a * z[i]``. One straight loop per word (vectorized)."""
+    for j in range(nb):
+        for k in range(4):
+            w = np.int64(ws[k * WSTRIDE + j])
+            o = 128 * j + 32 * k
+            for b in range(32):
+                _store(pv, o + b, _load(pv, o + b) + a * (1.0 - 2.0 * np.float64((w >> b) & 1)))
+
+
+@njit(cache=True, error_model="numpy")
 def fill_z(z, e0, t, k0, k1, dist, tab, ws):
     """z[i] = z(seed, t, e0 + i) for i < z.size <= SUB (float64 array of float32-rounded
     values).
