@@ -113,7 +113,7 @@ def test_model_h5_works_with_generate_export_and_inspect(run):
                          capture_output=True, text=True, timeout=200, check=False)
     assert gen.returncode == 0, gen.stderr
     final = load_for_generation(str(out / "model.h5"))
-    ck = load_for_generation(str(out / "checkpoints"))
+    ck = load_for_generation(str(out / "checkpoints" / "ckpt-000000020.h5"))
     ids = np.array([[5, 9, 30, 7, 2, 11]])
     assert np.array_equal(final.model.logits(ids), ck.model.logits(ids))
 
@@ -128,8 +128,8 @@ def test_export_and_generate_from_checkpoint(run):
     check(subprocess.run([sys.executable, "-m", "semzo", "export", str(out / "checkpoints"),
                           str(hf)], capture_output=True, text=True, timeout=200,
                          check=False))
-    g = load_for_generation(str(out / "checkpoints"))
-    assert g.model.lora and "step 20" in g.what
+    g = load_for_generation(str(out / "checkpoints"))     # the best held-out model (issue 32)
+    assert g.model.lora and "best.h5" in g.what, g.what
     ids = np.array([[5, 9, 30, 7, 2, 11]])
     ours = g.model.logits(ids)
     ref = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
