@@ -53,15 +53,17 @@ sys.path.insert(0, str(ROOT / "tests" / "mpi"))
 
 CONFIGS = {
     "mezo-fixed": {"estimator": "mezo", "dist": "gaussian", "lr": 2e-2},
-    "auto-fzoo": {"estimator": "fzoo", "dist": "rademacher", "lr": "auto"},
+    "auto-fzoo": {"estimator": "fzoo", "dist": "rademacher", "lr": "auto", "guard": "auto"},
     "mezo-auto": {"estimator": "mezo", "dist": "gaussian", "lr": "auto"},
     "fzoo-gauss": {"estimator": "fzoo", "dist": "gaussian", "lr": "auto"},
     "mezo-rad": {"estimator": "mezo", "dist": "rademacher", "lr": 2e-2},
 }
 
 
-def build(max_texts: int = 0):
-    """(model, trainable names, initial values, task) of inputs/llm.toml's prompt task."""
+def build(max_texts: int = 0, labels: list[str] | None = None, template: str = ""):
+    """(model, trainable names, initial values, task) of inputs/llm.toml's prompt task
+    (``labels``/``template``: other fortune categories and template than the deck's: data the
+    deck was not tuned on; the label words are then the label names)."""
     from semzo.deck import load
     from semzo.finetune.trainable import select_trainable
     from semzo.model import Tokenizer, load_model
@@ -69,7 +71,7 @@ def build(max_texts: int = 0):
     from semzo.tasks.prompt import PromptTask, encode_prompts, first_trained_block, label_word_ids
 
     deck = load(ROOT / "inputs" / "llm.toml", check_inputs=False)
-    labels = list(deck.corpus.labels)
+    labels = list(labels or deck.corpus.labels)
     with open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8") as f:
         recs = [json.loads(line) for line in f]
     recs = [r for r in recs if r.get("label") in labels]
@@ -83,8 +85,10 @@ def build(max_texts: int = 0):
     tok = Tokenizer.from_folder(str(folder), max_length=None)
     tok.tk.no_truncation()
     pr = deck.prompt
-    word_ids = label_word_ids(tok, labels, pr.label_words, pr.template, "bench")
-    seqs = encode_prompts(tok, [r["text"] for r in recs], pr.template, t.max_length,
+    tmpl = template or pr.template
+    words = [] if template or labels != list(deck.corpus.labels) else pr.label_words
+    word_ids = label_word_ids(tok, labels, words, tmpl, "bench")
+    seqs = encode_prompts(tok, [r["text"] for r in recs], tmpl, t.max_length,
                           int(m.config.max_positions), "bench")
     y = np.array([labels.index(r["label"]) for r in recs])
     held = heldout_mask(np.array([int(r["id"]) for r in recs]), deck.run.seed,
@@ -101,15 +105,35 @@ def build(max_texts: int = 0):
     return deck, m, names, init, task
 
 
+def parse_config(name: str) -> dict:
+    """A named configuration of :data:`CONFIGS`, or ``key=value`` pairs joined by ``:``
+    (keys estimator, dist, lr, schedule, min_lr_ratio, guard: the loss guard's window, or
+    auto, the default with lr auto), e.g.
+    ``estimator=fzoo:dist=rademacher:lr=auto:schedule=cosine``."""
+    if name in CONFIGS:
+        return dict(CONFIGS[name])
+    cfg = {"estimator": "mezo", "dist": "gaussian", "lr": 2e-2}
+    for kv in name.split(":"):
+        k, v = kv.split("=", 1)
+        cfg[k] = v if k in ("estimator", "dist", "schedule") or v == "auto" else float(v)
+    # (safety: autolr.SAFETY; apart=1: the line searches on a batch apart from the direction's)
+    cfg.setdefault("guard", "auto" if cfg["lr"] == "auto" else 0)
+    return cfg
+
+
 def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch: int,
             eval_every: int) -> dict:
     from zo_common import SoloTopo
 
+    from semzo.finetune.autolr import guard_window
     from semzo.finetune.data import Batcher
     from semzo.finetune.loop import LoopConfig, TrainState, evaluate, train
     from semzo.zo.engine import ZOEngine
     from semzo.zo.perturb import ztensors
 
+    import semzo.finetune.autolr as autolr
+    autolr.SAFETY = float(cfg.get("safety", 0.5))
+    autolr.APART = bool(cfg.get("apart", 0))
     for n in names:
         np.copyto(m.params[n], init[n])
     topo = SoloTopo()
@@ -130,7 +154,9 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
 
     b = Batcher(task.train_rows.size, batch, seed, 0)
     lc = LoopConfig(steps=steps, lr=cfg["lr"], eval_every=ev, log_every=10**9,
-                    checksum_every=0)
+                    checksum_every=0, schedule=cfg.get("schedule", "constant"),
+                    min_lr_ratio=float(cfg.get("min_lr_ratio", 0.0)),
+                    guard=guard_window(cfg.get("guard", 0), steps))
     # the held-out evaluations' time is not the optimizer's: timed and subtracted
     import semzo.finetune.loop as loop_mod
     real_eval = loop_mod.evaluate
@@ -196,6 +222,10 @@ def main() -> None:
                     "zero-shot held-out loss when it starts with -")
     ap.add_argument("--texts", type=int, default=0, help="only the first N labelled texts")
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--labels", default="", help="comma-separated fortune categories other "
+                    "than the deck's (data it was not tuned on)")
+    ap.add_argument("--template", default="", help="the prompt template for --labels "
+                    "(default: the deck's)")
     ap.add_argument("--json", default="")
     ap.add_argument("--from-log", default="", help="summarize the per-run lines of an earlier "
                     "invocation's output (the seeds every configuration finished)")
@@ -209,12 +239,13 @@ def main() -> None:
         numba.set_num_threads(a.threads)
     from semzo.runtime import get_logger
     get_logger("semzo").setLevel("WARNING")
-    deck, m, names, init, task = build(a.texts)
+    deck, m, names, init, task = build(a.texts, a.labels.split(",") if a.labels else None,
+                                       a.template)
     configs = a.configs.split(",")
     res: dict[str, list[dict]] = {c: [] for c in configs}
     for seed in range(a.seeds):
         for c in configs:
-            r = run_one(deck, m, names, init, task, CONFIGS[c], seed, a.forwards, a.batch,
+            r = run_one(deck, m, names, init, task, parse_config(c), seed, a.forwards, a.batch,
                         a.eval_every)
             res[c].append(r)
             print(f"{c:11s} seed {seed}: lr {r['lr']:.3g}, {r['steps']} steps, acc "

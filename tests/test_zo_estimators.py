@@ -146,7 +146,7 @@ def test_fzoo_auto_resume_is_bit_exact(folders):
         m, names, task = _task(folders, "classify")
         eng = _engine(m, names, 5, z)
         b = Batcher(task.train_rows.size, 8, 5, 0)
-        cfg = LoopConfig(steps=40, lr="auto", schedule="cosine", history=8)
+        cfg = LoopConfig(steps=40, lr="auto", schedule="cosine", history=8, guard=5)
         s = TrainState(run_seed=5)
         if split:
             s = train(eng, task, b, s, cfg, stop=_StopAt(16))
@@ -217,6 +217,48 @@ def test_auto_step_lands_in_a_sane_range(folders, est):
         assert 1e-4 * rms < per_coord < 0.5 * rms, (lr, per_coord, rms)
 
 
+# ----------------------------------------------------------------------------- the guard
+def _feed(losses, window):
+    s = TrainState()
+    acts = []
+    for i, v in enumerate(losses):
+        if autolr.guard_update(s, float(v), window):
+            acts.append(i)
+    return s, acts
+
+
+def test_guard_halves_the_lr_when_the_loss_rises():
+    rng = np.random.default_rng(0)
+    down = 2.0 - np.linspace(0, 1, 100) + 0.05 * rng.standard_normal(100)   # learning
+    up = 1.0 + np.linspace(0, 2, 100) + 0.05 * rng.standard_normal(100)     # diverging
+    s, acts = _feed(np.concatenate([down, up]), 10)
+    assert acts and acts[0] >= 100 and acts[0] < 130, acts   # within 3 windows of the turn
+    assert s.lr_scale == autolr.GUARD_FACTOR ** len(acts)
+    s, acts = _feed(down, 10)
+    assert acts == [] and s.lr_scale == 1.0
+    assert math.isclose(s.gw_best, float(down[90:].mean()), rel_tol=1e-12)
+    assert s.gw_windows == 10
+
+
+def test_guard_stays_put_on_a_noisy_plateau():
+    """Stationary noise (a loss that has stopped falling) over 60 windows: no false alarm
+    (at 4 combined standard errors above the best window, each window's chance is well under 0.1 %); a NaN is ignored."""
+    rng = np.random.default_rng(1)
+    v = 0.7 + 0.3 * rng.standard_normal(1200)
+    v[17] = math.nan
+    s, acts = _feed(v, 20)
+    assert acts == [] and s.lr_scale == 1.0
+
+
+def test_guard_window_setting():
+    assert autolr.guard_window("auto", 600) == 20
+    assert autolr.guard_window("auto", 60) == autolr.GUARD_MIN_WINDOW
+    assert autolr.guard_window(0, 600) == 0 and autolr.guard_window(7, 600) == 7
+    assert ZoSection().lr_guard_name == "auto"
+    assert ZoSection(lr=0.01).lr_guard_name == 0           # a fixed lr: as before
+    assert ZoSection(lr=0.01, lr_guard=12).lr_guard_name == 12
+
+
 # ----------------------------------------------------------------------------- learning
 SEEDS, STEPS = 3, 150
 
@@ -233,7 +275,8 @@ def test_defaults_learn_two_tasks(folders, kind):
         eng = _engine(m, names, seed, z)
         before = evaluate(task, SoloTopo())[0]
         train(eng, task, Batcher(task.train_rows.size, 16, seed, 0), TrainState(run_seed=seed),
-              LoopConfig(steps=STEPS, lr=z.lr, log_every=1000, checksum_every=0))
+              LoopConfig(steps=STEPS, lr=z.lr, log_every=1000, checksum_every=0,
+                         guard=autolr.guard_window(z.lr_guard_name, STEPS)))
         drops.append(before - evaluate(task, SoloTopo())[0])
     drops = np.array(drops)
     se = drops.std(ddof=1) / math.sqrt(SEEDS)

@@ -40,8 +40,8 @@ def markdown() -> str:
                 allowed.append(f"<= {m['max']}")
             t = f.type if isinstance(f.type, str) else f.type.__name__
             t = {"tuple": "list of strings"}.get(t, t)
-            if m["kind"] == "float_or_auto":
-                t = "float or \"auto\""
+            if m["kind"] in ("float_or_auto", "int_or_auto"):
+                t = f"{t} or \"auto\""
             out.append(f"| `{f.name}` | {t} | `{_toml_value(default)}` | "
                        f"{'; '.join(allowed) or '-'} | {m['doc']} |")
         out.append("")

@@ -36,9 +36,10 @@ def _check_value(src: str, path: str, f: dataclasses.Field, value: Any) -> Any:
     def bad(msg: str) -> DeckError:
         return DeckError(f"{src}: {path}: {msg}")
 
-    if meta["kind"] == "float_or_auto" and isinstance(value, str):
+    if meta["kind"] in ("float_or_auto", "int_or_auto") and isinstance(value, str):
         if value != "auto":
-            raise bad(f"expected a number or \"auto\", got {value!r}")
+            what = "a number" if meta["kind"] == "float_or_auto" else "an integer"
+            raise bad(f"expected {what} or \"auto\", got {value!r}")
         return value
     if want == "float" and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)

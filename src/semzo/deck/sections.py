@@ -147,11 +147,12 @@ class ZoSection:
                     choices=("data", "perturbation", "hybrid"))
     eps: float = key(1e-3, "Perturbation size: losses at theta + eps z and theta - eps z.",
                      min=0.0, min_excl=True)
-    lr: float = key("auto", "Peak learning rate (see train.schedule), or `auto`: a short "
-                    "scan at the start picks it (a few candidates, each a handful of steps from "
-                    "the same start on training batches, the lowest loss on probe batches "
-                    "wins, halved; at most `lr_scan_fraction` of the run's forward passes; "
-                    "logged and kept in checkpoints).", min=0.0, kind="float_or_auto")
+    lr: float = key("auto", "Peak learning rate (see train.schedule), or `auto`: line searches "
+                    "at the start pick it (along a few ZO update directions, on training "
+                    "batches apart from the run's, the loss-minimizing step scaled down; at "
+                    "most `lr_scan_fraction` of the run's forward passes; logged and kept in "
+                    "checkpoints), and the loss guard (`lr_guard`) lowers it if the training "
+                    "loss rises.", min=0.0, kind="float_or_auto")
     estimator: str = key("auto", "Gradient estimator: `mezo` (two-sided SPSA, one direction "
                          "per seed group), `fzoo` (a base loss and N one-sided directions per "
                          "step, the step divided by the spread of their losses: FZOO, Dang et "
@@ -163,6 +164,13 @@ class ZoSection:
                           "groups, ceil(N / groups) each, one seed and one loss per "
                           "direction). Each costs one forward pass; the base loss one more.",
                           min=1, max=1024)
+    lr_guard: int = key("auto", "The loss guard: the training loss (each step's global-batch "
+                        "mean at theta) is averaged over windows of this many steps; when a "
+                        "window's mean is 3 standard errors above the best window's the lr is "
+                        "halved for the rest of the run (logged; kept in checkpoints). 0 = off; "
+                        "`auto` = windows of max(5, train.steps // 30) steps when `lr` is "
+                        "`auto`, off for a fixed lr (fixed-lr decks keep their meaning).",
+                        min=0, kind="int_or_auto")
     lr_scan_fraction: float = key(0.1, "`lr = \"auto\"`: the scan's forward passes at most this "
                                   "fraction of the run's.", min=0.0, max=0.5, min_excl=True)
     weight_decay: float = key(0.0, "Weight decay (not on biases and LayerNorm weights).",
@@ -208,6 +216,13 @@ class ZoSection:
         if self.estimator != "auto":
             return self.estimator
         return "fzoo" if self.lr == "auto" else "mezo"
+
+    @property
+    def lr_guard_name(self) -> int | str:
+        """The guard's window setting (``auto`` resolved by the lr: off for a fixed lr)."""
+        if self.lr_guard != "auto":
+            return int(self.lr_guard)
+        return "auto" if self.lr == "auto" else 0
 
     @property
     def dist_name(self) -> str:

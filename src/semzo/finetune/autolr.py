@@ -48,6 +48,7 @@ FACTOR = 4.0              # between candidates
 SAFETY = 0.5              # the line search's minimizer times this
 MAX_CANDIDATES = 12       # per direction
 MAX_DIRECTIONS = 4
+APART = False             # the line search on a second batch, apart from the direction's
 
 
 def forwards_per_step(engine: ZOEngine) -> int:
@@ -104,6 +105,10 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
     n_dirs = plan(budget, per)
     pos, _e, _p = batcher.next(PROBE_EPOCH, 0)
     batch = task.batch(pos)
+    dbatch = batch
+    if APART:                 # the directions from another batch than the line searches'
+        pos2, _e, _p = batcher.next(PROBE_EPOCH + 1, 0)
+        dbatch = task.batch(pos2)
     n_b = float(task.batch_weight(batch) if hasattr(task, "batch_weight") else batch[3])
 
     def probe_loss() -> float:
@@ -122,7 +127,7 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         theta = 1e-2 * math.sqrt(engine.n_trainable)
     picks = []
     for r in range(max(n_dirs, 1)):
-        res = step_fn(batch, SCAN_STEP0 + r, 0.0)
+        res = step_fn(dbatch, SCAN_STEP0 + r, 0.0)
         used += per
         snap.restore()
         if not res.ok:
@@ -182,3 +187,58 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
                  ", ".join(f"{x:.2e}" for x in picks), SAFETY, used,
                  100.0 * used / max(steps_left * per, 1))
     return chosen, used
+
+
+# ----------------------------------------------------------------------------- the guard
+GUARD_Z = 4.0             # a window's mean loss this many standard errors above the best's
+GUARD_REL = 0.05          # and this fraction above it: the loss rises
+GUARD_FACTOR = 0.5        # the lr scale after a rise
+GUARD_MIN_WINDOW = 5
+
+
+def guard_window(setting, steps: int) -> int:
+    """Steps per window of the loss guard: ``zo.lr_guard`` = an int (0 = off), or ``auto``
+    (``max(5, steps // 30)``, so a run sees about 30 windows)."""
+    if setting == "auto":
+        return max(GUARD_MIN_WINDOW, steps // 30)
+    return int(setting)
+
+
+def guard_update(state, loss: float, window: int) -> str:
+    """Feed one step's training loss (the global batch's mean at theta, the same on every
+    rank) into the guard; at the end of a window compare the window's mean with the best
+    window's: when it is both :data:`GUARD_Z` standard errors of their difference (the
+    step-to-step variance pooled over all windows so far) and :data:`GUARD_REL`
+    of the best above it the loss is rising (the step is too large for where training now is)
+    and ``state.lr_scale`` is multiplied by :data:`GUARD_FACTOR`. (The best of K noisy windows
+    lies about sqrt(2 ln K) standard errors below the true mean: hence 4, not 2 or 3, so a
+    loss that merely stopped falling does not trip it over a run of some 30 windows.) Returns a message for the log when it acted, else "". Deterministic
+    in the losses, so every rank takes the same decision without a collective."""
+    if not math.isfinite(loss):
+        return ""
+    state.gw_n += 1
+    state.gw_sum += loss
+    state.gw_sq += loss * loss
+    if state.gw_n < window:
+        return ""
+    n = state.gw_n
+    mean = state.gw_sum / n
+    var = max(state.gw_sq / n - mean * mean, 0.0) * n / max(n - 1, 1)
+    state.gw_n, state.gw_sum, state.gw_sq = 0, 0.0, 0.0
+    state.gw_windows += 1                  # the step-to-step variance, pooled over windows
+    state.gw_var += (var - state.gw_var) / state.gw_windows
+    se = math.sqrt(state.gw_var / n)
+    if not math.isfinite(state.gw_best):
+        state.gw_best = mean
+        return ""
+    lim = state.gw_best + max(GUARD_Z * math.sqrt(2.0) * se, GUARD_REL * abs(state.gw_best))
+    if mean > lim:
+        old = state.lr_scale
+        state.lr_scale *= GUARD_FACTOR
+        return (f"training loss rose: this window's mean {mean:.4f} > the best window's "
+                f"{state.gw_best:.4f} by more than {GUARD_Z:g} standard errors and "
+                f"{100 * GUARD_REL:g} %; lr scale {old:.3g} -> {state.lr_scale:.3g} "
+                f"(zo.lr_guard)")
+    if mean < state.gw_best:
+        state.gw_best = mean
+    return ""

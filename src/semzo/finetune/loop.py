@@ -24,7 +24,7 @@ from ..runtime import EXIT_FAILURE, SemzoError, get_logger
 from ..tasks.base import Task
 from ..zo.engine import ZOEngine
 from ..zo.streamed import staged_loss, staged_score, step_streamed
-from .autolr import scan_lr
+from .autolr import guard_update, guard_window, scan_lr
 from .data import Batcher
 from .schedule import lr_at
 
@@ -166,6 +166,13 @@ class TrainState:
     best_step: int = -1            # the best held-out evaluation so far (-1: none)
     best_acc: float = -1.0
     best_loss: float = math.inf
+    lr_scale: float = 1.0          # the loss guard's factor on the schedule's lr (autolr.py)
+    gw_n: int = 0                  # the guard's current window: steps, sum, sum of squares
+    gw_sum: float = 0.0
+    gw_sq: float = 0.0
+    gw_best: float = math.inf      # the best window's mean loss
+    gw_var: float = 0.0            # the step-to-step variance of the loss, pooled
+    gw_windows: int = 0            # windows so far
     hist_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     hist_seed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     hist_g: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
@@ -201,7 +208,11 @@ class TrainState:
                 base_lr=float(d.get("base_lr", -1.0)), forwards=int(d.get("forwards", 0)),
                 best_step=int(d.get("best_step", -1)),
                 best_acc=float(d.get("best_acc", -1.0)),
-                best_loss=float(d.get("best_loss", math.inf)))
+                best_loss=float(d.get("best_loss", math.inf)),
+                lr_scale=float(d.get("lr_scale", 1.0)), gw_n=int(d.get("gw_n", 0)),
+                gw_sum=float(d.get("gw_sum", 0.0)), gw_sq=float(d.get("gw_sq", 0.0)),
+                gw_best=float(d.get("gw_best", math.inf)),
+                gw_var=float(d.get("gw_var", 0.0)), gw_windows=int(d.get("gw_windows", 0)))
         s.hist_step = np.array(d["hist_step"], np.int64)
         s.hist_seed = np.array(d["hist_seed"], np.uint64)
         s.hist_g = np.array(d["hist_g"], np.float64)
@@ -249,6 +260,7 @@ class LoopConfig:
     max_skips: int = 10
     history: int = 16
     lr_scan_fraction: float = 0.1
+    guard: int = 0                 # the loss guard's window in steps (0 = off)
 
     @classmethod
     def from_deck(cls, deck) -> LoopConfig:
@@ -256,7 +268,8 @@ class LoopConfig:
         return cls(steps=t.steps, lr=z.lr, schedule=t.schedule, warmup_steps=t.warmup_steps,
                    min_lr_ratio=t.min_lr_ratio, eval_every=t.eval_every, log_every=t.log_every,
                    checksum_every=z.checksum_every, max_skips=t.max_skips, history=z.history,
-                   lr_scan_fraction=z.lr_scan_fraction)
+                   lr_scan_fraction=z.lr_scan_fraction,
+                   guard=guard_window(z.lr_guard_name, t.steps))
 
 
 def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
@@ -308,8 +321,8 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
         t_step = time.perf_counter()
         if stop is not None:
             stop.start(step)
-        lr = lr_at(step, cfg.steps, state.base_lr, cfg.schedule, cfg.warmup_steps,
-                   cfg.min_lr_ratio)
+        lr = state.lr_scale * lr_at(step, cfg.steps, state.base_lr, cfg.schedule,
+                                    cfg.warmup_steps, cfg.min_lr_ratio)
         positions, state.epoch, state.pos = batcher.next(state.epoch, state.pos)
         batch = task.batch(positions)
         res = run_step(batch, step, lr)
@@ -320,6 +333,10 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
         state.step = step + 1
         if res.ok:
             state.record(step, res.seeds, res.gs, cfg.history)
+            if cfg.guard:
+                msg = guard_update(state, res.loss, cfg.guard)
+                if msg and topo.rank == 0:
+                    log.warning("step %d: %s", step, msg)
         else:
             state.skips += 1
             if not (math.isfinite(res.lp) and math.isfinite(res.lm)):
