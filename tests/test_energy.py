@@ -81,7 +81,7 @@ def test_rapl_unreadable_counter_is_not_measured(tmp_path):
 def test_rapl_unreadable_counter_is_not_measured_as_root_too(tmp_path, monkeypatch):
     """Since Linux 5.10 energy_uj is root-only: a PermissionError however it arises."""
     root = powercap(tmp_path, {0: (1, 100)})
-    import semzo.energy as energy
+    from semzo import energy
 
     real = energy._read_int
 
@@ -164,7 +164,7 @@ class OneRank:
 
     rank, size = 0, 1
     rank_node = np.array([0])
-    node_names = ["hostA/sim0"]
+    node_names = ("hostA/sim0",)
 
     class world:
         @staticmethod
