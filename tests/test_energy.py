@@ -171,6 +171,10 @@ class OneRank:
         def allgather(x):
             return [x]
 
+        @staticmethod
+        def bcast(x, root=0):
+            return x
+
     @staticmethod
     def allreduce(buf):
         return buf
@@ -230,6 +234,34 @@ def test_meter_counter_that_breaks_mid_run_stops_counting(tmp_path):
     assert m.read().joules is None and not m.cpu
     set_uj(root, 0, 2_000_000)
     assert m.read().joules is None                 # never again in this run
+
+
+@pytest.mark.parametrize("before", ["", "3.0"])
+def test_resumed_stage_continues_from_the_kept_rows(tmp_path, monkeypatch, before):
+    """A resumed finetune stage's meter starts from the last use its kept metrics rows
+    recorded; joules stay "not measured" when the run before the checkpoint had none."""
+    from types import SimpleNamespace
+
+    from semzo.finetune.report import Metrics
+    from semzo.finetune.stage import _energy_meter
+
+    root = powercap(tmp_path / "pc", {0: (0, 10**9)})
+    monkeypatch.setenv("SEMZO_TEST_POWERCAP", str(root))
+    _write(tmp_path / "metrics.csv", COLUMNS,
+           [{"kind": "eval", "step": 0, "heldout_loss": 1.0, "core_s": 1.0,
+             "energy_j": before and 1.0, "cpu_energy_j": before and 1.0},
+            {"kind": "eval", "step": 10, "heldout_loss": 0.9, "core_s": 5.0,
+             "energy_j": before, "cpu_energy_j": before},
+            {"kind": "eval", "step": 20, "heldout_loss": 0.8, "core_s": 9.0,
+             "energy_j": before and 9.0, "cpu_energy_j": before and 9.0}])
+    metrics = Metrics(tmp_path, active=True, keep_until=10)    # checkpoint at step 10
+    ctx = SimpleNamespace(topo=OneRank(), deck=SimpleNamespace(run=SimpleNamespace(device="cpu")))
+    meter = _energy_meter(ctx, metrics)
+    set_uj(root, 0, 2_000_000)
+    got = meter.read()
+    assert 5.0 < got.core_s < 9.0
+    assert got.joules == (None if before == "" else 5.0)
+    assert got.gpu_j is None
 
 
 def test_host_of_simulated_nodes():
