@@ -125,7 +125,7 @@ class Nvml:
             try:
                 import pynvml as nvml  # nvidia-ml-py, only for GPU runs
             except ImportError:
-                self.reason = "nvidia-ml-py is not installed (pip install semzo[gpu])"
+                self.reason = "nvidia-ml-py is not installed (a runtime dependency: make setup)"
                 return
         try:
             nvml.nvmlInit()
