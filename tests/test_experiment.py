@@ -4,6 +4,7 @@ and report are checked."""
 
 import csv
 import math
+import re
 import subprocess
 import sys
 
@@ -147,6 +148,20 @@ def test_experiment_report_and_plots(experiment):
     assert "semantic vs shuffle" in text
     table = [ln for ln in text.splitlines() if ln.startswith("| shuffle | hybrid |")]
     assert len(table) == 4                 # accuracy, loss, forward passes to target, time
+    # energy to the target: joules where the machine has a readable meter, else "not
+    # measured"; core-seconds always, over the seeds that reached the target
+    assert "| energy to target, J | CPU core-s to target |" in text
+    runs = [_metrics(p) for p in out.glob("*/*/seed*/metrics.csv")]
+    measured = all(r[-1]["energy_j"] != "" for r in runs)
+    rows = 0
+    for ln in text.splitlines():
+        m = re.fullmatch(r"\| (?:semantic|shuffle) \| \w+ \| [^|]+ \| ([12])/2 \| ([^|]+) \| "
+                         r"([^|]+) \|", ln)
+        if m:
+            rows += 1
+            assert re.fullmatch(r"[\d,]+\.\d( ± [\d,]+\.\d)?", m[3].strip()), ln
+            assert (m[2].strip() != "not measured") == measured, ln
+    assert rows >= 1           # the target lies halfway to the best final loss: reached
     for png in ("accuracy.png", "loss.png", "time.png"):
         assert (out / png).stat().st_size > 10_000
     with h5py.File(out / "experiment.h5") as f:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
 import shutil
 import sys
@@ -69,6 +70,18 @@ def test_pipeline_with_finetune(run):
         assert int(r["heldout_n"]) > 0
     assert "HELD-OUT ACCURACY before" in proc.stderr
     assert "mode hybrid (2 seed groups)" in proc.stderr
+    # energy so far on eval rows (semzo/energy.py): core-seconds always, growing; joules only
+    # where this machine's RAPL is readable, and then the summary says so
+    core = [float(r["core_s"]) for r in evals]
+    assert core[0] > 0 and core == sorted(core) and core[-1] > core[0]
+    assert all(r["energy_j"] == "" for r in train) and all(r["core_s"] == "" for r in train)
+    if evals[-1]["energy_j"] == "":
+        assert all(r["energy_j"] == r["cpu_energy_j"] == r["gpu_energy_j"] == "" for r in evals)
+        assert "finetune: energy not measured (no readable RAPL/NVML)" in proc.stderr
+        assert re.search(r"energy not measured \(no readable RAPL/NVML\), CPU core-seconds "
+                         r"[0-9.]+", proc.stderr)
+    else:
+        assert "energy J " in proc.stderr and float(evals[-1]["energy_j"]) >= 0
     with h5py.File(out / "model.h5") as f:
         names = json.loads(f.attrs["trainable"])
         assert names and set(names) == set(f.keys())
@@ -127,6 +140,54 @@ def test_finetune_stage_head_only_uses_cached_features(run):
     assert len([r for r in rows if r["kind"] == "train"]) == 200
     with h5py.File(out / "model.h5") as f:
         assert set(json.loads(f.attrs["trainable"])) == {"classifier.weight", "classifier.bias"}
+
+
+def test_finetune_stage_energy_from_a_fake_powercap(run, tmp_path):
+    """SEMZO_TEST_POWERCAP: a fake RAPL package whose counter a thread here advances at
+    100 W of wall time (wrapping every 10 s): every eval row has the joules so far, and the
+    last one at least 100 W x the training time (the meter opens before it, reads after)."""
+    import threading
+    import time
+
+    _, out, _ = run
+    pkg = tmp_path / "powercap" / "intel-rapl:0"
+    pkg.mkdir(parents=True)
+    rng = 10**9                                           # uJ: 1 kJ, wraps every 10 s
+    (pkg / "max_energy_range_uj").write_text(f"{rng}\n")
+    rate, t0, stop = 1e8, time.perf_counter(), threading.Event()   # uJ per second
+
+    def write():
+        while True:
+            tmp = pkg / "energy_uj.tmp"
+            tmp.write_text(f"{int(rate * (time.perf_counter() - t0)) % rng}\n")
+            os.replace(tmp, pkg / "energy_uj")                 # never half a number
+            if stop.wait(0.005):
+                return
+    th = threading.Thread(target=write, daemon=True)
+    th.start()
+    try:
+        proc = check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
+                                "--set", f"run.output_dir={out}",
+                                "--set", 'run.stages=["finetune"]',
+                                "--set", f"model.path={run[0] / 'bert'}",
+                                "--set", "train.params=head+last", "--set", "train.last_layers=0",
+                                "--set", "train.steps=40", "--set", "train.eval_every=20",
+                                "--set", "zo.mode=data", "--set", "zo.lr=1e-2", *COMMON],
+                            timeout=180, env={**ENV, "SEMZO_TEST_POWERCAP": str(pkg.parent)}))
+    finally:
+        stop.set()
+        th.join()
+    wall = time.perf_counter() - t0
+    evals = [r for r in _metrics(out / "metrics.csv") if r["kind"] == "eval"]
+    joules = [float(r["energy_j"]) for r in evals]
+    assert [int(r["step"]) for r in evals] == [0, 20, 40]
+    assert joules == sorted(joules) and joules[-1] > 0
+    assert all(r["cpu_energy_j"] == r["energy_j"] and r["gpu_energy_j"] == "" for r in evals)
+    # the thread's writes lag the clock by its sleeps (longer on a loaded machine): 0.5 s
+    assert 1e-6 * rate * (float(evals[-1]["elapsed_s"]) - 0.5) <= joules[-1] <= \
+        1e-6 * rate * wall
+    assert "energy: measured: CPU packages by RAPL on 1 host" in proc.stderr
+    assert re.search(r"energy J [0-9.e+]+, CPU core-seconds [0-9.]+,", proc.stderr)
 
 
 def test_finetune_stage_lm_llama_streamed_offload(run):

@@ -132,10 +132,11 @@ def _same_datasets(a: Path, b: Path, names: tuple[str, ...] = ()) -> None:
 
 
 def _rows(path: Path) -> list[tuple]:
-    """metrics.csv without the timing columns."""
+    """metrics.csv without the timing and energy columns."""
     with open(path, newline="") as f:
         return [tuple(v for k, v in r.items()
-                      if k not in ("compute_s", "comm_s", "elapsed_s", "samples_per_s", "tokens_per_s"))
+                      if k not in ("compute_s", "comm_s", "elapsed_s", "samples_per_s", "tokens_per_s",
+                                   "energy_j", "cpu_energy_j", "gpu_energy_j", "core_s"))
                 for r in csv.DictReader(f)]
 
 

@@ -10,6 +10,11 @@ Definitions (also stated in the report):
   mean, sample standard deviation and min..max over seeds.
 * forward passes to the target loss: first crossing of the held-out loss curve below the target
   (linear interpolation between evaluations), per seed; "not reached" seeds are counted.
+* energy to the target loss: the run's joules so far (``energy_j`` of metrics.csv: RAPL and
+  NVML summed over machines, :mod:`semzo.energy`) at that crossing, interpolated between the
+  evaluations around it like the step; CPU core-seconds (``core_s``, always recorded) alike.
+  Where a run's machine exposed no meter the joules are not measured (nan, "not measured" in
+  the report): never estimated from core-seconds.
 * paired differences: configurations with the same seed share the held-out split, the initial
   head and the ZO seeds' schedule, so sharding A - sharding B is taken per seed; a paired
   t-test (scipy: two-sided one-sample t-test of the differences against 0) gives the p-value,
@@ -29,7 +34,7 @@ from __future__ import annotations
 import csv
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import h5py
@@ -56,6 +61,9 @@ class Run:
     skipped: int
     n_steps: int
     wall_s: float = math.nan     # the finetune stage's wall time
+    # use so far at the evaluation steps (nan: not measured, or a file of an older release)
+    energy_j: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    core_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
 
 @dataclass
@@ -89,15 +97,17 @@ def read_metrics(path: Path) -> dict:
         for row in csv.DictReader(f):
             if row["kind"] == "eval":
                 ev.append((int(row["step"]), _float(row["heldout_loss"]),
-                           _float(row["heldout_acc"])))
+                           _float(row["heldout_acc"]), _float(row.get("energy_j")),
+                           _float(row.get("core_s"))))
             elif row["kind"] == "train":
                 comp += _float(row["compute_s"])
                 comm += _float(row["comm_s"])
                 skipped += int(row["skipped"] or 0)
                 n += 1
     ev.sort()
-    a = np.array(ev, dtype=np.float64).reshape(-1, 3)
+    a = np.array(ev, dtype=np.float64).reshape(-1, 5)
     return {"steps": a[:, 0].astype(np.int64), "loss": a[:, 1], "acc": a[:, 2],
+            "energy_j": a[:, 3], "core_s": a[:, 4],
             "compute_s": comp, "comm_s": comm, "skipped": skipped, "n_steps": n}
 
 
@@ -156,6 +166,23 @@ def crossing(run: Run, target: float) -> float:
         return float(s[0])
     y0, y1 = y[i - 1], y[i]
     return float(s[i - 1] + (s[i] - s[i - 1]) * (y0 - target) / (y0 - y1))
+
+
+def use_to_target(run: Run, target: float, what: str = "energy_j") -> float:
+    """The run's ``what`` (``"energy_j"``: joules, ``"core_s"``: CPU core-seconds) used until
+    its held-out loss first reached ``target`` (:func:`crossing`), interpolated between the
+    evaluations around the crossing; nan when the target is never reached or the use was not
+    measured there."""
+    step = crossing(run, target)
+    y = getattr(run, what)
+    if not math.isfinite(step) or y.size != run.steps.size or y.size == 0:
+        return math.nan
+    s = run.steps.astype(np.float64)
+    i = int(np.searchsorted(s, step))               # evaluations i-1, i bracket the step
+    near = y[max(i - 1, 0):i + 1] if i < s.size and s[i] != step else y[i:i + 1]
+    if not np.all(np.isfinite(near)):
+        return math.nan
+    return float(np.interp(step, s, y))
 
 
 def stats(x) -> tuple[float, float, float, float]:

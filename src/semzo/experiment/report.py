@@ -22,6 +22,7 @@ from .analysis import (
     semantic_cost,
     stats,
     target_loss,
+    use_to_target,
 )
 from .plots import plot, save_h5
 
@@ -194,7 +195,12 @@ def write_report(base: str | Path) -> Path:
     start = stats([r.loss[0] for r in exp.runs])
     L += ["", f"Before fine-tuning: {_pm(start[0], start[1])} (all runs).", ""]
     L += ["## Forward passes to the target loss", "", f"Target held-out loss: {tgt_txt}.", "",
-          "| sharding | mode | forward passes (mean ± sd) | seeds reaching it |", "|---|---|---:|---:|"]
+          ("Energy to the target: joules used until the crossing, all ranks and machines "
+           "(RAPL CPU packages and NVML GPUs where readable); \"not measured\" where the "
+           "machine exposed neither meter (never an estimate); CPU core-seconds of all ranks "
+           "are given always. Both over the seeds that reached the target."), "",
+          ("| sharding | mode | forward passes (mean ± sd) | seeds reaching it | energy to "
+           "target, J | CPU core-s to target |"), "|---|---|---:|---:|---:|---:|"]
     for s in e.shardings:
         for m in e.modes:
             g = exp.group(s, m)
@@ -202,7 +208,8 @@ def write_report(base: str | Path) -> Path:
             st = stats([exp.fp(x) for x in c if math.isfinite(x)])
             reach = sum(math.isfinite(x) for x in c)
             cell = "not reached" if reach == 0 else _pm(st[0], st[1], 1, "{:,.0f}")
-            L.append(f"| {s} | {m} | {cell} | {reach}/{len(g)} |")
+            L.append(f"| {s} | {m} | {cell} | {reach}/{len(g)} | "
+                     f"{_use(g, tgt, 'energy_j', reach)} | {_use(g, tgt, 'core_s', reach)} |")
     L += ["", "## Paired differences at the full budget", "",
           (f"Per seed, {e.shardings[0]} minus the other sharding (same seed, same held-out split, "
           f"same initial model); accuracy in points. `all modes` pools the pairs of every mode. "
@@ -248,6 +255,18 @@ def write_report(base: str | Path) -> Path:
     out = base / "report.md"
     out.write_text("\n".join(L), encoding="utf-8")
     return out
+
+
+def _use(g, tgt: float, what: str, reach: int) -> str:
+    """Mean ± sd of ``what`` to the target over the runs that reached it; "not measured" when
+    one of them has no reading (energy on a machine without RAPL/NVML)."""
+    if reach == 0:
+        return "not reached"
+    u = [use_to_target(r, tgt, what) for r in g if math.isfinite(crossing(r, tgt))]
+    if not all(math.isfinite(x) for x in u):
+        return "not measured"
+    st = stats(u)
+    return _pm(st[0], st[1], 1, "{:,.0f}" if what == "energy_j" else "{:,.1f}")
 
 
 def _lr_text(lr) -> str:

@@ -6,7 +6,12 @@ L- over the global batch), ``g`` (projected gradient), ``lr``, ``compute_s`` and
 (1 for a NaN/Inf step), ``heldout_loss``, ``heldout_acc``, ``heldout_n`` (eval rows; step 0 is
 the model before training), ``sigma`` (``zo.estimator = "fzoo"``: the spread of the step's loss
 differences the update was divided by), ``forwards`` (rank 0's forward passes of ZO steps so
-far, the ``zo.lr = "auto"`` scan included). Empty cells are fields a row does not have.
+far, the ``zo.lr = "auto"`` scan included), and on eval rows the run's use so far
+(:mod:`semzo.energy`), summed over ranks and machines: ``energy_j`` (joules of every meter
+that is measured), ``cpu_energy_j`` (RAPL, CPU packages), ``gpu_energy_j`` (NVML), each empty
+where it is not measured (never an estimate), and ``core_s`` (CPU core-seconds of all ranks,
+always). Empty cells are fields a row does not have. Readers take a file of an older release
+(fewer columns at the end) as having those cells empty.
 
 While the stage runs the rows go to ``metrics.csv.tmp`` (follow progress there); only when the
 stage has finished (``model.h5`` saved) do the plots and ``metrics.csv`` take their final
@@ -25,7 +30,8 @@ import numpy as np
 
 COLUMNS = ("kind", "step", "loss", "g", "lr", "compute_s", "comm_s", "skipped",
            "heldout_loss", "heldout_acc", "heldout_n", "sigma", "forwards", "elapsed_s",
-           "samples_per_s", "tokens_per_s", "heldout_ppl")
+           "samples_per_s", "tokens_per_s", "heldout_ppl", "energy_j", "cpu_energy_j",
+           "gpu_energy_j", "core_s")
 
 
 class Metrics:
@@ -88,11 +94,13 @@ def _read_rows(path: Path, until: int) -> list[dict]:
     """The rows of a metrics file (as text) that a checkpoint at step ``until`` (the next step
     to run) covers: training rows of steps ``< until`` (a row's step is the step it ran), other
     rows (evaluations after ``step`` steps) ``<= until``; [] when the file is missing or has
-    another header."""
+    another header (an older release's header, a first part of today's, is read: the
+    columns it lacks are empty)."""
     try:
         with open(path, newline="", encoding="utf-8") as f:
             r = csv.DictReader(f)
-            if tuple(r.fieldnames or ()) != COLUMNS:
+            head = tuple(r.fieldnames or ())
+            if not head or head != COLUMNS[:len(head)]:
                 return []
             return [row for row in r if row.get("step", "").isdigit() and
                     (int(row["step"]) < until if row.get("kind") == "train"

@@ -26,6 +26,8 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checkpoint import Checkpointer, list_checkpoints
+from ..energy import EnergyMeter, Reading, powercap_root
+from ..energy import summary as energy_summary
 from ..h5check import SHARD_KEYS, agree, deck_drift
 from ..h5io import create_collective, row_range, string_array, write_slab
 from ..model import Tokenizer, load_model
@@ -196,12 +198,14 @@ def run_finetune_stage(ctx) -> dict:
     # a resumed run keeps the rows of metrics.csv up to its checkpoint and the held-out
     # figures from before fine-tuning that the checkpoint recorded (not those at the resume)
     metrics = Metrics(ctx.outdir, active=topo.rank == 0, keep_until=resumed_from)
+    meter = _energy_meter(ctx, metrics)
+    add_row = _metered(metrics.add, meter)
     # what the held-out count counts
     unit = {"lm": "tokens", "sft": "completion tokens"}.get(task_kind, "samples")
     if before is None:
         before = evaluate(task, topo, engine.store)
         if resumed_from is None:
-            metrics.add({"kind": "eval", "step": state.step, "heldout_loss": before[0],
+            add_row({"kind": "eval", "step": state.step, "heldout_loss": before[0],
                          "heldout_acc": before[1], "heldout_n": before[2],
                          **perplexity(task, before[0])})
         log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d " + unit + ")",
@@ -227,7 +231,7 @@ def run_finetune_stage(ctx) -> dict:
     if state.step == 0:                          # the model before training is a candidate
         saver.on_eval(state, before[0], before[1])
     with StopRequest(topo.world) as stop:       # SIGUSR1 / SIGTERM: checkpoint, then stop
-        state = train(engine, task, batcher, state, cfg, on_row=saver.on_row(metrics.add),
+        state = train(engine, task, batcher, state, cfg, on_row=saver.on_row(add_row),
                       on_comm=add_comm, on_step=saver, on_eval=saver.on_eval, stop=stop)
     secs = time.perf_counter() - t0
     saver.final(state)
@@ -238,10 +242,12 @@ def run_finetune_stage(ctx) -> dict:
                         f"step {state.step} of {steps}, checkpoint {ck.last_path} written; "
                         f"the same command with --resume continues")
     after = evaluate(task, topo, engine.store)
+    used = meter.read()
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": after[0],
                  "heldout_acc": after[1], "heldout_n": after[2],
                  "elapsed_s": time.perf_counter() - t0, "forwards": state.forwards,
-                 **perplexity(task, after[0])})
+                 **perplexity(task, after[0]), **used.row()})
+    meter.close()
     saver.on_eval(state, after[0], after[1])
     saver.close()
     if t.save != "none":
@@ -255,6 +261,12 @@ def run_finetune_stage(ctx) -> dict:
     log.info("finetune: %d steps in %.1f s (%.2f steps/s), %d skipped", ran, secs,
              ran / max(secs, 1e-9), state.skips)
     _log_device_memory(ctx, topo, engine, model)
+    if used.joules is None:
+        log.info("finetune: energy not measured (no readable RAPL/NVML); %.1f CPU "
+                 "core-seconds (all ranks)", used.core_s)
+    else:
+        log.info("finetune: energy %.1f J (%s); %.1f CPU core-seconds (all ranks)",
+                 used.joules, meter.describe(), used.core_s)
     log.info("HELD-OUT %s before %.4f -> after %.4f (%+.2f points); loss %.4f -> %.4f "
              "(%d " + unit + ")", what.upper(), before[1], after[1], 100 * (after[1] - before[1]),
              before[0], after[0], after[2])
@@ -269,6 +281,7 @@ def run_finetune_stage(ctx) -> dict:
            "forward passes": int(state.forwards)}
     if task_kind == "lm" and math.isfinite(after[0]):
         out["heldout ppl after"] = math.exp(min(after[0], 700.0))
+    out.update(energy_summary(used, meter))
     out.update(_summary_best(state, before, after, task_kind, t.eval_every > 0, ck,
                              topo.rank == 0))
     if resumed_from is not None:
@@ -284,6 +297,42 @@ def run_finetune_stage(ctx) -> dict:
                  f", `semzo generate {where / 'model.h5'} --prompt TEXT` runs it"
                  if model.kind == "decoder" else "", where / "model.h5")
     return out
+
+
+def _energy_meter(ctx, metrics: Metrics) -> EnergyMeter:
+    """The run's :class:`~semzo.energy.EnergyMeter` (RAPL; NVML on GPU runs, this rank's GPU
+    by PCI bus id). A resumed run continues from the last use its kept rows recorded (rank 0
+    has them; broadcast). Collective."""
+    topo = ctx.topo
+    gpu = None
+    if ctx.deck.run.device == "gpu":
+        gpu = str(ctx.xp.cuda.Device().pci_bus_id)
+    meter = EnergyMeter(topo, gpu=gpu, powercap=powercap_root(),
+                        gpu_run=ctx.deck.run.device == "gpu")
+    last = None
+    if topo.rank == 0:
+        done = [r for r in metrics.rows if r.get("core_s") is not None]
+        if done:
+            r = done[-1]
+            last = (r.get("cpu_energy_j"), r.get("gpu_energy_j"), float(r["core_s"]))
+    last = topo.world.bcast(last, root=0)
+    if last is not None:
+        meter.offset = Reading(*last)
+    return meter
+
+
+def _metered(add, meter: EnergyMeter):
+    """``add`` (Metrics.add) with the energy so far on eval rows (a collective read: every
+    rank passes every eval row, at the same steps) and a local poll of the counters on the
+    others (the RAPL counters wrap within minutes at full power)."""
+
+    def add_row(row: dict) -> None:
+        if row.get("kind") == "eval":
+            row = {**row, **meter.read().row()}
+        else:
+            meter.poll()
+        add(row)
+    return add_row
 
 
 def _log_generations(task, topo, when: str):
