@@ -269,8 +269,12 @@ class TrainSection:
     batch_size: int = key(16, "Training texts per rank per step.", min=1, max=65536)
     max_length: int = key(64, "Tokens per text in fine-tuning (0 = model.max_length).",
                           min=0, max=512)
-    schedule: str = key("constant", "Learning-rate schedule after warm-up.",
-                        choices=("constant", "linear", "cosine"))
+    schedule: str = key("auto", "Learning-rate schedule after warm-up: `constant`, "
+                        "`linear` or `cosine` decay (to `min_lr_ratio` x zo.lr at the last "
+                        "step), or `auto`: `cosine` when zo.lr is `auto` (a normalized ZO "
+                        "step does not shrink by itself near a minimum), `constant` for a fixed "
+                        "zo.lr (fixed-lr decks keep their meaning).",
+                        choices=("auto", "constant", "linear", "cosine"))
     warmup_steps: int = key(0, "Linear warm-up from 0 to zo.lr over this many steps.", min=0)
     min_lr_ratio: float = key(0.0, "`linear`/`cosine`: final learning rate as a fraction of "
                               "zo.lr.", min=0.0, max=1.0)

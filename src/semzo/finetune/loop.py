@@ -245,6 +245,14 @@ def evaluate(task: Task, topo, store=None) -> tuple[float, float, int]:
 
 
 # ----------------------------------------------------------------------------- the loop
+def schedule_name(deck) -> str:
+    """``train.schedule`` with ``auto`` resolved: cosine with ``zo.lr = "auto"``, else
+    constant."""
+    if deck.train.schedule != "auto":
+        return deck.train.schedule
+    return "cosine" if deck.zo.lr == "auto" else "constant"
+
+
 @dataclass
 class LoopConfig:
     """What :func:`train` needs from the deck (``[zo]`` and ``[train]``)."""
@@ -265,7 +273,8 @@ class LoopConfig:
     @classmethod
     def from_deck(cls, deck) -> LoopConfig:
         t, z = deck.train, deck.zo
-        return cls(steps=t.steps, lr=z.lr, schedule=t.schedule, warmup_steps=t.warmup_steps,
+        return cls(steps=t.steps, lr=z.lr, schedule=schedule_name(deck),
+                   warmup_steps=t.warmup_steps,
                    min_lr_ratio=t.min_lr_ratio, eval_every=t.eval_every, log_every=t.log_every,
                    checksum_every=z.checksum_every, max_skips=t.max_skips, history=z.history,
                    lr_scan_fraction=z.lr_scan_fraction,

@@ -52,6 +52,7 @@ from ..zo.offload import HostStore
 from ..zo.perturb import ztensors
 from .data import Batcher, read_shard
 from .loop import (
+    schedule_name,
     LoopConfig,
     Preempted,
     StopRequest,
@@ -191,7 +192,7 @@ def run_finetune_stage(ctx) -> dict:
              else f"head+last:{t.last_layers}", len(names), n_tr, n_all,
              100.0 * n_tr / max(n_all, 1), n_train, n_held, z.mode, engine.n_groups,
              "s" if engine.n_groups > 1 else "", t.batch_size, max_len, steps,
-             z.lr if z.lr == "auto" else f"{z.lr:.2e}", t.schedule, z.eps, z.dist_name,
+             z.lr if z.lr == "auto" else f"{z.lr:.2e}", schedule_name(deck), z.eps, z.dist_name,
              z.estimator_name if z.estimator_name == "mezo" else
              f"fzoo ({engine.n_directions} directions per step)")
 
