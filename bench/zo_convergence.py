@@ -125,13 +125,12 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
             eval_every: int) -> dict:
     from zo_common import SoloTopo
 
+    from semzo.finetune import autolr
     from semzo.finetune.autolr import guard_window
     from semzo.finetune.data import Batcher
     from semzo.finetune.loop import LoopConfig, TrainState, evaluate, train
     from semzo.zo.engine import ZOEngine
     from semzo.zo.perturb import ztensors
-
-    import semzo.finetune.autolr as autolr
     autolr.SAFETY = float(cfg.get("safety", 0.5))
     autolr.APART = bool(cfg.get("apart", 0))
     for n in names:

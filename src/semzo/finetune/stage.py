@@ -52,13 +52,13 @@ from ..zo.offload import HostStore
 from ..zo.perturb import ztensors
 from .data import Batcher, read_shard
 from .loop import (
-    schedule_name,
     LoopConfig,
     Preempted,
     StopRequest,
     TrainState,
     evaluate,
     perplexity,
+    schedule_name,
     train,
 )
 from .report import Metrics
