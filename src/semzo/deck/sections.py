@@ -134,6 +134,14 @@ class PlaceSection:
                              "the mean, as a fraction.", min=0.0, max=1.0, min_excl=True)
     memory_cap_mb: float = key(256.0, "Most MiB a rank sends and receives in one Alltoallv "
                                "round of the redistribution.", min=0.0, min_excl=True)
+    rank_weights: str = key("equal", "Heterogeneous ranks: each rank's share of the samples "
+                            "(placement) and of the global batch (`train.batch_size` x ranks, "
+                            "fine-tuning). `equal`; a list of one positive number per rank "
+                            "(shares in proportion); or `measured` (each rank times a fixed "
+                            "matrix-product kernel at the start of the place stage, weights = "
+                            "throughput, agreed by allreduce, logged and stored in shards.h5 "
+                            "for the finetune stage). See docs/placement.md.",
+                            kind="rank_weights")
 
 
 @dataclass(frozen=True)
