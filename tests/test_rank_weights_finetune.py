@@ -58,7 +58,7 @@ def _weights(out):
 
 def _model(out):
     with h5py.File(out / "model.h5") as f:
-        return {k: f[k][...] for k in f.keys()}
+        return {k: f[k][...] for k in f}
 
 
 def _train_rows(out):
