@@ -112,9 +112,9 @@ def test_unequal_weights(base, mode):
 def test_measured_stored_and_reused(base):
     tmp, out = base
     got, proc = _later(tmp, out, "measured", "--set", "place.rank_weights=\"measured\"",
-                       "--set", "train.steps=2", env={"SEMZO_SLOW_RANKS": "1:3.0"})
+                       "--set", "train.steps=2", env={"SEMZO_SLOW_RANKS": "1:10.0"})
     w, counts = _weights(got)
-    assert w[1] < 0.75 * w[0] and abs(w.sum() - 2) < 1e-9
+    assert w[1] < 0.5 * w[0] and abs(w.sum() - 2) < 1e-9
     assert counts[1] < counts[0]
     assert "rank weights (measured: kernel throughput)" in proc.stderr
     first = re.search(r"batch per rank in proportion to the rank weights: (\d+) (\d+)",

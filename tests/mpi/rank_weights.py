@@ -1,10 +1,11 @@
 """Heterogeneous ranks under MPI (``place.rank_weights``).
 
 usage: rank_weights.py
-    Run with SEMZO_SLOW_RANKS="1:3.0" (rank 1 three times slower). Every rank checks: the
+    Run with SEMZO_SLOW_RANKS="1:10.0" (rank 1 ten times slower). Every rank checks: the
     measured weights are the same on every rank, mean 1, and rank 1's is the smallest (below
-    3/4 of every other one); shuffle destinations with weights, computed across the ranks,
-    equal the serial map (MPI.COMM_SELF) and give every rank exactly its apportioned count;
+    half of every other one: on a loaded machine whose ranks share cores, the measured
+    throughputs of equal ranks were seen to differ up to 4x); shuffle destinations with
+    weights, computed across the ranks, equal the serial map (MPI.COMM_SELF) and give every rank exactly its apportioned count;
     random placement with weights meets the apportioned counts exactly and semantic placement
     within balance_tol, with the same quota on every rank.
 """
@@ -22,12 +23,12 @@ from semzo.runtime import run_spmd
 def main():
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
-    w = measure_rank_weights(comm, n=128, reps=5)
+    w = measure_rank_weights(comm, n=128, window_s=0.2, windows=5)
     assert comm.allgather(w.tobytes()) == [w.tobytes()] * size, "weights differ between ranks"
     assert w.shape == (size,) and abs(w.sum() - size) < 1e-9 and (w > 0).all(), w
     if size > 1:
         others = np.delete(w, 1)
-        assert w[1] < 0.75 * others.min(), f"the slowed rank 1 is not the slowest: {w}"
+        assert w[1] < 0.5 * others.min(), f"the slowed rank 1 is not the slowest: {w}"
 
     # shuffle with weights: distributed == serial, exact apportioned counts
     n = 4001

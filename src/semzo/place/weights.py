@@ -4,10 +4,10 @@ each rank takes, and a test hook that slows chosen ranks.
 * ``"equal"`` (the default): every rank the same share; the code paths of a homogeneous run
   (``weights = None`` everywhere), bit for bit.
 * a list of P positive numbers: rank r's share is ``w_r / sum(w)``.
-* ``"measured"``: every rank times a fixed deterministic compute kernel
+* ``"measured"``: every rank runs a fixed deterministic compute kernel
   (:func:`measure_rank_weights`: a float32 matrix product, the shape of a transformer's dense
-  layer) at the start of the place stage; its throughput ``1 / median time`` is agreed by one
-  allreduce. The kernel, not the model: the place stage does not load the model it will
+  layer) at the start of the place stage, all ranks together for about a second; its
+  throughput (runs per second) is agreed by one allreduce. The kernel, not the model: the place stage does not load the model it will
   fine-tune (which may be a decoder, while the sharding stages embed with an encoder), and a
   dense product is what a forward pass spends its time on. The weights are stored in
   ``shards.h5`` (dataset ``rank_weights``) and the finetune stage reads them from there, so a
@@ -37,7 +37,8 @@ log = get_logger(__name__)
 
 SLOW_ENV = "SEMZO_SLOW_RANKS"
 KERNEL_N = 256        # the measuring kernel: (KERNEL_N, KERNEL_N) @ (KERNEL_N, 4 KERNEL_N)
-KERNEL_REPS = 7       # timed repetitions (after one warm-up); the median counts
+WINDOW_S = 0.3       # measuring: runs counted in windows of this many seconds ...
+WINDOWS = 3          # ... this many (the median counts)
 
 
 def apportion(total: int, weights) -> np.ndarray:
@@ -125,20 +126,30 @@ def _kernel(n: int) -> Callable[[], float]:
     return run
 
 
-def measure_rank_weights(comm, *, n: int = KERNEL_N, reps: int = KERNEL_REPS) -> np.ndarray:
-    """float64 ``(P,)`` weights, mean 1, the same on every rank: each rank's throughput
-    (``1 / median`` of ``reps`` timings of the kernel, after one warm-up) shared by one
-    allreduce. The slow hook applies. Collective over comm."""
+def measure_rank_weights(comm, *, n: int = KERNEL_N, window_s: float = WINDOW_S,
+                         windows: int = WINDOWS) -> np.ndarray:
+    """float64 ``(P,)`` weights, mean 1, the same on every rank: each rank's throughput, the
+    kernel runs it completes per second in a time window (``windows`` windows of about
+    ``window_s`` seconds, every one started by a barrier so all ranks run together; the
+    median counts), shared by one allreduce. Counting runs in a window that all ranks share,
+    rather than timing single runs, is fair where ranks share cores: each gets its slice of
+    the window, and a rank that finishes early does not leave the others a free machine. The
+    slow hook applies. Collective over comm."""
     rank, size = comm.Get_rank(), comm.Get_size()
     run = slowed(_kernel(n), slow_factors().get(rank, 1.0))
-    run()
-    times = []
-    for _ in range(reps):
+    run()                                             # warm-up (allocation, BLAS threads)
+    rates = []
+    for _ in range(windows):
+        comm.Barrier()
         t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
+        done, now = 0, t0
+        while now - t0 < window_s:
+            run()
+            done += 1
+            now = time.perf_counter()
+        rates.append(done / (now - t0))
     speed = np.zeros(size, np.float64)
-    speed[rank] = 1.0 / max(float(np.median(times)), 1e-9)
+    speed[rank] = float(np.median(rates))
     comm.Allreduce(MPI.IN_PLACE, speed, op=MPI.SUM)
     return normalised(speed)
 
