@@ -51,6 +51,9 @@ def setup(args, comm):
     from semzo.zo.engine import ZOEngine
     from semzo.zo.perturb import ztensors
 
+    from semzo.backend import set_threads
+
+    set_threads(1)                     # one thread per rank: ranks are the parallelism here
     rank, size = comm.Get_rank(), comm.Get_size()
     topo = build_topology(comm, TopologySection(ranks_per_node=1, nodes_per_switch=1))
     n = 64 * args.batch * size

@@ -75,7 +75,7 @@ def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> Sh
                 wts = np.asarray(f["rank_weights"][...], np.float64).reshape(-1)
                 if wts.size != comm.Get_size() or not (np.all(np.isfinite(wts))
                                                        and wts.min() > 0):
-                    err = (f"{path}: dataset rank_weights: {wts.size} values, expected "
+                    err = (f"{path}: dataset rank_weights: {wts.tolist()}, expected "
                            f"{comm.Get_size()} positive numbers: {DAMAGED}")
                 agree(comm, err)
         else:
