@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def setup(args, comm):
+    from semzo.backend import set_threads
     from semzo.deck import TopologySection
     from semzo.finetune.trainable import select_trainable
     from semzo.model import Tokenizer, load_model
@@ -50,8 +51,6 @@ def setup(args, comm):
     from semzo.topology import build_topology
     from semzo.zo.engine import ZOEngine
     from semzo.zo.perturb import ztensors
-
-    from semzo.backend import set_threads
 
     set_threads(1)                     # one thread per rank: ranks are the parallelism here
     rank, size = comm.Get_rank(), comm.Get_size()
