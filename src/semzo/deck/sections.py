@@ -259,7 +259,9 @@ class TrainSection:
     max_epochs: float = key(0.0, "Stop sooner than `steps` after this many passes over the "
                             "training data (steps of the global batch, ranks x batch_size); "
                             "0 = no limit.", min=0.0)
-    batch_size: int = key(16, "Training texts per rank per step.", min=1, max=65536)
+    batch_size: int = key(16, "Training texts per rank per step (with `place.rank_weights` "
+                          "not `equal`: the global batch, this x ranks, split in proportion "
+                          "to the weights).", min=1, max=65536)
     max_length: int = key(64, "Tokens per text in fine-tuning (0 = model.max_length).",
                           min=0, max=512)
     schedule: str = key("constant", "Learning-rate schedule after warm-up.",
