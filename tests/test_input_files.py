@@ -192,6 +192,13 @@ FILE_CASES = {
         "place", "clusters.h5", lambda p: None, ["--set", f"cluster.k={K + 1}"],
         (f"cluster.k = {K + 1}, but {{d}}/clusters.h5 was made with cluster.k = {K}: rerun the "
         "cluster stage")),
+    "finetune: place.rank_weights changed since the place stage": (
+        "finetune", "shards.h5", lambda p: None, ["--set", "place.rank_weights=[1, 2]"],
+        ("place.rank_weights = [1.0, 2.0], but {d}/shards.h5 was made with "
+         "place.rank_weights = 'equal': rerun the place stage")),
+    "finetune: a stored rank weight is not positive": (
+        "finetune", "shards.h5", lambda p: _set(p, "rank_weights", 1, -1.0), [],
+        "shards.h5: dataset rank_weights: [1.0, -1.0], expected 2 positive numbers"),
     "finetune: a shard embedding is not finite": (
         "finetune", "shards.h5", lambda p: _set(p, "embeddings", (5, 0), np.inf), [],
         "shards.h5: dataset embeddings: row 5 is not finite"),

@@ -42,6 +42,8 @@ def markdown() -> str:
             t = {"tuple": "list of strings"}.get(t, t)
             if m["kind"] in ("float_or_auto", "int_or_auto"):
                 t = f"{t} or \"auto\""
+            if m["kind"] == "rank_weights":
+                t = "\"equal\", \"measured\" or list of numbers"
             out.append(f"| `{f.name}` | {t} | `{_toml_value(default)}` | "
                        f"{'; '.join(allowed) or '-'} | {m['doc']} |")
         out.append("")

@@ -139,7 +139,7 @@ def attr_int(path, f, name: str) -> tuple[int | None, str | None]:
 CORPUS_KEYS = ("corpus.path", "corpus.max_records", "corpus.labels")
 CLUSTER_KEYS = ("cluster.k", "cluster.max_iter", "cluster.tol", "cluster.spherical",
                 "cluster.oversampling", "cluster.init_rounds", "cluster.algorithm")
-SHARD_KEYS = ("place.mode", "place.balance_tol")
+SHARD_KEYS = ("place.mode", "place.balance_tol", "place.rank_weights")
 
 
 def _same_path(a, b) -> bool:

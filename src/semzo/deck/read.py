@@ -36,6 +36,20 @@ def _check_value(src: str, path: str, f: dataclasses.Field, value: Any) -> Any:
     def bad(msg: str) -> DeckError:
         return DeckError(f"{src}: {path}: {msg}")
 
+    if meta["kind"] == "rank_weights":
+        if isinstance(value, str):
+            if value not in ("equal", "measured"):
+                raise bad(f"expected \"equal\", \"measured\" or a list of positive numbers, "
+                          f"got {value!r}")
+            return value
+        if not isinstance(value, list) or not value:
+            raise bad(f"expected \"equal\", \"measured\" or a list of positive numbers, got "
+                      f"{type(value).__name__} {value!r}")
+        for x in value:
+            if (isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)
+                    or x <= 0):
+                raise bad(f"every weight must be a positive finite number, got {x!r}")
+        return tuple(float(x) for x in value)
     if meta["kind"] in ("float_or_auto", "int_or_auto") and isinstance(value, str):
         if value != "auto":
             what = "a number" if meta["kind"] == "float_or_auto" else "an integer"
@@ -157,6 +171,10 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
 def check_world(d: Deck, size: int) -> None:
     """Rules that depend on the number of ranks (a simulated hierarchy must divide it)."""
     rpn, nps = d.topology.ranks_per_node, d.topology.nodes_per_switch
+    rw = d.place.rank_weights
+    if isinstance(rw, tuple) and len(rw) != size:
+        raise DeckError(f"{d.source}: place.rank_weights: {len(rw)} weights for {size} ranks "
+                        f"(one per rank, or \"equal\" / \"measured\")")
     if rpn > 0:
         if size % rpn:
             raise DeckError(f"{d.source}: topology.ranks_per_node: {size} ranks cannot be split "

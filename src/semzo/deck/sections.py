@@ -134,6 +134,14 @@ class PlaceSection:
                              "the mean, as a fraction.", min=0.0, max=1.0, min_excl=True)
     memory_cap_mb: float = key(256.0, "Most MiB a rank sends and receives in one Alltoallv "
                                "round of the redistribution.", min=0.0, min_excl=True)
+    rank_weights: str = key("equal", "Heterogeneous ranks: each rank's share of the samples "
+                            "(placement) and of the global batch (`train.batch_size` x ranks, "
+                            "fine-tuning). `equal`; a list of one positive number per rank "
+                            "(shares in proportion); or `measured` (each rank times a fixed "
+                            "matrix-product kernel at the start of the place stage, weights = "
+                            "throughput, agreed by allreduce, logged and stored in shards.h5 "
+                            "for the finetune stage). See docs/placement.md.",
+                            kind="rank_weights")
 
 
 @dataclass(frozen=True)
@@ -266,7 +274,9 @@ class TrainSection:
     max_epochs: float = key(0.0, "Stop sooner than `steps` after this many passes over the "
                             "training data (steps of the global batch, ranks x batch_size); "
                             "0 = no limit.", min=0.0)
-    batch_size: int = key(16, "Training texts per rank per step.", min=1, max=65536)
+    batch_size: int = key(16, "Training texts per rank per step (with `place.rank_weights` "
+                          "not `equal`: the global batch, this x ranks, split in proportion "
+                          "to the weights).", min=1, max=65536)
     max_length: int = key(64, "Tokens per text in fine-tuning (0 = model.max_length).",
                           min=0, max=512)
     schedule: str = key("auto", "Learning-rate schedule after warm-up: `constant`, "

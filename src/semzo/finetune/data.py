@@ -3,6 +3,8 @@ resumable batches.
 
 * Rows: rank r reads ``rank_offsets[r]:rank_offsets[r+1]`` (the place stage's shard) when the
   world has as many ranks as wrote the file, else a balanced contiguous block.
+* Weights (heterogeneous ranks): ``rank_weights`` as the place stage stored them, when the
+  shards are this world's.
 * Held-out split: sample ``id`` is held out when ``u(id) < fraction``, ``u`` a Philox hash of
   the id keyed by the run seed: the split does not depend on the number of ranks.
 * Order: a cursor (epoch, position) walks a per-epoch permutation of the rank's training rows;
@@ -47,6 +49,7 @@ class ShardRows:
     offset: int              # global row of the first row
     n_total: int
     deck_toml: str = ""      # the resolved deck that wrote the file
+    rank_weights: np.ndarray | None = None   # (P,) the place stage's weights (this world's P)
 
 
 def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> ShardRows:
@@ -65,8 +68,16 @@ def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> Sh
                        f"{offs[0] if offs.size else '-'} to {offs[-1] if offs.size else '-'}, "
                        f"expected 0 to n_total = {n_total}: {DAMAGED}")
         agree(comm, err)
+        wts = None
         if len(offs) == comm.Get_size() + 1:
             lo, hi = int(offs[comm.Get_rank()]), int(offs[comm.Get_rank() + 1])
+            if "rank_weights" in f:
+                wts = np.asarray(f["rank_weights"][...], np.float64).reshape(-1)
+                if wts.size != comm.Get_size() or not (np.all(np.isfinite(wts))
+                                                       and wts.min() > 0):
+                    err = (f"{path}: dataset rank_weights: {wts.tolist()}, expected "
+                           f"{comm.Get_size()} positive numbers: {DAMAGED}")
+                agree(comm, err)
         else:
             if comm.Get_rank() == 0:
                 log.warning("%s was written by %d ranks, this run has %d: rows are split in "
@@ -90,7 +101,8 @@ def read_shard(path, comm: MPI.Intracomm, *, with_embeddings: bool = True) -> Sh
         deck = f.attrs.get("semzo_deck", "")
     return ShardRows(ids=ids, labels=labels, embeddings=np.ascontiguousarray(emb, np.float32),
                      texts=texts, label_names=names, offset=lo, n_total=n_total,
-                     deck_toml=deck.decode() if isinstance(deck, bytes) else str(deck))
+                     deck_toml=deck.decode() if isinstance(deck, bytes) else str(deck),
+                     rank_weights=wts)
 
 
 def epoch_permutation(n: int, seed: int, epoch: int, rank: int) -> np.ndarray:

@@ -20,6 +20,7 @@ from typing import Self
 import numpy as np
 from mpi4py import MPI
 
+from ..place.weights import slow_factors, slowed
 from ..runtime import EXIT_FAILURE, SemzoError, get_logger
 from ..tasks.base import Task
 from ..zo.engine import ZOEngine
@@ -318,6 +319,10 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
         if getattr(engine.store, "offloads", False):
             return staged_loss(engine.store, task, batch)
         return task.loss(batch)
+
+    # test hook (SEMZO_SLOW_RANKS): this rank's forward passes made slower, to simulate a
+    # slower device (the streamed mezo schedule runs its own passes and is not slowed)
+    loss_of = slowed(loss_of, slow_factors().get(topo.rank, 1.0))
 
     if cfg.lr == "auto" and state.base_lr < 0:
         state.base_lr, used = scan_lr(engine, task, batcher, cfg.steps - state.step,

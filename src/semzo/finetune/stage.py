@@ -33,6 +33,7 @@ from ..h5io import create_collective, row_range, string_array, write_slab
 from ..model import Tokenizer, load_model
 from ..model.storage import BF16, storage_name
 from ..model.zoo import folder_checksum
+from ..place.weights import batch_shares
 from ..preflight import check_samples, resolve_task
 from ..runtime import SemzoError, get_logger
 from ..tasks.choice import build_choice_task
@@ -218,7 +219,8 @@ def run_finetune_stage(ctx) -> dict:
                  " (ZERO-SHOT, the prompt alone)" if task_kind in ("prompt", "choice") else "",
                  *before)
     gen_before = _log_generations(task, topo, "before fine-tuning")
-    batcher = Batcher(train_idx.size, t.batch_size, deck.run.seed, topo.rank)
+    batch = _local_batch(deck, topo, rows.rank_weights)
+    batcher = Batcher(train_idx.size, batch, deck.run.seed, topo.rank)
 
     def add_comm(s: float) -> None:
         ctx.timer.comm_time["finetune"] = ctx.timer.comm_time.get("finetune", 0.0) + s
@@ -334,6 +336,26 @@ def _metered(add, meter: EnergyMeter):
             meter.poll()
         add(row)
     return add_row
+
+
+def _local_batch(deck, topo, stored) -> int:
+    """This rank's share of the global batch (``train.batch_size`` x ranks): equal, or in
+    proportion to the weights the place stage stored in shards.h5 (``place.rank_weights``
+    not ``"equal"``). The per-rank losses are combined weighted by batch size (the engine's
+    exchange), so the ZO estimate stays the mean over the global batch."""
+    t = deck.train
+    if deck.place.rank_weights == "equal":
+        return t.batch_size
+    if stored is None:
+        if topo.rank == 0:
+            log.warning("place.rank_weights = %s, but shards.h5 holds no weights for %d ranks "
+                        "(made by an older semzo or another number of ranks): equal batches",
+                        deck.place.rank_weights, topo.size)
+        return t.batch_size
+    shares = batch_shares(t.batch_size, stored, topo.size)
+    log.info("finetune: batch per rank in proportion to the rank weights: %s (global %d)",
+             " ".join(map(str, shares.tolist())), int(shares.sum()))
+    return int(shares[topo.rank])
 
 
 def _log_generations(task, topo, when: str):

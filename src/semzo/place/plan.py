@@ -65,6 +65,7 @@ from semzo.place.keep import (
     _worst,
 )
 from semzo.place.topology import TreeNode, build_tree, check_topology
+from semzo.place.weights import apportion, normalised
 from semzo.runtime import get_logger
 
 log = get_logger(__name__)
@@ -225,7 +226,16 @@ def _assign(score: np.ndarray) -> np.ndarray:
     return perm
 
 
-def _current_holds(node: TreeNode, pc, pa, centroids, where, lo, hi, mean, keep_tol) -> bool:
+def _caps(children: list[TreeNode], wts) -> list:
+    """Capacities of tree nodes: their number of ranks, or (weighted ranks) the sum of their
+    ranks' weights (mean 1, so ``cap * mean`` is still the node's share of the samples)."""
+    if wts is None:
+        return [c.n_ranks for c in children]
+    return [float(wts[c.ranks].sum()) for c in children]
+
+
+def _current_holds(node: TreeNode, pc, pa, centroids, where, lo, hi, mean, keep_tol,
+                   wts=None) -> bool:
     """True if the current layout under ``node`` is itself an acceptable plan for the pieces
     ``(pc, pa)``: at every tree node below, the children hold exactly its pieces, their loads
     are within ``[lo, hi]`` of the mean (or no less balanced than the fresh partition's), and
@@ -237,7 +247,7 @@ def _current_holds(node: TreeNode, pc, pa, centroids, where, lo, hi, mean, keep_
     if not node.children:
         return True
     children = node.children
-    caps = [c.n_ranks for c in children]
+    caps = _caps(children, wts)
     held = np.stack([where[c.ranks].sum(0) for c in children])
     current = _current(pc, pa, held)
     if current is None:
@@ -255,24 +265,24 @@ def _current_holds(node: TreeNode, pc, pa, centroids, where, lo, hi, mean, keep_
         if whole - _spread(current, centroids) < need:
             return False
     return all(_current_holds(child, np.sort(gpc), gpa[np.argsort(gpc, kind="stable")],
-                              centroids, where, lo, hi, mean, keep_tol)
+                              centroids, where, lo, hi, mean, keep_tol, wts)
                for child, (gpc, gpa) in zip(children, current))
 
 
 def _place_under(node: TreeNode, pc, pa, centroids, where, quota, lo, hi, mean,
-                 keep_tol) -> None:
+                 keep_tol, wts=None) -> None:
     if not node.children:
         np.add.at(quota[:, int(node.ranks[0])], pc, pa)
         return
     order = np.argsort(pc, kind="stable")     # canonical: the plan depends on the pieces only,
     pc, pa = pc[order], pa[order]             # not on the order an upper level produced them in
     if keep_tol is not None and _current_holds(node, pc, pa, centroids, where, lo, hi, mean,
-                                               keep_tol):
+                                               keep_tol, wts):
         ranks = np.asarray(node.ranks, dtype=np.int64)
         quota[np.ix_(pc, ranks)] += where[np.ix_(ranks, pc)].T     # nothing moves below here
         return
     children = node.children
-    caps = [c.n_ranks for c in children]
+    caps = _caps(children, wts)
     groups = _bisect(pc, pa, caps, centroids, lo, hi, mean)
     if len(children) > 1:
         gq = _group_matrix(groups, where.shape[1])
@@ -301,11 +311,11 @@ def _place_under(node: TreeNode, pc, pa, centroids, where, quota, lo, hi, mean,
                     placed = sticky
         groups = placed
     for child, (gpc, gpa) in zip(children, groups):
-        _place_under(child, gpc, gpa, centroids, where, quota, lo, hi, mean, keep_tol)
+        _place_under(child, gpc, gpa, centroids, where, quota, lo, hi, mean, keep_tol, wts)
 
 
 def _quota_semantic(centroids, where, rank_node, node_switch, balance_tol,
-                    keep_tol) -> np.ndarray:
+                    keep_tol, wts=None) -> np.ndarray:
     n_ranks, k = where.shape
     sizes = where.sum(0)
     quota = np.zeros((k, n_ranks), dtype=np.int64)
@@ -314,16 +324,19 @@ def _quota_semantic(centroids, where, rank_node, node_switch, balance_tol,
     mean = float(sizes.sum()) / n_ranks
     tree = build_tree(rank_node, node_switch)
     _place_under(tree, pc, pa, np.asarray(centroids, dtype=np.float64), where, quota,
-                 1.0 - balance_tol, 1.0 + balance_tol, mean, keep_tol)
+                 1.0 - balance_tol, 1.0 + balance_tol, mean, keep_tol, wts)
     return quota
 
 
-def _quota_random(where, seed: int) -> np.ndarray:
+def _quota_random(where, seed: int, wts=None) -> np.ndarray:
     n_ranks, k = where.shape
     sizes = where.sum(0)
     n = int(sizes.sum())
-    targets = np.full(n_ranks, n // n_ranks, dtype=np.int64)
-    targets[: n % n_ranks] += 1
+    if wts is None:
+        targets = np.full(n_ranks, n // n_ranks, dtype=np.int64)
+        targets[: n % n_ranks] += 1
+    else:
+        targets = apportion(n, wts)
     rank_end = np.cumsum(targets)
     order = np.random.default_rng(seed).permutation(k)
     quota = np.zeros((k, n_ranks), dtype=np.int64)
@@ -359,7 +372,7 @@ def _manifest(quota, rank_node, node_switch):
 def place(centroids: np.ndarray, where: np.ndarray, rank_node: np.ndarray,
           node_switch: np.ndarray, *, mode: str = "semantic", balance_tol: float = 0.05,
           seed: int = 0, keep_tol: float | None = 0.1, bytes_per_row: int | None = None,
-          figures: bool = True, comm=None) -> Placement:
+          figures: bool = True, comm=None, rank_weights=None) -> Placement:
     """Plan where every cluster's samples go (see the module docstring).
 
     centroids: (k, d) float. where: (P, k) int64, identical on all ranks. rank_node: (P,).
@@ -371,6 +384,10 @@ def place(centroids: np.ndarray, where: np.ndarray, rank_node: np.ndarray,
     crossing-bytes figures (default ``4*d + 16``: float32 embedding, id, cluster).
     figures: compute :func:`semzo.place.flows.plan_figures` (includes the random baseline).
     comm: if given, collective over comm: rank 0 computes the quota and broadcasts it.
+    rank_weights: None (equal shares) or (P,) positive weights, rank r's share of the samples
+    ``w_r / sum(w)`` (heterogeneous ranks, :mod:`semzo.place.weights`): random mode meets
+    the shares exactly (largest remainder), semantic mode within ``balance_tol`` of them (a
+    tree node's capacity is the sum of its ranks' weights). Identical on every rank.
     """
     centroids = np.asarray(centroids)
     where = np.ascontiguousarray(where, dtype=np.int64)
@@ -390,14 +407,21 @@ def place(centroids: np.ndarray, where: np.ndarray, rank_node: np.ndarray,
         raise ValueError(f"mode must be 'semantic' or 'random', got {mode!r}")
     if not 0.0 <= balance_tol < 1.0:
         raise ValueError(f"balance_tol must lie in [0, 1), got {balance_tol}")
+    wts = None
+    if rank_weights is not None:
+        wts = np.asarray(rank_weights, dtype=np.float64).reshape(-1)
+        if wts.size != rank_node.size or not np.all(np.isfinite(wts)) or wts.min() <= 0:
+            raise ValueError(f"rank_weights must be {rank_node.size} positive numbers, got "
+                             f"{wts.tolist()}")
+        wts = normalised(wts)
 
     quota = None
     if comm is None or comm.Get_rank() == 0:
         if mode == "semantic":
             quota = _quota_semantic(centroids, where, rank_node, node_switch, balance_tol,
-                                    keep_tol)
+                                    keep_tol, wts)
         else:
-            quota = _quota_random(where, seed)
+            quota = _quota_random(where, seed, wts)
     if comm is not None:
         if quota is None:
             quota = np.empty((centroids.shape[0], rank_node.size), dtype=np.int64)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from semzo.place.weights import apportion
 from semzo.rng import philox_hash
 from semzo.runtime import get_logger
 
@@ -53,7 +54,7 @@ def shuffle_keys(ids: np.ndarray, seed: int) -> np.ndarray:
 
 
 def shuffle_destinations(ids_local: np.ndarray, n_ranks: int, seed: int, comm, *,
-                         gather_limit: int = GATHER_LIMIT) -> np.ndarray:
+                         gather_limit: int = GATHER_LIMIT, weights=None) -> np.ndarray:
     """Destination rank of each local sample under shuffle placement (module docstring).
 
     ids_local: (n_local,) integer sample ids. n_ranks: number of destinations P (usually
@@ -61,14 +62,17 @@ def shuffle_destinations(ids_local: np.ndarray, n_ranks: int, seed: int, comm, *
     P-rank job serially). seed: the run seed. n_ranks, seed and gather_limit must be the
     same on every rank. Collective over comm (Allreduce, Allgather, Allgatherv). Returns
     int64 (n_local,) in ``[0, P)``. Non-integer ids on any rank make every rank raise
-    ValueError after the first collective.
+    ValueError after the first collective. weights: None, or (n_ranks,) positive weights
+    (heterogeneous ranks): destination p then receives
+    ``apportion(N, weights)[p]`` samples (largest remainder, :mod:`semzo.place.weights`),
+    positions in order: the first ``targets[0]`` keys to rank 0, and so on.
     """
     ids = np.asarray(ids_local).reshape(-1)
     bad = not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0)
     ids = ids.astype(np.int64) if not bad else np.zeros(0, np.int64)
     keys = shuffle_keys(ids, seed) if ids.size else np.zeros(0, np.uint64)
     return destinations_from_keys(keys, ids, n_ranks, comm, gather_limit=gather_limit,
-                                  bad=bad)
+                                  bad=bad, weights=weights)
 
 
 def _prefix(keys: np.ndarray, depth: int) -> np.ndarray:
@@ -87,14 +91,24 @@ def _round_bits(depth: int, n_ranks: int, n_active: int, total: int) -> int:
     return max(1, min(want, budget, 64 - depth))
 
 
+def _position_map(n: int, n_ranks: int, weights):
+    """Destination of global positions (int64 array -> int64 array): ``g * P // N`` (equal),
+    or the rank whose apportioned range holds ``g`` (weights)."""
+    if weights is None:
+        return lambda g: g * n_ranks // n
+    ends = np.cumsum(apportion(n, weights))
+    return lambda g: np.searchsorted(ends, g, side="right").astype(np.int64)
+
+
 def destinations_from_keys(keys: np.ndarray, ids: np.ndarray, n_ranks: int, comm, *,
-                           gather_limit: int = GATHER_LIMIT, bad: bool = False) -> np.ndarray:
+                           gather_limit: int = GATHER_LIMIT, bad: bool = False,
+                           weights=None) -> np.ndarray:
     """Destinations from explicit keys: sort all samples by ``(key, id)`` and send global
     position ``g`` to ``floor(g * n_ranks / N)`` (module docstring, steps 1-3).
 
     keys: (n_local,) uint64. ids: (n_local,) int64 (tie break). bad: this rank's input is
-    invalid (every rank raises ValueError after the first collective). Collective over comm.
-    Returns int64 (n_local,).
+    invalid (every rank raises ValueError after the first collective). weights: see
+    :func:`shuffle_destinations`. Collective over comm. Returns int64 (n_local,).
     """
     n_ranks = int(n_ranks)
     if n_ranks < 1:
@@ -113,6 +127,7 @@ def destinations_from_keys(keys: np.ndarray, ids: np.ndarray, n_ranks: int, comm
     if n_ranks == 1 or n == 0:
         dest[:] = 0
         return dest
+    to_rank = _position_map(n, n_ranks, weights)
 
     # active (straddling) intervals: key prefixes of ``depth`` bits, sorted, with their start
     # position in the global order and their global count
@@ -133,8 +148,8 @@ def destinations_from_keys(keys: np.ndarray, ids: np.ndarray, n_ranks: int, comm
         comm.Allreduce(local, count)
         c2 = count.reshape(-1, 1 << s)
         start = (act_start[:, None] + np.cumsum(c2, axis=1) - c2).reshape(-1)
-        lo = start * n_ranks // n
-        hi = (start + np.maximum(count, 1) - 1) * n_ranks // n
+        lo = to_rank(start)
+        hi = to_rank(start + np.maximum(count, 1) - 1)
         cell_dest = np.where(lo == hi, lo, -1)
         d = cell_dest[cell]
         done = d >= 0
@@ -150,14 +165,14 @@ def destinations_from_keys(keys: np.ndarray, ids: np.ndarray, n_ranks: int, comm
     gathered = int(act_count.sum())
     if act_count.size:
         dest[live] = _gather_assign(keys[live], ids[live], act_prefix, act_start, act_count,
-                                    depth, n, n_ranks, comm)
+                                    depth, to_rank, comm)
     log.debug("shuffle destinations: %d samples, %d ranks, %d bucket round(s) to depth %d, "
               "%d straddling samples gathered", n, n_ranks, rounds, depth, gathered)
     assert (dest >= 0).all()
     return dest
 
 
-def _gather_assign(lk, li, act_prefix, act_start, act_count, depth, n, n_ranks, comm):
+def _gather_assign(lk, li, act_prefix, act_start, act_count, depth, to_rank, comm):
     """Allgatherv the straddling samples, sort them by (key, id), return this rank's dests."""
     size, rank = comm.Get_size(), comm.Get_rank()
     counts = np.empty(size, np.int64)
@@ -178,7 +193,7 @@ def _gather_assign(lk, li, act_prefix, act_start, act_count, depth, n, n_ranks, 
     first = np.concatenate(([0], np.cumsum(per)[:-1]))
     g = act_start[a] + (np.arange(m) - first[a])
     gdest = np.empty(m, np.int64)
-    gdest[order] = g * n_ranks // n
+    gdest[order] = to_rank(g)
     return gdest[displs[rank]:displs[rank] + lk.size]
 
 

@@ -10,7 +10,9 @@ the quota that induces, with the actual movement as its movement figures.
 ``rank_offsets[r]:rank_offsets[r+1]``): ``embeddings``, ``ids``, ``labels``, ``clusters``,
 ``text_offsets``/``text_bytes``; manifest: ``quota (k, P)`` (samples of cluster c on rank p),
 ``cluster_rank``, ``cluster_node``, ``cluster_switch`` (main holder of each cluster),
-``rank_node``, ``node_switch``; attrs: mode and the placement figures.
+``rank_node``, ``node_switch``, ``rank_weights (P,)`` float64 (mean 1; all ones for
+``place.rank_weights = "equal"``: what the finetune stage reads, :mod:`.weights`); attrs: mode
+and the placement figures.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from . import (
     shuffle_destinations,
 )
 from .redistribute import redistribute
+from .weights import resolve_rank_weights
 
 log = get_logger(__name__)
 
@@ -78,12 +81,17 @@ def run_place_stage(ctx) -> dict:
         where = cluster_counts(labels, k, comm)
     d = rows.embeddings.shape[1]
     bytes_per_row = 4 * d + 8 + 8 + 4 + int(np.mean([len(t) for t in rows.texts] or [0]))
+    wts = resolve_rank_weights(deck.place.rank_weights, comm)
+    if wts is not None:
+        log.info("rank weights (%s): %s (shares of the samples and of the global batch)",
+                 "measured: kernel throughput" if deck.place.rank_weights == "measured"
+                 else "from the deck", " ".join(f"{w:.3f}" for w in wts))
     if deck.place.mode == "shuffle":
-        plan, dest = _shuffle_plan(ctx, centers, where, labels, rows.ids, bytes_per_row)
+        plan, dest = _shuffle_plan(ctx, centers, where, labels, rows.ids, bytes_per_row, wts)
     else:
         plan = place(centers, where, topo.rank_node, topo.node_switch, mode=deck.place.mode,
                      balance_tol=deck.place.balance_tol, seed=deck.run.seed,
-                     bytes_per_row=bytes_per_row, comm=comm)
+                     bytes_per_row=bytes_per_row, comm=comm, rank_weights=wts)
         dest = destinations(labels, plan, comm)
     log.info("placement (%s, %d clusters on %d ranks / %d nodes / %d switches):\n%s",
              plan.mode, k, topo.size, topo.n_nodes, topo.n_switches,
@@ -110,7 +118,7 @@ def run_place_stage(ctx) -> dict:
     log.info("redistribution: %d rows checked (none lost, none duplicated) in %.2f s, "
              "%d Alltoallv round(s) under a cap of %.0f MiB", int(after[0]), moved_s, rounds,
              deck.place.memory_cap_mb)
-    _write_shards(ctx, plan, cols, texts, rows.label_names)
+    _write_shards(ctx, plan, cols, texts, rows.label_names, wts)
     if topo.rank == 0:
         plot_sizes(plan, ctx.path("shards.png"))
     fig = plan.figures
@@ -119,7 +127,7 @@ def run_place_stage(ctx) -> dict:
             "centroid dist vs random": fig.get("centroid_dist_ratio", 1.0)}
 
 
-def _shuffle_plan(ctx, centers, where, labels, ids, bytes_per_row):
+def _shuffle_plan(ctx, centers, where, labels, ids, bytes_per_row, wts=None):
     """Shuffle mode: destinations by a hash of the ids (exactly balanced), the quota they
     induce (one Allreduce), and the plan's movement figures replaced by the actual movement
     (shuffle moves about ``1 - 1/P`` of the rows, far more than the minimal flows). Collective
@@ -128,7 +136,7 @@ def _shuffle_plan(ctx, centers, where, labels, ids, bytes_per_row):
     comm = topo.world
     k = centers.shape[0]
     with ctx.timer.comm():
-        dest = shuffle_destinations(ids, topo.size, seed, comm)
+        dest = shuffle_destinations(ids, topo.size, seed, comm, weights=wts)
         quota = np.bincount(labels.astype(np.int64) * topo.size + dest,
                             minlength=k * topo.size).astype(np.int64).reshape(k, topo.size)
         comm.Allreduce(MPI.IN_PLACE, quota, op=MPI.SUM)
@@ -144,7 +152,7 @@ def _shuffle_plan(ctx, centers, where, labels, ids, bytes_per_row):
     return plan, dest
 
 
-def _write_shards(ctx, plan, cols, texts, label_names) -> None:
+def _write_shards(ctx, plan, cols, texts, label_names, wts=None) -> None:
     comm = ctx.topo.world
     n = cols["ids"].shape[0]
     off, total = offsets(n, comm)
@@ -162,6 +170,8 @@ def _write_shards(ctx, plan, cols, texts, label_names) -> None:
         for name in ("quota", "cluster_rank", "cluster_node", "cluster_switch", "rank_node",
                      "node_switch"):
             f.create_dataset(name, data=np.asarray(getattr(plan, name), dtype=np.int64))
+        f.create_dataset("rank_weights", data=np.ones(plan.n_ranks) if wts is None
+                         else np.asarray(wts, dtype=np.float64))
 
 
 def plot_sizes(plan, path) -> None:
