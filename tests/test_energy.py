@@ -243,7 +243,7 @@ def test_resumed_stage_continues_from_the_kept_rows(tmp_path, monkeypatch, befor
     from types import SimpleNamespace
 
     from semzo.finetune.report import Metrics
-    from semzo.finetune.stage import _energy_meter
+    from semzo.finetune.report import energy_meter
 
     root = powercap(tmp_path / "pc", {0: (0, 10**9)})
     monkeypatch.setenv("SEMZO_TEST_POWERCAP", str(root))
@@ -256,7 +256,7 @@ def test_resumed_stage_continues_from_the_kept_rows(tmp_path, monkeypatch, befor
              "energy_j": before and 9.0, "cpu_energy_j": before and 9.0}])
     metrics = Metrics(tmp_path, active=True, keep_until=10)    # checkpoint at step 10
     ctx = SimpleNamespace(topo=OneRank(), deck=SimpleNamespace(run=SimpleNamespace(device="cpu")))
-    meter = _energy_meter(ctx, metrics)
+    meter = energy_meter(ctx, metrics)
     set_uj(root, 0, 2_000_000)
     got = meter.read()
     assert 5.0 < got.core_s < 9.0

@@ -29,6 +29,7 @@ from ..h5check import (
     shape_error,
 )
 from ..h5io import open_collective, read_slab, read_texts, row_range
+from ..place.weights import batch_shares
 from ..rng import philox_hash
 from ..runtime import get_logger
 
@@ -145,3 +146,21 @@ class Batcher:
         return np.concatenate(out).astype(np.int64), epoch, pos
 
 
+def local_batch(deck, topo, stored) -> int:
+    """This rank's share of the global batch (``train.batch_size`` x ranks): equal, or in
+    proportion to the weights the place stage stored in shards.h5 (``place.rank_weights``
+    not ``"equal"``). The per-rank losses are combined weighted by batch size (the engine's
+    exchange), so the ZO estimate stays the mean over the global batch."""
+    t = deck.train
+    if deck.place.rank_weights == "equal":
+        return t.batch_size
+    if stored is None:
+        if topo.rank == 0:
+            log.warning("place.rank_weights = %s, but shards.h5 holds no weights for %d ranks "
+                        "(made by an older semzo or another number of ranks): equal batches",
+                        deck.place.rank_weights, topo.size)
+        return t.batch_size
+    shares = batch_shares(t.batch_size, stored, topo.size)
+    log.info("finetune: batch per rank in proportion to the rank weights: %s (global %d)",
+             " ".join(map(str, shares.tolist())), int(shares.sum()))
+    return int(shares[topo.rank])

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..energy import EnergyMeter, Reading, powercap_root
+
 COLUMNS = ("kind", "step", "loss", "g", "lr", "compute_s", "comm_s", "skipped",
            "heldout_loss", "heldout_acc", "heldout_n", "sigma", "forwards", "elapsed_s",
            "samples_per_s", "tokens_per_s", "heldout_ppl", "energy_j", "cpu_energy_j",
@@ -199,3 +201,39 @@ def plot_metrics(rows: list[dict], outdir: Path, title: str = "") -> list[Path]:
     paths.append(_save(fig, outdir / "accuracy.png"))
     plt.close(fig)
     return paths
+
+
+def energy_meter(ctx, metrics: Metrics) -> EnergyMeter:
+    """The run's :class:`~semzo.energy.EnergyMeter` (RAPL; NVML on GPU runs, this rank's GPU
+    by PCI bus id). A resumed run continues from the last use its kept rows recorded (rank 0
+    has them; broadcast). Collective."""
+    topo = ctx.topo
+    gpu = None
+    if ctx.deck.run.device == "gpu":
+        gpu = str(ctx.xp.cuda.Device().pci_bus_id)
+    meter = EnergyMeter(topo, gpu=gpu, powercap=powercap_root(),
+                        gpu_run=ctx.deck.run.device == "gpu")
+    last = None
+    if topo.rank == 0:
+        done = [r for r in metrics.rows if r.get("core_s") is not None]
+        if done:
+            r = done[-1]
+            last = (r.get("cpu_energy_j"), r.get("gpu_energy_j"), float(r["core_s"]))
+    last = topo.world.bcast(last, root=0)
+    if last is not None:
+        meter.offset = Reading(*last)
+    return meter
+
+
+def metered(add, meter: EnergyMeter):
+    """``add`` (Metrics.add) with the energy so far on eval rows (a collective read: every
+    rank passes every eval row, at the same steps) and a local poll of the counters on the
+    others (the RAPL counters wrap within minutes at full power)."""
+
+    def add_row(row: dict) -> None:
+        if row.get("kind") == "eval":
+            row = {**row, **meter.read().row()}
+        else:
+            meter.poll()
+        add(row)
+    return add_row

@@ -26,14 +26,12 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checkpoint import Checkpointer, list_checkpoints
-from ..energy import EnergyMeter, Reading, powercap_root
 from ..energy import summary as energy_summary
 from ..h5check import SHARD_KEYS, agree, deck_drift
 from ..h5io import create_collective, row_range, string_array, write_slab
 from ..model import Tokenizer, load_model
 from ..model.storage import BF16, storage_name
 from ..model.zoo import folder_checksum
-from ..place.weights import batch_shares
 from ..preflight import check_samples, resolve_task
 from ..runtime import SemzoError, get_logger
 from ..tasks.choice import build_choice_task
@@ -51,7 +49,7 @@ from ..tasks.sft import build_sft_task
 from ..zo.engine import ZOEngine
 from ..zo.offload import HostStore
 from ..zo.perturb import ztensors
-from .data import Batcher, read_shard
+from .data import Batcher, local_batch, read_shard
 from .loop import (
     LoopConfig,
     Preempted,
@@ -62,7 +60,7 @@ from .loop import (
     schedule_name,
     train,
 )
-from .report import Metrics
+from .report import Metrics, energy_meter, metered
 from .resume import (
     check_same_dist,
     check_same_estimator,
@@ -200,8 +198,8 @@ def run_finetune_stage(ctx) -> dict:
     # a resumed run keeps the rows of metrics.csv up to its checkpoint and the held-out
     # figures from before fine-tuning that the checkpoint recorded (not those at the resume)
     metrics = Metrics(ctx.outdir, active=topo.rank == 0, keep_until=resumed_from)
-    meter = _energy_meter(ctx, metrics)
-    add_row = _metered(metrics.add, meter)
+    meter = energy_meter(ctx, metrics)
+    add_row = metered(metrics.add, meter)
     # what the held-out count counts
     unit = {"lm": "tokens", "sft": "completion tokens"}.get(task_kind, "samples")
     if before is None:
@@ -219,7 +217,7 @@ def run_finetune_stage(ctx) -> dict:
                  " (ZERO-SHOT, the prompt alone)" if task_kind in ("prompt", "choice") else "",
                  *before)
     gen_before = _log_generations(task, topo, "before fine-tuning")
-    batch = _local_batch(deck, topo, rows.rank_weights)
+    batch = local_batch(deck, topo, rows.rank_weights)
     batcher = Batcher(train_idx.size, batch, deck.run.seed, topo.rank)
 
     def add_comm(s: float) -> None:
@@ -300,62 +298,6 @@ def run_finetune_stage(ctx) -> dict:
                  f", `semzo generate {where / 'model.h5'} --prompt TEXT` runs it"
                  if model.kind == "decoder" else "", where / "model.h5")
     return out
-
-
-def _energy_meter(ctx, metrics: Metrics) -> EnergyMeter:
-    """The run's :class:`~semzo.energy.EnergyMeter` (RAPL; NVML on GPU runs, this rank's GPU
-    by PCI bus id). A resumed run continues from the last use its kept rows recorded (rank 0
-    has them; broadcast). Collective."""
-    topo = ctx.topo
-    gpu = None
-    if ctx.deck.run.device == "gpu":
-        gpu = str(ctx.xp.cuda.Device().pci_bus_id)
-    meter = EnergyMeter(topo, gpu=gpu, powercap=powercap_root(),
-                        gpu_run=ctx.deck.run.device == "gpu")
-    last = None
-    if topo.rank == 0:
-        done = [r for r in metrics.rows if r.get("core_s") is not None]
-        if done:
-            r = done[-1]
-            last = (r.get("cpu_energy_j"), r.get("gpu_energy_j"), float(r["core_s"]))
-    last = topo.world.bcast(last, root=0)
-    if last is not None:
-        meter.offset = Reading(*last)
-    return meter
-
-
-def _metered(add, meter: EnergyMeter):
-    """``add`` (Metrics.add) with the energy so far on eval rows (a collective read: every
-    rank passes every eval row, at the same steps) and a local poll of the counters on the
-    others (the RAPL counters wrap within minutes at full power)."""
-
-    def add_row(row: dict) -> None:
-        if row.get("kind") == "eval":
-            row = {**row, **meter.read().row()}
-        else:
-            meter.poll()
-        add(row)
-    return add_row
-
-
-def _local_batch(deck, topo, stored) -> int:
-    """This rank's share of the global batch (``train.batch_size`` x ranks): equal, or in
-    proportion to the weights the place stage stored in shards.h5 (``place.rank_weights``
-    not ``"equal"``). The per-rank losses are combined weighted by batch size (the engine's
-    exchange), so the ZO estimate stays the mean over the global batch."""
-    t = deck.train
-    if deck.place.rank_weights == "equal":
-        return t.batch_size
-    if stored is None:
-        if topo.rank == 0:
-            log.warning("place.rank_weights = %s, but shards.h5 holds no weights for %d ranks "
-                        "(made by an older semzo or another number of ranks): equal batches",
-                        deck.place.rank_weights, topo.size)
-        return t.batch_size
-    shares = batch_shares(t.batch_size, stored, topo.size)
-    log.info("finetune: batch per rank in proportion to the rank weights: %s (global %d)",
-             " ".join(map(str, shares.tolist())), int(shares.sum()))
-    return int(shares[topo.rank])
 
 
 def _log_generations(task, topo, when: str):
