@@ -259,6 +259,19 @@ def test_guard_window_setting():
     assert ZoSection(lr=0.01, lr_guard=12).lr_guard_name == 12
 
 
+def test_auto_schedule_is_cosine_with_the_auto_lr_only():
+    from semzo.deck import TrainSection
+    from semzo.finetune.loop import schedule_name
+
+    def deck(lr, sched):
+        return SimpleNamespace(zo=ZoSection(lr=lr), train=TrainSection(schedule=sched))
+    assert TrainSection().schedule == "auto"
+    assert schedule_name(deck("auto", "auto")) == "cosine"
+    assert schedule_name(deck(0.01, "auto")) == "constant"
+    assert schedule_name(deck("auto", "linear")) == "linear"
+    assert LoopConfig.from_deck(deck("auto", "auto")).schedule == "cosine"
+
+
 # ----------------------------------------------------------------------------- learning
 SEEDS, STEPS = 3, 150
 
