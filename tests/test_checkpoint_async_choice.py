@@ -53,9 +53,11 @@ def test_decided_once_at_the_first_save_and_logged(tmp_path, monkeypatch, caplog
     caplog.set_level(logging.INFO, logger="semzo")
     cfg = CheckpointSection(dir=str(tmp_path), keep=2, async_save=True)
     with Checkpointer(MPI.COMM_WORLD, cfg) as ck:
+        assert ck.background is False                   # not decided before the first save
         ck.save(1, p)
         threaded = ck._thread is not None
         ck.save(2, p)
+        assert ck.background is threaded
     assert len(calls) == 1 and threaded is (want == "asynchronous")
     assert caplog.text.count("checkpoint.async_save: ") == 1
     assert f"checkpoint.async_save: {want}" in caplog.text

@@ -380,6 +380,12 @@ class Checkpointer:
                             self.shards_manifest)
         return loaded
 
+    @property
+    def background(self) -> bool:
+        """True when saves go on in a background thread: ``async_save`` asked for and the
+        first save found a free core (:func:`choose_async`); False before that save."""
+        return self._acomm is not None and bool(self._background_ok)
+
     def wait(self) -> None:
         """Block until a background write is complete; re-raise its error on this rank."""
         if self._thread is not None:
