@@ -521,6 +521,8 @@ class _FileReader:
     def read(self, off: int, n: int) -> memoryview | None:
         """A view of bytes [off, off + n) of the file (valid until the next call), or None
         when the file ends before them."""
+        if off + n > self.size:
+            return None                       # the file ends before them
         a = off - off % ALIGN
         length = -(-(off + n - a) // ALIGN) * ALIGN
         if self.buf is None or self.buf.size < length:
