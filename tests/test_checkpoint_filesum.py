@@ -299,6 +299,9 @@ def test_file_reader_gives_the_bytes_cached_or_not(tmp_path, monkeypatch, direct
             got = rd.read(off, n)
             assert got is not None and bytes(got) == data[off:off + n], (off, n)
         assert rd.read(len(data) - 10, 11) is None
+        plain = filesum._FileReader(f, direct=False)        # a check alone: the page cache
+        assert plain.dfd < 0 and bytes(plain.read(5, 7)) == data[5:12]
+        plain.close()
         if direct == "0":
             assert rd.dfd < 0 and not any(used)
         elif rd.dfd >= 0:                  # O_DIRECT allowed here: the evicted pages used it

@@ -473,16 +473,17 @@ class _FileReader:
     others with ``O_DIRECT`` (the disk writes straight into the scratch buffer: no page-cache
     pages to allocate, fill and copy out, which cost more CPU than the copy it saves on a
     cold 1 GiB load at 4 ranks on 2 cores). Where ``O_DIRECT`` is refused (tmpfs, some
-    network file systems) or ``SEMZO_CHECKPOINT_DIRECT=0``, every read is a plain one."""
+    network file systems), ``direct`` is False or ``SEMZO_CHECKPOINT_DIRECT=0``, every read
+    is a plain one."""
 
-    def __init__(self, path):
+    def __init__(self, path, direct: bool = True):
         self.fd = os.open(path, os.O_RDONLY)
         self.size = os.fstat(self.fd).st_size
         self.dfd, self.map, self.addr = -1, None, 0
         self.buf = None
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        if (hasattr(os, "O_DIRECT") and _MINCORE is not None and self.size
+        if (direct and hasattr(os, "O_DIRECT") and _MINCORE is not None and self.size
                 and os.environ.get(DIRECT_ENV, "1") != "0"):
             try:
                 self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
@@ -654,7 +655,10 @@ def _read_segments(path, segs, ranges, sink, out: np.ndarray, kind: str,
     error text or None."""
     starts = {off: i for i, (off, _) in enumerate(ranges)}
     offs = [off for off, _ in ranges]
-    rd = _FileReader(path)
+    # O_DIRECT only where the bytes are kept (a load): a check alone (verify, resume's
+    # search) reads through the page cache, where four ranks' read-ahead keeps more
+    # requests in flight and a load that follows finds the pages
+    rd = _FileReader(path, direct=sink is not None)
     try:
         k = 0
         while k < len(segs):
