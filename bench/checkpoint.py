@@ -8,7 +8,8 @@ tensors, large matrices and many small vectors, replicated on every rank):
 - plain MPI-IO: every rank writes its contiguous 1/P of the same bytes with one
   ``Write_at``, then ``MPI_File_sync`` (the best a parallel writer of these bytes can do);
 - the disk: ``dd`` sequential write (``conv=fdatasync``) and read (``iflag=direct``, after
-  dropping the page cache when allowed) of a file of the same size, from one process;
+  dropping the page cache when allowed) of a file of the same size, from one process; every
+  read row (dd's and semzo's alike) starts cold: the page cache is dropped before it;
 - semzo: ``Checkpointer.save`` with each ``transfer`` mode (mpio file, 1/P of every tensor
   per rank, XXH64 of every block, flush to the device, atomic rename, ``latest``),
   ``verify`` (each rank reads and checks its 1/P) and ``load`` (verified, every rank ends
@@ -90,6 +91,18 @@ def parameter_set(gib: float) -> dict[str, np.ndarray]:
             add(p + name, shape)
         layer += 1
     return out
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), as bench/decoder.py prints it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def drop_caches(comm) -> str:
@@ -269,7 +282,9 @@ def training_loss(ck_mode: str, params, d: Path, comm, steps: int, at: int):
             blocked += time.perf_counter() - tb
         times.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
+    how = ""
     if ck is not None:
+        how = "background" if ck.background else "synchronous"
         ck.close()
     t_close = time.perf_counter() - t0
     ref = float(np.median(times[:at - 1]))
@@ -277,7 +292,7 @@ def training_loss(ck_mode: str, params, d: Path, comm, steps: int, at: int):
     if ck is not None and comm.Get_rank() == 0:
         shutil.rmtree(d / ck_mode)
     return (comm.allreduce(lost, op=MPI.MAX), comm.allreduce(ref, op=MPI.MAX),
-            comm.allreduce(blocked + t_close, op=MPI.MAX))
+            comm.allreduce(blocked + t_close, op=MPI.MAX), how)
 
 
 def main() -> None:
@@ -293,6 +308,7 @@ def main() -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     base = None
     if rank == 0:
+        print(f"CPU: {cpu_model()}, {os.cpu_count()} cores", flush=True)
         print("before:", _uptime(), flush=True)
         base = tempfile.mkdtemp(prefix="semzo-bench-ckpt-", dir=args.dir or "/tmp")
         print(subprocess.run(["df", "-h", "/tmp", "/work", base], check=False, capture_output=True,
@@ -338,9 +354,9 @@ def main() -> None:
             for k, v in ((W_NP, nw), (R_NP, nr), (W_TORCH, pw), (R_TORCH, pr)):
                 t.setdefault(k, []).append(v)
         steps, at = args.steps, args.steps // 4
-        l_none, ref, _ = training_loss("none", params, d, comm, steps, at)
-        l_sync, _, b_sync = training_loss("sync", params, d, comm, steps, at)
-        l_async, _, b_async = training_loss("async", params, d, comm, steps, at)
+        l_none, ref, _, _ = training_loss("none", params, d, comm, steps, at)
+        l_sync, _, b_sync, _ = training_loss("sync", params, d, comm, steps, at)
+        l_async, _, b_async, how = training_loss("async", params, d, comm, steps, at)
     finally:
         comm.Barrier()
         if rank == 0:
@@ -371,7 +387,8 @@ def main() -> None:
         print(f"  {'':<28}{'lost [s]':>9}{'blocked in save+close [s]':>27}")
         print(f"  {'no checkpoint (noise floor)':<28}{l_none:>9.2f}")
         print(f"  {'synchronous':<28}{l_sync:>9.2f}{b_sync:>27.2f}")
-        print(f"  {'asynchronous':<28}{l_async:>9.2f}{b_async:>27.2f}")
+        print(f"  {'async_save = true':<28}{l_async:>9.2f}{b_async:>27.2f}  (chosen at the "
+              f"first save: {how}; {os.cpu_count()} cores, {size} ranks)")
         print("  lost = sum over steps from the checkpoint on of (step time - median step time "
               "before it) + close; blocked = time inside save() and close()")
 

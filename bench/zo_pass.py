@@ -22,6 +22,7 @@ people's processes make timings noisy: say so.
 from __future__ import annotations  # noqa: I001 (semzo is imported before numpy)
 
 import argparse
+import os
 import time
 
 import semzo  # noqa: F401  (before numpy: the thread-pool defaults)
@@ -64,6 +65,18 @@ def z_alone_s(n: int, dist: str, threads: int, reps: int) -> float:
             _z_alone(n, code, k0, k1, kernels.FAST_TABLE)
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), as bench/decoder.py prints it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 CASES = (("plain (no z)", None), ("gaussian", rng.GAUSSIAN),
@@ -139,6 +152,7 @@ def main() -> None:
         where = f"float32, {th} thread(s)"
     best = {k: min(v) * 1e3 for k, v in res.items()}
     base = best["plain (no z)"]
+    print(f"CPU: {cpu_model()}; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     print(f"one pass over {args.n:,} {where}, best of {args.reps} interleaved "
           "(shared machine: noisy)")
     for k, v in best.items():

@@ -227,7 +227,7 @@ def test_load_through_the_node_buffer_is_bit_identical_and_private(tmp_path, mon
     used = []
     real = filesum._NodeBuffer.private
     monkeypatch.setattr(filesum._NodeBuffer, "private",
-                        lambda self, bufs: used.append(1) or real(self, bufs))
+                        lambda self: used.append(1) or real(self))
     a = load(p, comm, distribute="read")
     assert used == ([1] if shared else [])
     assert len(list(Path(filesum.SHM_DIR).glob("semzo-ckpt-*"))) == before   # unlinked
@@ -237,3 +237,74 @@ def test_load_through_the_node_buffer_is_bit_identical_and_private(tmp_path, mon
     b = load(p, comm, distribute="read")
     assert b.params["w"].tobytes() == params["w"].tobytes()
     assert filesum.check_file(p) == (2, None)
+
+
+def test_full_dev_shm_falls_back_to_private_buffers(tmp_path, monkeypatch):
+    """A write into the node buffer that fails (a full /dev/shm: ENOSPC) is no SIGBUS and
+    no error: the shared file is removed and every rank reads into private memory."""
+    import errno
+
+    from semzo.checkpoint import Checkpointer, load
+    from semzo.deck import CheckpointSection
+
+    monkeypatch.setattr(filesum, "SHARED_MIN_BYTES", 0)
+    monkeypatch.setenv("SEMZO_CHECKPOINT_SHM", "1")
+    params = {"w": np.random.default_rng(2).standard_normal((500, 61)).astype(np.float32)}
+    comm = MPI.COMM_WORLD
+    with Checkpointer(comm, CheckpointSection(dir=str(tmp_path), block_kib=4)) as ck:
+        p = ck.save(1, params)
+    before = len(list(Path(filesum.SHM_DIR).glob("semzo-ckpt-*")))
+    calls = []
+
+    def full(fd, data, off):
+        calls.append(off)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(filesum.os, "pwrite", full)
+    private, real = [], filesum._NodeBuffer.private
+    monkeypatch.setattr(filesum._NodeBuffer, "private",
+                        lambda self: private.append(1) or real(self))
+    a = load(p, comm, distribute="read")
+    assert calls and private == []                         # failed, never mapped
+    assert len(list(Path(filesum.SHM_DIR).glob("semzo-ckpt-*"))) == before
+    assert a.params["w"].tobytes() == params["w"].tobytes()
+
+
+@pytest.mark.parametrize("direct", ["1", "0"])
+def test_file_reader_gives_the_bytes_cached_or_not(tmp_path, monkeypatch, direct):
+    """_FileReader: any byte range, at any alignment, from the page cache or (pages
+    evicted) with O_DIRECT where the file system allows it; None past the end."""
+    import os
+
+    monkeypatch.setenv(filesum.DIRECT_ENV, direct)
+    data = np.random.default_rng(4).integers(0, 256, 3 * filesum.READ_BYTES // 4 + 12345,
+                                             dtype=np.uint8).tobytes()
+    f = tmp_path / "x.bin"
+    f.write_bytes(data)
+    fd = os.open(f, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)     # evict: the direct path
+    os.close(fd)
+    rd = filesum._FileReader(f)
+    used = []
+    fill = rd._fill
+    rd._fill = lambda fd, *a: used.append(fd == rd.dfd) or fill(fd, *a)
+    r = np.random.default_rng(7)
+    cuts = [(0, 1), (1, 4095), (4095, 2), (8192, 4096), (len(data) - 1, 1), (0, len(data))]
+    cuts += [(int(o), int(n)) for o, n in zip(r.integers(0, len(data), 30),
+                                               r.integers(1, 3 << 20, 30))]
+    try:
+        for off, n in cuts:
+            n = min(n, len(data) - off)
+            got = rd.read(off, n)
+            assert got is not None and bytes(got) == data[off:off + n], (off, n)
+        assert rd.read(len(data) - 10, 11) is None
+        plain = filesum._FileReader(f, direct=False)        # a check alone: the page cache
+        assert plain.dfd < 0 and bytes(plain.read(5, 7)) == data[5:12]
+        plain.close()
+        if direct == "0":
+            assert rd.dfd < 0 and not any(used)
+        elif rd.dfd >= 0:                  # O_DIRECT allowed here: the evicted pages used it
+            assert used[0]
+    finally:
+        rd.close()

@@ -336,6 +336,22 @@ def test_fused_kernels_match_serial_reference(dtype, dist):
     assert bits_equal(q, r)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rademacher_whole_blocks_match_serial_reference(dtype):
+    """Offsets on a 128-element block boundary take the bufferless Rademacher path
+    (zgen.rad_axpy: the sign bit of a flipped by the z bit); it gives the reference bits,
+    also for signed zeros, for a negative and a zero scale, and next to a ragged end."""
+    for off, n in ((0, 3 * kernels.CHUNK + 333), (128 * 7919, kernels.CHUNK + 128),
+                   (2 ** 33, 4096)):
+        p0 = params(n, dtype, seed=off % 97)
+        p0[:4] = np.array([0.0, -0.0, 1.0, -1.0]).astype(p0.dtype) if dtype != BF16 else \
+            np.array([0, 0x8000, 0x3F80, 0xBF80], np.uint16)
+        for scale in (1e-3, -2e-3, 0.0, -0.0):
+            p = p0.copy()
+            perturb.perturb([ZTensor(3, p, off)], 9, scale, dist="rademacher")
+            assert bits_equal(p, ref_perturb(p0, 9, 3, off, scale, "rademacher")), (off, scale)
+
+
 def test_fused_update_is_correctly_rounded_and_beats_unfused_float32():
     """One rounding at the end: within 0.5 ulp of the exact value; MeZO-style float32 code
     (a rounding per operation) lands within a few ulp of the same value."""

@@ -12,6 +12,7 @@ types and nesting, metrics, extras; at the saved world size the per-rank rows ex
 another one the cursor rule (samples seen kept) and the dropped entries.
 """
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from mpi4py import MPI
 
 from semzo.checkpoint import (
     Checkpointer,
+    filesum,
     find_resumable,
     list_checkpoints,
     load,
@@ -86,6 +88,27 @@ def read(comm, d: Path, step: int, p_saved: int) -> None:
                {"transfer": "collective"}, {"transfer": "individual"}):
         L2 = load(path, comm, **kw)
         assert same(L2.params, want) and same(L2.state, L.state), kw
+    # the node buffer in /dev/shm whatever the size, the file's pages evicted first (the
+    # O_DIRECT reads); then one rank's write into /dev/shm fails (full): all fall back
+    filesum.SHARED_MIN_BYTES = 0
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    comm.Barrier()
+    assert same(load(path, comm, distribute="read").params, want)
+    real = os.pwrite
+
+    def full(*_):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if rank == size - 1:
+        os.pwrite = full
+    try:
+        assert same(load(path, comm, distribute="read").params, want)
+    finally:
+        os.pwrite = real
+    pid0 = comm.bcast(os.getpid(), root=0)       # the node buffer's creator (one node)
+    assert not list(Path(filesum.SHM_DIR).glob(f"semzo-ckpt-{pid0}-*"))
     if size == p_saved:
         assert not L.resharded and not L.dropped
         assert same(L.per_rank, {k: np.asarray(v) for k, v in per_rank(step, rank).items()})

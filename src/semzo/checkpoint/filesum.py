@@ -31,6 +31,8 @@ must equal the file size), see docs/checkpoint.md.
 from __future__ import annotations
 
 import bisect
+import ctypes
+import errno
 import json
 import mmap
 import os
@@ -54,6 +56,8 @@ MAX_RANGES = 64
 READ_BYTES = 16 << 20                # one read of the streaming check: bounded memory
 SHM_DIR = "/dev/shm"
 SHARED_MIN_BYTES = 64 << 20          # smaller loads use private buffers
+ALIGN = 4096                         # O_DIRECT offsets, lengths and buffers: whole pages
+DIRECT_ENV = "SEMZO_CHECKPOINT_DIRECT"   # "0": never read with O_DIRECT
 _WARNED: set[str] = set()            # format-1 files already reported (one warning each)
 
 
@@ -300,23 +304,41 @@ class Verified:
 
 class _NodeBuffer:
     """The data ranges in one shared-memory file per node (``/dev/shm``): the ranks of a
-    node read disjoint parts of it (each byte once per node, not once per rank), then each
-    maps it copy-on-write (``MAP_PRIVATE``): every rank's arrays are private (a write never
-    reaches another rank) but share the node's pages until written, so a load costs one
-    copy of the file per node and a rank pays for a private page only when it writes one
-    (frozen parameters are never copied). Space is reserved with ``posix_fallocate`` (each
-    rank the part it writes, in parallel), so a
-    full ``/dev/shm`` is a fallback to private buffers (:meth:`open` returns None), never a
-    SIGBUS; the file is unlinked as soon as every rank has mapped it."""
+    node write disjoint parts of it with ``pwrite`` (each byte once per node, not once per
+    rank), then each maps it copy-on-write (``MAP_PRIVATE``): every rank's arrays are
+    private (a write never reaches another rank) but share the node's pages until written,
+    so a load costs one copy of the file per node and a rank pays for a private page only
+    when it writes one (frozen parameters are never copied). Written with ``pwrite``, not
+    through a mapping: the file's pages are allocated by the write without being zeroed
+    first or faulted in one by one, and a full ``/dev/shm`` is an ``ENOSPC`` error
+    (:attr:`failed`, then private buffers on every rank: :func:`read_collective`), never a
+    SIGBUS. The file is unlinked as soon as every rank has mapped it."""
 
     def __init__(self, node: MPI.Intracomm, ranks: list[int], name: str, fd: int,
                  sizes: list[int], starts: list[int], total: int):
         self.node, self.ranks, self.name, self.fd = node, ranks, name, fd
         self.sizes, self.starts = sizes, starts
         self.total = total
-        m = mmap.mmap(fd, total, flags=mmap.MAP_SHARED)
-        whole = np.frombuffer(m, dtype=np.uint8)
-        self.views = [whole[s:s + n] for s, n in zip(starts, sizes)]
+        self.failed: str | None = None
+
+    def write(self, i: int, lo: int, view: memoryview) -> None:
+        """Bytes ``lo ..`` of data range ``i``; after a failed write (:attr:`failed`), none."""
+        if self.failed is not None:
+            return
+        pos, done = self.starts[i] + lo, 0
+        try:
+            while done < len(view):
+                done += os.pwrite(self.fd, view[done:], pos + done)
+        except OSError as exc:
+            self.failed = f"{self.name}: {exc.strerror or exc}"
+
+    def discard(self) -> None:
+        """Close and remove the file without mapping it. Collective over the node."""
+        os.close(self.fd)
+        self.node.Barrier()
+        if self.node.Get_rank() == 0:
+            os.unlink(self.name)
+        self.node.Free()
 
     @classmethod
     def open(cls, comm: MPI.Intracomm, sizes: list[int]) -> _NodeBuffer | None:
@@ -338,7 +360,7 @@ class _NodeBuffer:
             try:
                 fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
                 created = name
-                os.ftruncate(fd, total)       # pages are reserved by reserve(), in parallel
+                os.ftruncate(fd, total)       # pages: allocated by the writes
             except OSError as exc:
                 err = str(exc)
         name = node.bcast(name if err is None else None, root=0)
@@ -366,29 +388,6 @@ class _NodeBuffer:
             return None
         return buf
 
-    def reserve(self, comm: MPI.Intracomm, regions: list[tuple[int, int, int]]) -> bool:
-        """Allocate the pages of ``regions`` ((range, lo, hi): what this rank will write)
-        with ``posix_fallocate``, every rank its own in parallel, so that a full
-        ``/dev/shm`` is an error here, never a SIGBUS on a write into the mapping. False
-        (on every rank, the file removed) when any rank failed. Collective over ``comm``."""
-        err = None
-        try:
-            for i, lo, hi in regions:
-                os.posix_fallocate(self.fd, self.starts[i] + lo, hi - lo)
-        except OSError as exc:
-            err = str(exc)
-        if comm.allreduce(int(err is None), op=MPI.MIN):
-            return True
-        self.views = []
-        os.close(self.fd)
-        self.node.Barrier()
-        if self.node.Get_rank() == 0:
-            os.unlink(self.name)
-        self.node.Free()
-        log.debug("checkpoint read: shared node buffer not reserved (%s); private buffers",
-                  err)
-        return False
-
     def rest(self, parts: list[list[tuple[int, int]]]) -> list[tuple[int, int, int]]:
         """(range, lo, hi) that this rank fills beyond its own segments: the bytes no rank
         of this node reads while hashing, split evenly over the node's ranks."""
@@ -409,12 +408,10 @@ class _NodeBuffer:
                     mine.append((i, a, b))
         return mine
 
-    def private(self, bufs: list[np.ndarray]) -> list[np.ndarray]:
+    def private(self) -> list[np.ndarray]:
         """Every rank's copy-on-write views, after the node's ranks have filled the file.
         Collective over the node."""
         self.node.Barrier()
-        self.views = []
-        del bufs
         m = mmap.mmap(self.fd, self.total, flags=mmap.MAP_PRIVATE,
                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(self.fd)
@@ -456,15 +453,96 @@ def _rank_parts(segs, ranges, size: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def _pread(fd: int, view: memoryview, off: int) -> bool:
-    """Fill ``view`` from file offset ``off``; False on a short read (end of file)."""
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], off + got)
-        if n <= 0:
-            return False
-        got += n
-    return True
+def _libc_mincore():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        f = libc.mincore
+    except (OSError, AttributeError):
+        return None
+    f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    f.restype = ctypes.c_int
+    return f
+
+
+_MINCORE = _libc_mincore()
+
+
+class _FileReader:
+    """Byte ranges of a file into one page-aligned scratch buffer, each from where it is
+    cheapest: pages already in the page cache (``mincore``) with a plain ``pread``, the
+    others with ``O_DIRECT`` (the disk writes straight into the scratch buffer: no page-cache
+    pages to allocate, fill and copy out, which cost more CPU than the copy it saves on a
+    cold 1 GiB load at 4 ranks on 2 cores). Where ``O_DIRECT`` is refused (tmpfs, some
+    network file systems), ``direct`` is False or ``SEMZO_CHECKPOINT_DIRECT=0``, every read
+    is a plain one."""
+
+    def __init__(self, path, direct: bool = True):
+        self.fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+        self.dfd, self.map, self.addr = -1, None, 0
+        self.buf = None
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        if (direct and hasattr(os, "O_DIRECT") and _MINCORE is not None and self.size
+                and os.environ.get(DIRECT_ENV, "1") != "0"):
+            try:
+                self.dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self.map = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
+                self.addr = np.frombuffer(self.map, dtype=np.uint8).ctypes.data
+            except (OSError, ValueError):
+                self.close()
+                self.dfd = -1
+
+    def close(self) -> None:
+        if self.map is not None:
+            self.map.close()
+            self.map = None
+        for fd in (self.dfd, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self.dfd = self.fd = -1
+
+    def _cached(self, off: int, n: int) -> bool:
+        """True when every page of bytes [off, off + n) is in the page cache."""
+        pages = -(-n // mmap.PAGESIZE)
+        vec = np.zeros(pages, dtype=np.uint8)
+        if _MINCORE(self.addr + off, n, vec.ctypes.data) != 0:
+            return True                       # unknown: a plain read is always correct
+        return bool(np.all(vec & 1))
+
+    def _fill(self, fd: int, view: memoryview, off: int, need: int) -> int:
+        got = 0
+        while got < need:
+            n = os.preadv(fd, [view[got:]], off + got)
+            if n <= 0:
+                break
+            got += n
+        return got
+
+    def read(self, off: int, n: int) -> memoryview | None:
+        """A view of bytes [off, off + n) of the file (valid until the next call), or None
+        when the file ends before them."""
+        if off + n > self.size:
+            return None                       # the file ends before them
+        a = off - off % ALIGN
+        length = -(-(off + n - a) // ALIGN) * ALIGN
+        if self.buf is None or self.buf.size < length:
+            self.buf = np.frombuffer(mmap.mmap(-1, max(length, READ_BYTES + 2 * ALIGN)),
+                                     dtype=np.uint8)      # mmap: page-aligned
+        view = memoryview(self.buf)[:length]
+        got = -1
+        if self.dfd >= 0 and not self._cached(a, min(length, self.size - a)):
+            try:
+                got = self._fill(self.dfd, view, a, off + n - a)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.dfd = -1                 # O_DIRECT refused here: plain reads
+        if got < 0:
+            got = self._fill(self.fd, view[off - a:off - a + n], off, n) + (off - a)
+        if got < off + n - a:
+            return None
+        return view[off - a:off - a + n]
 
 
 def read_collective(path: str | Path, comm: MPI.Intracomm, keep: str = "none"
@@ -523,26 +601,39 @@ def read_collective(path: str | Path, comm: MPI.Intracomm, keep: str = "none"
         shared = _NodeBuffer.open(comm, [n for _, n in ranges])
         if shared is not None:              # one copy per node: read each byte once
             rest = shared.rest(parts)
-            own = [(i, lo, hi) for i, (lo, hi) in enumerate(parts[rank]) if hi > lo]
-            if shared.reserve(comm, own + rest):
-                bufs = shared.views
-            else:
-                shared, rest = None, []
-        if shared is None:                  # a private copy: read the rest from the cache
+        else:                               # a private copy: every byte, own and rest
             bufs = [empty_bytes(n) for _, n in ranges]
             for i, (lo, hi) in enumerate(parts[rank]):
                 n = ranges[i][1]
                 rest += [(i, hi, n), (i, 0, lo)] if hi > lo else [(i, 0, n)]
     elif keep == "mine":
         bufs = [empty_bytes(n) for _, n in ranges]
+
+    def to_bufs(i: int, lo: int, view: memoryview) -> None:
+        bufs[i][lo:lo + len(view)] = np.frombuffer(view, dtype=np.uint8)
+
+    sink = shared.write if shared is not None else to_bufs
     mine = np.empty(b - a, dtype=np.uint64)
     err = None
     try:
-        err = _read_segments(path, segs[a:b], ranges, bufs, mine, kind, keep, rest)
+        err = _read_segments(path, segs[a:b], ranges, sink if keep != "none" else None,
+                             mine, kind, rest)
     except OSError as exc:
         err = f"cannot read: {exc.strerror or exc}"
     if shared is not None:
-        bufs = shared.private(bufs)         # collective over the node
+        if comm.allreduce(int(shared.failed is not None), op=MPI.MAX):
+            log.debug("checkpoint read: shared node buffer not written (%s); private "
+                      "buffers", shared.failed or "another rank failed")
+            shared.discard()                # collective over the node
+            bufs = [empty_bytes(n) for _, n in ranges]
+            if err is None:                 # every data byte again, into private memory
+                try:
+                    err = _read_segments(path, [], ranges, to_bufs, mine[:0], kind,
+                                         [(i, 0, n) for i, (_, n) in enumerate(ranges)])
+                except OSError as exc:
+                    err = f"cannot read: {exc.strerror or exc}"
+        else:
+            bufs = shared.private()         # collective over the node
     got = comm.allgather((err, mine))
     err = next((e for e, _ in got if e), None)
     if err:
@@ -555,50 +646,45 @@ def read_collective(path: str | Path, comm: MPI.Intracomm, keep: str = "none"
     return 2, Verified(kind, block, ranges, seg, range_seg, bufs, parts)
 
 
-def _read_segments(path, segs, ranges, bufs, out: np.ndarray, kind: str, keep: str,
+def _read_segments(path, segs, ranges, sink, out: np.ndarray, kind: str,
                    rest: list[tuple[int, int, int]]) -> str | None:
-    """Read and hash ``segs`` (this rank's run) into ``out``; data bytes go straight into
-    ``bufs`` (when kept), the rest through a scratch buffer. Then the byte intervals
-    ``rest`` ((range, lo, hi): what else this rank fills in) are read into ``bufs``
-    unhashed. Returns an error text or None."""
+    """Read and hash ``segs`` (this rank's run) into ``out``, in reads of up to
+    :data:`READ_BYTES` (:class:`_FileReader`); ``sink(range, lo, bytes)`` receives the
+    data ranges' bytes (None: hash only). Then the byte intervals ``rest`` ((range, lo,
+    hi): what else this rank fills in) are read and passed to ``sink`` unhashed. Returns an
+    error text or None."""
     starts = {off: i for i, (off, _) in enumerate(ranges)}
-    scratch = None
-    fd = os.open(path, os.O_RDONLY)
+    offs = [off for off, _ in ranges]
+    # O_DIRECT only where the bytes are kept (a load): a check alone (verify, resume's
+    # search) reads through the page cache, where four ranks' read-ahead keeps more
+    # requests in flight and a load that follows finds the pages
+    rd = _FileReader(path, direct=sink is not None)
     try:
-        if keep == "all" and hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        offs = [off for off, _ in ranges]
         k = 0
         while k < len(segs):
             s, _, data = segs[k]
-            if data and keep != "none":           # straight into the range's buffer
-                cur = bisect.bisect_right(offs, s) - 1
-                off = ranges[cur][0]
-                j = k
-                while (j + 1 < len(segs) and segs[j + 1][2] and segs[j + 1][0] not in starts
-                       and segs[j + 1][1] - s <= READ_BYTES):
-                    j += 1
-                view = bufs[cur][s - off:segs[j][1] - off]
-            else:                                 # a batch through the scratch buffer
-                j = k
-                while (j + 1 < len(segs) and segs[j + 1][1] - s <= READ_BYTES
-                       and not (keep != "none" and segs[j + 1][2])):
-                    j += 1
-                if scratch is None or scratch.size < segs[j][1] - s:
-                    scratch = np.empty(max(READ_BYTES, segs[j][1] - s), dtype=np.uint8)
-                view = scratch[:segs[j][1] - s]
-            if not _pread(fd, memoryview(view), s):
+            j = k               # a batch: data segments of one range, or metadata gaps
+            while (j + 1 < len(segs) and segs[j + 1][1] - s <= READ_BYTES
+                   and segs[j + 1][2] == data and not (data and segs[j + 1][0] in starts)):
+                j += 1
+            view = rd.read(s, segs[j][1] - s)
+            if view is None:
                 return "truncated while reading"
             for t in range(k, j + 1):
                 out[t] = fmt.digest(kind, view[segs[t][0] - s:segs[t][1] - s])
+            if data and sink is not None:
+                cur = bisect.bisect_right(offs, s) - 1
+                sink(cur, s - ranges[cur][0], view)
             k = j + 1
         for i, lo, hi in rest:
             for c in range(lo, hi, READ_BYTES):
                 d = min(hi, c + READ_BYTES)
-                if not _pread(fd, memoryview(bufs[i][c:d]), ranges[i][0] + c):
+                view = rd.read(ranges[i][0] + c, d - c)
+                if view is None:
                     return "truncated while reading"
+                sink(i, c, view)
     finally:
-        os.close(fd)
+        rd.close()
     return None
 
 

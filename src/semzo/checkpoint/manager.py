@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import sys
@@ -165,38 +166,48 @@ def compute_threads() -> int:
 
 
 def choose_async(cores: int, ranks_on_node: int, threads_per_rank: int,
-                 override: str = "") -> tuple[bool, str]:
+                 override: str = "", load: float = 0.0) -> tuple[bool, str]:
     """Whether an ``async_save`` run writes in the background, and why (one log line).
 
-    A background write hides its cost only on a core the training does not use: the
-    writer thread copies data into the page cache, hashes the metadata and waits on
-    collective calls. When every core is taken (``ranks_on_node * threads_per_rank >=
-    cores``) it competes with the training for the same cores and costs more training time
-    than writing synchronously (measured on 2 cores, 4 ranks: 2.22 s lost asynchronously
-    against 0.64 s synchronously), so the save is synchronous. ``override``: ``always`` or
-    ``never`` (the ``SEMZO_CHECKPOINT_ASYNC`` environment variable)."""
-    busy = ranks_on_node * threads_per_rank
+    A background write hides its cost only on a core nothing else uses: the writer thread
+    copies data into the page cache, hashes the metadata and waits on collective calls.
+    When every core is taken it competes with the training for the same cores and costs
+    more training time than writing synchronously (measured on 2 cores, 4 ranks: 2.22 s
+    lost asynchronously against 0.64 s synchronously; on the same 2 cores shared with other
+    people's jobs, 1 rank of 1 thread: 9.7 s against 6.1 s), so the save is synchronous.
+    Busy cores: this node's ranks x compute threads, or the node's measured load (the
+    1-minute load average at the first save, which counts these ranks and everyone else's
+    work), the larger. ``override``: ``always`` or ``never`` (the ``SEMZO_CHECKPOINT_ASYNC``
+    environment variable)."""
+    own = ranks_on_node * threads_per_rank
+    busy = max(own, math.ceil(load - 0.5))      # a load under x.5 rounds down
     free = cores - busy
     what = (f"{cores} cores for {ranks_on_node} ranks x {threads_per_rank} compute "
-            f"threads on this node")
+            f"threads on this node, load average {load:.1f}")
     if override in ("always", "never"):
         return override == "always", f"{ASYNC_ENV}={override} ({what})"
     if free >= 1:
         return True, f"{what}: {free} free, so the write goes on in the background"
-    return False, (f"{what}: no free core, so saves are synchronous (a background writer "
+    why = "no free core" if busy == own else "no free core (other work keeps them busy)"
+    return False, (f"{what}: {why}, so saves are synchronous (a background writer "
                    f"would slow every training step more than a synchronous write costs)")
 
 
-def _node_cores(comm: MPI.Intracomm) -> tuple[int, int, int]:
+def _node_cores(comm: MPI.Intracomm) -> tuple[int, int, int, float]:
     """(cores the ranks of this node may run on, ranks on this node, max compute threads
-    of a rank). Collective."""
+    of a rank, the node's 1-minute load average). Collective."""
     node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
     try:
         mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
             else list(range(os.cpu_count() or 1))
         cpus = set().union(*map(set, node.allgather(mine)))
         threads = node.allreduce(compute_threads(), op=MPI.MAX)
-        return len(cpus), node.Get_size(), threads
+        try:
+            load = os.getloadavg()[0]
+        except OSError:                      # not available: count only our own ranks
+            load = 0.0
+        load = node.allreduce(load, op=MPI.MAX)
+        return len(cpus), node.Get_size(), threads, load
     finally:
         node.Free()
 
@@ -380,6 +391,12 @@ class Checkpointer:
                             self.shards_manifest)
         return loaded
 
+    @property
+    def background(self) -> bool:
+        """True when saves go on in a background thread: ``async_save`` asked for and the
+        first save found a free core (:func:`choose_async`); False before that save."""
+        return self._acomm is not None and bool(self._background_ok)
+
     def wait(self) -> None:
         """Block until a background write is complete; re-raise its error on this rank."""
         if self._thread is not None:
@@ -416,10 +433,11 @@ class Checkpointer:
     # ------------------------------------------------------------------ internals
     def _decide(self) -> bool:
         """``async_save``: background or synchronous saves for this run, decided once at the
-        first save from the free cores of every node (:func:`choose_async`), the same on
+        first save from the free cores and the load of every node (:func:`choose_async`),
+        the same on
         every rank, logged once. Collective."""
-        cores, ranks, threads = _node_cores(self.comm)
-        ok, why = choose_async(cores, ranks, threads, os.environ.get(ASYNC_ENV, ""))
+        cores, ranks, threads, load = _node_cores(self.comm)
+        ok, why = choose_async(cores, ranks, threads, os.environ.get(ASYNC_ENV, ""), load)
         ok = bool(self.comm.allreduce(int(ok), op=MPI.MIN))    # one mode for all ranks
         if self.comm.Get_rank() == 0:
             log.info("checkpoint.async_save: %s: %s", "asynchronous" if ok else "synchronous",
