@@ -152,6 +152,13 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
         raise DeckError(f"{d.source}: prompt.label_words: a word is listed twice")
     if len(set(d.corpus.labels)) != len(d.corpus.labels):
         raise DeckError(f"{d.source}: corpus.labels: a label is listed twice")
+    stems = [Path(p).stem for p in d.experiment.decks]
+    if len(set(stems)) != len(stems):
+        raise DeckError(f"{d.source}: experiment.decks: two decks have the same file name "
+                        f"({', '.join(d.experiment.decks)}): each task's folder is named by it")
+    for p in d.experiment.decks if check_inputs else ():
+        if not Path(p).is_file():
+            raise DeckError(f"{d.source}: experiment.decks: deck file not found: {p}")
 
 
 def check_world(d: Deck, size: int) -> None:

@@ -295,11 +295,14 @@ _ttest = paired_p        # the old name
 
 
 def semantic_cost(exp: Experiment) -> tuple[float, float] | None:
-    """Seconds semantic sharding adds over shuffle (k-means + placement difference) and that as
-    a share of a semantic configuration's mean fine-tuning time; None without both."""
+    """Seconds semantic sharding adds over shuffle (k-means + placement difference, and the
+    embedding unless the head trains on its features: then every sharding needs it) and that
+    as a share of a semantic configuration's mean fine-tuning time; None without both."""
     if "semantic" not in exp.place or "shuffle" not in exp.place:
         return None
     extra = exp.shared["cluster"] + exp.place["semantic"] - exp.place["shuffle"]
+    if not d_head_only(exp):
+        extra += exp.shared["embed"]
     ft = stats([r.wall_s for r in exp.runs if r.sharding == "semantic"])[0]
     return extra, extra / ft if ft else math.nan
 

@@ -36,8 +36,10 @@ from mpi4py import MPI
 from ..deck import STAGES, Deck
 from ..pipeline import RunContext, run_stage, start
 from ..runtime import SemzoError, StageTimer, get_logger
+from ..tasks.prefix_store import PrefixStore
 from .analysis import TIMINGS
 from .report import write_report
+from .tasks import run_tasks
 
 log = get_logger(__name__)
 
@@ -45,19 +47,20 @@ EVAL_POINTS = 40          # about this many held-out evaluations per configurati
 TIMING_COLUMNS = ("sharding", "mode", "seed", "stage", "wall_s", "comm_s")
 
 
-def eval_every(steps: int, report_points: int) -> int:
+def eval_every(steps: int, report_points: int, points: int = EVAL_POINTS) -> int:
     """Steps between held-out evaluations: a divisor of ``steps / report_points`` when that is
-    whole (so every report budget is an evaluation), giving about :data:`EVAL_POINTS`."""
+    whole (so every report budget is an evaluation), giving about ``points`` evaluations
+    (``experiment.eval_points``)."""
     if steps <= 0:
         return 0
     if steps % report_points == 0:
         seg = steps // report_points
-        per = max(1, round(EVAL_POINTS / report_points))
+        per = max(1, round(points / report_points))
         for n in range(per, seg + 1):          # smallest split of a segment at least `per`
             if seg % n == 0:
                 return seg // n
         return 1
-    return max(1, steps // EVAL_POINTS)
+    return max(1, steps // points)
 
 
 def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int) -> Deck:
@@ -74,7 +77,8 @@ def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int) ->
         train=dataclasses.replace(deck.train, max_epochs=0.0, save="none",
                                   split_seed=(deck.train.split_seed if deck.train.split_seed >= 0
                                               else deck.run.seed),
-                                  eval_every=eval_every(steps, e.report_points)),
+                                  eval_every=eval_every(steps, e.report_points,
+                                                         e.eval_points)),
         checkpoint=dataclasses.replace(deck.checkpoint, every_steps=0, resume="never", dir=""),
     )
 
@@ -159,6 +163,8 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm, resume: bool = False) -> Pat
     their recorded times. The output folder is locked for the whole run (exit 2 at once if
     another run holds it; see :mod:`semzo.outdir`)."""
     e = deck.experiment
+    if e.decks:
+        return run_tasks(deck, comm, resume, run_experiment)
     msg = None
     if deck.train.steps < e.report_points:
         msg = (f"{deck.source}: train.steps: the experiment needs at least "
@@ -175,6 +181,9 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm, resume: bool = False) -> Pat
     timer = StageTimer()
     t0 = time.perf_counter()
     ctx = start(deck, comm, timer, experiment=True)
+    # the frozen-prefix states of the LLM tasks depend on the model and the tokens only: one
+    # store for every configuration of this job (semzo.tasks.prefix_store)
+    ctx.prefix_store = PrefixStore()
     with ctx.lock:                      # the output folder is this run's until it ends
         return _run_experiment(deck, ctx, resume, t0)
 
@@ -241,6 +250,10 @@ def _run_experiment(deck: Deck, ctx: RunContext, resume: bool, t0: float) -> Pat
                          "accuracy %.4f -> %.4f; %.0f s so far", done, n_cfg, sharding, mode,
                          fctx.deck.run.seed, fig.get("heldout acc before", math.nan),
                          fig.get("heldout acc after", math.nan), elapsed)
+    st = ctx.prefix_store
+    if st.computed or st.hits:
+        log.info("experiment: frozen-prefix cache: %d sequences computed in %.1f s (rank 0), "
+                 "%d reused by later configurations", st.computed, st.seconds, st.hits)
     topo.world.Barrier()
     report = base / "report.md"
     if topo.rank == 0:
