@@ -143,7 +143,9 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     # inputs are checked only when a stage that reads them runs (so `semzo topology` works
     # without a corpus); defaults are checked too, not only the keys the deck sets
     # (the model folders are the preflight's: semzo.preflight.check_inputs)
-    if check_inputs and "embed" in d.run.stages and not Path(d.corpus.path).is_file():
+    # (a deck with experiment.decks reads no corpus: its task decks' are checked as they load)
+    if check_inputs and "embed" in d.run.stages and not d.experiment.decks and \
+            not Path(d.corpus.path).is_file():
         raise DeckError(f"{d.source}: corpus.path: file not found: {d.corpus.path}")
     if "{text}" not in d.prompt.template:
         raise DeckError(f"{d.source}: prompt.template: must contain {{text}} (where each text "

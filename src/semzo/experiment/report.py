@@ -130,7 +130,7 @@ def scope(exp: Experiment) -> list[str]:
                    "transformer itself (`train.last_layers` > 0, `params = \"lora\"` or "
                    "`\"all\"`) is not measured here: at about 1 s per step on this machine "
                    "that needs a larger machine or a longer job (same command, other deck).")
-    else:
+    elif d.train.params != "lora":
         out.append(f"- Trainable set: `{d.train.params}` (last_layers = "
                    f"{d.train.last_layers}).")
     if d.topology.ranks_per_node > 0:
@@ -153,7 +153,8 @@ def scope(exp: Experiment) -> list[str]:
                    "tokens; \"accuracy\" is the share of completion tokens whose greedy next "
                    "token is right (not exact match of whole answers).")
     if d.train.params == "lora":
-        out.append(f"- LoRA (rank {d.train.lora_rank}) on `{', '.join(d.train.lora_targets)}` "
+        targets = ", ".join(d.train.lora_targets) or "q_proj, v_proj"
+        out.append(f"- LoRA (rank {d.train.lora_rank}) on `{targets}` "
                    f"of the last {d.train.lora_layers} blocks: the frozen blocks below run once "
                    f"per text (the frozen-prefix cache, computed by the first configuration "
                    f"of each sharding that needs it and reused by the others in the same job), "

@@ -183,7 +183,7 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm, resume: bool = False) -> Pat
     ctx = start(deck, comm, timer, experiment=True)
     # the frozen-prefix states of the LLM tasks depend on the model and the tokens only: one
     # store for every configuration of this job (semzo.tasks.prefix_store)
-    ctx.prefix_store = PrefixStore()
+    ctx.prefix_store = PrefixStore(ctx.topo.world, deck.train.prefix_cache_mb * 2**20)
     with ctx.lock:                      # the output folder is this run's until it ends
         return _run_experiment(deck, ctx, resume, t0)
 

@@ -10,7 +10,8 @@ next configuration whose rank holds the same sequence (the same rows under anoth
 seed; under another sharding, the rows it held before).
 
 :func:`fill_prefix_cache` fills a task's cache from the store and computes only the missing
-sequences. One rank, not collective. The states are the same computation as without a store
+sequences; with a communicator on the store it then hands the new states to every rank
+(collective: every rank builds its task, so every rank calls it). The states are the same computation as without a store
 (the same blocks on the same tokens); a sequence computed in another batch can differ from
 a recomputation by float rounding only (other padding, other matrix shapes).
 """
@@ -21,6 +22,7 @@ import hashlib
 import time
 
 import numpy as np
+from mpi4py import MPI
 
 from ..runtime import get_logger
 from .base import pad_batch
@@ -30,13 +32,20 @@ log = get_logger(__name__)
 
 class PrefixStore:
     """States by (model key, sequence digest); ``model_key`` names the model, its weight
-    storage, the backend and the cached block, so one store can serve several tasks."""
+    storage, the backend and the cached block, so one store can serve several tasks.
 
-    def __init__(self) -> None:
+    ``comm``: when given, every fill that computed states hands them to every rank
+    (one allgather), as long as each rank's store then stays within ``cap_bytes``: the first
+    configuration of an experiment computes each sequence once on the rank that holds it,
+    and a later sharding, which puts the sequences on other ranks, computes none."""
+
+    def __init__(self, comm=None, cap_bytes: int = 0) -> None:
         self._states: dict[tuple, dict[bytes, object]] = {}
+        self.comm, self.cap_bytes = comm, int(cap_bytes)
         self.hits = 0
         self.computed = 0
         self.seconds = 0.0
+        self.nbytes = 0
 
     @staticmethod
     def digest(seq: np.ndarray) -> bytes:
@@ -48,6 +57,24 @@ class PrefixStore:
 
     def __len__(self) -> int:
         return sum(len(t) for t in self._states.values())
+
+
+def _share(store: PrefixStore, table: dict, new: dict, xp) -> None:
+    """Give every rank the states the others just computed, if every rank's store then fits
+    ``store.cap_bytes``. Collective over ``store.comm`` (every rank of a fill calls it)."""
+    comm = store.comm
+    added = comm.allreduce(sum(int(v.nbytes) for v in new.values()), op=MPI.SUM)
+    fits = comm.allreduce(int(store.nbytes + added <= store.cap_bytes), op=MPI.MIN)
+    if not added or not fits:
+        return
+    host = {k: (v.get() if hasattr(v, "get") else v) for k, v in new.items()}
+    for r, got in enumerate(comm.allgather(host)):
+        if r == comm.Get_rank():
+            continue
+        for k, v in got.items():
+            if k not in table:
+                table[k] = xp.asarray(v)
+                store.nbytes += int(v.nbytes)
 
 
 def store_args(ctx) -> dict:
@@ -62,7 +89,8 @@ def fill_prefix_cache(task, bs: int, store: PrefixStore | None, model_key: tuple
     """Build ``task.cache`` (rows of all sequences, ``task.offs`` their offsets): the states
     entering block ``task.layer`` (stages ``0 .. layer`` of the model), from ``store`` where it
     has them, computed in batches of ``bs`` sequences (longest first) otherwise and then kept
-    in the store. Returns ``(reused, computed, seconds)`` for this task. One rank."""
+    in the store. Returns ``(reused, computed, seconds)`` for this task. One rank without a
+    store or with ``store.comm`` None; collective over ``store.comm`` otherwise."""
     t0 = time.perf_counter()
     xp, model = task.model.xp, task.model
     lens = np.array([len(q) for q in task.seqs], np.int64)
@@ -89,6 +117,10 @@ def fill_prefix_cache(task, bs: int, store: PrefixStore | None, model_key: tuple
             task.cache[task.offs[r]:task.offs[r + 1]] = x[j, :lens[r]]
             if table is not None:
                 table[keys[r]] = task.cache[task.offs[r]:task.offs[r + 1]].copy()
+    if table is not None:
+        store.nbytes += sum(int(table[keys[r]].nbytes) for r in todo)
+        if store.comm is not None:
+            _share(store, table, {keys[r]: table[keys[r]] for r in todo}, xp)
     dt = time.perf_counter() - t0
     if store is not None:
         store.hits += reused
