@@ -239,5 +239,6 @@ def guard_update(state, loss: float, window: int) -> str:
                 f"{state.gw_best:.4f} by more than {GUARD_Z:g} standard errors and "
                 f"{100 * GUARD_REL:g} %; lr scale {old:.3g} -> {state.lr_scale:.3g} "
                 f"(zo.lr_guard)")
-    state.gw_best = min(state.gw_best, mean)
+    if mean < state.gw_best:
+        state.gw_best = mean
     return ""
