@@ -170,3 +170,18 @@ def test_missing_task_deck_is_refused_by_name(tmp_path):
     assert len(lines) == 1 and "experiment.decks: deck file not found" in lines[0] \
         and "nope.toml" in lines[0], proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_fzoo_with_several_modes_is_refused_before_any_task_runs(experiment, tmp_path):
+    """fzoo (the default estimator with zo.lr = "auto") spends 1 + N losses per rank per step
+    in data mode and fewer in perturbation mode: the modes would not share one forward-pass
+    budget, so the experiment refuses it by name (exit 2, one line) before the first task."""
+    out, _ = experiment
+    tmp = out.parent
+    proc = mpirun(2, _args(tmp_path / "o", tmp, tmp / "llama", "--set", "zo.estimator=auto"),
+                  timeout=120, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "zo.estimator: fzoo" in lines[0] \
+        and "prompt.toml" in lines[0] and "experiment.decks" in lines[0], proc.stderr
+    assert not (tmp_path / "o" / "prompt").exists()

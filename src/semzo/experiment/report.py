@@ -20,6 +20,7 @@ from .analysis import (
     d_head_only,
     load,
     overhead,
+    passes_per_step,
     run_time,
     semantic_cost,
     stats,
@@ -185,7 +186,8 @@ def write_report(base: str | Path) -> Path:
           f"{d.cluster.k}; topology ranks_per_node = {d.topology.ranks_per_node}, "
           f"nodes_per_switch = {d.topology.nodes_per_switch}.", "",
           (f"Budget: {exp.budget:,} steps = {_fp(exp.fp(exp.budget))} forward passes of "
-          f"{d.train.batch_size} texts for every configuration (2 per rank per step). Seeds: "
+          f"{d.train.batch_size} texts for every configuration ({passes_per_step(d)} per rank "
+          f"per step, estimator {d.zo.estimator_name}). Seeds: "
           f"{', '.join(str(d.run.seed + i) for i in range(e.seeds))} (the seed sets the ZO "
           f"directions and the batch order; every run is scored on the same held-out split "
           f"(split seed {split}) and starts from the same model, so configurations with the "

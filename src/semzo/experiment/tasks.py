@@ -64,9 +64,10 @@ def shared_keys(deck: Deck) -> list[tuple[str, str, object]]:
     return out
 
 
-def task_decks(deck: Deck, comm: MPI.Intracomm) -> list[Deck]:
+def task_decks(deck: Deck, comm: MPI.Intracomm, deck_error) -> list[Deck]:
     """The task decks of ``deck`` as they run: loaded and checked on every rank (one error,
-    exit 2, naming the task deck and the key, if any rank finds one). Collective."""
+    exit 2, naming the task deck and the key, if any rank finds one), each also by
+    ``deck_error`` (:func:`.runner.deck_error`). Collective."""
     base = Path(deck.run.output_dir)
     shared = [f"{s}.{k}={_toml_value(list(v) if isinstance(v, tuple) else v)}"
               for s, k, v in shared_keys(deck)]
@@ -81,15 +82,21 @@ def task_decks(deck: Deck, comm: MPI.Intracomm) -> list[Deck]:
         if sub.experiment.decks:
             raise DeckError(f"{deck.source}: experiment.decks: {path} names task decks of its "
                             f"own (experiment.decks); a task deck must be a single task")
-        out.append(sub.replace(experiment=dataclasses.replace(deck.experiment, decks=())))
+        sub = sub.replace(experiment=dataclasses.replace(deck.experiment, decks=()))
+        msg = deck_error(sub)                # every task is checked before any runs
+        if msg:
+            raise DeckError(f"{msg} (task deck of {deck.source}: experiment.decks)")
+        out.append(sub)
     return out
 
 
-def run_tasks(deck: Deck, comm: MPI.Intracomm, resume: bool, run_experiment) -> Path:
-    """Every task deck's experiment (``run_experiment``: :func:`.runner.run_experiment`), then
-    the index report. Collective. Returns its path."""
+def run_tasks(deck: Deck, comm: MPI.Intracomm, resume: bool, run_experiment,
+              deck_error) -> Path:
+    """Every task deck's experiment (``run_experiment``: :func:`.runner.run_experiment`, each
+    deck checked by ``deck_error`` first), then the index report. Collective. Returns its
+    path."""
     t0 = time.perf_counter()
-    subs = task_decks(deck, comm)
+    subs = task_decks(deck, comm, deck_error)
     if comm.Get_rank() == 0:
         base = Path(deck.run.output_dir)
         base.mkdir(parents=True, exist_ok=True)
