@@ -101,15 +101,16 @@ experiment-debian: setup data/debian.jsonl
 # the sharding experiment through the LLM (issue 34): SmolLM2 + LoRA on the prompt task
 # (inputs/llm.toml) and the sft task (inputs/sft.toml), semantic / shuffle / random sharding x
 # ZO modes data / perturbation x seeds, zo.lr = "auto" (inputs/experiment-llm.toml):
-# docs/results/llm/. 2 ranks here (2 cores); a cluster: make experiment-llm MPIEXEC=srun NP=64
+# docs/results/llm/ (a folder per task deck: llm/, sft/). 2 ranks here (2 cores); a cluster:
+# make experiment-llm MPIEXEC=srun NP=64
 experiment-llm: NP = 2
 experiment-llm: TIMEOUT = 7200
 experiment-llm: setup data/fortunes.jsonl data/debian-sft.jsonl
 	SEMZO_COMMAND="make experiment-llm" $(RUN) experiment inputs/experiment-llm.toml \
 	  --set run.output_dir=runs/experiment-llm
-	@mkdir -p $(RESULTS)/llm/prompt $(RESULTS)/llm/sft
+	@mkdir -p $(RESULTS)/llm/llm $(RESULTS)/llm/sft
 	cp runs/experiment-llm/report.md $(RESULTS)/llm/experiment.md
-	for t in prompt sft; do cp runs/experiment-llm/$$t/report.md $(RESULTS)/llm/$$t/report.md; \
+	for t in llm sft; do cp runs/experiment-llm/$$t/report.md $(RESULTS)/llm/$$t/report.md; \
 	  cp runs/experiment-llm/$$t/{accuracy,loss,time}.png $(RESULTS)/llm/$$t/; done
 
 # the Gemma 3 270M checks (tests marked gemma3) run in `make test-gemma3`: minutes of CPU and

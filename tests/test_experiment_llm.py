@@ -1,7 +1,7 @@
 """`make experiment-llm` in miniature (issue 34): inputs/experiment-llm.toml with a tiny Llama
 runs its two task decks (prompt classification and sft) as experiments of their own at 2 ranks
 (2 shardings x 2 ZO modes x 2 seeds each); every configuration gets the same budget and
-``zo.lr = "auto"``, the frozen-prefix states are computed once per rank and reused, and each
+``zo.lr = "auto"`` (a --set on the experiment deck, passed to both task decks), the frozen-prefix states are computed once per rank and reused, and each
 report's paired differences are those of the metrics.csv files. A missing task deck is refused
 by name (exit 2) before any work."""
 
@@ -72,7 +72,7 @@ def _args(out, tmp, model, *extra):
             "--set", f"train.steps={STEPS}", "--set", f"experiment.seeds={SEEDS}",
             "--set", f"experiment.shardings={_toml_value(list(SHARDINGS))}",
             "--set", f"experiment.modes={_toml_value(list(MODES))}",
-            "--set", "experiment.eval_points=4", *extra]
+            "--set", "experiment.eval_points=4", "--set", "zo.lr=auto", *extra]
 
 
 def _final(path):
@@ -87,6 +87,7 @@ def test_both_tasks_run_every_configuration_with_one_budget_and_lr_auto(experime
     for task, kind in (("prompt", "prompt"), ("sft", "sft")):
         stored = tomllib.loads((out / task / "experiment.toml").read_text())
         assert stored["train"]["task"] == kind and stored["zo"]["lr"] == "auto"
+        assert stored["zo"]["estimator"] == "mezo"      # written in the experiment deck only
         assert stored["train"]["steps"] == STEPS and stored["train"]["gen_samples"] == 0
         assert stored["experiment"]["decks"] == []           # a task deck is a single task
         starts = {}
@@ -173,12 +174,12 @@ def test_missing_task_deck_is_refused_by_name(tmp_path):
 
 
 def test_fzoo_with_several_modes_is_refused_before_any_task_runs(experiment, tmp_path):
-    """fzoo (the default estimator with zo.lr = "auto") spends 1 + N losses per rank per step
+    """fzoo (the default estimator with zo.lr = "auto", here set explicitly) spends 1 + N losses per rank per step
     in data mode and fewer in perturbation mode: the modes would not share one forward-pass
     budget, so the experiment refuses it by name (exit 2, one line) before the first task."""
     out, _ = experiment
     tmp = out.parent
-    proc = mpirun(2, _args(tmp_path / "o", tmp, tmp / "llama", "--set", "zo.estimator=auto"),
+    proc = mpirun(2, _args(tmp_path / "o", tmp, tmp / "llama", "--set", "zo.estimator=fzoo"),
                   timeout=120, env=ENV)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
