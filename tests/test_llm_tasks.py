@@ -408,3 +408,45 @@ def test_prompt_task_streamed_equals_three_pass(llama, params, layer, offload):
     assert got.tobytes() == ref.tobytes() and np.isnan(ref[1, 0])
     for n in pref:
         assert pgot[n].tobytes() == pref[n].tobytes(), n
+
+
+def test_prefix_store_reuses_states_across_tasks(llama):
+    """`semzo experiment` keeps the frozen-prefix states in a PrefixStore: a second task whose
+    rank holds some of the same prompts (another mode or seed; another sharding) computes only
+    the new ones, takes the others from the store unchanged, and gets the cache it would have
+    built alone (up to the rounding of another batch composition)."""
+    from semzo.tasks.prefix_store import PrefixStore
+
+    texts, labels = synthetic(24, seed=5)
+    m = load_model(llama)
+    select_trainable(m, "lora", lora_rank=4, lora_alpha=8, lora_layers=1)
+    tok = _tok(llama)
+    wid = label_word_ids(tok, ["pos", "neg"], [" good", " bad"], TPL, "d.toml")
+    seqs = encode_prompts(tok, texts, TPL, 32, 96, "d.toml")
+    store = PrefixStore()
+
+    def task(rows, st):
+        s = [seqs[r] for r in rows]
+        n = len(s)
+        return PromptTask(m, s, labels[rows], np.arange(n), np.arange(n), 0, 5, wid, layer=1,
+                          store=st, store_key=("tiny",))
+
+    first = task(np.arange(16), store)
+    assert first.cache_use[:2] == (0, 16) and len(store) == 16
+    rows = np.r_[np.arange(8, 16)[::-1], np.arange(16, 24)]       # 8 old (reordered), 8 new
+    second = task(rows, store)
+    assert second.cache_use[:2] == (8, 8) and len(store) == 24
+    for j, r in enumerate(rows[:8]):                                # reused: the same states
+        a = second.cache[second.offs[j]:second.offs[j + 1]]
+        b = first.cache[first.offs[r]:first.offs[r + 1]]
+        assert np.array_equal(a, b)
+    alone = task(rows, None)
+    assert alone.cache_use[:2] == (0, 16)
+    assert np.allclose(alone.cache, second.cache, rtol=1e-5, atol=1e-6)
+    assert task(rows, store).cache_use[:2] == (16, 0)
+    # another model key (model folder, storage, backend or block) shares nothing
+    other = PromptTask(m, [seqs[0]], labels[:1], np.arange(1), np.arange(1), 0, 5, wid,
+                       layer=1, store=store, store_key=("other",))
+    assert other.cache_use[:2] == (0, 1)
+    b = second.batch(np.arange(8))
+    assert abs(second.loss(b) - alone.loss(alone.batch(np.arange(8)))) < 1e-5

@@ -155,6 +155,10 @@ def _experiment(deck, comm, report_only: bool, resume: bool) -> int:
 
     if not report_only:
         path = run_experiment(deck, comm, resume=resume)
+    elif deck.experiment.decks:
+        from .experiment.tasks import index_report
+
+        path = index_report(deck, comm)
     else:
         err, path = None, None
         if comm.Get_rank() == 0:

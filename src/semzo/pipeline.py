@@ -41,6 +41,9 @@ class RunContext:
     threads: int = 1
     inputs: dict[str, Path] = field(default_factory=dict)
     lock: OutputLock | None = None
+    # frozen-prefix states kept across the runs of one process (semzo.tasks.prefix_store;
+    # set by `semzo experiment`, shared by every derived context)
+    prefix_store: object | None = None
 
     def path(self, name: str) -> Path:
         """Where the file ``name`` of this run lives: ``outdir / name``, unless ``inputs``
@@ -53,7 +56,8 @@ class RunContext:
         new folder. Collective (rank 0 creates the folder)."""
         ctx = RunContext(deck=deck, topo=self.topo, outdir=Path(deck.run.output_dir),
                          timer=self.timer, xp=self.xp, threads=self.threads,
-                         inputs={k: Path(v) for k, v in (inputs or {}).items()})
+                         inputs={k: Path(v) for k, v in (inputs or {}).items()},
+                         prefix_store=self.prefix_store)
         prepare_outdir(ctx.outdir, deck, self.topo)
         return ctx
 

@@ -157,7 +157,9 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     # inputs are checked only when a stage that reads them runs (so `semzo topology` works
     # without a corpus); defaults are checked too, not only the keys the deck sets
     # (the model folders are the preflight's: semzo.preflight.check_inputs)
-    if check_inputs and "embed" in d.run.stages and not Path(d.corpus.path).is_file():
+    # (a deck with experiment.decks reads no corpus: its task decks' are checked as they load)
+    if check_inputs and "embed" in d.run.stages and not d.experiment.decks and \
+            not Path(d.corpus.path).is_file():
         raise DeckError(f"{d.source}: corpus.path: file not found: {d.corpus.path}")
     if "{text}" not in d.prompt.template:
         raise DeckError(f"{d.source}: prompt.template: must contain {{text}} (where each text "
@@ -166,6 +168,13 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
         raise DeckError(f"{d.source}: prompt.label_words: a word is listed twice")
     if len(set(d.corpus.labels)) != len(d.corpus.labels):
         raise DeckError(f"{d.source}: corpus.labels: a label is listed twice")
+    stems = [Path(p).stem for p in d.experiment.decks]
+    if len(set(stems)) != len(stems):
+        raise DeckError(f"{d.source}: experiment.decks: two decks have the same file name "
+                        f"({', '.join(d.experiment.decks)}): each task's folder is named by it")
+    for p in d.experiment.decks if check_inputs else ():
+        if not Path(p).is_file():
+            raise DeckError(f"{d.source}: experiment.decks: deck file not found: {p}")
 
 
 def check_world(d: Deck, size: int) -> None:

@@ -408,6 +408,16 @@ class ExperimentSection:
                              "passes; 0 = halfway from the starting loss to the best final "
                              "mean loss of any configuration (the same target for all).",
                              min=0.0)
+    eval_points: int = key(40, "About this many held-out evaluations per configuration "
+                           "(every report budget is one of them); each is a pass over the "
+                           "held-out rows, so fewer suit slow models.", min=1, max=10000)
+    decks: tuple = key([], "Task decks (paths) run one after another as experiments of their "
+                       "own, each in `run.output_dir`/<deck file stem>/, with this "
+                       "[experiment] table (shardings, modes, seeds, budgets) and every key "
+                       "this deck sets in another table (in the file, or a `--set` to a "
+                       "non-default value) put over the task deck's; then an index report of "
+                       "all tasks in `run.output_dir`/report.md. Empty: this deck is the "
+                       "task. `make experiment-llm`: the prompt and the sft task.")
 
 
 SECTIONS: dict[str, type] = {

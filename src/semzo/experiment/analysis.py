@@ -3,7 +3,9 @@ and compute what the report tabulates.
 
 Definitions (also stated in the report):
 
-* forward passes: ``2 x ranks x step`` (each step every rank evaluates the loss twice on its own
+* forward passes: ``passes x ranks x step`` with ``passes`` = 2 for the mezo estimator, 1 + N
+  for fzoo (data mode only: :mod:`.runner` refuses fzoo with other modes) (each step every rank
+  evaluates the loss that many times on its own
   batch of ``train.batch_size`` texts); every configuration gets the same budget.
 * held-out accuracy / loss at a budget: the held-out evaluation at that step (linear
   interpolation between the two nearest evaluations when the budget falls between them);
@@ -83,7 +85,12 @@ class Experiment:
         return [r for r in self.runs if r.sharding == sharding and r.mode == mode]
 
     def fp(self, steps):
-        return 2 * self.ranks * np.asarray(steps)
+        return passes_per_step(self.deck) * self.ranks * np.asarray(steps)
+
+
+def passes_per_step(deck) -> int:
+    """Forward passes per rank per step: 2 (mezo), 1 + ``zo.directions`` (fzoo, data mode)."""
+    return 1 + deck.zo.directions if deck.zo.estimator_name == "fzoo" else 2
 
 
 def _float(s: str) -> float:
@@ -295,11 +302,14 @@ _ttest = paired_p        # the old name
 
 
 def semantic_cost(exp: Experiment) -> tuple[float, float] | None:
-    """Seconds semantic sharding adds over shuffle (k-means + placement difference) and that as
-    a share of a semantic configuration's mean fine-tuning time; None without both."""
+    """Seconds semantic sharding adds over shuffle (k-means + placement difference, and the
+    embedding unless the head trains on its features: then every sharding needs it) and that
+    as a share of a semantic configuration's mean fine-tuning time; None without both."""
     if "semantic" not in exp.place or "shuffle" not in exp.place:
         return None
     extra = exp.shared["cluster"] + exp.place["semantic"] - exp.place["shuffle"]
+    if not d_head_only(exp):
+        extra += exp.shared["embed"]
     ft = stats([r.wall_s for r in exp.runs if r.sharding == "semantic"])[0]
     return extra, extra / ft if ft else math.nan
 

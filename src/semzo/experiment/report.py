@@ -4,12 +4,14 @@ come from :mod:`.analysis`."""
 
 from __future__ import annotations
 
+import csv
 import math
 from pathlib import Path
 
 import numpy as np
 
 from .analysis import (
+    TIMINGS,
     Experiment,
     at_step,
     budgets,
@@ -18,6 +20,7 @@ from .analysis import (
     d_head_only,
     load,
     overhead,
+    passes_per_step,
     run_time,
     semantic_cost,
     stats,
@@ -100,7 +103,10 @@ def conclusion(exp: Experiment) -> list[str]:
     cost = semantic_cost(exp)
     extra = ""
     if cost is not None:
-        extra = (f" What semantic sharding adds over shuffling is k-means plus its placement: "
+        what = ("k-means plus its placement" if d_head_only(exp) else
+                "embedding (its only use here: the fine-tuned model reads the texts), k-means "
+                "and the placement")
+        extra = (f" What semantic sharding adds over shuffling is {what}: "
                  f"{cost[0]:.2f} s, {100 * cost[1]:.0f}% of one configuration's fine-tuning "
                  f"time here.")
     emb = stats([exp.shared["embed"] / sum(run_time(exp, r).values()) for r in exp.runs])[0]
@@ -125,7 +131,7 @@ def scope(exp: Experiment) -> list[str]:
                    "transformer itself (`train.last_layers` > 0, `params = \"lora\"` or "
                    "`\"all\"`) is not measured here: at about 1 s per step on this machine "
                    "that needs a larger machine or a longer job (same command, other deck).")
-    else:
+    elif d.train.params != "lora":
         out.append(f"- Trainable set: `{d.train.params}` (last_layers = "
                    f"{d.train.last_layers}).")
     if d.topology.ranks_per_node > 0:
@@ -133,10 +139,28 @@ def scope(exp: Experiment) -> list[str]:
                    f"{exp.ranks} ranks): no byte crosses a real switch, so what placement saves "
                    f"on the network does not show in these times, and the communication share "
                    f"includes waiting for ranks that share cores.")
-    out.append(f"- One corpus (`{d.corpus.path}`), one model, one learning rate and eps for "
-               f"every configuration (taken from the demo deck, not tuned for this "
-               f"experiment), one budget. Other corpora, budgets or learning rates may rank "
-               f"the configurations differently; rerun with another deck to check.")
+    if d.zo.lr == "auto":
+        lr = ("one step-size rule for every configuration (`zo.lr = \"auto\"`: each run sets "
+              "its own step size by the same rule, so no configuration wins by a learning "
+              "rate tuned for it) and one eps")
+    else:
+        lr = ("one learning rate and eps for every configuration (taken from the demo deck, "
+              "not tuned for this experiment)")
+    out.append(f"- One corpus (`{d.corpus.path}`), one model, {lr}, one budget. Other "
+               f"corpora, budgets or step sizes may rank the configurations differently; rerun "
+               f"with another deck to check.")
+    if d.train.task == "sft":
+        out.append("- Task `sft`: the loss is the next-token cross-entropy on the completion "
+                   "tokens; \"accuracy\" is the share of completion tokens whose greedy next "
+                   "token is right (not exact match of whole answers).")
+    if d.train.params == "lora":
+        targets = ", ".join(d.train.lora_targets) or "q_proj, v_proj"
+        out.append(f"- LoRA (rank {d.train.lora_rank}) on `{targets}` "
+                   f"of the last {d.train.lora_layers} blocks: the frozen blocks below run once "
+                   f"per text (the frozen-prefix cache, computed by the first configuration "
+                   f"of each sharding that needs it and reused by the others in the same job), "
+                   f"so the fine-tuning time of the first seed of each sharding includes "
+                   f"building it.")
     return out
 
 
@@ -152,7 +176,8 @@ def write_report(base: str | Path) -> Path:
     cmd, deck_path = exp.command, exp.deck_path
     split = d.train.split_seed if d.train.split_seed >= 0 else d.run.seed
     L = ["# semzo experiment: semantic sharding and ZO fine-tuning", ""]
-    L += [f"Run folder `{base}`; {exp.ranks} ranks; corpus `{d.corpus.path}`; model "
+    L += [f"Run folder `{base}`; {exp.ranks} ranks; task `{d.train.task}`; corpus "
+          f"`{d.corpus.path}`; model "
           f"`{d.model.path or 'all-MiniLM-L6-v2'}`; trainable "
           f"`{d.train.params}" + (f":{d.train.last_layers}`" if d.train.params == "head+last"
                                   else "`") +
@@ -161,7 +186,8 @@ def write_report(base: str | Path) -> Path:
           f"{d.cluster.k}; topology ranks_per_node = {d.topology.ranks_per_node}, "
           f"nodes_per_switch = {d.topology.nodes_per_switch}.", "",
           (f"Budget: {exp.budget:,} steps = {_fp(exp.fp(exp.budget))} forward passes of "
-          f"{d.train.batch_size} texts for every configuration (2 per rank per step). Seeds: "
+          f"{d.train.batch_size} texts for every configuration ({passes_per_step(d)} per rank "
+          f"per step, estimator {d.zo.estimator_name}). Seeds: "
           f"{', '.join(str(d.run.seed + i) for i in range(e.seeds))} (the seed sets the ZO "
           f"directions and the batch order; every run is scored on the same held-out split "
           f"(split seed {split}) and starts from the same model, so configurations with the "
@@ -272,3 +298,57 @@ def _use(g, tgt: float, what: str, reach: int) -> str:
 def _lr_text(lr) -> str:
     """``zo.lr`` as written: a number, or "auto"."""
     return lr if isinstance(lr, str) else f"{lr:g}"
+
+
+# ----------------------------------------------------------------------------- index
+def write_index(base: str | Path, stems: list[str], walls: dict[str, float] | None,
+                total: float | None) -> Path:
+    """``base``/report.md: one section per task experiment (``base``/<stem>/, written by
+    :mod:`.runner`): its settings, its conclusion, its wall time. ``walls`` (task -> s) and
+    ``total`` as measured by this run, else read back from ``base``/tasks.csv (written by the
+    run that measured them), else the sum of the task's stage times. Rank 0, no MPI."""
+    base = Path(base)
+    keep = base / "tasks.csv"
+    if walls is not None:
+        with open(keep, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f)
+            w.writerow(("task", "wall_s"))
+            w.writerows([(k, repr(v)) for k, v in walls.items()] +
+                        ([("total", repr(total))] if total is not None else []))
+    elif keep.is_file():
+        with open(keep, newline="", encoding="utf-8") as f:
+            got = {r["task"]: float(r["wall_s"]) for r in csv.DictReader(f)}
+        total = got.pop("total", None)
+        walls = got
+    head = (base / "experiment-tasks.toml")
+    cmd = ""
+    if head.is_file():
+        first = head.read_text(encoding="utf-8").splitlines()[:1]
+        cmd = first[0].removeprefix("# command: ") if first else ""
+    L = ["# semzo experiment: semantic sharding and ZO fine-tuning, one section per task", ""]
+    exps = [load(base / s) for s in stems]
+    tot_txt = (f"{total / 60:.1f} min" if total is not None else
+               "not recorded (report rebuilt without the run's tasks.csv)")
+    names = ", ".join(f"`{s}`" for s in stems)
+    L += [(f"Run folder `{base}`; tasks {names}; wall time of the whole experiment: "
+           f"{tot_txt}."), ""]
+    for stem, exp in zip(stems, exps):
+        d, e = exp.deck, exp.deck.experiment
+        if walls and stem in walls:
+            wall = f"{walls[stem] / 60:.1f} min (measured)"
+        else:
+            with open(exp.base / TIMINGS, newline="", encoding="utf-8") as f:
+                wall = (f"{sum(float(r['wall_s']) for r in csv.DictReader(f)) / 60:.1f} min "
+                        f"(sum of the stage times)")
+        n_cfg = len(e.shardings) * len(e.modes) * e.seeds
+        L += [f"## Task `{d.train.task}` (`{stem}`: corpus `{d.corpus.path}`)", "",
+              (f"{n_cfg} fine-tuning runs ({', '.join(e.shardings)} x {', '.join(e.modes)} x "
+               f"{e.seeds} seeds) of {exp.budget:,} steps = {_fp(exp.fp(exp.budget))} forward "
+               f"passes each on {exp.ranks} ranks; lr {_lr_text(d.zo.lr)}, eps {d.zo.eps:g}; "
+               f"wall time {wall}. Full report: [{stem}/report.md]({stem}/report.md)."), ""]
+        L += conclusion(exp) + [""]
+    if cmd:
+        L += ["## How this was made", "", "```", cmd, "```", ""]
+    out = base / "report.md"
+    out.write_text("\n".join(L), encoding="utf-8")
+    return out

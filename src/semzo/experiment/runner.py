@@ -12,7 +12,9 @@ One SPMD job runs, in ``run.output_dir`` (``OUT``)::
 Every configuration gets the deck's settings with only ``place.mode``, ``zo.mode`` and
 ``run.seed`` changed, and the same budget: exactly ``train.steps`` steps (``train.max_epochs``
 is ignored; a deck whose ``run.stages`` is not every stage is refused, exit 2), i.e.
-``2 x ranks x steps`` forward passes of ``train.batch_size`` texts, so every
+``2 x ranks x steps`` forward passes of ``train.batch_size`` texts (mezo; the fzoo estimator,
+the default with ``zo.lr = "auto"``, spreads its directions over the seed groups, so its
+modes differ in passes per step: it is refused unless ``experiment.modes = ["data"]``), so every
 mode and sharding sees the same number of forward passes. Held-out evaluations are spaced so
 that the report's budgets fall on them. ``timings.csv`` records the wall time of every stage of
 every configuration as it finishes (rank 0); ``--report-only`` rebuilds the report from the
@@ -36,8 +38,10 @@ from mpi4py import MPI
 from ..deck import STAGES, Deck
 from ..pipeline import RunContext, run_stage, start
 from ..runtime import SemzoError, StageTimer, get_logger
-from .analysis import TIMINGS
+from ..tasks.prefix_store import PrefixStore
+from .analysis import TIMINGS, passes_per_step
 from .report import write_report
+from .tasks import run_tasks
 
 log = get_logger(__name__)
 
@@ -45,19 +49,20 @@ EVAL_POINTS = 40          # about this many held-out evaluations per configurati
 TIMING_COLUMNS = ("sharding", "mode", "seed", "stage", "wall_s", "comm_s")
 
 
-def eval_every(steps: int, report_points: int) -> int:
+def eval_every(steps: int, report_points: int, points: int = EVAL_POINTS) -> int:
     """Steps between held-out evaluations: a divisor of ``steps / report_points`` when that is
-    whole (so every report budget is an evaluation), giving about :data:`EVAL_POINTS`."""
+    whole (so every report budget is an evaluation), giving about ``points`` evaluations
+    (``experiment.eval_points``)."""
     if steps <= 0:
         return 0
     if steps % report_points == 0:
         seg = steps // report_points
-        per = max(1, round(EVAL_POINTS / report_points))
+        per = max(1, round(points / report_points))
         for n in range(per, seg + 1):          # smallest split of a segment at least `per`
             if seg % n == 0:
                 return seg // n
         return 1
-    return max(1, steps // EVAL_POINTS)
+    return max(1, steps // points)
 
 
 def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int) -> Deck:
@@ -74,7 +79,8 @@ def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int) ->
         train=dataclasses.replace(deck.train, max_epochs=0.0, save="none",
                                   split_seed=(deck.train.split_seed if deck.train.split_seed >= 0
                                               else deck.run.seed),
-                                  eval_every=eval_every(steps, e.report_points)),
+                                  eval_every=eval_every(steps, e.report_points,
+                                                         e.eval_points)),
         checkpoint=dataclasses.replace(deck.checkpoint, every_steps=0, resume="never", dir=""),
     )
 
@@ -151,6 +157,28 @@ def finished_stages(deck: Deck, base: Path) -> tuple[set[tuple], list[list[str]]
     return keys, [r for r in rows if tuple(r[:4]) in keys], None
 
 
+def deck_error(deck: Deck) -> str | None:
+    """Why ``deck`` cannot run as one experiment (one line naming the key), or None."""
+    e = deck.experiment
+    msg = None
+    if deck.train.steps < e.report_points:
+        msg = (f"{deck.source}: train.steps: the experiment needs at least "
+               f"experiment.report_points = {e.report_points} steps, got {deck.train.steps}")
+    elif deck.zo.estimator_name == "fzoo" and tuple(e.modes) != ("data",):
+        msg = (f"{deck.source}: zo.estimator: fzoo (the default with zo.lr = \"auto\") "
+               f"evaluates 1 + zo.directions losses per rank per step in data mode and fewer "
+               f"in perturbation and hybrid mode (the directions are spread over the seed "
+               f"groups), so the modes of experiment.modes = {list(e.modes)} would not get the "
+               f"same forward-pass budget; set zo.estimator = \"mezo\" (2 per rank per step in "
+               f"every mode) or experiment.modes = [\"data\"]")
+    elif tuple(deck.run.stages) != STAGES:
+        msg = (f"{deck.source}: run.stages: `semzo experiment` runs every stage (topology, "
+               f"embed and cluster once, place per sharding, finetune per configuration), got "
+               f"{list(deck.run.stages)}; leave run.stages out of the deck (`--resume` keeps "
+               f"what an interrupted experiment finished) or use `semzo run`")
+    return msg
+
+
 def run_experiment(deck: Deck, comm: MPI.Intracomm, resume: bool = False) -> Path:
     """The whole experiment. Collective over ``comm``. Returns the report's path.
 
@@ -159,15 +187,9 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm, resume: bool = False) -> Pat
     their recorded times. The output folder is locked for the whole run (exit 2 at once if
     another run holds it; see :mod:`semzo.outdir`)."""
     e = deck.experiment
-    msg = None
-    if deck.train.steps < e.report_points:
-        msg = (f"{deck.source}: train.steps: the experiment needs at least "
-               f"experiment.report_points = {e.report_points} steps, got {deck.train.steps}")
-    elif tuple(deck.run.stages) != STAGES:
-        msg = (f"{deck.source}: run.stages: `semzo experiment` runs every stage (topology, "
-               f"embed and cluster once, place per sharding, finetune per configuration), got "
-               f"{list(deck.run.stages)}; leave run.stages out of the deck (`--resume` keeps "
-               f"what an interrupted experiment finished) or use `semzo run`")
+    if e.decks:
+        return run_tasks(deck, comm, resume, run_experiment, deck_error)
+    msg = deck_error(deck)
     if msg:
         err = SemzoError(msg)
         err.all_ranks = True
@@ -175,6 +197,9 @@ def run_experiment(deck: Deck, comm: MPI.Intracomm, resume: bool = False) -> Pat
     timer = StageTimer()
     t0 = time.perf_counter()
     ctx = start(deck, comm, timer, experiment=True)
+    # the frozen-prefix states of the LLM tasks depend on the model and the tokens only: one
+    # store for every configuration of this job (semzo.tasks.prefix_store)
+    ctx.prefix_store = PrefixStore(ctx.topo.world, deck.train.prefix_cache_mb * 2**20)
     with ctx.lock:                      # the output folder is this run's until it ends
         return _run_experiment(deck, ctx, resume, t0)
 
@@ -188,7 +213,7 @@ def _run_experiment(deck: Deck, ctx: RunContext, resume: bool, t0: float) -> Pat
     log.info("semzo experiment: %d ranks; shardings %s x ZO modes %s x %d seeds = %d "
              "fine-tuning runs of %d steps (%d forward passes each), output %s",
              topo.size, ", ".join(e.shardings), ", ".join(e.modes), e.seeds, n_cfg,
-             deck.train.steps, 2 * topo.size * deck.train.steps, base)
+             deck.train.steps, passes_per_step(deck) * topo.size * deck.train.steps, base)
     done_keys, keep, err = set(), [], None
     if resume and topo.rank == 0:
         done_keys, keep, err = finished_stages(deck, base)
@@ -241,6 +266,10 @@ def _run_experiment(deck: Deck, ctx: RunContext, resume: bool, t0: float) -> Pat
                          "accuracy %.4f -> %.4f; %.0f s so far", done, n_cfg, sharding, mode,
                          fctx.deck.run.seed, fig.get("heldout acc before", math.nan),
                          fig.get("heldout acc after", math.nan), elapsed)
+    st = ctx.prefix_store
+    if st.computed or st.hits:
+        log.info("experiment: frozen-prefix cache: %d sequences computed in %.1f s (rank 0), "
+                 "%d reused by later configurations", st.computed, st.seconds, st.hits)
     topo.world.Barrier()
     report = base / "report.md"
     if topo.rank == 0:

@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from .base import pad_batch
+from .prefix_store import PrefixStore, fill_prefix_cache
 from .prompt import PromptTask, first_trained_block
 
 
@@ -23,29 +23,18 @@ class PrefixCached:
 
     layer = 0
     cache = None
+    cache_use = (0, 0, 0.0)               # sequences reused, computed; seconds
 
-    def _init_cache(self, layer: int, bs: int) -> None:
+    def _init_cache(self, layer: int, bs: int, store: PrefixStore | None = None,
+                    store_key: tuple = ()) -> None:
         self.layer = int(layer)
         if self.layer > 0:
-            self._build_cache(bs)
+            self.cache_use = fill_prefix_cache(self, bs, store, (*store_key, self.layer))
 
     def _run(self, st, lo: int, hi: int):
         for k in range(lo, hi):
             st = self.model.stage_forward(k, st)
         return st
-
-    def _build_cache(self, bs: int) -> None:
-        xp, model = self.model.xp, self.model
-        lens = np.array([len(q) for q in self.seqs], np.int64)
-        self.offs = np.concatenate(([0], np.cumsum(lens)))
-        self.cache = xp.empty((int(self.offs[-1]), model.config.hidden_size), model.dtype)
-        order = [r for r in np.argsort(-lens, kind="stable") if lens[r]]
-        for i in range(0, len(order), bs):
-            rows = order[i:i + bs]
-            ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
-            x = self._run(model.stage_start(ids, mask), 0, self.layer + 1).hidden
-            for j, r in enumerate(rows):
-                self.cache[self.offs[r]:self.offs[r + 1]] = x[j, :lens[r]]
 
     def _cached_state(self, rows, ids, mask):
         xp = self.model.xp

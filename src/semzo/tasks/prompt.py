@@ -27,6 +27,7 @@ from ..model.storage import to_float32
 from ..preflight import encode_text, label_word_ids
 from ..runtime import AllRanksError, get_logger
 from .base import Task, pad_batch
+from .prefix_store import PrefixStore, fill_prefix_cache, store_args
 
 log = get_logger(__name__)
 
@@ -93,13 +94,16 @@ class PromptTask(Task):
     kind = "prompt"
 
     def __init__(self, model, seqs, labels, train_rows, heldout_rows, pad_id: int,
-                 eval_batch_size: int, word_ids: np.ndarray, layer: int = 0) -> None:
+                 eval_batch_size: int, word_ids: np.ndarray, layer: int = 0, *,
+                 store: PrefixStore | None = None, store_key: tuple = ()) -> None:
         super().__init__(model, seqs, labels, train_rows, heldout_rows, pad_id, eval_batch_size)
         self.word_ids = np.asarray(word_ids, np.int64)
         self.layer = int(layer)
         self.cache = None
+        self.cache_use = (0, 0, 0.0)        # sequences reused, computed; seconds
         if self.layer > 0:
-            self._build_cache(eval_batch_size)
+            self.cache_use = fill_prefix_cache(self, eval_batch_size, store,
+                                               (*store_key, self.layer))
 
     can_cache = staticmethod(_supports_cache)
 
@@ -112,19 +116,6 @@ class PromptTask(Task):
         for k in range(lo, hi):
             st = self.model.stage_forward(k, st)
         return st
-
-    def _build_cache(self, bs: int) -> None:
-        xp, model = self.model.xp, self.model
-        lens = np.array([len(q) for q in self.seqs], np.int64)
-        self.offs = np.concatenate(([0], np.cumsum(lens)))
-        self.cache = xp.empty((int(self.offs[-1]), model.config.hidden_size), model.dtype)
-        order = np.argsort(-lens, kind="stable")
-        for i in range(0, len(order), bs):
-            rows = order[i:i + bs]
-            ids, mask = pad_batch([self.seqs[r] for r in rows], self.pad_id)
-            x = self._run(model.stage_start(ids, mask), 0, self.layer + 1).hidden
-            for j, r in enumerate(rows):
-                self.cache[self.offs[r]:self.offs[r + 1]] = x[j, :lens[r]]
 
     def _cached_state(self, rows, ids, mask):
         xp = self.model.xp
@@ -274,4 +265,4 @@ def build_prompt_task(ctx, model, names: list[str], rows, train_idx, held_idx,
              f"; blocks 0..{layer - 1} frozen: their output is computed once per prompt"
              if layer else "")
     return PromptTask(model, seqs, rows.labels, train_idx, held_idx, tok.pad_id,
-                      t.eval_batch_size, word_ids, layer=layer)
+                      t.eval_batch_size, word_ids, layer=layer, **store_args(ctx))

@@ -29,6 +29,7 @@ from ..model.chat import InstructTokenizer
 from ..runtime import AllRanksError, get_logger
 from .base import Task, pad_batch
 from .prefix import PrefixCached, cache_layer
+from .prefix_store import PrefixStore, store_args
 
 log = get_logger(__name__)
 
@@ -97,10 +98,11 @@ class SFTTask(PrefixCached, Task):
 
     def __init__(self, model, seqs, loss_masks, train_rows, heldout_rows, pad_id: int,
                  eval_batch_size: int, *, tk=None, eos=(), gen_rows=(), gen_tokens: int = 32,
-                 topo=None, layer: int = 0) -> None:
+                 topo=None, layer: int = 0, store: PrefixStore | None = None,
+                 store_key: tuple = ()) -> None:
         super().__init__(model, seqs, np.full(len(seqs), -1, np.int64), train_rows,
                          heldout_rows, pad_id, eval_batch_size)
-        self._init_cache(layer, eval_batch_size)
+        self._init_cache(layer, eval_batch_size, store, store_key)
         self.loss_masks = loss_masks
         self.tk, self.eos, self.topo = tk, set(eos), topo
         self.gen_rows = np.asarray(gen_rows, np.int64)
@@ -279,4 +281,4 @@ def build_sft_task(ctx, model, names, rows, train_idx, held_idx, max_len: int,
     eos = {itok.eos_id} if itok.eos_id is not None else set()
     return SFTTask(model, seqs, masks, train_idx, held_idx, itok.pad_id, t.eval_batch_size,
                    tk=itok.tk, eos=eos, gen_rows=order[:mine], gen_tokens=t.gen_tokens,
-                   topo=topo if k else None, layer=layer)
+                   topo=topo if k else None, layer=layer, **store_args(ctx))

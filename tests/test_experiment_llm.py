@@ -1,0 +1,188 @@
+"""`make experiment-llm` in miniature (issue 34): inputs/experiment-llm.toml with a tiny Llama
+runs its two task decks (prompt classification and sft) as experiments of their own at 2 ranks
+(2 shardings x 2 ZO modes x 2 seeds each); every configuration gets the same budget and
+``zo.lr = "auto"`` (a --set on the experiment deck, passed to both task decks), the frozen-prefix states are computed once per rank and reused, and each
+report's paired differences are those of the metrics.csv files. A missing task deck is refused
+by name (exit 2) before any work."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import tomllib
+
+import numpy as np
+import pytest
+from llmutil import tiny_llama
+from mpiutil import ROOT, check, mpirun
+
+from semzo.experiment.analysis import comparisons, load
+from semzo.tomlw import _toml_value
+
+ENV = {"OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+NOUNS = ["cat", "dog", "sun", "moon", "tree", "red", "blue", "green"]
+TPL = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+STEPS, SEEDS = 8, 2
+SHARDINGS, MODES = ("semantic", "shuffle"), ("data", "perturbation")
+
+
+def _write_deck(path, src, changes: dict):
+    """``src`` (an inputs/ deck) with ``changes`` ({"section.key": value}) as a TOML file."""
+    raw = tomllib.loads((ROOT / "inputs" / src).read_text())
+    for k, v in changes.items():
+        s, name = k.split(".")
+        raw.setdefault(s, {})[name] = v
+    path.write_text("".join(f"[{s}]\n" + "".join(f"{k} = {_toml_value(v)}\n"
+                                                for k, v in t.items()) for s, t in raw.items()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def experiment(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("expllm")
+    model = tiny_llama(tmp / "llama", chat_template=TPL)
+    rng = np.random.default_rng(0)
+    with open(tmp / "prompt.jsonl", "w") as f, open(tmp / "sft.jsonl", "w") as g:
+        for i in range(96):
+            lab = int(rng.integers(2))
+            ws = " ".join(str(w) for w in rng.choice(NOUNS, 4))
+            f.write(json.dumps({"id": i, "text": f"{ws} {['good', 'bad'][lab]}",
+                                "label": ["pos", "neg"][lab]}) + "\n")
+            g.write(json.dumps({"messages": [{"role": "user", "content": ws},
+                                             {"role": "assistant",
+                                              "content": ["good", "bad"][lab]}]}) + "\n")
+    _write_deck(tmp / "prompt.toml", "llm.toml", {
+        "corpus.path": str(tmp / "prompt.jsonl"), "corpus.labels": ["neg", "pos"],
+        "prompt.template": "{text} It was", "prompt.label_words": [" bad", " good"]})
+    _write_deck(tmp / "sft.toml", "sft.toml", {"corpus.path": str(tmp / "sft.jsonl")})
+    out = tmp / "out"
+    proc = check(mpirun(2, _args(out, tmp, model), timeout=400, env=ENV))
+    return out, proc
+
+
+def _args(out, tmp, model, *extra):
+    return ["-m", "semzo", "experiment", "inputs/experiment-llm.toml",
+            "--set", f"run.output_dir={out}",
+            "--set", f'experiment.decks=["{tmp / "prompt.toml"}", "{tmp / "sft.toml"}"]',
+            "--set", f"model.path={model}", "--set", "cluster.k=3",
+            "--set", "topology.nodes_per_switch=1", "--set", "model.max_length=32",
+            "--set", "train.max_length=32", "--set", "train.lora_layers=1",
+            "--set", f"train.steps={STEPS}", "--set", f"experiment.seeds={SEEDS}",
+            "--set", f"experiment.shardings={_toml_value(list(SHARDINGS))}",
+            "--set", f"experiment.modes={_toml_value(list(MODES))}",
+            "--set", "experiment.eval_points=4", "--set", "zo.lr=auto", *extra]
+
+
+def _final(path):
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    ev = [r for r in rows if r["kind"] == "eval"]
+    return rows, float(ev[-1]["heldout_loss"]), float(ev[-1]["heldout_acc"])
+
+
+def test_both_tasks_run_every_configuration_with_one_budget_and_lr_auto(experiment):
+    out, proc = experiment
+    for task, kind in (("prompt", "prompt"), ("sft", "sft")):
+        stored = tomllib.loads((out / task / "experiment.toml").read_text())
+        assert stored["train"]["task"] == kind and stored["zo"]["lr"] == "auto"
+        assert stored["zo"]["estimator"] == "mezo"      # written in the experiment deck only
+        assert stored["train"]["steps"] == STEPS and stored["train"]["gen_samples"] == 0
+        assert stored["experiment"]["decks"] == []           # a task deck is a single task
+        starts = {}
+        for s in SHARDINGS:
+            for m in MODES:
+                for i in range(SEEDS):
+                    rows, _, _ = _final(out / task / s / m / f"seed{i}" / "metrics.csv")
+                    assert sum(r["kind"] == "train" for r in rows) == STEPS, (task, s, m, i)
+                    ev = [r for r in rows if r["kind"] == "eval"]
+                    assert int(ev[-1]["step"]) == STEPS
+                    starts.setdefault(s, set()).add(ev[0]["heldout_loss"])
+        # one sharding = the same rows on each rank = the same cached states: the starting
+        # held-out loss is identical in every mode and seed
+        assert all(len(v) == 1 for v in starts.values()), starts
+    # the prefix states were computed by the first configuration of each sharding only
+    hits = [int(m[1]) for m in re.finditer(r"frozen-prefix cache: \d+ sequences computed in "
+                                           r"[\d.]+ s \(rank 0\), (\d+) reused", proc.stderr)]
+    assert len(hits) == 2 and all(h > 0 for h in hits), proc.stderr[-3000:]
+    # and handed to every rank: only the first configuration of each task computed any (on
+    # rank 0, which logs); the other sharding's ranks hold other rows and computed none
+    fills = re.findall(r"0/2 INFO .*finetune: frozen-prefix cache: (\d+) sequences computed", proc.stderr)
+    assert len(fills) == 2 * len(SHARDINGS) * len(MODES) * SEEDS, fills
+    assert sum(int(n) > 0 for n in fills) == 2, fills
+    assert "experiment report:" in proc.stdout
+
+
+@pytest.mark.parametrize("task", ["prompt", "sft"])
+def test_reports_paired_differences_match_the_metrics(experiment, task):
+    out, _ = experiment
+    text = (out / task / "report.md").read_text()
+    for heading in ("## Held-out accuracy at fixed budgets", "## Held-out loss at fixed budgets",
+                    "## Forward passes to the target loss", "## Paired differences",
+                    "## Time", "energy to target, J", "Holm", f"task `{task}`",
+                    'zo.lr = \\"auto\\"'.replace("\\", "")):
+        assert heading in text, heading
+    for m in MODES:
+        acc, loss = [], []
+        for i in range(SEEDS):
+            _, la, aa = _final(out / task / "semantic" / m / f"seed{i}" / "metrics.csv")
+            _, lb, ab = _final(out / task / "shuffle" / m / f"seed{i}" / "metrics.csv")
+            acc.append(100 * (aa - ab))
+            loss.append(la - lb)
+        row = re.search(rf"^\| semantic - shuffle \| {m} \| ([+-][\d.]+)[^|]*\|[^|]*\|[^|]*\| "
+                        rf"([+-][\d.]+)", text, flags=re.MULTILINE)
+        assert row, (m, text)
+        assert float(row[1]) == pytest.approx(np.mean(acc), abs=0.006)
+        assert float(row[2]) == pytest.approx(np.mean(loss), abs=6e-5)
+        # at full precision: the report's per-seed pairs are these (same seed, same mode)
+        got = next(r for r in comparisons(load(out / task))
+                   if r["other"] == "shuffle" and r["mode"] == m)
+        assert np.array_equal(got["loss"], np.array(loss))
+        assert np.allclose(got["acc"] * 100, acc, rtol=0, atol=1e-9)
+
+
+def test_index_report_names_both_tasks_with_wall_times(experiment):
+    out, _ = experiment
+    text = (out / "report.md").read_text()
+    assert "## Task `prompt`" in text and "## Task `sft`" in text
+    assert "[prompt/report.md](prompt/report.md)" in text
+    assert re.search(r"wall time of the whole experiment: [\d.]+ min", text)
+    assert len(re.findall(r"wall time [\d.]+ min \(measured\)", text)) == 2
+    assert "semantic vs shuffle" in text
+    # --report-only rebuilds the index and both reports, keeping the measured wall times
+    (out / "report.md").unlink()
+    (out / "sft" / "report.md").unlink()
+    decks = [str(out.parent / "prompt.toml"), str(out.parent / "sft.toml")]
+    check(mpirun(1, ["-m", "semzo", "experiment", "inputs/experiment-llm.toml", "--report-only",
+                     "--set", f"run.output_dir={out}",
+                     "--set", f"experiment.decks={_toml_value(decks)}"], timeout=120, env=ENV))
+    again = (out / "report.md").read_text()
+    assert again == text
+    assert "## Paired differences" in (out / "sft" / "report.md").read_text()
+
+
+def test_missing_task_deck_is_refused_by_name(tmp_path):
+    proc = mpirun(2, ["-m", "semzo", "experiment", "inputs/experiment-llm.toml",
+                      "--set", f"run.output_dir={tmp_path / 'o'}",
+                      "--set", f'experiment.decks=["{tmp_path / "nope.toml"}"]'], timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "experiment.decks: deck file not found" in lines[0] \
+        and "nope.toml" in lines[0], proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_fzoo_with_several_modes_is_refused_before_any_task_runs(experiment, tmp_path):
+    """fzoo (the default estimator with zo.lr = "auto", here set explicitly) spends 1 + N losses per rank per step
+    in data mode and fewer in perturbation mode: the modes would not share one forward-pass
+    budget, so the experiment refuses it by name (exit 2, one line) before the first task."""
+    out, _ = experiment
+    tmp = out.parent
+    proc = mpirun(2, _args(tmp_path / "o", tmp, tmp / "llama", "--set", "zo.estimator=fzoo"),
+                  timeout=120, env=ENV)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "zo.estimator: fzoo" in lines[0] \
+        and "prompt.toml" in lines[0] and "experiment.decks" in lines[0], proc.stderr
+    assert not (tmp_path / "o" / "prompt").exists()
