@@ -48,7 +48,7 @@ FACTOR = 4.0              # between candidates
 SAFETY = 0.5              # the line search's minimizer times this
 MAX_CANDIDATES = 12       # per direction
 MAX_DIRECTIONS = 4
-APART = False             # the line search on a second batch, apart from the direction's
+APART = True              # the line searches on a batch apart from the directions' batch
 
 
 def forwards_per_step(engine: ZOEngine) -> int:
@@ -103,6 +103,9 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
     per = forwards_per_step(engine)
     budget = int(frac * max(steps_left, 0) * per)
     n_dirs = plan(budget, per)
+    one = 1 + per + MAX_CANDIDATES                 # a probe and one line search
+    if n_dirs == 0 and max(steps_left, 0) * per >= 4 * one:
+        n_dirs = 1            # a short run still gets one line search (at most 25 % of it)
     pos, _e, _p = batcher.next(PROBE_EPOCH, 0)
     batch = task.batch(pos)
     dbatch = batch
