@@ -289,6 +289,7 @@ def test_defaults_learn_two_tasks(folders, kind):
         before = evaluate(task, SoloTopo())[0]
         train(eng, task, Batcher(task.train_rows.size, 16, seed, 0), TrainState(run_seed=seed),
               LoopConfig(steps=STEPS, lr=z.lr, log_every=1000, checksum_every=0,
+                         schedule="cosine",             # train.schedule "auto" with lr auto
                          guard=autolr.guard_window(z.lr_guard_name, STEPS)))
         drops.append(before - evaluate(task, SoloTopo())[0])
     drops = np.array(drops)
