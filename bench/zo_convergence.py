@@ -16,7 +16,8 @@ built once; every run starts from the same LoRA initialization and differs by it
 Configurations (``--configs``):
 
 * ``mezo-fixed``: ``estimator = "mezo"``, Gaussian z, lr 2e-2 (the demo's), 2 passes per step;
-* ``auto-fzoo``: the deck defaults: lr auto (its scan counted in the budget), fzoo with
+* ``auto-fzoo``: the deck defaults: lr auto (its scan counted in the budget), cosine
+  decay, the loss guard, fzoo with
   4 directions, Rademacher z, 5 passes per step;
 * ``mezo-auto``: MeZO with the automatic lr; ``fzoo-gauss``: auto-fzoo with Gaussian z;
   ``mezo-rad``: mezo-fixed with Rademacher z.
@@ -53,7 +54,8 @@ sys.path.insert(0, str(ROOT / "tests" / "mpi"))
 
 CONFIGS = {
     "mezo-fixed": {"estimator": "mezo", "dist": "gaussian", "lr": 2e-2},
-    "auto-fzoo": {"estimator": "fzoo", "dist": "rademacher", "lr": "auto", "guard": "auto"},
+    "auto-fzoo": {"estimator": "fzoo", "dist": "rademacher", "lr": "auto", "guard": "auto",
+                  "schedule": "cosine"},
     "mezo-auto": {"estimator": "mezo", "dist": "gaussian", "lr": "auto"},
     "fzoo-gauss": {"estimator": "fzoo", "dist": "gaussian", "lr": "auto"},
     "mezo-rad": {"estimator": "mezo", "dist": "rademacher", "lr": 2e-2},
@@ -105,6 +107,14 @@ def build(max_texts: int = 0, labels: list[str] | None = None, template: str = "
     return deck, m, names, init, task
 
 
+def _defaults():
+    from semzo.finetune import autolr
+    return autolr.SAFETY, autolr.APART
+
+
+SAFETY, APART = _defaults()          # the shipped values, before any configuration sets them
+
+
 def parse_config(name: str) -> dict:
     """A named configuration of :data:`CONFIGS`, or ``key=value`` pairs joined by ``:``
     (keys estimator, dist, lr, schedule, min_lr_ratio, guard: the loss guard's window, or
@@ -131,8 +141,8 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
     from semzo.finetune.loop import LoopConfig, TrainState, evaluate, train
     from semzo.zo.engine import ZOEngine
     from semzo.zo.perturb import ztensors
-    autolr.SAFETY = float(cfg.get("safety", 0.5))
-    autolr.APART = bool(cfg.get("apart", 0))
+    autolr.SAFETY = float(cfg.get("safety", SAFETY))
+    autolr.APART = bool(cfg.get("apart", APART))
     for n in names:
         np.copyto(m.params[n], init[n])
     topo = SoloTopo()
