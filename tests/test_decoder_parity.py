@@ -537,3 +537,22 @@ def test_transformers4_rope_keys_of_gemma3_and_phi3(name, tmp_path_factory, tmp_
     assert a.config.rope == b.config.rope and a.config.rope_local == b.config.rope_local
     ids = np.arange(30).reshape(2, 15) % V
     assert np.array_equal(a.logits(ids), b.logits(ids))
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "llama_gqa_llama3_untied"])
+def test_prompt_label_word_scores_equal_the_full_logits(name, tmp_path_factory):
+    """The prompt task's label-word scores (only the label words' LM-head rows) equal the
+    model's full logits at each row's last real position, Gemma 2's final soft-cap included
+    (it was skipped once: the accuracy is the same, the loss was not)."""
+    from semzo.tasks.prompt import prompt_scores
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    ids, mask = padded_batch(np.random.default_rng(3), V, 3, 7)
+    full = model.logits(ids, mask)                                  # (B, T, V)
+    words = np.array([5, 17, 42])
+    last = mask.sum(axis=1) - 1
+    want = full[np.arange(3), last][:, words]
+    got = prompt_scores(model, model.hidden_states(ids, mask), mask.astype(np.float32), words)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    if model.config.final_softcap:
+        assert np.abs(got).max() < model.config.final_softcap        # capped

@@ -24,6 +24,7 @@ import numpy as np
 from ..model import Tokenizer
 from ..model.base import BLOCK, cross_entropy
 from ..model.storage import to_float32
+from ..model.variants import softcap
 from ..preflight import encode_text, label_word_ids
 from ..runtime import AllRanksError, get_logger
 from .base import Task, pad_batch
@@ -67,13 +68,19 @@ def encode_prompts(tok, texts: list[str], template: str, max_len: int, context: 
 
 def prompt_scores(model, hidden, maskf, word_ids):
     """float32 logits (B, C) of the label words at each row's last real position, from final
-    hidden states ``hidden`` (B, T, E) and the mask (B, T)."""
+    hidden states ``hidden`` (B, T, E) and the mask (B, T); soft-capped as the model's LM head
+    caps every logit (Gemma 2's ``final_logit_softcapping``: c tanh(z / c), elementwise, so
+    the label words' rows alone give the same values)."""
     xp = model.xp
     m = xp.asarray(maskf)
     last = xp.maximum(m.sum(axis=1).astype(xp.int64) - 1, 0)
     h = hidden[xp.arange(hidden.shape[0]), last]                    # (B, E)
     w = to_float32(lm_head_weight(model)[xp.asarray(word_ids)])     # (C, E), stored rows
-    return (h @ w.T).astype(xp.float32, copy=False)
+    z = (h @ w.T).astype(xp.float32, copy=False)
+    cap = getattr(getattr(model, "config", None), "final_softcap", 0.0)
+    if cap:
+        softcap(z, cap)
+    return z
 
 
 def _supports_cache(model) -> bool:
