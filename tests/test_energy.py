@@ -242,8 +242,7 @@ def test_resumed_stage_continues_from_the_kept_rows(tmp_path, monkeypatch, befor
     recorded; joules stay "not measured" when the run before the checkpoint had none."""
     from types import SimpleNamespace
 
-    from semzo.finetune.report import Metrics
-    from semzo.finetune.report import energy_meter
+    from semzo.finetune.report import Metrics, energy_meter
 
     root = powercap(tmp_path / "pc", {0: (0, 10**9)})
     monkeypatch.setenv("SEMZO_TEST_POWERCAP", str(root))
