@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 
+from semzo.backend import cpu_model
 from semzo.checkpoint import Checkpointer, load, verify
 from semzo.checkpoint.format import BlockLayout, rank_rows
 from semzo.deck import CheckpointSection
@@ -91,18 +92,6 @@ def parameter_set(gib: float) -> dict[str, np.ndarray]:
             add(p + name, shape)
         layer += 1
     return out
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), as bench/decoder.py prints it."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def drop_caches(comm) -> str:

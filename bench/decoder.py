@@ -37,6 +37,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import semzo  # noqa: F401, I001  (before numpy: the thread-pool defaults)
 import numpy as np
 
+from semzo.backend import cpu_model
+
 
 def resolve(path: str | None) -> str:
     if path is not None and os.path.isdir(path):
@@ -46,17 +48,6 @@ def resolve(path: str | None) -> str:
     except ImportError:
         raise SystemExit("bench/decoder.py: give --model PATH (no semzo.model.zoo here)") from None
     return str(resolve_model_path(path or "smollm2"))
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def sgemm_rate(m: int, k: int, n: int, reps: int = 10) -> float:

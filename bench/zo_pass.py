@@ -29,8 +29,11 @@ import semzo  # noqa: F401  (before numpy: the thread-pool defaults)
 import numpy as np
 from numba import njit, prange
 
+from semzo.backend import cpu_model
 from semzo.zo import kernels
 from semzo import rng
+
+
 @njit(parallel=True, cache=True, error_model="numpy")
 def _z_alone(n, dist, k0, k1, tab):
     """Sum of z(seed, 3, e) for e < n, made SUB at a time into an L1 buffer and never stored:
@@ -65,18 +68,6 @@ def z_alone_s(n: int, dist: str, threads: int, reps: int) -> float:
             _z_alone(n, code, k0, k1, kernels.FAST_TABLE)
             best = min(best, time.perf_counter() - t0)
     return best
-
-
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), as bench/decoder.py prints it."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 CASES = (("plain (no z)", None), ("gaussian", rng.GAUSSIAN),

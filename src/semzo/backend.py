@@ -87,3 +87,16 @@ def set_threads(n: int) -> int:
     threadpool_limits(limits=n)
     numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
     return n
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; "unknown" elsewhere): benchmarks print it, since
+    ratios differ between CPU makers."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"

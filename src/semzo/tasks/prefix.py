@@ -9,8 +9,6 @@ indices last (``batch[-1]``); :func:`cache_layer` decides the layer on every ran
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from .prefix_store import PrefixStore, fill_prefix_cache
@@ -36,13 +34,8 @@ class PrefixCached:
             st = self.model.stage_forward(k, st)
         return st
 
-    def _cached_state(self, rows, ids, mask):
-        xp = self.model.xp
-        st = self.model.stage_start(ids, mask)
-        x = xp.zeros((len(rows), ids.shape[1], self.cache.shape[1]), self.cache.dtype)
-        for j, r in enumerate(rows):
-            x[j, :self.offs[r + 1] - self.offs[r]] = self.cache[self.offs[r]:self.offs[r + 1]]
-        return dataclasses.replace(st, hidden=x, stage=self.layer + 1)
+    # the batch's cached states, padded into the stage state entering block layer + 1
+    _cached_state = PromptTask._cached_state
 
     def _first(self) -> int:
         return self.layer + 1 if self.cache is not None else 0
