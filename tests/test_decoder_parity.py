@@ -440,6 +440,16 @@ LORA_TARGETS = {
 
 
 @pytest.mark.parametrize("name", list(LORA_TARGETS))
+def test_default_lora_targets_are_the_attention_inputs(name, tmp_path_factory):
+    """The deck's default (`train.lora_targets = []`): q and v, or Phi-3's fused qkv_proj
+    (never the MLP or the output projection)."""
+    from semzo.finetune.trainable import default_lora_targets
+    folder, _ = build(name, tmp_path_factory)
+    want = ("qkv_proj",) if "qkv_proj" in LORA_TARGETS[name] else ("q_proj", "v_proj")
+    assert default_lora_targets(load_model(folder)) == want
+
+
+@pytest.mark.parametrize("name", list(LORA_TARGETS))
 def test_lora_targets_of_the_later_families_export_to_transformers(name, tmp_path_factory,
                                                                    tmp_path):
     """Every projection takes LoRA (Phi-3: the fused ``qkv_proj`` / ``gate_up_proj``, as

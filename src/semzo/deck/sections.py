@@ -267,9 +267,9 @@ class TrainSection:
                            min=0)
     lora_targets: tuple = key([], "Projections that get LoRA adapters, matched as suffixes of "
                               "module names (`q_proj`, `v_proj`, `query`, `c_attn`, ...); "
-                              "empty = the model's default: q and v for Llama/Qwen2/Mistral/"
-                              "OPT decoders (MeZO's choice), `c_attn` for GPT-2, every "
-                              "attention projection for encoders.")
+                              "empty = the model's default: q and v for Llama/Qwen/Mistral/"
+                              "Gemma/OPT decoders (MeZO's choice), `c_attn` for GPT-2, "
+                              "`qkv_proj` for Phi-3, every attention projection for encoders.")
     steps: int = key(200, "ZO steps (each: two forward passes per rank).", min=0)
     max_epochs: float = key(0.0, "Stop sooner than `steps` after this many passes over the "
                             "training data (steps of the global batch, ranks x batch_size); "

@@ -11,14 +11,18 @@ from ..runtime import AllRanksError
 
 
 def default_lora_targets(model) -> tuple[str, ...] | None:
-    """MeZO's choice on decoders: q and v (``q_proj``/``v_proj``; GPT-2's fused ``c_attn``);
-    None (every attention projection) for encoders."""
+    """MeZO's choice on decoders: q and v (``q_proj``/``v_proj``; the fused ``c_attn`` of
+    GPT-2 and ``qkv_proj`` of Phi-3, which hold q, k and v in one matrix); None (every
+    attention projection) for encoders."""
     if model.kind != "decoder":
         return None
     mods = model.lora_modules()
     if any(m.endswith("q_proj") for m in mods):
         return ("q_proj", "v_proj")
-    return ("c_attn",) if any(m.endswith("c_attn") for m in mods) else None
+    for fused in ("c_attn", "qkv_proj"):
+        if any(m.endswith(fused) for m in mods):
+            return (fused,)
+    return None
 
 
 def _final_norm_names(model) -> set[str]:
