@@ -26,8 +26,8 @@ def _run(sharding, mode, seed, loss, acc, wall=10.0, steps=(0, 50, 100)):
 
 
 def _exp(runs, shardings=("semantic", "shuffle"), modes=("data", "hybrid"), seeds=3,
-         target=0.0, shared=None, place=None):
-    d = deckmod.load(None, [f"experiment.shardings={list(shardings)}".replace("'", '"'),
+         target=0.0, shared=None, place=None, sets=()):
+    d = deckmod.load(None, [*sets, f"experiment.shardings={list(shardings)}".replace("'", '"'),
                             f"experiment.modes={list(modes)}".replace("'", '"'),
                             f"experiment.seeds={seeds}", f"experiment.target_loss={target}",
                             "train.steps=100"], check_inputs=False)
@@ -140,7 +140,13 @@ def test_semantic_cost_and_overhead_by_hand():
                place={"semantic": 3.0, "shuffle": 1.0})
     extra, share = an.semantic_cost(exp)
     sem_ft = np.mean([11.0, 12.0, 13.0])             # wall 10 + seed + 1 (semantic)
-    assert extra == pytest.approx(2.0 + 3.0 - 1.0) and share == pytest.approx(4.0 / sem_ft)
+    # the deck trains a block through the transformer: only semantic sharding embeds
+    assert extra == pytest.approx(4.0 + 2.0 + 3.0 - 1.0) and share == pytest.approx(8.0 / sem_ft)
+    head = _exp(runs, shared={"topology": 1.0, "embed": 4.0, "cluster": 2.0},
+                place={"semantic": 3.0, "shuffle": 1.0}, sets=["train.last_layers=0"])
+    extra, share = an.semantic_cost(head)             # a head on the embed stage's features:
+    assert extra == pytest.approx(2.0 + 3.0 - 1.0)    # every sharding needs the embedding
+    assert share == pytest.approx(4.0 / sem_ft)
     r = runs[0]                                       # semantic, data, seed 0: wall 11
     assert an.overhead(exp, r) == pytest.approx((4.0 + 2.0 + 3.0) / (1 + 4 + 2 + 3 + 11.0))
     assert an.semantic_cost(_exp(runs, shardings=("semantic", "random"))) is None
