@@ -37,7 +37,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import semzo  # noqa: F401, I001  (before numpy: the thread-pool defaults)
 import numpy as np
 
-from semzo.backend import cpu_model
+from semzo.backend import cpu_model, sgemm_rate
 
 
 def resolve(path: str | None) -> str:
@@ -49,21 +49,6 @@ def resolve(path: str | None) -> str:
         raise SystemExit("bench/decoder.py: give --model PATH (no semzo.model.zoo here)") from None
     return str(resolve_model_path(path or "smollm2"))
 
-
-def sgemm_rate(m: int, k: int, n: int, reps: int = 10) -> float:
-    """GFLOP/s of NumPy float32 (m, k) @ (k, n) with a transposed (n, k) weight, best of
-    reps (as bench/embed.py)."""
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((m, k), dtype=np.float32)
-    w = rng.standard_normal((n, k), dtype=np.float32)
-    out = np.empty((m, n), dtype=np.float32)
-    np.matmul(a, w.T, out=out)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.matmul(a, w.T, out=out)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * m * k * n / best / 1e9
 
 
 def main() -> None:
@@ -125,7 +110,7 @@ def main() -> None:
     tokens = args.batch * args.seq
     c = ours.config
     inter = getattr(c, "intermediate_size", 4 * c.hidden_size)
-    gemm = max(sgemm_rate(tokens, c.hidden_size, inter) for _ in range(2))
+    gemm = max(sgemm_rate(tokens, c.hidden_size, inter, reps=10) for _ in range(2))
     flop = 2.0 * n_par * tokens
     if args.profile:
         import cProfile

@@ -69,6 +69,8 @@ import semzo  # noqa: F401, I001  (before numpy: the thread-pool defaults)
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from semzo.backend import sgemm_rate
+
 
 def read_fortunes(folder: str, n: int, seed: int = 0) -> list[str]:
     """A fixed random sample of ``n`` quotes (all of them if fewer)."""
@@ -108,20 +110,6 @@ def padded_flops(cfg, seqs, batch_size: int) -> float:
         total += layers * per_layer
     return total
 
-
-def sgemm_rate(m: int, k: int, n: int, reps: int = 20) -> float:
-    """GFLOP/s of NumPy float32 (m, k) @ (k, n) with a transposed (n, k) weight, best of reps."""
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((m, k), dtype=np.float32)
-    w = rng.standard_normal((n, k), dtype=np.float32)
-    out = np.empty((m, n), dtype=np.float32)
-    np.matmul(a, w.T, out=out)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.matmul(a, w.T, out=out)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * m * k * n / best / 1e9
 
 
 #: pause when switching between semzo and torch, so the idle workers of one thread pool

@@ -100,3 +100,20 @@ def cpu_model() -> str:
     except OSError:
         pass
     return "unknown"
+
+
+def sgemm_rate(m: int, k: int, n: int, reps: int = 20) -> float:
+    """GFLOP/s of NumPy float32 (m, k) @ (k, n) with a transposed (n, k) weight, best of
+    ``reps``: the machine's matrix-multiply limit the benchmarks compare against."""
+    import time
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((m, k), dtype=np.float32)
+    w = rng.standard_normal((n, k), dtype=np.float32)
+    out = np.empty((m, n), dtype=np.float32)
+    np.matmul(a, w.T, out=out)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.matmul(a, w.T, out=out)
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * m * k * n / best / 1e9
