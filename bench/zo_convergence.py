@@ -107,6 +107,47 @@ def build(max_texts: int = 0, labels: list[str] | None = None, template: str = "
     return deck, m, names, init, task
 
 
+def build_sft(max_texts: int = 0):
+    """(deck, model, trainable names, initial values, task) of inputs/sft.toml's ``sft`` task:
+    the chat records of data/debian-sft.jsonl, the deck's held-out split and its trainable set
+    (LoRA on q, v of the last 2 blocks), the frozen-prefix cache, no generations scored (the
+    held-out "accuracy" is then the completion tokens' next-token accuracy)."""
+    from semzo.deck import load
+    from semzo.finetune.trainable import select_trainable
+    from semzo.model import load_model
+    from semzo.model.chat import InstructTokenizer
+    from semzo.preflight import heldout_mask
+    from semzo.tasks.prompt import first_trained_block
+    from semzo.tasks.sft import SFTTask
+
+    deck = load(ROOT / "inputs" / "sft.toml", check_inputs=False)
+    with open(ROOT / "data" / "debian-sft.jsonl", encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f]
+    if max_texts:
+        recs = recs[:max_texts]
+    folder = ROOT / "models" / "smollm2-135m-instruct"
+    m = load_model(str(folder))
+    t = deck.train
+    names = select_trainable(m, t.params, t.last_layers, t.lora_rank, t.lora_alpha, 0,
+                             targets=t.lora_targets, lora_layers=t.lora_layers)
+    itok = InstructTokenizer.from_folder(str(folder))
+    got = [itok.sft(r, t.max_length) for r in recs]
+    keep = [i for i, g in enumerate(got) if g is not None]
+    recs, got = [recs[i] for i in keep], [got[i] for i in keep]
+    held = heldout_mask(np.array([int(r["id"]) for r in recs]), deck.run.seed,
+                        t.heldout_fraction)
+    layer = first_trained_block(m, names)
+    t0 = time.perf_counter()
+    task = SFTTask(m, [g[0] for g in got], [g[1] for g in got], np.flatnonzero(~held),
+                   np.flatnonzero(held), itok.pad_id, t.eval_batch_size, layer=layer)
+    print(f"# sft task: {len(recs)} records ({int((~held).sum())} train, {int(held.sum())} "
+          f"held out), {len(names)} trainable tensors, "
+          f"{sum(m.params[n].size for n in names)} parameters, prefix cache from block "
+          f"{layer} built in {time.perf_counter() - t0:.1f} s", flush=True)
+    init = {n: m.params[n].copy() for n in names}
+    return deck, m, names, init, task
+
+
 def _defaults():
     from semzo.finetune import autolr
     return autolr.SAFETY, autolr.APART
@@ -117,8 +158,8 @@ SAFETY, APART = _defaults()          # the shipped values, before any configurat
 
 def parse_config(name: str) -> dict:
     """A named configuration of :data:`CONFIGS`, or ``key=value`` pairs joined by ``:``
-    (keys estimator, dist, lr, schedule, min_lr_ratio, guard: the loss guard's window, or
-    auto, the default with lr auto), e.g.
+    (keys estimator, dist, lr, schedule, min_lr_ratio, eps, directions, guard: the loss
+    guard's window, or auto, the default with lr auto), e.g.
     ``estimator=fzoo:dist=rademacher:lr=auto:schedule=cosine``."""
     if name in CONFIGS:
         return dict(CONFIGS[name])
@@ -146,9 +187,10 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
     for n in names:
         np.copyto(m.params[n], init[n])
     topo = SoloTopo()
-    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), topo, eps=deck.zo.eps,
+    eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), topo, eps=float(cfg.get("eps", deck.zo.eps)),
                    run_seed=seed, estimator=cfg["estimator"], dist=cfg["dist"],
-                   directions=deck.zo.directions, schedule="three-pass")
+                   directions=int(cfg.get("directions", deck.zo.directions)),
+                   schedule="three-pass")
     per = 2 if cfg["estimator"] == "mezo" else 1 + eng.dirs_per_group
     steps = budget // per
     ev = max(1, round(eval_every / per))
@@ -235,6 +277,9 @@ def main() -> None:
                     "than the deck's (data it was not tuned on)")
     ap.add_argument("--template", default="", help="the prompt template for --labels "
                     "(default: the deck's)")
+    ap.add_argument("--task", default="prompt", choices=("prompt", "sft"),
+                    help="prompt: inputs/llm.toml's task; sft: inputs/sft.toml's (chat records "
+                    "of data/debian-sft.jsonl; accuracy = completion-token accuracy)")
     ap.add_argument("--json", default="")
     ap.add_argument("--from-log", default="", help="summarize the per-run lines of an earlier "
                     "invocation's output (the seeds every configuration finished)")
@@ -248,8 +293,11 @@ def main() -> None:
         numba.set_num_threads(a.threads)
     from semzo.runtime import get_logger
     get_logger("semzo").setLevel("WARNING")
-    deck, m, names, init, task = build(a.texts, a.labels.split(",") if a.labels else None,
-                                       a.template)
+    if a.task == "sft":
+        deck, m, names, init, task = build_sft(a.texts)
+    else:
+        deck, m, names, init, task = build(a.texts, a.labels.split(",") if a.labels else None,
+                                           a.template)
     configs = a.configs.split(",")
     res: dict[str, list[dict]] = {c: [] for c in configs}
     for seed in range(a.seeds):
