@@ -148,6 +148,50 @@ def build_sft(max_texts: int = 0):
     return deck, m, names, init, task
 
 
+def build_choice(max_texts: int = 0):
+    """(deck, model, trainable names, initial values, task) of inputs/choice.toml's ``choice``
+    task: the records of data/debian-choice.jsonl, the deck's held-out split, its trainable
+    set (LoRA on q, v of the last 2 blocks) and choice score."""
+    from semzo.deck import load
+    from semzo.finetune.trainable import select_trainable
+    from semzo.model import load_model
+    from semzo.model.chat import InstructTokenizer
+    from semzo.preflight import heldout_mask
+    from semzo.tasks.choice import ChoiceTask
+
+    deck = load(ROOT / "inputs" / "choice.toml", check_inputs=False)
+    with open(ROOT / "data" / "debian-choice.jsonl", encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f]
+    if max_texts:
+        recs = recs[:max_texts]
+    folder = ROOT / "models" / "smollm2-135m-instruct"
+    m = load_model(str(folder))
+    t = deck.train
+    names = select_trainable(m, t.params, t.last_layers, t.lora_rank, t.lora_alpha, 0,
+                             targets=t.lora_targets, lora_layers=t.lora_layers)
+    itok = InstructTokenizer.from_folder(str(folder))
+    got = [itok.choice(r, t.max_length) for r in recs]
+    keep = [i for i, g in enumerate(got) if g is not None]
+    recs, got = [recs[i] for i in keep], [got[i] for i in keep]
+    held = heldout_mask(np.array([int(r["id"]) for r in recs]), deck.run.seed,
+                        t.heldout_fraction)
+    t0 = time.perf_counter()
+    kw = {}
+    import inspect
+    if "layer" in inspect.signature(ChoiceTask).parameters:
+        from semzo.tasks.prompt import first_trained_block
+        kw["layer"] = first_trained_block(m, names)
+    task = ChoiceTask(m, [g[0] for g in got], [g[1] for g in got],
+                      [r["answer"] for r in recs], np.flatnonzero(~held), np.flatnonzero(held),
+                      itok.pad_id, t.eval_batch_size, mean=t.choice_score == "mean", **kw)
+    print(f"# choice task: {len(recs)} records ({int((~held).sum())} train, "
+          f"{int(held.sum())} held out), {len(names)} trainable tensors, "
+          f"{sum(m.params[n].size for n in names)} parameters, cache layer "
+          f"{kw.get('layer', 0)}, built in {time.perf_counter() - t0:.1f} s", flush=True)
+    init = {n: m.params[n].copy() for n in names}
+    return deck, m, names, init, task
+
+
 def _defaults():
     from semzo.finetune import autolr
     return autolr.SAFETY, autolr.APART
@@ -277,9 +321,10 @@ def main() -> None:
                     "than the deck's (data it was not tuned on)")
     ap.add_argument("--template", default="", help="the prompt template for --labels "
                     "(default: the deck's)")
-    ap.add_argument("--task", default="prompt", choices=("prompt", "sft"),
+    ap.add_argument("--task", default="prompt", choices=("prompt", "sft", "choice"),
                     help="prompt: inputs/llm.toml's task; sft: inputs/sft.toml's (chat records "
-                    "of data/debian-sft.jsonl; accuracy = completion-token accuracy)")
+                    "of data/debian-sft.jsonl; accuracy = completion-token accuracy); choice: "
+                    "inputs/choice.toml's (data/debian-choice.jsonl)")
     ap.add_argument("--json", default="")
     ap.add_argument("--from-log", default="", help="summarize the per-run lines of an earlier "
                     "invocation's output (the seeds every configuration finished)")
@@ -295,6 +340,8 @@ def main() -> None:
     get_logger("semzo").setLevel("WARNING")
     if a.task == "sft":
         deck, m, names, init, task = build_sft(a.texts)
+    elif a.task == "choice":
+        deck, m, names, init, task = build_choice(a.texts)
     else:
         deck, m, names, init, task = build(a.texts, a.labels.split(",") if a.labels else None,
                                            a.template)

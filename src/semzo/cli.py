@@ -49,7 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("deck", nargs="?")
     t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     k = sub.add_parser("corpus", help="write a JSONL corpus from a system source")
-    k.add_argument("source", choices=("fortunes", "debian", "debian-sft"))
+    k.add_argument("source", choices=("fortunes", "debian", "debian-sft",
+                                            "debian-choice"))
     k.add_argument("out")
     i = sub.add_parser("inspect", help="summarize and verify a checkpoint (file or folder)")
     i.add_argument("ckpt")

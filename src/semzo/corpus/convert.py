@@ -19,6 +19,8 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from glob import glob
 
+import numpy as np
+
 from semzo.runtime import SemzoError, get_logger
 
 log = get_logger(__name__)
@@ -248,11 +250,8 @@ def debian(out_path: str | os.PathLike, *, dumpavail: str | None = None,
 SFT_SYSTEM = "Answer in one short line."
 
 
-def sft_records(dumpavail: str, n: int = 600) -> list[dict]:
-    """Instruction records from ``apt-cache dumpavail`` output: for an evenly spaced subset of
-    ``n`` packages (sorted by name; the first stanza of each name; short descriptions of 3 to
-    12 words), ``{"id", "messages": [system, user question, assistant answer]}`` where the
-    answer is the package's short description."""
+def _short_descriptions(dumpavail: str) -> dict[str, str]:
+    """Package name -> short description (3 to 12 words; the first stanza of each name)."""
     seen: dict[str, str] = {}
     for st in iter_stanzas(dumpavail):
         name, desc = st.get("Package"), st.get("Description")
@@ -261,6 +260,15 @@ def sft_records(dumpavail: str, n: int = 600) -> list[dict]:
         short = desc.split("\n", 1)[0].strip()
         if 3 <= len(short.split()) <= 12:
             seen[name] = short
+    return seen
+
+
+def sft_records(dumpavail: str, n: int = 600) -> list[dict]:
+    """Instruction records from ``apt-cache dumpavail`` output: for an evenly spaced subset of
+    ``n`` packages (sorted by name; the first stanza of each name; short descriptions of 3 to
+    12 words), ``{"id", "messages": [system, user question, assistant answer]}`` where the
+    answer is the package's short description."""
+    seen = _short_descriptions(dumpavail)
     names = sorted(seen)
     if n < len(names):
         names = [names[i * len(names) // n] for i in range(n)]
@@ -290,5 +298,60 @@ def debian_sft(out_path: str | os.PathLike, *, dumpavail: str | None = None,
     return n_out
 
 
+CHOICE_PROMPT = "Debian package: {name}\nWhat it is for:"
+
+
+def choice_records(dumpavail: str, n: int = 600, k: int = 4, seed: int = 0) -> list[dict]:
+    """Multiple-choice records from ``apt-cache dumpavail`` output: for ``n`` evenly spaced
+    packages (sorted by name, offset by half a spacing from :func:`sft_records`' so that the
+    two corpora share no package), ``{"id", "prompt": "Debian package: NAME\nWhat it is
+    for:", "choices": [k short descriptions, each after a space], "answer"}``: the package's
+    own short description and ``k - 1`` of other packages drawn at random (``seed``), the
+    answer's position drawn too."""
+    seen = _short_descriptions(dumpavail)
+    names = sorted(seen)
+    if len(names) < max(k, 2):
+        return []
+    if n < len(names):
+        names_n = [names[(2 * i + 1) * len(names) // (2 * n)] for i in range(n)]
+    else:
+        names_n = names
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, name in enumerate(names_n):
+        own = seen[name]
+        others: list[str] = []
+        while len(others) < k - 1:
+            d = seen[names[int(rng.integers(len(names)))]]
+            if d != own and d not in others:
+                others.append(d)
+        ans = int(rng.integers(k))
+        choices = others[:ans] + [own] + others[ans:]
+        out.append({"id": i, "prompt": CHOICE_PROMPT.format(name=name),
+                    "choices": [" " + c for c in choices], "answer": ans})
+    return out
+
+
+def debian_choice(out_path: str | os.PathLike, *, dumpavail: str | None = None,
+                  n: int = 600) -> int:
+    """Write :func:`choice_records` of this machine's apt indexes to ``out_path`` (offline once
+    ``apt-get update`` has run, as ``make setup`` does); return the count."""
+    if dumpavail is None:
+        try:
+            r = subprocess.run(["apt-cache", "dumpavail"], capture_output=True, check=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            raise SemzoError(f"apt-cache dumpavail failed: {exc}") from exc
+        dumpavail = r.stdout.decode("utf-8", errors="replace")
+    records = choice_records(dumpavail, n)
+    if not records:
+        raise SemzoError("apt-cache dumpavail lists too few package descriptions "
+                         "(run 'apt-get update' first)")
+    n_out = write_jsonl_atomic(out_path, records)
+    log.info("wrote %d multiple-choice records (Debian package -> its short description "
+             "among 4) to %s", n_out, out_path)
+    return n_out
+
+
 CONVERTERS: dict[str, Callable[..., int]] = {"fortunes": fortunes, "debian": debian,
-                                             "debian-sft": debian_sft}
+                                             "debian-sft": debian_sft,
+                                             "debian-choice": debian_choice}
