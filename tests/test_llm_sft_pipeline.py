@@ -94,6 +94,8 @@ def test_choice_pipeline(setup):
     p = check(mpirun(2, _args(tmp / "c", path, model, "--set", "train.task=choice"),
                      timeout=300, env=ENV))
     assert "choice task: summed log-likelihood" in p.stderr
+    assert "blocks 0..0 frozen: their output is computed once per (record, choice) row" \
+        in p.stderr                                   # LoRA in the top block of 2: cached
     assert "(ZERO-SHOT, the prompt alone)" in p.stderr and "HELD-OUT ACCURACY before" in p.stderr
 
 

@@ -262,8 +262,9 @@ class TrainSection:
     lora_alpha: float = key(16.0, "LoRA scale numerator: the delta is (alpha / r) B A.",
                             min=0.0, min_excl=True)
     lora_layers: int = key(0, "`lora`: adapters only in the last this many blocks (0 = every "
-                           "block); with a decoder and the `prompt` task the frozen blocks "
-                           "below are then computed once per text (see prefix_cache_mb).",
+                           "block); with a decoder (the `prompt`, `sft`, `choice` and `lm` "
+                           "tasks) the frozen blocks below are then computed once per text "
+                           "(see prefix_cache_mb).",
                            min=0)
     lora_targets: tuple = key([], "Projections that get LoRA adapters, matched as suffixes of "
                               "module names (`q_proj`, `v_proj`, `query`, `c_attn`, ...); "
@@ -307,7 +308,8 @@ class TrainSection:
     head_scale: float = key(20.0, "Logit scale of the class-means head.", min=0.0,
                             min_excl=True)
     prefix_cache_mb: float = key(4096.0, "`head+last` (an encoder, or a decoder with the "
-                                 "`prompt` task): keep the hidden states "
+                                 "`prompt`, `sft`, `choice` or `lm` task, also with `lora` "
+                                 "and `lora_layers`): keep the hidden states "
                                  "entering the first trained block of every local text (at "
                                  "most this many MiB per rank) so each step runs only the "
                                  "trained blocks; 0 = always run the whole model.", min=0.0)

@@ -43,7 +43,7 @@ from ..tasks.classify import (
     head_features,
     init_head_class_means,
 )
-from ..tasks.lm import LMTask
+from ..tasks.lm import build_lm_task
 from ..tasks.prompt import build_prompt_task
 from ..tasks.sft import build_sft_task
 from ..zo.engine import ZOEngine
@@ -125,9 +125,8 @@ def run_finetune_stage(ctx) -> dict:
         task = build_prompt_task(ctx, model, names, rows, train_idx, held_idx, max_len,
                                  cache=not offload)
     elif task_kind in ("sft", "choice"):
-        task = (build_sft_task(ctx, model, names, rows, train_idx, held_idx, max_len,
-                               cache=not offload) if task_kind == "sft" else
-                build_choice_task(ctx, model, rows, train_idx, held_idx, max_len))
+        build = build_sft_task if task_kind == "sft" else build_choice_task
+        task = build(ctx, model, names, rows, train_idx, held_idx, max_len, cache=not offload)
         train_idx, held_idx = task.train_rows, task.heldout_rows    # overlong ones left out
         if offload and task_kind == "sft":
             task.topo = None           # greedy generation needs the resident model
@@ -137,6 +136,9 @@ def run_finetune_stage(ctx) -> dict:
                  "computed once (%s) and every ZO step evaluates the head on them", how)
         task = FeatureClassifyTask(model, feats, rows.labels, train_idx, held_idx,
                                    t.eval_batch_size)
+    elif task_kind == "lm":
+        task = build_lm_task(ctx, model, names, rows, train_idx, held_idx, max_len,
+                             cache=not offload)
     else:
         tok = Tokenizer.from_folder(model_path, max_length=max_len)
         seqs = tok.encode_batch(rows.texts)
@@ -160,9 +162,8 @@ def run_finetune_stage(ctx) -> dict:
                 log.info("finetune: the frozen blocks' output would take more than "
                          "train.prefix_cache_mb = %g MiB on some rank: every step runs the "
                          "whole model", t.prefix_cache_mb)
-            cls = ClassifyTask if task_kind == "classify" else LMTask
-            task = cls(model, seqs, rows.labels, train_idx, held_idx, tok.pad_id,
-                       t.eval_batch_size)
+            task = ClassifyTask(model, seqs, rows.labels, train_idx, held_idx, tok.pad_id,
+                                t.eval_batch_size)
 
     steps = t.steps
     if t.max_epochs > 0:

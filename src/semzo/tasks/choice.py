@@ -11,6 +11,10 @@ records ``{"prompt", "choices": [2..16 strings], "answer"}``.
   the choice's. Rows of different lengths are right-padded, and the decoder computes only the
   real tokens of each row (its packed rows, :meth:`CausalLM._pack_rows`), so padding costs
   little; only the positions that predict a choice token go through the LM head.
+* Frozen-prefix cache (:mod:`.prefix`, ``layer > 0``): when nothing below block ``layer``
+  trains, the residual stream entering it is computed once per (record, choice) row (the
+  prompt then the choice) and kept; each batch row carries its row index (the batch's last
+  element) so that the loss gathers its cached states and runs only the trained blocks.
 * Truncation: the prompt is cut from the left so that the longest choice fits
   ``train.max_length``; a record whose longest choice alone does not fit follows
   ``train.overlong`` as in the ``sft`` task.
@@ -23,43 +27,56 @@ import numpy as np
 from ..model.chat import InstructTokenizer
 from ..runtime import get_logger
 from .base import Task, pad_batch
+from .prefix import PrefixCached, cache_layer
+from .prefix_store import PrefixStore, store_args
 from .sft import _load_records, _overlong_error
 
 log = get_logger(__name__)
 
 
-class ChoiceTask(Task):
+class ChoiceTask(PrefixCached, Task):
     """``prompts[r]``: prompt ids of record r; ``choices[r]``: list of choice ids; ``labels``
-    the answers; ``mean``: score by the mean log-likelihood per token."""
+    the answers; ``mean``: score by the mean log-likelihood per token. ``layer > 0``: the
+    frozen-prefix cache of every (record, choice) row (the caller checks that nothing below
+    block ``layer`` trains)."""
 
     kind = "choice"
 
     def __init__(self, model, prompts, choices, answers, train_rows, heldout_rows,
-                 pad_id: int, eval_batch_size: int, mean: bool = False) -> None:
+                 pad_id: int, eval_batch_size: int, mean: bool = False, *, layer: int = 0,
+                 store: PrefixStore | None = None, store_key: tuple = ()) -> None:
         seqs = [np.concatenate([p, *c]) for p, c in zip(prompts, choices)]   # sort key only
         super().__init__(model, seqs, np.asarray(answers, np.int64), train_rows, heldout_rows,
                          pad_id, eval_batch_size)
         self.prompts, self.choices, self.mean = prompts, choices, bool(mean)
+        # the first (record, choice) row of each record: row row_off[r] + c is choice c of r
+        self.row_off = np.concatenate(([0], np.cumsum([len(c) for c in choices]))) \
+            .astype(np.int64)
+        self._init_cache(layer, eval_batch_size, store, store_key)
 
     @property
-    def tied_head(self) -> bool:
-        return bool(self.model.tied_head)
+    def cache_seqs(self) -> list[np.ndarray]:
+        """The (record, choice) rows' token ids (the prompt then the choice), in row order."""
+        return choice_rows(self.prompts, self.choices)
 
     def _rows_batch(self, rows):
         rows = np.asarray(rows, np.int64)
-        seqs, rec, start, length = [], [], [], []
+        seqs, rec, start, length, row = [], [], [], [], []
         for j, r in enumerate(rows):
             p = self.prompts[r]
-            for c in self.choices[r]:
+            for i, c in enumerate(self.choices[r]):
                 seqs.append(np.concatenate([p, c]))
                 rec.append(j)
                 start.append(len(p))
                 length.append(len(c))
+                row.append(self.row_off[r] + i)
         ids, mask = pad_batch(seqs, self.pad_id)
         # (ids (S, T), mask, answers (B,), B, the record of each row in the batch (S,), its
-        # first choice token (S,), its choice tokens (S,))
+        # first choice token (S,), its choice tokens (S,), its (record, choice) row (S,): last,
+        # as the prefix cache reads it)
         return (ids, mask, self.labels[rows], len(rows), np.array(rec, np.int64),
-                np.array(start, np.int64), np.array(length, np.int64))
+                np.array(start, np.int64), np.array(length, np.int64),
+                np.array(row, np.int64))
 
     def batch(self, positions: np.ndarray):
         return self._rows_batch(self.train_rows[positions])
@@ -100,19 +117,10 @@ class ChoiceTask(Task):
         hit = np.argmax(z, axis=1) == answers
         return float(ce.mean()), float(hit.mean())
 
-    def _full(self, batch):
-        st = self.model.stage_start(batch[0], batch[1])
-        for k in range(self.model.n_stages):
-            st = self.model.stage_forward(k, st)
-        return st
-
     def loss(self, batch) -> float:
         if batch[3] == 0:
             return 0.0
         return self._loss_acc(self._full(batch).hidden, batch)[0]
-
-    def stage_begin(self, batch):
-        return self.model.stage_start(batch[0], batch[1]) if batch[3] else None
 
     def loss_from_state(self, state, batch) -> float:
         return self.score_from_state(state, batch)[0]
@@ -137,8 +145,15 @@ def _host(a):
     return np.asarray(a.get() if hasattr(a, "get") else a)
 
 
-def build_choice_task(ctx, model, rows, train_idx, held_idx, max_len: int) -> ChoiceTask:
-    """The run's :class:`ChoiceTask` from the shard's records. Collective."""
+def choice_rows(prompts, choices) -> list[np.ndarray]:
+    """Every (record, choice) row's token ids: the prompt then the choice, record by record."""
+    return [np.concatenate([p, c]) for p, cs in zip(prompts, choices) for c in cs]
+
+
+def build_choice_task(ctx, model, names, rows, train_idx, held_idx, max_len: int,
+                      cache: bool = True) -> ChoiceTask:
+    """The run's :class:`ChoiceTask` from the shard's records, with the frozen-prefix cache of
+    its (record, choice) rows when ``cache`` and the trainable set allows it. Collective."""
     deck, topo, t = ctx.deck, ctx.topo, ctx.deck.train
     itok = InstructTokenizer.from_folder(deck.model.path)
     recs = _load_records(rows.texts, deck.corpus.path, "choice", topo)
@@ -148,9 +163,9 @@ def build_choice_task(ctx, model, rows, train_idx, held_idx, max_len: int) -> Ch
     for i, rec in enumerate(recs):
         got = itok.choice(rec, max_len)
         if got is None:
-            over[i] = True
-            prompts.append(np.zeros(1, np.int64))
-            choices.append([np.zeros(1, np.int64)] * 2)
+            over[i] = True                   # left out: empty rows (none cached)
+            prompts.append(np.zeros(0, np.int64))
+            choices.append([np.zeros(0, np.int64)] * 2)
             answers.append(0)
             continue
         p, cs, cut = got
@@ -161,11 +176,15 @@ def build_choice_task(ctx, model, rows, train_idx, held_idx, max_len: int) -> Ch
     n_over = _overlong_error(deck, topo, rows.ids, over, "longest choice", max_len)
     topo.allreduce(stats)
     train_idx, held_idx = train_idx[~over[train_idx]], held_idx[~over[held_idx]]
+    layer = cache_layer(ctx, model, names, choice_rows(prompts, choices), cache)
     log.info("finetune: choice task: %s log-likelihood of each choice's tokens after the "
              "prompt, cross-entropy over the choices; %d choices in all; %d records had their "
-             "prompt cut from the left (%d tokens)%s",
+             "prompt cut from the left (%d tokens)%s%s",
              "mean per-token" if t.choice_score == "mean" else "summed", int(stats[2]),
              int(stats[0]), int(stats[1]),
-             f"; {n_over} records left out (train.overlong = \"skip\")" if n_over else "")
+             f"; {n_over} records left out (train.overlong = \"skip\")" if n_over else "",
+             f"; blocks 0..{layer - 1} frozen: their output is computed once per (record, "
+             f"choice) row" if layer else "")
     return ChoiceTask(model, prompts, choices, answers, train_idx, held_idx, itok.pad_id,
-                      t.eval_batch_size, mean=t.choice_score == "mean")
+                      t.eval_batch_size, mean=t.choice_score == "mean", layer=layer,
+                      **store_args(ctx))

@@ -1,10 +1,13 @@
-"""The frozen-prefix cache for decoder tasks whose sequences are fixed (``sft``): when nothing
-below block ``layer`` trains (LoRA or ``head+last`` in the top blocks), the residual stream
-entering block ``layer`` is computed once per sequence and kept, so each loss runs only blocks
-``layer .. L-1``, the final norm and the head (the :class:`~.prompt.PromptTask` scheme).
+"""The frozen-prefix cache for decoder tasks whose sequences are fixed (``sft``, ``choice``,
+``lm``): when nothing below block ``layer`` trains (LoRA or ``head+last`` in the top blocks),
+the residual stream entering block ``layer`` is computed once per sequence and kept, so each
+loss runs only blocks ``layer .. L-1``, the final norm and the head (the
+:class:`~.prompt.PromptTask` scheme).
 
 :class:`PrefixCached` is a mixin for a :class:`~.base.Task` whose batches carry their row
-indices last (``batch[-1]``); :func:`cache_layer` decides the layer on every rank alike.
+indices last (``batch[-1]``: indices into ``task.cache_seqs`` when the task has them, the
+choice task's (record, choice) rows, else into ``task.seqs``); :func:`cache_layer` decides
+the layer on every rank alike.
 """
 
 from __future__ import annotations

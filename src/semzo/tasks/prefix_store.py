@@ -1,7 +1,7 @@
 """Frozen-prefix states kept across the runs of one process (`semzo experiment`).
 
-The frozen-prefix cache of the prompt and sft tasks (:class:`~.prompt.PromptTask`,
-:class:`~.prefix.PrefixCached`) holds, for every sequence of a rank, the residual stream that
+The frozen-prefix cache of the prompt, sft, choice and lm tasks
+(:class:`~.prompt.PromptTask`, :class:`~.prefix.PrefixCached`) holds, for every sequence of a rank, the residual stream that
 enters the first trained block. It depends only on the model's frozen weights, that block and
 the sequence's token ids: not on the sharding, the ZO mode, the seed or the learning rate. An
 experiment runs dozens of configurations of one model in one MPI job, so a
@@ -89,15 +89,19 @@ def fill_prefix_cache(task, bs: int, store: PrefixStore | None, model_key: tuple
     """Build ``task.cache`` (rows of all sequences, ``task.offs`` their offsets): the states
     entering block ``task.layer`` (stages ``0 .. layer`` of the model), from ``store`` where it
     has them, computed in batches of ``bs`` sequences (longest first) otherwise and then kept
-    in the store. Returns ``(reused, computed, seconds)`` for this task. One rank without a
-    store or with ``store.comm`` None; collective over ``store.comm`` otherwise."""
+    in the store. The sequences: ``task.cache_seqs`` when the task has them (the choice task's
+    (record, choice) rows), else ``task.seqs``. Returns ``(reused, computed, seconds)`` for
+    this task. One rank without a store or with ``store.comm`` None; collective over
+    ``store.comm`` otherwise."""
     t0 = time.perf_counter()
     xp, model = task.model.xp, task.model
-    lens = np.array([len(q) for q in task.seqs], np.int64)
+    seqs = getattr(task, "cache_seqs", None)
+    seqs = task.seqs if seqs is None else seqs
+    lens = np.array([len(q) for q in seqs], np.int64)
     task.offs = np.concatenate(([0], np.cumsum(lens)))
     task.cache = xp.empty((int(task.offs[-1]), model.config.hidden_size), model.dtype)
     table = store.table(model_key) if store is not None else None
-    keys = [PrefixStore.digest(q) for q in task.seqs] if table is not None else None
+    keys = [PrefixStore.digest(q) for q in seqs] if table is not None else None
     reused = 0
     todo = []
     for r in np.argsort(-lens, kind="stable"):
@@ -111,7 +115,7 @@ def fill_prefix_cache(task, bs: int, store: PrefixStore | None, model_key: tuple
             todo.append(r)
     for i in range(0, len(todo), bs):
         rows = todo[i:i + bs]
-        ids, mask = pad_batch([task.seqs[r] for r in rows], task.pad_id)
+        ids, mask = pad_batch([seqs[r] for r in rows], task.pad_id)
         x = task._run(model.stage_start(ids, mask), 0, task.layer + 1).hidden
         for j, r in enumerate(rows):
             task.cache[task.offs[r]:task.offs[r + 1]] = x[j, :lens[r]]
