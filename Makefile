@@ -26,12 +26,13 @@ export TRANSFORMERS_OFFLINE := 1
 
 RUN = timeout -k 10 $(TIMEOUT) $(MPIEXEC) $(NPFLAG) $(NP) $(PY) -m semzo
 
-.PHONY: help setup setup-test setup-gemma3 demo demo-llm demo-encoder demo-sft experiment experiment-debian experiment-llm test test-mpi test-multinode test-gemma3 bench lint docs corpus clean
+.PHONY: help setup setup-test setup-gemma3 demo demo-llm demo-encoder demo-sft demo-choice experiment experiment-debian experiment-llm test test-mpi test-multinode test-gemma3 bench lint docs corpus clean
 
 help:
 	@echo "make demo    set up if needed, then SmolLM2 prompt classification fine-tuned by ZO"
 	@echo "             (inputs/llm.toml) under $(MPIEXEC) -n $(NP): zero-shot vs trained accuracy"
 	@echo "make demo-sft  SmolLM2 instruction-tuned by ZO on chat records (inputs/sft.toml)"
+	@echo "make demo-choice  SmolLM2 fine-tuned by ZO on multiple choice (inputs/choice.toml)"
 	@echo "make demo-encoder  the encoder demo: a head over frozen MiniLM (inputs/demo.toml)"
 	@echo "make test    set up if needed (test extras too), then the whole test suite"
 	@echo "make test-multinode  the LLM deck on 2 network namespaces as 2 nodes (root, iproute2)"
@@ -66,7 +67,11 @@ data/debian-sft.jsonl: | setup
 	@mkdir -p data
 	$(PY) -m semzo corpus debian-sft $@
 
-corpus: data/fortunes.jsonl data/debian.jsonl data/debian-sft.jsonl
+data/debian-choice.jsonl: | setup
+	@mkdir -p data
+	$(PY) -m semzo corpus debian-choice $@
+
+corpus: data/fortunes.jsonl data/debian.jsonl data/debian-sft.jsonl data/debian-choice.jsonl
 
 # MeZO-style prompt classification with SmolLM2 (converted by setup), zero-shot vs trained
 demo: setup data/fortunes.jsonl
@@ -78,6 +83,11 @@ demo-llm: demo
 # apt indexes: held-out completion loss, exact match / F1 and three generations before/after
 demo-sft: setup data/debian-sft.jsonl
 	$(RUN) run inputs/sft.toml
+
+# multiple choice (train.task = "choice") on records built offline from the apt indexes:
+# a package's short description among 4; held-out accuracy zero-shot vs trained
+demo-choice: setup data/debian-choice.jsonl
+	$(RUN) run inputs/choice.toml
 
 # the encoder demo: a classification head over frozen all-MiniLM-L6-v2 features
 demo-encoder: setup data/fortunes.jsonl

@@ -1,10 +1,12 @@
 """Forward passes and wall time to reach a held-out target: MeZO-SGD at the LLM demo's fixed lr
 against the new defaults (``zo.lr = "auto"``, ``zo.estimator = "fzoo"``, Rademacher z), on the
-LLM prompt task (issue 32).
+LLM prompt task (issue 32); ``--task sft`` and ``--task choice``: the same on inputs/sft.toml's
+and inputs/choice.toml's tasks (issue 31).
 
     .venv/bin/python bench/zo_convergence.py [--seeds 5] [--forwards 800] [--batch 8]
         [--eval-every 80] [--configs mezo-fixed,auto-fzoo] [--target-acc +0.10]
-        [--target-loss -0.30] [--texts 0] [--json out.json] [--from-log OUT.txt]
+        [--target-loss -0.30] [--texts 0] [--task prompt|sft|choice] [--json out.json]
+        [--from-log OUT.txt]
 
 The task is inputs/llm.toml's: SmolLM2-135M-Instruct (models/smollm2-135m-instruct), the
 fortunes of the labels food / love / sports, its template and label words, LoRA rank 8 on q
@@ -151,13 +153,14 @@ def build_sft(max_texts: int = 0):
 def build_choice(max_texts: int = 0):
     """(deck, model, trainable names, initial values, task) of inputs/choice.toml's ``choice``
     task: the records of data/debian-choice.jsonl, the deck's held-out split, its trainable
-    set (LoRA on q, v of the last 2 blocks) and choice score."""
+    set (LoRA on q, v of the last 2 blocks), choice score and prefix cache."""
     from semzo.deck import load
     from semzo.finetune.trainable import select_trainable
     from semzo.model import load_model
     from semzo.model.chat import InstructTokenizer
     from semzo.preflight import heldout_mask
     from semzo.tasks.choice import ChoiceTask
+    from semzo.tasks.prompt import first_trained_block
 
     deck = load(ROOT / "inputs" / "choice.toml", check_inputs=False)
     with open(ROOT / "data" / "debian-choice.jsonl", encoding="utf-8") as f:
@@ -176,18 +179,14 @@ def build_choice(max_texts: int = 0):
     held = heldout_mask(np.array([int(r["id"]) for r in recs]), deck.run.seed,
                         t.heldout_fraction)
     t0 = time.perf_counter()
-    kw = {}
-    import inspect
-    if "layer" in inspect.signature(ChoiceTask).parameters:
-        from semzo.tasks.prompt import first_trained_block
-        kw["layer"] = first_trained_block(m, names)
+    kw = {"layer": first_trained_block(m, names)}
     task = ChoiceTask(m, [g[0] for g in got], [g[1] for g in got],
                       [r["answer"] for r in recs], np.flatnonzero(~held), np.flatnonzero(held),
                       itok.pad_id, t.eval_batch_size, mean=t.choice_score == "mean", **kw)
     print(f"# choice task: {len(recs)} records ({int((~held).sum())} train, "
           f"{int(held.sum())} held out), {len(names)} trainable tensors, "
-          f"{sum(m.params[n].size for n in names)} parameters, cache layer "
-          f"{kw.get('layer', 0)}, built in {time.perf_counter() - t0:.1f} s", flush=True)
+          f"{sum(m.params[n].size for n in names)} parameters, prefix cache from block "
+          f"{kw['layer']} built in {time.perf_counter() - t0:.1f} s", flush=True)
     init = {n: m.params[n].copy() for n in names}
     return deck, m, names, init, task
 

@@ -291,6 +291,35 @@ def test_debian_real_corpus(tmp_path):
     assert all(r["text"] and not r["text"].startswith(" ") for r in recs)
 
 
+def _dump(n: int) -> str:
+    """A dumpavail text of ``n`` packages with distinct short descriptions of 3+ words."""
+    return "".join(f"Package: pkg{i:03d}\nDescription: tool number {i} for tests\n\n"
+                   for i in range(n))
+
+
+def test_choice_records_are_valid_and_disjoint_from_sft():
+    from semzo.corpus.records import check_record
+    dump = _dump(40)
+    recs = convert.choice_records(dump, n=10, k=4, seed=3)
+    assert [r["id"] for r in recs] == list(range(10))
+    answers = set()
+    for r in recs:
+        name = r["prompt"].split(": ", 1)[1].split("\n")[0]
+        own = f" tool number {int(name[3:])} for tests"
+        assert len(r["choices"]) == 4 and len(set(r["choices"])) == 4
+        assert r["choices"][r["answer"]] == own            # the package's own description
+        assert isinstance(check_record(r, "choice"), dict)
+        answers.add(r["answer"])
+    assert len(answers) > 1                                # the answer's position varies
+    sft_names = {r["messages"][1]["content"].split()[4] for r in convert.sft_records(dump, 10)}
+    assert not sft_names & {r["prompt"].split(": ", 1)[1].split("\n")[0] for r in recs}
+    assert convert.choice_records(dump, n=10, k=4, seed=3) == recs       # deterministic
+    assert convert.choice_records(_dump(3), n=10, k=4) == []               # too few packages
+    with pytest.raises(SemzoError, match="apt-get update"):
+        convert.debian_choice("/nonexistent/never-written.jsonl", dumpavail="")
+
+
 def test_converters_registry():
     assert convert.CONVERTERS == {"fortunes": convert.fortunes, "debian": convert.debian,
-                                  "debian-sft": convert.debian_sft}
+                                  "debian-sft": convert.debian_sft,
+                                  "debian-choice": convert.debian_choice}
