@@ -109,7 +109,7 @@ def build(max_texts: int = 0, labels: list[str] | None = None, template: str = "
     return deck, m, names, init, task
 
 
-def build_sft(max_texts: int = 0):
+def build_sft(max_texts: int = 0, corpus: str = ""):
     """(deck, model, trainable names, initial values, task) of inputs/sft.toml's ``sft`` task:
     the chat records of data/debian-sft.jsonl, the deck's held-out split and its trainable set
     (LoRA on q, v of the last 2 blocks), the frozen-prefix cache, no generations scored (the
@@ -123,7 +123,7 @@ def build_sft(max_texts: int = 0):
     from semzo.tasks.sft import SFTTask
 
     deck = load(ROOT / "inputs" / "sft.toml", check_inputs=False)
-    with open(ROOT / "data" / "debian-sft.jsonl", encoding="utf-8") as f:
+    with open(corpus or ROOT / "data" / "debian-sft.jsonl", encoding="utf-8") as f:
         recs = [json.loads(line) for line in f]
     if max_texts:
         recs = recs[:max_texts]
@@ -150,7 +150,7 @@ def build_sft(max_texts: int = 0):
     return deck, m, names, init, task
 
 
-def build_choice(max_texts: int = 0):
+def build_choice(max_texts: int = 0, corpus: str = ""):
     """(deck, model, trainable names, initial values, task) of inputs/choice.toml's ``choice``
     task: the records of data/debian-choice.jsonl, the deck's held-out split, its trainable
     set (LoRA on q, v of the last 2 blocks), choice score and prefix cache."""
@@ -163,7 +163,7 @@ def build_choice(max_texts: int = 0):
     from semzo.tasks.prompt import first_trained_block
 
     deck = load(ROOT / "inputs" / "choice.toml", check_inputs=False)
-    with open(ROOT / "data" / "debian-choice.jsonl", encoding="utf-8") as f:
+    with open(corpus or ROOT / "data" / "debian-choice.jsonl", encoding="utf-8") as f:
         recs = [json.loads(line) for line in f]
     if max_texts:
         recs = recs[:max_texts]
@@ -324,6 +324,8 @@ def main() -> None:
                     help="prompt: inputs/llm.toml's task; sft: inputs/sft.toml's (chat records "
                     "of data/debian-sft.jsonl; accuracy = completion-token accuracy); choice: "
                     "inputs/choice.toml's (data/debian-choice.jsonl)")
+    ap.add_argument("--corpus", default="", help="--task sft / choice: another JSONL corpus of "
+                    "the task's records than the deck's (data it was not tuned on)")
     ap.add_argument("--json", default="")
     ap.add_argument("--from-log", default="", help="summarize the per-run lines of an earlier "
                     "invocation's output (the seeds every configuration finished)")
@@ -338,9 +340,9 @@ def main() -> None:
     from semzo.runtime import get_logger
     get_logger("semzo").setLevel("WARNING")
     if a.task == "sft":
-        deck, m, names, init, task = build_sft(a.texts)
+        deck, m, names, init, task = build_sft(a.texts, a.corpus)
     elif a.task == "choice":
-        deck, m, names, init, task = build_choice(a.texts)
+        deck, m, names, init, task = build_choice(a.texts, a.corpus)
     else:
         deck, m, names, init, task = build(a.texts, a.labels.split(",") if a.labels else None,
                                            a.template)

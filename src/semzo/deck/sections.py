@@ -174,7 +174,8 @@ class ZoSection:
                           min=1, max=1024)
     lr_guard: int = key("auto", "The loss guard: the training loss (each step's global-batch "
                         "mean at theta) is averaged over windows of this many steps; when a "
-                        "window's mean is 3 standard errors above the best window's the lr is "
+                        "window's mean is 4 standard errors (the step-to-step variance pooled "
+                        "over the windows) and 5 % above the best window's the lr is "
                         "halved for the rest of the run (logged; kept in checkpoints). 0 = off; "
                         "`auto` = windows of max(5, train.steps // 30) steps when `lr` is "
                         "`auto`, off for a fixed lr (fixed-lr decks keep their meaning).",
