@@ -210,7 +210,7 @@ def _build(folder, kind: str, names_of, mb: float = 64.0, cache: bool = True):
 
 
 @pytest.mark.parametrize("kind", ["choice", "lm"])
-def test_builder_takes_the_cache_only_when_it_may(llama, kind):
+def test_builder_takes_the_cache_only_when_it_may(llama, kind, caplog):
     got = _build(llama, kind, lambda m: _lora(m, 2))
     assert got.cache is not None and got.layer == LAYERS - 2
     got = _build(llama, kind, lambda m: select_trainable(m, "head+last", last_layers=1))
@@ -223,7 +223,10 @@ def test_builder_takes_the_cache_only_when_it_may(llama, kind):
     assert got.cache is None and got.layer == 0
     # train.prefix_cache_mb = 0, a budget too small, or zo.offload (cache=False): no cache
     assert _build(llama, kind, lambda m: _lora(m, 2), mb=0.0).cache is None
-    assert _build(llama, kind, lambda m: _lora(m, 2), mb=1e-4).cache is None
+    caplog.clear()
+    with caplog.at_level("INFO", logger="semzo"):
+        assert _build(llama, kind, lambda m: _lora(m, 2), mb=1e-4).cache is None
+    assert "no frozen-prefix cache" in caplog.text and "prefix_cache_mb = 0.0001" in caplog.text
     assert _build(llama, kind, lambda m: _lora(m, 2), cache=False).cache is None
 
 

@@ -27,8 +27,9 @@ import numpy as np
 from ..model.chat import InstructTokenizer
 from ..runtime import get_logger
 from .base import Task, pad_batch
-from .prefix import PrefixCached, cache_layer
+from .prefix import PrefixCached
 from .prefix_store import PrefixStore, store_args
+from .prompt import cache_layer
 from .sft import _load_records, _overlong_error
 
 log = get_logger(__name__)

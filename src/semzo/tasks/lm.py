@@ -15,8 +15,9 @@ import numpy as np
 from ..model import Tokenizer
 from ..runtime import get_logger
 from .base import Task, pad_batch
-from .prefix import PrefixCached, cache_layer
+from .prefix import PrefixCached
 from .prefix_store import PrefixStore, store_args
+from .prompt import cache_layer
 
 log = get_logger(__name__)
 

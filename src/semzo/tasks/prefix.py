@@ -12,10 +12,8 @@ the layer on every rank alike.
 
 from __future__ import annotations
 
-import numpy as np
-
 from .prefix_store import PrefixStore, fill_prefix_cache
-from .prompt import PromptTask, first_trained_block
+from .prompt import PromptTask
 
 
 class PrefixCached:
@@ -73,17 +71,3 @@ class PrefixCached:
 
     def stage_run(self, k: int, state):
         return None if state is None else self.model.stage_forward(self._first() + k, state)
-
-
-def cache_layer(ctx, model, names: list[str], seqs, enabled: bool) -> int:
-    """The block whose input is cached (0: no cache): the lowest trained block when it is above
-    0, the model supports it and every rank's cache fits ``train.prefix_cache_mb``.
-    Collective (one allreduce)."""
-    t, topo = ctx.deck.train, ctx.topo
-    first = first_trained_block(model, names) if t.prefix_cache_mb > 0 and enabled else 0
-    ok = first > 0 and PromptTask.can_cache(model) and \
-        PromptTask.nbytes(seqs, model.config.hidden_size, np.dtype(model.dtype).itemsize) \
-        <= t.prefix_cache_mb * 2**20
-    agree = np.array([int(ok)], np.int64)
-    topo.allreduce(agree)
-    return first if int(agree[0]) == topo.size else 0

@@ -246,25 +246,39 @@ def first_trained_block(model, names: list[str]) -> int:
     return 0 if below & set(names) else first
 
 
+def cache_layer(ctx, model, names: list[str], seqs, enabled: bool) -> int:
+    """The block whose input is cached (0: no cache): the lowest trained block when it is above
+    0, the model supports it and every rank's cache of ``seqs`` fits
+    ``train.prefix_cache_mb`` (logged when it does not). Collective (one allreduce)."""
+    t, topo = ctx.deck.train, ctx.topo
+    first = first_trained_block(model, names) if t.prefix_cache_mb > 0 and enabled else 0
+    need = PromptTask.nbytes(seqs, model.config.hidden_size, np.dtype(model.dtype).itemsize)
+    ok = first > 0 and PromptTask.can_cache(model) and need <= t.prefix_cache_mb * 2**20
+    agree = np.array([int(ok), int(first > 0 and PromptTask.can_cache(model))], np.int64)
+    topo.allreduce(agree)
+    if int(agree[0]) == topo.size:
+        return first
+    if int(agree[1]) == topo.size:
+        log.info("finetune: no frozen-prefix cache: the states entering block %d would take "
+                 "more than train.prefix_cache_mb = %g MiB on some rank (%.0f MiB on rank "
+                 "%d): every step runs the whole model", first, t.prefix_cache_mb,
+                 need / 2**20, topo.rank)
+    return 0
+
+
 def build_prompt_task(ctx, model, names: list[str], rows, train_idx, held_idx,
                       max_len: int, cache: bool = True) -> PromptTask:
     """The run's :class:`PromptTask`: prompts of the rank's texts, label words checked, and the
     frozen-prefix cache when ``cache``, the lowest trained block is above 0, the model supports
     it and every rank's cache fits ``train.prefix_cache_mb``. Collective (one allreduce)."""
-    deck, topo, t = ctx.deck, ctx.topo, ctx.deck.train
+    deck, t = ctx.deck, ctx.deck.train
     tok = Tokenizer.from_folder(deck.model.path or None, max_length=None)
     tok.tk.no_truncation()
     pr = deck.prompt
     word_ids = label_word_ids(tok, rows.label_names, pr.label_words, pr.template, deck.source)
     seqs = encode_prompts(tok, rows.texts, pr.template, max_len,
                           int(model.config.max_positions), deck.source)
-    first = first_trained_block(model, names) if t.prefix_cache_mb > 0 and cache else 0
-    ok = first > 0 and PromptTask.can_cache(model) and \
-        PromptTask.nbytes(seqs, model.config.hidden_size, np.dtype(model.dtype).itemsize) \
-        <= t.prefix_cache_mb * 2**20
-    agree = np.array([int(ok)], np.int64)
-    topo.allreduce(agree)
-    layer = first if int(agree[0]) == topo.size else 0
+    layer = cache_layer(ctx, model, names, seqs, cache)
     words = [tok.tk.decode([int(i)]) for i in word_ids]     # as text: ' good', not 'Ġgood'
     log.info("finetune: prompt task: template %r, label words %s for labels %s; prompts of "
              "at most %d tokens%s", pr.template,

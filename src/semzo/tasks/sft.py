@@ -28,8 +28,9 @@ from ..corpus.records import parse_stored
 from ..model.chat import InstructTokenizer
 from ..runtime import AllRanksError, get_logger
 from .base import Task, pad_batch
-from .prefix import PrefixCached, cache_layer
+from .prefix import PrefixCached
 from .prefix_store import PrefixStore, store_args
+from .prompt import cache_layer
 
 log = get_logger(__name__)
 
