@@ -109,51 +109,13 @@ def build(max_texts: int = 0, labels: list[str] | None = None, template: str = "
     return deck, m, names, init, task
 
 
-def build_sft(max_texts: int = 0, corpus: str = ""):
-    """(deck, model, trainable names, initial values, task) of inputs/sft.toml's ``sft`` task:
-    the chat records of data/debian-sft.jsonl, the deck's held-out split and its trainable set
-    (LoRA on q, v of the last 2 blocks), the frozen-prefix cache, no generations scored (the
-    held-out "accuracy" is then the completion tokens' next-token accuracy)."""
-    from semzo.deck import load
-    from semzo.finetune.trainable import select_trainable
-    from semzo.model import load_model
-    from semzo.model.chat import InstructTokenizer
-    from semzo.preflight import heldout_mask
-    from semzo.tasks.prompt import first_trained_block
-    from semzo.tasks.sft import SFTTask
-
-    deck = load(ROOT / "inputs" / "sft.toml", check_inputs=False)
-    with open(corpus or ROOT / "data" / "debian-sft.jsonl", encoding="utf-8") as f:
-        recs = [json.loads(line) for line in f]
-    if max_texts:
-        recs = recs[:max_texts]
-    folder = ROOT / "models" / "smollm2-135m-instruct"
-    m = load_model(str(folder))
-    t = deck.train
-    names = select_trainable(m, t.params, t.last_layers, t.lora_rank, t.lora_alpha, 0,
-                             targets=t.lora_targets, lora_layers=t.lora_layers)
-    itok = InstructTokenizer.from_folder(str(folder))
-    got = [itok.sft(r, t.max_length) for r in recs]
-    keep = [i for i, g in enumerate(got) if g is not None]
-    recs, got = [recs[i] for i in keep], [got[i] for i in keep]
-    held = heldout_mask(np.array([int(r["id"]) for r in recs]), deck.run.seed,
-                        t.heldout_fraction)
-    layer = first_trained_block(m, names)
-    t0 = time.perf_counter()
-    task = SFTTask(m, [g[0] for g in got], [g[1] for g in got], np.flatnonzero(~held),
-                   np.flatnonzero(held), itok.pad_id, t.eval_batch_size, layer=layer)
-    print(f"# sft task: {len(recs)} records ({int((~held).sum())} train, {int(held.sum())} "
-          f"held out), {len(names)} trainable tensors, "
-          f"{sum(m.params[n].size for n in names)} parameters, prefix cache from block "
-          f"{layer} built in {time.perf_counter() - t0:.1f} s", flush=True)
-    init = {n: m.params[n].copy() for n in names}
-    return deck, m, names, init, task
-
-
-def build_choice(max_texts: int = 0, corpus: str = ""):
-    """(deck, model, trainable names, initial values, task) of inputs/choice.toml's ``choice``
-    task: the records of data/debian-choice.jsonl, the deck's held-out split, its trainable
-    set (LoRA on q, v of the last 2 blocks), choice score and prefix cache."""
+def build_records(kind: str, max_texts: int = 0, corpus: str = ""):
+    """(deck, model, trainable names, initial values, task) of inputs/sft.toml's ``sft`` task
+    (``kind = "sft"``: the chat records of data/debian-sft.jsonl; no generations scored, the
+    held-out "accuracy" is the completion tokens' next-token accuracy) or inputs/choice.toml's
+    ``choice`` task (data/debian-choice.jsonl, the deck's choice score): the deck's held-out
+    split, its trainable set (LoRA on q, v of the last 2 blocks) and the frozen-prefix cache.
+    ``corpus``: another JSONL file of the task's records."""
     from semzo.deck import load
     from semzo.finetune.trainable import select_trainable
     from semzo.model import load_model
@@ -161,9 +123,10 @@ def build_choice(max_texts: int = 0, corpus: str = ""):
     from semzo.preflight import heldout_mask
     from semzo.tasks.choice import ChoiceTask
     from semzo.tasks.prompt import first_trained_block
+    from semzo.tasks.sft import SFTTask
 
-    deck = load(ROOT / "inputs" / "choice.toml", check_inputs=False)
-    with open(corpus or ROOT / "data" / "debian-choice.jsonl", encoding="utf-8") as f:
+    deck = load(ROOT / "inputs" / f"{kind}.toml", check_inputs=False)
+    with open(corpus or ROOT / "data" / f"debian-{kind}.jsonl", encoding="utf-8") as f:
         recs = [json.loads(line) for line in f]
     if max_texts:
         recs = recs[:max_texts]
@@ -173,20 +136,26 @@ def build_choice(max_texts: int = 0, corpus: str = ""):
     names = select_trainable(m, t.params, t.last_layers, t.lora_rank, t.lora_alpha, 0,
                              targets=t.lora_targets, lora_layers=t.lora_layers)
     itok = InstructTokenizer.from_folder(str(folder))
-    got = [itok.choice(r, t.max_length) for r in recs]
+    encode = itok.sft if kind == "sft" else itok.choice
+    got = [encode(r, t.max_length) for r in recs]
     keep = [i for i, g in enumerate(got) if g is not None]
     recs, got = [recs[i] for i in keep], [got[i] for i in keep]
     held = heldout_mask(np.array([int(r["id"]) for r in recs]), deck.run.seed,
                         t.heldout_fraction)
+    rows = (np.flatnonzero(~held), np.flatnonzero(held))
+    layer = first_trained_block(m, names)
     t0 = time.perf_counter()
-    kw = {"layer": first_trained_block(m, names)}
-    task = ChoiceTask(m, [g[0] for g in got], [g[1] for g in got],
-                      [r["answer"] for r in recs], np.flatnonzero(~held), np.flatnonzero(held),
-                      itok.pad_id, t.eval_batch_size, mean=t.choice_score == "mean", **kw)
-    print(f"# choice task: {len(recs)} records ({int((~held).sum())} train, "
+    if kind == "sft":
+        task = SFTTask(m, [g[0] for g in got], [g[1] for g in got], *rows, itok.pad_id,
+                       t.eval_batch_size, layer=layer)
+    else:
+        task = ChoiceTask(m, [g[0] for g in got], [g[1] for g in got],
+                          [r["answer"] for r in recs], *rows, itok.pad_id, t.eval_batch_size,
+                          mean=t.choice_score == "mean", layer=layer)
+    print(f"# {kind} task: {len(recs)} records ({int((~held).sum())} train, "
           f"{int(held.sum())} held out), {len(names)} trainable tensors, "
           f"{sum(m.params[n].size for n in names)} parameters, prefix cache from block "
-          f"{kw['layer']} built in {time.perf_counter() - t0:.1f} s", flush=True)
+          f"{layer} built in {time.perf_counter() - t0:.1f} s", flush=True)
     init = {n: m.params[n].copy() for n in names}
     return deck, m, names, init, task
 
@@ -339,10 +308,8 @@ def main() -> None:
         numba.set_num_threads(a.threads)
     from semzo.runtime import get_logger
     get_logger("semzo").setLevel("WARNING")
-    if a.task == "sft":
-        deck, m, names, init, task = build_sft(a.texts, a.corpus)
-    elif a.task == "choice":
-        deck, m, names, init, task = build_choice(a.texts, a.corpus)
+    if a.task in ("sft", "choice"):
+        deck, m, names, init, task = build_records(a.task, a.texts, a.corpus)
     else:
         deck, m, names, init, task = build(a.texts, a.labels.split(",") if a.labels else None,
                                            a.template)

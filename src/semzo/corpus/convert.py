@@ -219,6 +219,15 @@ def parse_debian(dumpavail: str, translations: Iterable[str] = ()) -> list[dict]
     return out
 
 
+def apt_dumpavail() -> str:
+    """The text of ``apt-cache dumpavail`` (this machine's apt indexes)."""
+    try:
+        r = subprocess.run(["apt-cache", "dumpavail"], capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise SemzoError(f"apt-cache dumpavail failed: {exc}") from exc
+    return r.stdout.decode("utf-8", errors="replace")
+
+
 def debian(out_path: str | os.PathLike, *, dumpavail: str | None = None,
            lists_dir: str = APT_LISTS) -> int:
     """Convert Debian package descriptions to JSONL at ``out_path``; return the count.
@@ -227,12 +236,7 @@ def debian(out_path: str | os.PathLike, *, dumpavail: str | None = None,
     ``Translation-en`` indexes (``apt-get update -o Acquire::Languages=en``) only the short
     descriptions are available, and the texts are one line each.
     """
-    if dumpavail is None:
-        try:
-            r = subprocess.run(["apt-cache", "dumpavail"], capture_output=True, check=True)
-        except (OSError, subprocess.CalledProcessError) as exc:
-            raise SemzoError(f"apt-cache dumpavail failed: {exc}") from exc
-        dumpavail = r.stdout.decode("utf-8", errors="replace")
+    dumpavail = apt_dumpavail() if dumpavail is None else dumpavail
     trans = translations_text(lists_dir)
     records = parse_debian(dumpavail, trans)
     if not records:
@@ -282,12 +286,7 @@ def debian_sft(out_path: str | os.PathLike, *, dumpavail: str | None = None,
                n: int = 600) -> int:
     """Write :func:`sft_records` of this machine's apt indexes to ``out_path`` (offline once
     ``apt-get update`` has run, as ``make setup`` does); return the count."""
-    if dumpavail is None:
-        try:
-            r = subprocess.run(["apt-cache", "dumpavail"], capture_output=True, check=True)
-        except (OSError, subprocess.CalledProcessError) as exc:
-            raise SemzoError(f"apt-cache dumpavail failed: {exc}") from exc
-        dumpavail = r.stdout.decode("utf-8", errors="replace")
+    dumpavail = apt_dumpavail() if dumpavail is None else dumpavail
     records = sft_records(dumpavail, n)
     if not records:
         raise SemzoError("apt-cache dumpavail lists no package descriptions "
@@ -336,12 +335,7 @@ def debian_choice(out_path: str | os.PathLike, *, dumpavail: str | None = None,
                   n: int = 600) -> int:
     """Write :func:`choice_records` of this machine's apt indexes to ``out_path`` (offline once
     ``apt-get update`` has run, as ``make setup`` does); return the count."""
-    if dumpavail is None:
-        try:
-            r = subprocess.run(["apt-cache", "dumpavail"], capture_output=True, check=True)
-        except (OSError, subprocess.CalledProcessError) as exc:
-            raise SemzoError(f"apt-cache dumpavail failed: {exc}") from exc
-        dumpavail = r.stdout.decode("utf-8", errors="replace")
+    dumpavail = apt_dumpavail() if dumpavail is None else dumpavail
     records = choice_records(dumpavail, n)
     if not records:
         raise SemzoError("apt-cache dumpavail lists too few package descriptions "
