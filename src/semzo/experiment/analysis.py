@@ -4,9 +4,12 @@ and compute what the report tabulates.
 Definitions (also stated in the report):
 
 * forward passes: ``passes x ranks x step`` with ``passes`` = 2 for the mezo estimator, 1 + N
-  for fzoo (data mode only: :mod:`.runner` refuses fzoo with other modes) (each step every rank
-  evaluates the loss that many times on its own
-  batch of ``train.batch_size`` texts); every configuration gets the same budget.
+  for fzoo in data mode (each step every rank evaluates the loss that many times on its own
+  batch of ``train.batch_size`` texts); every configuration gets the same budget. fzoo spreads
+  its N directions over the seed groups of the other modes (1 + ceil(N / groups) passes per
+  rank per step), so there ``train.steps`` (the data mode's steps) is scaled to the same
+  forward passes per rank (:func:`mode_steps`) and each run's evaluation steps are read in
+  data-mode steps (``step x train.steps / the mode's steps``).
 * held-out accuracy / loss at a budget: the held-out evaluation at that step (linear
   interpolation between the two nearest evaluations when the budget falls between them);
   mean, sample standard deviation and min..max over seeds.
@@ -80,6 +83,7 @@ class Experiment:
     command: str = ""                             # how the experiment was launched
     deck_path: str = ""                           # the deck it was launched with
     cores: int = 0                                # cores of rank 0's host (0: unknown)
+    mode_steps: dict = field(default_factory=dict)  # mode -> its steps where not `budget`
 
     def group(self, sharding: str, mode: str) -> list[Run]:
         return [r for r in self.runs if r.sharding == sharding and r.mode == mode]
@@ -88,9 +92,24 @@ class Experiment:
         return passes_per_step(self.deck) * self.ranks * np.asarray(steps)
 
 
-def passes_per_step(deck) -> int:
-    """Forward passes per rank per step: 2 (mezo), 1 + ``zo.directions`` (fzoo, data mode)."""
-    return 1 + deck.zo.directions if deck.zo.estimator_name == "fzoo" else 2
+def passes_per_step(deck, groups: int = 1) -> int:
+    """Forward passes per rank per step: 2 (mezo, every mode); fzoo: 1 + its directions per
+    seed group (``groups`` = 1 in data mode, the ranks in perturbation mode, the nodes in
+    hybrid mode; at least 2 directions in all, as :class:`semzo.zo.engine.ZOEngine` does)."""
+    if deck.zo.estimator_name != "fzoo":
+        return 2
+    m = max(1, -(-int(deck.zo.directions) // max(int(groups), 1)))
+    if m * groups < 2:
+        m = 2
+    return 1 + m
+
+
+def mode_steps(deck, groups: int) -> int:
+    """Steps of a configuration whose mode has ``groups`` seed groups: ``train.steps`` with the
+    same passes per step as data mode (mezo, or fzoo with one group's directions unchanged),
+    else the steps that give data mode's forward passes per rank, rounded to the nearest."""
+    p0, p = passes_per_step(deck, 1), passes_per_step(deck, groups)
+    return deck.train.steps if p == p0 else max(1, round(deck.train.steps * p0 / p))
 
 
 def _float(s: str) -> float:
@@ -129,6 +148,8 @@ def load(base: str | Path) -> Experiment:
     command = head.get("command", "python -m semzo experiment DECK")
     cores = re.search(r"^# cores: (\d+)$", text, flags=re.MULTILINE)
     deck_path = head.get("resolved semzo deck (from", str(base / "experiment.toml"))
+    steps_of = {m: int(n) for m, n in re.findall(r"^# steps: (\w+) (\d+)$", text,
+                                                    flags=re.MULTILINE)}
     e = deck.experiment
     with h5py.File(base / e.shardings[0] / "shards.h5", "r") as f:
         ranks = int(f["rank_offsets"].shape[0]) - 1
@@ -149,11 +170,15 @@ def load(base: str | Path) -> Experiment:
                 if not p.is_file():
                     raise FileNotFoundError(f"{p}: missing (did the experiment finish?)")
                 d = read_metrics(p)
+                n = int(steps_of.get(m, deck.train.steps))
+                if n != deck.train.steps:      # in data-mode steps: the same forward passes
+                    d["steps"] = d["steps"].astype(np.float64) * (deck.train.steps / n)
                 runs.append(Run(sharding=s, mode=m, seed=deck.run.seed + i,
                                 wall_s=walls.get((s, m, str(i), "finetune"), math.nan), **d))
     return Experiment(base=base, deck=deck, ranks=ranks, runs=runs, shared=shared, place=place,
                       budget=deck.train.steps, command=command, deck_path=deck_path,
-                      cores=int(cores.group(1)) if cores else 0)
+                      cores=int(cores.group(1)) if cores else 0,
+                      mode_steps={m: n for m, n in steps_of.items() if n != deck.train.steps})
 
 
 # ----------------------------------------------------------------------------- statistics

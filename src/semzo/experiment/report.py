@@ -164,6 +164,16 @@ def scope(exp: Experiment) -> list[str]:
     return out
 
 
+def _other_modes(exp) -> str:
+    """The modes that ran another number of steps for the same forward passes (fzoo)."""
+    if not exp.mode_steps:
+        return ""
+    return ("; " + ", ".join(f"{m} mode {n:,} steps" for m, n in exp.mode_steps.items()) +
+            " (fzoo spreads its directions over the seed groups: fewer passes per rank per "
+            "step, so more steps for the same forward passes; their curves are drawn and "
+            "tabulated in data-mode steps)")
+
+
 def write_report(base: str | Path) -> Path:
     """Write report.md, the plots and experiment.h5 into ``base``; returns report.md."""
     exp = load(base)
@@ -187,7 +197,7 @@ def write_report(base: str | Path) -> Path:
           f"nodes_per_switch = {d.topology.nodes_per_switch}.", "",
           (f"Budget: {exp.budget:,} steps = {_fp(exp.fp(exp.budget))} forward passes of "
           f"{d.train.batch_size} texts for every configuration ({passes_per_step(d)} per rank "
-          f"per step, estimator {d.zo.estimator_name}). Seeds: "
+          f"per step, estimator {d.zo.estimator_name})" + _other_modes(exp) + ". Seeds: "
           f"{', '.join(str(d.run.seed + i) for i in range(e.seeds))} (the seed sets the ZO "
           f"directions and the batch order; every run is scored on the same held-out split "
           f"(split seed {split}) and starts from the same model, so configurations with the "
@@ -343,8 +353,8 @@ def write_index(base: str | Path, stems: list[str], walls: dict[str, float] | No
         n_cfg = len(e.shardings) * len(e.modes) * e.seeds
         L += [f"## Task `{d.train.task}` (`{stem}`: corpus `{d.corpus.path}`)", "",
               (f"{n_cfg} fine-tuning runs ({', '.join(e.shardings)} x {', '.join(e.modes)} x "
-               f"{e.seeds} seeds) of {exp.budget:,} steps = {_fp(exp.fp(exp.budget))} forward "
-               f"passes each on {exp.ranks} ranks; lr {_lr_text(d.zo.lr)}, eps {d.zo.eps:g}; "
+               f"{e.seeds} seeds) of {_fp(exp.fp(exp.budget))} forward passes each ("
+               f"{exp.budget:,} steps{_other_modes(exp).split(' (')[0]}) on {exp.ranks} ranks; lr {_lr_text(d.zo.lr)}, eps {d.zo.eps:g}; "
                f"wall time {wall}. Full report: [{stem}/report.md]({stem}/report.md)."), ""]
         L += conclusion(exp) + [""]
     if cmd:

@@ -12,10 +12,13 @@ One SPMD job runs, in ``run.output_dir`` (``OUT``)::
 Every configuration gets the deck's settings with only ``place.mode``, ``zo.mode`` and
 ``run.seed`` changed, and the same budget: exactly ``train.steps`` steps (``train.max_epochs``
 is ignored; a deck whose ``run.stages`` is not every stage is refused, exit 2), i.e.
-``2 x ranks x steps`` forward passes of ``train.batch_size`` texts (mezo; the fzoo estimator,
-the default with ``zo.lr = "auto"``, spreads its directions over the seed groups, so its
-modes differ in passes per step: it is refused unless ``experiment.modes = ["data"]``), so every
-mode and sharding sees the same number of forward passes. Held-out evaluations are spaced so
+``2 x ranks x steps`` forward passes of ``train.batch_size`` texts with the mezo estimator.
+The fzoo estimator (the default with ``zo.lr = "auto"``) evaluates 1 + N losses per rank per
+step in data mode and spreads its N directions over the seed groups in the other modes
+(1 + ceil(N / groups) per rank per step): ``train.steps`` is then the data mode's steps and
+every other mode runs the steps that give the same forward passes per rank
+(:func:`semzo.experiment.analysis.mode_steps`, logged and recorded in ``experiment.toml``), so
+every mode and sharding sees the same number of forward passes. Held-out evaluations are spaced so
 that the report's budgets fall on them. ``timings.csv`` records the wall time of every stage of
 every configuration as it finishes (rank 0); ``--report-only`` rebuilds the report from the
 ``metrics.csv`` files and ``timings.csv`` without MPI work; ``--resume`` skips what an
@@ -39,7 +42,7 @@ from ..deck import STAGES, Deck
 from ..pipeline import RunContext, run_stage, start
 from ..runtime import SemzoError, StageTimer, get_logger
 from ..tasks.prefix_store import PrefixStore
-from .analysis import TIMINGS, passes_per_step
+from .analysis import TIMINGS, mode_steps, passes_per_step
 from .report import write_report
 from .tasks import run_tasks
 
@@ -65,18 +68,20 @@ def eval_every(steps: int, report_points: int, points: int = EVAL_POINTS) -> int
     return max(1, steps // points)
 
 
-def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int) -> Deck:
+def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int,
+                steps: int | None = None) -> Deck:
     """The deck of one configuration: the base deck with the sharding, mode and seed set,
-    a folder of its own, no model.h5, checkpoints at the end only, no resume."""
+    ``steps`` steps (default ``train.steps``), a folder of its own, no model.h5, checkpoints
+    at the end only, no resume."""
     base = Path(deck.run.output_dir)
     out = base / sharding if mode is None else base / sharding / mode / f"seed{seed_index}"
     e = deck.experiment
-    steps = deck.train.steps
+    steps = deck.train.steps if steps is None else int(steps)
     return deck.replace(
         run=dataclasses.replace(deck.run, output_dir=str(out), seed=deck.run.seed + seed_index),
         place=dataclasses.replace(deck.place, mode=sharding),
         zo=dataclasses.replace(deck.zo, mode=mode or deck.zo.mode),
-        train=dataclasses.replace(deck.train, max_epochs=0.0, save="none",
+        train=dataclasses.replace(deck.train, steps=steps, max_epochs=0.0, save="none",
                                   split_seed=(deck.train.split_seed if deck.train.split_seed >= 0
                                               else deck.run.seed),
                                   eval_every=eval_every(steps, e.report_points,
@@ -120,7 +125,18 @@ def _complete(metrics: Path, steps: int) -> bool:
         return False
 
 
-def finished_stages(deck: Deck, base: Path) -> tuple[set[tuple], list[list[str]], str | None]:
+def groups_of(mode: str, ranks: int, nodes: int) -> int:
+    """Seed groups of a ZO mode (as :class:`semzo.zo.engine.ZOEngine` forms them)."""
+    return {"data": 1, "perturbation": ranks}.get(mode, nodes)
+
+
+def steps_by_mode(deck: Deck, ranks: int, nodes: int) -> dict[str, int]:
+    """Each mode of ``experiment.modes``: its steps at the experiment's budget."""
+    return {m: mode_steps(deck, groups_of(m, ranks, nodes)) for m in deck.experiment.modes}
+
+
+def finished_stages(deck: Deck, base: Path, steps: dict[str, int] | None = None
+                    ) -> tuple[set[tuple], list[list[str]], str | None]:
     """What an earlier run of the same experiment in ``base`` completed (rank 0, no MPI).
 
     Returns ``(keys, rows, error)``: keys ``(sharding, mode, seed, stage)`` of timings.csv
@@ -151,8 +167,9 @@ def finished_stages(deck: Deck, base: Path) -> tuple[set[tuple], list[list[str]]
                 for m in e.modes:
                     for i in range(e.seeds):
                         k = (sh, m, str(i), "finetune")
-                        if k in listed and _complete(base / sh / m / f"seed{i}" /
-                                                     "metrics.csv", deck.train.steps):
+                        if k in listed and _complete(
+                                base / sh / m / f"seed{i}" / "metrics.csv",
+                                (steps or {}).get(m, deck.train.steps)):
                             keys.add(k)
     return keys, [r for r in rows if tuple(r[:4]) in keys], None
 
@@ -164,13 +181,6 @@ def deck_error(deck: Deck) -> str | None:
     if deck.train.steps < e.report_points:
         msg = (f"{deck.source}: train.steps: the experiment needs at least "
                f"experiment.report_points = {e.report_points} steps, got {deck.train.steps}")
-    elif deck.zo.estimator_name == "fzoo" and tuple(e.modes) != ("data",):
-        msg = (f"{deck.source}: zo.estimator: fzoo (the default with zo.lr = \"auto\") "
-               f"evaluates 1 + zo.directions losses per rank per step in data mode and fewer "
-               f"in perturbation and hybrid mode (the directions are spread over the seed "
-               f"groups), so the modes of experiment.modes = {list(e.modes)} would not get the "
-               f"same forward-pass budget; set zo.estimator = \"mezo\" (2 per rank per step in "
-               f"every mode) or experiment.modes = [\"data\"]")
     elif tuple(deck.run.stages) != STAGES:
         msg = (f"{deck.source}: run.stages: `semzo experiment` runs every stage (topology, "
                f"embed and cluster once, place per sharding, finetune per configuration), got "
@@ -210,13 +220,23 @@ def _run_experiment(deck: Deck, ctx: RunContext, resume: bool, t0: float) -> Pat
     topo = ctx.topo
     base = ctx.outdir
     n_cfg = len(e.shardings) * len(e.modes) * e.seeds
+    steps = steps_by_mode(deck, topo.size, topo.n_nodes)
     log.info("semzo experiment: %d ranks; shardings %s x ZO modes %s x %d seeds = %d "
-             "fine-tuning runs of %d steps (%d forward passes each), output %s",
+             "fine-tuning runs of %d forward passes each (%s), output %s",
              topo.size, ", ".join(e.shardings), ", ".join(e.modes), e.seeds, n_cfg,
-             deck.train.steps, passes_per_step(deck) * topo.size * deck.train.steps, base)
+             passes_per_step(deck) * topo.size * deck.train.steps,
+             "; ".join(f"{m} mode: {n} steps x {passes_per_step(deck, groups_of(m, topo.size, topo.n_nodes))} "
+                       f"passes per rank" for m, n in steps.items()), base)
+    short = [m for m, n in steps.items() if n < e.report_points]
+    if short:
+        err = SemzoError(f"{deck.source}: train.steps: {short[0]} mode gets {steps[short[0]]} "
+                         f"steps at this budget, fewer than experiment.report_points = "
+                         f"{e.report_points}; raise train.steps")
+        err.all_ranks = True
+        raise err
     done_keys, keep, err = set(), [], None
     if resume and topo.rank == 0:
-        done_keys, keep, err = finished_stages(deck, base)
+        done_keys, keep, err = finished_stages(deck, base, steps)
     done_keys, keep, err = topo.world.bcast((done_keys, keep, err), root=0)
     if err:
         exc = SemzoError(err)
@@ -231,7 +251,9 @@ def _run_experiment(deck: Deck, ctx: RunContext, resume: bool, t0: float) -> Pat
         if os.environ.get("SEMZO_COMMAND"):            # set by `make experiment`
             cmd = f"{os.environ['SEMZO_COMMAND']}  # = {cmd}"
         (base / "experiment.toml").write_text(
-            f"# command: {cmd}\n# cores: {os.cpu_count()}\n{deck.to_toml()}", encoding="utf-8")
+            f"# command: {cmd}\n# cores: {os.cpu_count()}\n" +
+            "".join(f"# steps: {m} {n}\n" for m, n in steps.items()) + deck.to_toml(),
+            encoding="utf-8")
     timings = _Timings(base / TIMINGS, topo.rank == 0, keep)
     timings.add(timer, "topology", "-", "-", "-", "topology")
     # shared stages: the topology stage checks the communicators, embed and cluster run once
@@ -257,7 +279,7 @@ def _run_experiment(deck: Deck, ctx: RunContext, resume: bool, t0: float) -> Pat
                 done += 1
                 if (sharding, mode, str(s), "finetune") in done_keys:
                     continue
-                fctx = ctx.derive(config_deck(deck, sharding, mode, s), inputs)
+                fctx = ctx.derive(config_deck(deck, sharding, mode, s, steps[mode]), inputs)
                 label = f"finetune {sharding} {mode} {s}"
                 fig = run_stage(fctx, "finetune", label)
                 timings.add(timer, label, sharding, mode, s, "finetune")
