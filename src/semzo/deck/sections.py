@@ -272,7 +272,10 @@ class TrainSection:
                               "empty = the model's default: q and v for Llama/Qwen/Mistral/"
                               "Gemma/OPT decoders (MeZO's choice), `c_attn` for GPT-2, "
                               "`qkv_proj` for Phi-3, every attention projection for encoders.")
-    steps: int = key(200, "ZO steps (each: two forward passes per rank).", min=0)
+    steps: int = key(200, "ZO steps (each: two forward passes per rank with mezo, 1 + "
+                     "zo.directions with fzoo in data mode). `semzo experiment`: the data "
+                     "mode's steps; fzoo's other modes run the steps of the same forward "
+                     "passes.", min=0)
     max_epochs: float = key(0.0, "Stop sooner than `steps` after this many passes over the "
                             "training data (steps of the global batch, ranks x batch_size); "
                             "0 = no limit.", min=0.0)
