@@ -36,6 +36,16 @@ curve (what ``checkpoints/best.h5`` keeps). The targets are checked at the evalu
 (every ``--eval-every`` forward passes): the figures are that coarse. ``--from-log`` prints
 the same tables from the per-run lines of an earlier invocation cut short.
 Timings are on a shared 2-core machine: noisy, say so.
+
+``--torch-peer`` (prompt task): the wall-time peer, MeZO as its reference trainer runs it in
+torch (transformers' SmolLM2 with the same LoRA adapters on q and v of the last 2 blocks, per
+tensor an out-of-place ``torch.normal`` perturbation from a seeded generator, +eps, forward,
+-2 eps, forward, +eps restore, the update; the whole model forward each pass: MeZO has no
+frozen-prefix cache), timed on the same batch of prompts and threads in a process of its own
+(torch's and numba's thread pools never share one). Its wall time to the targets is MeZO's
+forward passes to them (measured above: the same algorithm at the same lr takes the same
+passes) times the torch step's measured time per pass: a product of two measurements,
+printed as such.
 """
 
 from __future__ import annotations
@@ -242,6 +252,83 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
             "zero_acc": acc0, "zero_loss": loss0, "final_acc": acc, "final_loss": loss}
 
 
+def torch_mezo_step_s(batch: int, threads: int, reps: int = 4) -> dict:
+    """The MeZO-style torch step on the prompt task (see the module text), in this process:
+    mean seconds per step over ``reps`` steps after one warm-up; and per forward pass."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from semzo.deck import load
+    from semzo.preflight import default_label_words
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    deck = load(ROOT / "inputs" / "llm.toml", check_inputs=False)
+    folder = ROOT / "models" / "smollm2-135m-instruct"
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    t = deck.train
+    r, scale = t.lora_rank, t.lora_alpha / t.lora_rank
+
+    class LoRA(torch.nn.Module):
+        def __init__(self, base):
+            super().__init__()
+            self.base = base
+            self.A = torch.nn.Parameter(torch.randn(r, base.in_features) / base.in_features ** .5)
+            self.B = torch.nn.Parameter(torch.zeros(base.out_features, r))
+
+        def forward(self, x):
+            return self.base(x) + scale * (x @ self.A.T) @ self.B.T
+
+    layers = model.model.layers[-t.lora_layers:]
+    for layer in layers:
+        layer.self_attn.q_proj = LoRA(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = LoRA(layer.self_attn.v_proj)
+    params = [p for layer in layers for m in (layer.self_attn.q_proj, layer.self_attn.v_proj)
+              for p in (m.A, m.B)]
+    with open(ROOT / "data" / "fortunes.jsonl", encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f]
+    recs = [x for x in recs if x.get("label") in deck.corpus.labels][:batch]
+    texts = [deck.prompt.template.format(text=x["text"]) for x in recs]
+    tok.padding_side = tok.truncation_side = "left"    # semzo keeps a prompt's end too
+    enc = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=t.max_length)
+    words = [tok(w, add_special_tokens=False)["input_ids"][0] for w in (
+        deck.prompt.label_words or default_label_words(list(deck.corpus.labels),
+                                                       deck.prompt.template))]
+    y = torch.tensor([deck.corpus.labels.index(x["label"]) for x in recs])
+    eps, lr = deck.zo.eps, 2e-2
+
+    def loss_fn():
+        logits = model(**enc).logits[:, -1, words]
+        return torch.nn.functional.cross_entropy(logits, y)
+
+    def perturb(seed, s):
+        g = torch.Generator().manual_seed(seed)
+        for p in params:
+            z = torch.normal(mean=0, std=1, size=p.data.size(), generator=g)
+            p.data = p.data + s * eps * z
+
+    def step(k):
+        seed = 1000 + k
+        with torch.no_grad():
+            perturb(seed, 1)
+            lp = loss_fn()
+            perturb(seed, -2)
+            lm = loss_fn()
+            perturb(seed, 1)
+            gk = float((lp - lm) / (2 * eps))
+            g = torch.Generator().manual_seed(seed)
+            for p in params:
+                z = torch.normal(mean=0, std=1, size=p.data.size(), generator=g)
+                p.data = p.data - lr * gk * z
+    step(0)
+    t0 = time.perf_counter()
+    for k in range(reps):
+        step(k + 1)
+    st = (time.perf_counter() - t0) / reps
+    return {"step_s": st, "pass_s": st / 2, "tokens": int(enc["input_ids"].shape[1]),
+            "threads": threads}
+
+
 def first_reach(curve, ok) -> tuple[float, float]:
     for fw, s, loss, acc in curve:
         if ok(loss, acc):
@@ -295,13 +382,21 @@ def main() -> None:
                     "inputs/choice.toml's (data/debian-choice.jsonl)")
     ap.add_argument("--corpus", default="", help="--task sft / choice: another JSONL corpus of "
                     "the task's records than the deck's (data it was not tuned on)")
+    ap.add_argument("--torch-peer", action="store_true", help="prompt task: time the "
+                    "MeZO-style torch step (the wall-time peer) in a child process")
+    ap.add_argument("--torch-step", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", default="")
     ap.add_argument("--from-log", default="", help="summarize the per-run lines of an earlier "
                     "invocation's output (the seeds every configuration finished)")
     a = ap.parse_args()
+    if a.torch_step:                  # the child of --torch-peer
+        print(json.dumps(torch_mezo_step_s(a.batch, a.threads or 1)))
+        return
     if a.from_log:
         res = from_log(a.from_log)
         summarize(res, list(res), a)
+        if a.torch_peer and "mezo-fixed" in res:
+            torch_peer(res, a)
         return
     if a.threads:
         import numba
@@ -326,8 +421,43 @@ def main() -> None:
                   + " ".join(f"({fw},{acc:.3f},{loss:.3f})" for fw, _, loss, acc in r["curve"]),
                   flush=True)
     summarize(res, configs, a)
+    if a.torch_peer and "mezo-fixed" in configs:
+        torch_peer(res, a)
     if a.json:
         Path(a.json).write_text(json.dumps(res, indent=1))
+
+
+def torch_peer(res: dict[str, list[dict]], a) -> None:
+    """Print the torch MeZO step's time per pass and its wall time to the targets."""
+    import os
+    import subprocess
+    threads = a.threads or len(os.sched_getaffinity(0))
+    out = subprocess.run([sys.executable, __file__, "--torch-step", "--batch", str(a.batch),
+                          "--threads", str(threads)], capture_output=True, text=True,
+                         check=True)
+    tp = json.loads(out.stdout.strip().splitlines()[-1])
+    zero = res["mezo-fixed"][0]["zero_acc"]
+    tacc = zero + float(a.target_acc) if a.target_acc.startswith("+") else float(a.target_acc)
+    mz = [first_reach(r["curve"], lambda loss, acc: acc >= tacc) for r in res["mezo-fixed"]]
+    fw = [x[0] for x in mz if math.isfinite(x[0])]
+    sem = [r["curve"][-1][1] / max(r["curve"][-1][0], 1) for r in res["mezo-fixed"]]
+    print(f"\ntorch MeZO peer ({tp['threads']} threads, batch {a.batch}, {tp['tokens']} "
+          f"tokens): {tp['step_s']:.3f} s per step = {tp['pass_s']:.3f} s per forward pass; "
+          f"semzo's mezo-fixed {np.mean(sem):.3f} s per pass (frozen-prefix cache): "
+          f"{tp['pass_s'] / np.mean(sem):.1f}x")
+    if not fw:
+        print("torch MeZO: mezo-fixed never reached the accuracy target: no wall time")
+        return
+    tw = float(np.mean(fw)) * tp["pass_s"]
+    for c, runs in res.items():
+        if c == "mezo-fixed":
+            continue
+        ours = [first_reach(r["curve"], lambda loss, acc: acc >= tacc)[1] for r in runs]
+        ours = [x for x in ours if math.isfinite(x)]
+        if ours:
+            print(f"wall time to the accuracy target: torch MeZO {tw:.1f} s (mezo-fixed's "
+                  f"{np.mean(fw):.0f} passes x {tp['pass_s']:.3f} s) against {c} "
+                  f"{np.mean(ours):.1f} s: {tw / np.mean(ours):.2f}x")
 
 
 def summarize(res: dict[str, list[dict]], configs: list[str], a) -> None:
