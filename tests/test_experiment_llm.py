@@ -120,9 +120,10 @@ def test_both_tasks_run_every_configuration_with_one_budget_and_lr_auto(experime
     assert len(hits) == 2 and all(h > 0 for h in hits), proc.stderr[-3000:]
     # and handed to every rank: only the first configuration of each task computed any (on
     # rank 0, which logs); the other sharding's ranks hold other rows and computed none
+    # (the shared step-size scan of each task runs first: it fills the store)
     fills = re.findall(r"0/2 INFO .*finetune: frozen-prefix cache: (\d+) sequences computed", proc.stderr)
-    assert len(fills) == 2 * len(SHARDINGS) * len(MODES) * SEEDS, fills
-    assert sum(int(n) > 0 for n in fills) == 2, fills
+    assert len(fills) == 2 * (1 + len(SHARDINGS) * len(MODES) * SEEDS), fills
+    assert sum(int(n) > 0 for n in fills) == 2 and int(fills[0]) > 0, fills
     assert "experiment report:" in proc.stdout
 
 
@@ -183,6 +184,27 @@ def test_missing_task_deck_is_refused_by_name(tmp_path):
     assert len(lines) == 1 and "experiment.decks: deck file not found" in lines[0] \
         and "nope.toml" in lines[0], proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_one_shared_scan_sets_every_configurations_lr(experiment):
+    """experiment.shared_lr (the default with zo.lr = "auto"): one scan per task in
+    OUT/lr-scan/, its lr in shared_lr.json, and every configuration's first step at exactly
+    that lr (cosine from it, the schedule of lr auto); the report says so."""
+    out, proc = experiment
+    for task in ("prompt", "sft"):
+        lr = json.loads((out / task / "shared_lr.json").read_text())["lr"]
+        assert 1e-7 < lr < 1.0
+        assert (out / task / "lr-scan" / "metrics.csv").is_file()
+        for s in SHARDINGS:
+            for m in MODES:
+                for i in range(SEEDS):
+                    rows, _, _ = _final(out / task / s / m / f"seed{i}" / "metrics.csv")
+                    train = [r for r in rows if r["kind"] == "train"]
+                    assert float(train[0]["lr"]) == lr, (task, s, m, i)
+                    assert float(train[-1]["lr"]) < lr          # cosine decay
+        assert f"one scan shared by every configuration: {lr:.3e}" in \
+            (out / task / "report.md").read_text()
+    assert proc.stderr.count("experiment: every configuration runs at lr") == 2
 
 
 def test_report_reads_every_mode_in_data_mode_steps(experiment):

@@ -417,6 +417,12 @@ class ExperimentSection:
     eval_points: int = key(40, "About this many held-out evaluations per configuration "
                            "(every report budget is one of them); each is a pass over the "
                            "held-out rows, so fewer suit slow models.", min=1, max=10000)
+    shared_lr: bool = key(True, "With zo.lr = \"auto\": one step-size scan per experiment "
+                          "before the configurations (the first sharding's placement, "
+                          "run.seed, data mode; 8 line searches, their median), its lr then "
+                          "used by every configuration with the schedule and the loss guard "
+                          "of lr auto: no configuration gets a luckier or unluckier scan. "
+                          "false: every configuration scans for itself.")
     decks: tuple = key([], "Task decks (paths) run one after another as experiments of their "
                        "own, each in `run.output_dir`/<deck file stem>/, with this "
                        "[experiment] table (shardings, modes, seeds, budgets) and every key "

@@ -37,6 +37,7 @@ Definitions (also stated in the report):
 from __future__ import annotations
 
 import csv
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ class Experiment:
     deck_path: str = ""                           # the deck it was launched with
     cores: int = 0                                # cores of rank 0's host (0: unknown)
     mode_steps: dict = field(default_factory=dict)  # mode -> its steps where not `budget`
+    shared_lr: float = math.nan                   # the shared scan's lr (experiment.shared_lr)
 
     def group(self, sharding: str, mode: str) -> list[Run]:
         return [r for r in self.runs if r.sharding == sharding and r.mode == mode]
@@ -178,7 +180,9 @@ def load(base: str | Path) -> Experiment:
     return Experiment(base=base, deck=deck, ranks=ranks, runs=runs, shared=shared, place=place,
                       budget=deck.train.steps, command=command, deck_path=deck_path,
                       cores=int(cores.group(1)) if cores else 0,
-                      mode_steps={m: n for m, n in steps_of.items() if n != deck.train.steps})
+                      mode_steps={m: n for m, n in steps_of.items() if n != deck.train.steps},
+                      shared_lr=(json.loads((base / "shared_lr.json").read_text())["lr"]
+                                 if (base / "shared_lr.json").is_file() else math.nan))
 
 
 # ----------------------------------------------------------------------------- statistics

@@ -191,7 +191,7 @@ def write_report(base: str | Path) -> Path:
           f"`{d.model.path or 'all-MiniLM-L6-v2'}`; trainable "
           f"`{d.train.params}" + (f":{d.train.last_layers}`" if d.train.params == "head+last"
                                   else "`") +
-          f"; batch {d.train.batch_size} per rank; lr {_lr_text(d.zo.lr)} ({d.train.schedule}, warm-up "
+          f"; batch {d.train.batch_size} per rank; lr {_lr_text(d.zo.lr, exp.shared_lr)} ({d.train.schedule}, warm-up "
           f"{d.train.warmup_steps}), eps {d.zo.eps:g}, z {d.zo.dist_name}; k-means k = "
           f"{d.cluster.k}; topology ranks_per_node = {d.topology.ranks_per_node}, "
           f"nodes_per_switch = {d.topology.nodes_per_switch}.", "",
@@ -305,9 +305,13 @@ def _use(g, tgt: float, what: str, reach: int) -> str:
     return _pm(st[0], st[1], 1, "{:,.0f}" if what == "energy_j" else "{:,.1f}")
 
 
-def _lr_text(lr) -> str:
-    """``zo.lr`` as written: a number, or "auto"."""
-    return lr if isinstance(lr, str) else f"{lr:g}"
+def _lr_text(lr, shared: float = math.nan) -> str:
+    """``zo.lr`` as written: a number, or "auto" (with the shared scan's lr when there was
+    one: experiment.shared_lr)."""
+    if isinstance(lr, str):
+        return lr + (f" (one scan shared by every configuration: {shared:.3e})"
+                     if math.isfinite(shared) else "")
+    return f"{lr:g}"
 
 
 # ----------------------------------------------------------------------------- index
@@ -354,7 +358,7 @@ def write_index(base: str | Path, stems: list[str], walls: dict[str, float] | No
         L += [f"## Task `{d.train.task}` (`{stem}`: corpus `{d.corpus.path}`)", "",
               (f"{n_cfg} fine-tuning runs ({', '.join(e.shardings)} x {', '.join(e.modes)} x "
                f"{e.seeds} seeds) of {_fp(exp.fp(exp.budget))} forward passes each ("
-               f"{exp.budget:,} steps{_other_modes(exp).split(' (')[0]}) on {exp.ranks} ranks; lr {_lr_text(d.zo.lr)}, eps {d.zo.eps:g}; "
+               f"{exp.budget:,} steps{_other_modes(exp).split(' (')[0]}) on {exp.ranks} ranks; lr {_lr_text(d.zo.lr, exp.shared_lr)}, eps {d.zo.eps:g}; "
                f"wall time {wall}. Full report: [{stem}/report.md]({stem}/report.md)."), ""]
         L += conclusion(exp) + [""]
     if cmd:

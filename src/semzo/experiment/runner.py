@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import json
 import math
 import os
 import shlex
@@ -39,6 +40,8 @@ from pathlib import Path
 from mpi4py import MPI
 
 from ..deck import STAGES, Deck
+from ..finetune.autolr import guard_window
+from ..finetune.loop import schedule_name
 from ..pipeline import RunContext, run_stage, start
 from ..runtime import SemzoError, StageTimer, get_logger
 from ..tasks.prefix_store import PrefixStore
@@ -69,25 +72,71 @@ def eval_every(steps: int, report_points: int, points: int = EVAL_POINTS) -> int
 
 
 def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int,
-                steps: int | None = None) -> Deck:
+                steps: int | None = None, lr: float | None = None) -> Deck:
     """The deck of one configuration: the base deck with the sharding, mode and seed set,
     ``steps`` steps (default ``train.steps``), a folder of its own, no model.h5, checkpoints
-    at the end only, no resume."""
+    at the end only, no resume. ``lr``: the shared scan's step for a deck with ``zo.lr =
+    "auto"`` (its schedule and loss guard resolved as lr auto resolves them)."""
     base = Path(deck.run.output_dir)
     out = base / sharding if mode is None else base / sharding / mode / f"seed{seed_index}"
     e = deck.experiment
     steps = deck.train.steps if steps is None else int(steps)
+    zo = dataclasses.replace(deck.zo, mode=mode or deck.zo.mode)
+    train = deck.train
+    if lr is not None and deck.zo.lr == "auto":      # the shared scan's lr, as lr auto runs it
+        zo = dataclasses.replace(zo, lr=float(lr), lr_guard=(
+            guard_window("auto", steps) if deck.zo.lr_guard == "auto" else deck.zo.lr_guard))
+        train = dataclasses.replace(train, schedule=schedule_name(deck))
     return deck.replace(
         run=dataclasses.replace(deck.run, output_dir=str(out), seed=deck.run.seed + seed_index),
         place=dataclasses.replace(deck.place, mode=sharding),
-        zo=dataclasses.replace(deck.zo, mode=mode or deck.zo.mode),
-        train=dataclasses.replace(deck.train, steps=steps, max_epochs=0.0, save="none",
+        zo=zo,
+        train=dataclasses.replace(train, steps=steps, max_epochs=0.0, save="none",
                                   split_seed=(deck.train.split_seed if deck.train.split_seed >= 0
                                               else deck.run.seed),
                                   eval_every=eval_every(steps, e.report_points,
                                                          e.eval_points)),
         checkpoint=dataclasses.replace(deck.checkpoint, every_steps=0, resume="never", dir=""),
     )
+
+
+SHARED_LR = "shared_lr.json"
+SCAN_FRACTION = 0.5        # the shared scan's budget: room for autolr.MAX_DIRECTIONS searches
+
+
+def shared_lr(deck: Deck, ctx: RunContext, inputs: dict, steps: dict[str, int],
+              timings: _Timings, done: bool) -> float | None:
+    """``experiment.shared_lr`` with ``zo.lr = "auto"``: the step-size scan once, in
+    ``OUT/lr-scan/`` (the first sharding's placement, ``run.seed``, data mode, the data mode's
+    steps with ``zo.lr_scan_fraction`` = :data:`SCAN_FRACTION`: as many line searches as
+    :mod:`semzo.finetune.autolr` takes, their median), its lr stored in ``OUT/shared_lr.json``
+    and returned; None when the deck does not ask for it. ``done``: an earlier run of this
+    experiment stored it (resume). Collective over the world."""
+    if deck.zo.lr != "auto" or not deck.experiment.shared_lr:
+        return None
+    topo, path = ctx.topo, ctx.outdir / SHARED_LR
+    if done:
+        lr = json.loads(path.read_text(encoding="utf-8"))["lr"] if topo.rank == 0 else None
+        lr = topo.world.bcast(lr, root=0)
+        log.info("experiment: the shared step size lr %.3e kept from the earlier run", lr)
+        return float(lr)
+    mode = "data" if "data" in deck.experiment.modes else deck.experiment.modes[0]
+    d = config_deck(deck, deck.experiment.shardings[0], mode, 0, steps[mode])
+    d = d.replace(run=dataclasses.replace(d.run, output_dir=str(Path(deck.run.output_dir) /
+                                                                "lr-scan")),
+                  zo=dataclasses.replace(d.zo, lr_scan_fraction=SCAN_FRACTION),
+                  train=dataclasses.replace(d.train, eval_every=0))
+    log.info("experiment: zo.lr = \"auto\", experiment.shared_lr: one scan for every "
+             "configuration (%s sharding, %s mode, seed %d) in %s", d.place.mode, mode,
+             d.run.seed, d.run.output_dir)
+    fig = run_stage(ctx.derive(d, inputs), "finetune", "lr scan")
+    timings.add(ctx.timer, "lr scan", "-", "-", "-", "lr-scan")
+    lr = float(fig["lr"])
+    if topo.rank == 0:
+        path.write_text(json.dumps({"lr": lr}) + "\n", encoding="utf-8")
+    log.info("experiment: every configuration runs at lr %.3e (the shared scan's), %s "
+             "schedule, loss guard as lr auto", lr, schedule_name(deck))
+    return lr
 
 
 class _Timings:
@@ -159,11 +208,18 @@ def finished_stages(deck: Deck, base: Path, steps: dict[str, int] | None = None
         keys.add(("-", "-", "-", "embed"))
         if ("-", "-", "-", "cluster") in listed and (base / "clusters.h5").is_file():
             keys.add(("-", "-", "-", "cluster"))
+            scan = ("-", "-", "-", "lr-scan")
+            shared = deck.zo.lr == "auto" and e.shared_lr
             for sh in e.shardings:
                 if (sh, "-", "-", "place") not in listed or \
                         not (base / sh / "shards.h5").is_file():
-                    continue
+                    break             # the shared scan reads the first sharding's placement
                 keys.add((sh, "-", "-", "place"))
+                if shared and sh == e.shardings[0] and scan in listed and \
+                        (base / SHARED_LR).is_file():
+                    keys.add(scan)
+                if shared and scan not in keys:
+                    break             # every configuration ran at the scan's lr
                 for m in e.modes:
                     for i in range(e.seeds):
                         k = (sh, m, str(i), "finetune")
@@ -266,7 +322,7 @@ def _run_experiment(deck: Deck, ctx: RunContext, resume: bool, t0: float) -> Pat
         timings.add(timer, label, "-", "-", "-", name)
     shared = {"embeddings.h5": ctx.path("embeddings.h5"),
               "clusters.h5": ctx.path("clusters.h5")}
-    done = 0
+    done, lr = 0, None
     for sharding in e.shardings:
         sctx: RunContext = ctx.derive(config_deck(deck, sharding, None, 0), shared)
         label = f"place {sharding}"
@@ -274,12 +330,16 @@ def _run_experiment(deck: Deck, ctx: RunContext, resume: bool, t0: float) -> Pat
             run_stage(sctx, "place", label)
             timings.add(timer, label, sharding, "-", "-", "place")
         inputs = {**shared, "shards.h5": sctx.path("shards.h5")}
+        if sharding == e.shardings[0]:
+            lr = shared_lr(deck, ctx, inputs, steps, timings,
+                           ("-", "-", "-", "lr-scan") in done_keys)
         for mode in e.modes:
             for s in range(e.seeds):
                 done += 1
                 if (sharding, mode, str(s), "finetune") in done_keys:
                     continue
-                fctx = ctx.derive(config_deck(deck, sharding, mode, s, steps[mode]), inputs)
+                fctx = ctx.derive(config_deck(deck, sharding, mode, s, steps[mode], lr),
+                                  inputs)
                 label = f"finetune {sharding} {mode} {s}"
                 fig = run_stage(fctx, "finetune", label)
                 timings.add(timer, label, sharding, mode, s, "finetune")

@@ -15,16 +15,24 @@ it compares is allreduced first):
    else down until it falls below the start's; the minimizer is kept. Each candidate costs
    one forward pass (the update applied by the multi-update kernel, the snapshot restored bit
    for bit after it).
-4. The run's lr is the geometric mean of the R minimizers times :data:`SAFETY`. Along a ZO
+   The first line search starts at lr0; every later one starts :data:`FACTOR` squared below
+   the minimizers found so far (their median) and takes at most :data:`LATER_CANDIDATES`
+   probes, so a direction after the first costs a step at lr 0 and about 4 probes.
+4. The run's lr is the median (in log) of the R minimizers times :data:`SAFETY`: a line
+   search on the batch that gave its direction overshoots when that batch's own gradient
+   dominates (measured on SmolLM2 with 16 prompts per step: single searches landed on 1.5e-3
+   or on 6e-3, and runs at a quarter of the latter diverged), and the median of several
+   directions is not pulled by one such search. Along a ZO
    direction the loss is ``L0 - lr a + lr^2 b / 2`` with b of the order of the trace of the
    Hessian (the curvature the noise of a d-dimensional random direction sees), so the
    minimizer a / b measures the largest step ZO-SGD tolerates at this point, whatever the
    model, the trainable set, the estimator's scale (fzoo's normalized step or mezo's) or the
    loss's.
 
-Cost: one probe, and per direction a step at lr 0 plus at most :data:`MAX_CANDIDATES` probes;
-R (at most :data:`MAX_DIRECTIONS`) is sized so the whole stays within
-``zo.lr_scan_fraction`` of the run's forward passes. A run too short for one line search
+Cost: one probe, and per direction a step at lr 0 plus at most :data:`MAX_CANDIDATES` probes
+(the first) or :data:`LATER_CANDIDATES` (the others); a direction starts only when its worst
+case still fits, so the whole stays within ``zo.lr_scan_fraction`` of the run's forward
+passes (R at most :data:`MAX_DIRECTIONS`). A run too short for one line search
 takes lr0 of one step (a warning says so). The chosen lr goes into the training state
 (``base_lr``), so a resumed run never scans again.
 """
@@ -46,8 +54,9 @@ SCAN_STEP0 = 1 << 48      # the scan's step indices (seeds), far from the run's
 RHO = 1e-3                # first candidate: this relative change of ||theta|| per step
 FACTOR = 4.0              # between candidates
 SAFETY = 0.25             # the line searches' minimizer times this
-MAX_CANDIDATES = 12       # per direction
-MAX_DIRECTIONS = 4
+MAX_CANDIDATES = 12       # per direction: the first
+LATER_CANDIDATES = 6      # the others (they start near the first's minimizer)
+MAX_DIRECTIONS = 8
 # True: the line searches on a batch apart from the directions' (measured: the same minimizers
 # on SmolLM2 at 4 ranks; on the tiny test task the lr fell 10^4-fold, the direction's signal
 # lost in the other batch's noise)
@@ -63,6 +72,11 @@ def plan(budget: int, per_step: int) -> int:
     """Directions R whose line searches fit ``budget`` forward passes: a probe, then per
     direction a step at lr 0 and up to :data:`MAX_CANDIDATES` probes. 0: not even one."""
     return int(max(0, min(MAX_DIRECTIONS, (budget - 1) // (per_step + MAX_CANDIDATES))))
+
+
+def _median_log(xs: list[float]) -> float:
+    """The median of positive numbers taken in log (two middle ones: their geometric mean)."""
+    return float(np.exp(np.median(np.log(np.asarray(xs, np.float64)))))
 
 
 def _norm(tensors: list[ZTensor]) -> float:
@@ -131,8 +145,10 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
     theta = _norm(engine.tensors)
     if theta <= 0.0:
         theta = 1e-2 * math.sqrt(engine.n_trainable)
-    picks = []
-    for r in range(max(n_dirs, 1)):
+    picks: list[float] = []
+    for r in range(MAX_DIRECTIONS if n_dirs else 1):
+        if r and used + per + LATER_CANDIDATES > budget:
+            break                     # the next direction's worst case does not fit
         res = step_fn(dbatch, SCAN_STEP0 + r, 0.0)
         used += per
         snap.restore()
@@ -150,6 +166,7 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
             picks.append(lr0)
             break
         tried: dict[float, float] = {}
+        cap = MAX_CANDIDATES if not picks else LATER_CANDIDATES
 
         def at(lr: float, seeds=seeds, w=w, tried=tried) -> float:
             nonlocal used
@@ -161,15 +178,16 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
             tried[lr] = v
             return v
 
-        lr, best = lr0, at(lr0)
+        start = lr0 if not picks else _median_log(picks) / FACTOR ** 2
+        lr, best = start, at(start)
         if best < base:                              # up while the loss keeps falling
-            while len(tried) < MAX_CANDIDATES:
+            while len(tried) < cap:
                 v = at(lr * FACTOR)
                 if not v < best:
                     break
                 lr, best = lr * FACTOR, v
         else:                                        # down until one improves on the start
-            while len(tried) < MAX_CANDIDATES and not best < base:
+            while len(tried) < cap and not best < base:
                 lr /= FACTOR
                 best = at(lr)
         if best < base:
@@ -182,14 +200,14 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         log.warning("zo.lr = \"auto\": no step along the scanned directions lowered the loss; "
                     "lr %.3g", lr)
         return lr, used
-    best_lr = float(np.exp(np.mean(np.log(picks))))
+    best_lr = _median_log(picks)
     chosen = best_lr * (SAFETY if n_dirs else 1.0)
     if n_dirs == 0:
         log.warning("zo.lr = \"auto\": the line search does not fit zo.lr_scan_fraction of "
                     "this run's forward passes; lr %.3g from the size of one step", chosen)
     else:
-        log.info("zo.lr = \"auto\": lr %.3e (the line searches' minimizers %s, geometric "
-                 "mean x %.2g; %d forward passes per rank, %.1f%% of the run's)", chosen,
+        log.info("zo.lr = \"auto\": lr %.3e (the line searches' minimizers %s, their "
+                 "median x %.2g; %d forward passes per rank, %.1f%% of the run's)", chosen,
                  ", ".join(f"{x:.2e}" for x in picks), SAFETY, used,
                  100.0 * used / max(steps_left * per, 1))
     return chosen, used
