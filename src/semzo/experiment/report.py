@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..finetune.loop import schedule_name
 from .analysis import (
     TIMINGS,
     Experiment,
@@ -139,7 +140,12 @@ def scope(exp: Experiment) -> list[str]:
                    f"{exp.ranks} ranks): no byte crosses a real switch, so what placement saves "
                    f"on the network does not show in these times, and the communication share "
                    f"includes waiting for ranks that share cores.")
-    if d.zo.lr == "auto":
+    if d.zo.lr == "auto" and math.isfinite(exp.shared_lr):
+        lr = (f"one step size for every configuration (`zo.lr = \"auto\"` scanned once before "
+              f"them, `experiment.shared_lr`: {exp.shared_lr:.3e}, cosine decay and the loss "
+              f"guard in every run, so no configuration wins by a learning rate tuned for it "
+              f"or by a luckier scan) and one eps")
+    elif d.zo.lr == "auto":
         lr = ("one step-size rule for every configuration (`zo.lr = \"auto\"`: each run sets "
               "its own step size by the same rule, so no configuration wins by a learning "
               "rate tuned for it) and one eps")
@@ -191,7 +197,7 @@ def write_report(base: str | Path) -> Path:
           f"`{d.model.path or 'all-MiniLM-L6-v2'}`; trainable "
           f"`{d.train.params}" + (f":{d.train.last_layers}`" if d.train.params == "head+last"
                                   else "`") +
-          f"; batch {d.train.batch_size} per rank; lr {_lr_text(d.zo.lr, exp.shared_lr)} ({d.train.schedule}, warm-up "
+          f"; batch {d.train.batch_size} per rank; lr {_lr_text(d.zo.lr, exp.shared_lr)} ({schedule_name(d)}, warm-up "
           f"{d.train.warmup_steps}), eps {d.zo.eps:g}, z {d.zo.dist_name}; k-means k = "
           f"{d.cluster.k}; topology ranks_per_node = {d.topology.ranks_per_node}, "
           f"nodes_per_switch = {d.topology.nodes_per_switch}.", "",
