@@ -1,0 +1,61 @@
+"""A second multiple-choice corpus that no deck or test uses, for checking the choice deck on
+data it was not tuned on (issue 31): "Description: DESCRIPTION / Debian package name:" with 4
+package names to choose from, the package's own and 3 others drawn with a fixed seed.
+
+The packages are evenly spaced over this machine's apt index (short descriptions of 3 to 12
+words), offset by a quarter of a spacing so that they are neither data/debian-sft.jsonl's
+(offset 0) nor data/debian-choice.jsonl's (offset a half).
+
+    python bench/choice_corpus.py /tmp/names-choice.jsonl [--n 600] [--seed 1]
+    python bench/zo_convergence.py --task choice --corpus /tmp/names-choice.jsonl ...
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+PROMPT = "Description: {desc}\nDebian package name:"
+
+
+def records(dumpavail: str, n: int, k: int = 4, seed: int = 1) -> list[dict]:
+    from semzo.corpus.convert import _short_descriptions
+
+    seen = _short_descriptions(dumpavail)
+    names = sorted(seen)
+    picked = [names[(4 * i + 1) * len(names) // (4 * n)] for i in range(min(n, len(names)))]
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, name in enumerate(picked):
+        others: list[str] = []
+        while len(others) < k - 1:
+            o = names[int(rng.integers(len(names)))]
+            if o != name and o not in others and seen[o] != seen[name]:
+                others.append(o)
+        ans = int(rng.integers(k))
+        choices = others[:ans] + [name] + others[ans:]
+        out.append({"id": i, "prompt": PROMPT.format(desc=seen[name]),
+                    "choices": [" " + c for c in choices], "answer": ans})
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out")
+    p.add_argument("--n", type=int, default=600)
+    p.add_argument("--seed", type=int, default=1)
+    a = p.parse_args()
+    from semzo.corpus.convert import apt_dumpavail
+    from semzo.corpus.convert import write_jsonl_atomic
+
+    recs = records(apt_dumpavail(), a.n, seed=a.seed)
+    print(f"{write_jsonl_atomic(a.out, recs)} records -> {a.out}")
+
+
+if __name__ == "__main__":
+    main()
