@@ -50,8 +50,7 @@ def main() -> None:
     p.add_argument("--n", type=int, default=600)
     p.add_argument("--seed", type=int, default=1)
     a = p.parse_args()
-    from semzo.corpus.convert import apt_dumpavail
-    from semzo.corpus.convert import write_jsonl_atomic
+    from semzo.corpus.convert import apt_dumpavail, write_jsonl_atomic
 
     recs = records(apt_dumpavail(), a.n, seed=a.seed)
     print(f"{write_jsonl_atomic(a.out, recs)} records -> {a.out}")

@@ -460,6 +460,15 @@ def torch_peer(res: dict[str, list[dict]], a) -> None:
                   f"{np.mean(ours):.1f} s: {tw / np.mean(ours):.2f}x")
 
 
+def _median_passes(runs: list[dict], tacc: float) -> float:
+    """Median over the seeds of the forward passes to ``tacc``, a seed that never reached it
+    counted as infinitely many (so a configuration that reaches it in fewer than half of the
+    seeds has no finite median: the ratio of means over the seeds that reached it flatters
+    such a configuration)."""
+    fw = [first_reach(r["curve"], lambda loss, acc: acc >= tacc)[0] for r in runs]
+    return float(np.median([x if math.isfinite(x) else math.inf for x in fw]))
+
+
 def summarize(res: dict[str, list[dict]], configs: list[str], a) -> None:
     n_seeds = len(res[configs[0]])
     zero = res[configs[0]][0]["zero_acc"]
@@ -491,7 +500,12 @@ def summarize(res: dict[str, list[dict]], configs: list[str], a) -> None:
               f"{sum(math.isfinite(x[0]) for x in ra)}/{len(rs)} | {rows[c][2]:.0f} | "
               f"{rows[c][3]:.1f} | {sum(math.isfinite(x[0]) for x in rl)}/{len(rs)} |")
     base = configs[0]
+    med = {c: _median_passes(res[c], tacc) for c in configs}
     for c in configs[1:]:
+        r = med[base] / med[c] if math.isfinite(med[c]) else math.nan
+        print(f"\nmedian forward passes to the accuracy target over all seeds (a seed that "
+              f"never reached it counts as never): {base} {med[base]:.0f}, {c} {med[c]:.0f}: "
+              f"{r:.2f}x")
         print(f"\n{base} / {c}: forward passes to the accuracy target "
               f"{rows[base][0] / rows[c][0]:.2f}x, wall {rows[base][1] / rows[c][1]:.2f}x; "
               f"to the loss target {rows[base][2] / rows[c][2]:.2f}x, wall "
