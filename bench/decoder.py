@@ -14,6 +14,15 @@ at 8 x 128) and its share of a NumPy float32 sgemm of the model's largest shape 
 hidden x intermediate) measured in the same run on the same threads, and the CPU model.
 ``--profile``: one semzo forward under cProfile, the 20 functions with the most own time.
 
+``--peer llamacpp`` (issue 36): llama.cpp's prompt processing as a second peer. The model is
+written to GGUF by semzo's exporter (F32, F16 and BF16, under ``--gguf-dir``), and
+``bench/llamacpp_peer.py`` times each in the separate environment ``make bench-llamacpp``
+builds (``.venv-bench``: llama-cpp-python compiled from source here, never in ``make setup``
+or ``make test``), on the same ids and threads, every position's logits kept as semzo's
+are; each row is one sequence of ``--seq`` tokens decoded as one batch. Printed: its times,
+GFLOP/s and the ratio llama.cpp/semzo (> 1: semzo faster), and the largest relative logits
+difference of row 0 against semzo's.
+
 ``--padded``: row lengths drawn uniformly from ``seq / 4 .. seq``, right-padded (the
 blocks of semzo's forward skip padded rows, torch computes them; both compute the logits of
 every position, as ``logits`` returns them all).
@@ -62,6 +71,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile one semzo forward")
     ap.add_argument("--padded", action="store_true",
                     help="rows of random lengths (seq/4 .. seq), right-padded")
+    ap.add_argument("--peer", choices=("torch", "llamacpp"), default="torch",
+                    help="llamacpp: llama.cpp too, after torch (needs make bench-llamacpp)")
+    ap.add_argument("--gguf-dir", default="build/gguf", help="--peer llamacpp: where the GGUF "
+                    "files are written (kept between runs)")
     args = ap.parse_args()
     folder = resolve(args.model)
 
@@ -139,6 +152,50 @@ def main() -> None:
     print(f"ratio torch/semzo: best {best['torch'] / best['semzo']:.2f}x, "
           f"median {med['torch'] / med['semzo']:.2f}x (goal >= 1.0x)")
     print(f"logits max relative difference semzo vs transformers: {err:.2e}")
+    if args.peer == "llamacpp":
+        llamacpp_peer(args, ours, ids, valid, best["semzo"], med["semzo"], flop, gemm)
+
+
+def llamacpp_peer(args, ours, ids, valid, best_s: float, med_s: float, flop: float,
+                  gemm: float) -> None:
+    """Time llama.cpp on the model's F32, F16 and BF16 GGUF (see the module text)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from semzo.model.gguf_export import export_gguf
+
+    root = Path(__file__).resolve().parents[1]
+    py = root / ".venv-bench" / "bin" / "python"
+    if not py.exists():
+        raise SystemExit("bench/decoder.py --peer llamacpp: no .venv-bench (run make "
+                         "bench-llamacpp first)")
+    if args.padded:
+        raise SystemExit("bench/decoder.py: --peer llamacpp times full rows (no --padded)")
+    out = Path(args.gguf_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    np.save(out / "ids.npy", ids)
+    z0 = ours.logits(ids[:1], np.ones_like(ids[:1]))[0]
+    for gt in ("f32", "f16", "bf16"):
+        path = out / f"{Path(str(ours.source)).name}-{gt}.gguf"
+        if not path.exists():
+            export_gguf(ours, path, gguf_type=gt)
+        r = subprocess.run([str(py), str(root / "bench" / "llamacpp_peer.py"), str(path),
+                            str(out / "ids.npy"), "--threads", str(args.threads), "--repeat",
+                            str(args.repeat), "--logits", str(out / "logits.npy")],
+                           check=False, capture_output=True, text=True, timeout=1800)
+        if r.returncode:
+            print(f"llama.cpp {gt}: failed: {r.stderr.strip().splitlines()[-1:]}")
+            continue
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        lz = np.load(out / "logits.npy")
+        d = float(np.max(np.abs(lz - z0)) / np.max(np.abs(z0)))
+        tb, tm = min(res["times"]), statistics.median(res["times"])
+        print(f"llama.cpp {res['version']} {gt.upper():4s} forward+logits: best {tb * 1e3:8.1f} "
+              f"ms, median {tm * 1e3:8.1f} ms, {flop / tb / 1e9:.0f} GFLOP/s = "
+              f"{flop / tb / 1e9 / gemm:.0%} of sgemm; ratio llama.cpp/semzo ({args.dtype}): "
+              f"best {tb / best_s:.2f}x, median {tm / med_s:.2f}x; logits of row 0 vs semzo: "
+              f"max relative difference {d:.1e}")
 
 
 if __name__ == "__main__":
