@@ -219,8 +219,8 @@ def test_report_reads_every_mode_in_data_mode_steps(experiment):
             assert r.steps[-1] == STEPS and r.n_steps == MODE_STEPS[r.mode], (r.mode, r.steps)
         if any(r.mode == "perturbation" for r in exp.runs):
             p = next(r for r in exp.runs if r.mode == "perturbation")
-            raw = [int(x["step"]) for x in csv.DictReader(open(
-                out / task / p.sharding / "perturbation" / f"seed{p.seed}" / "metrics.csv"))
-                if x["kind"] == "eval"]
+            csv_path = out / task / p.sharding / "perturbation" / f"seed{p.seed}" / "metrics.csv"
+            with open(csv_path) as fh:
+                raw = [int(x["step"]) for x in csv.DictReader(fh) if x["kind"] == "eval"]
             assert np.allclose(p.steps, np.array(raw) * STEPS / 10)
         assert "perturbation mode 10 steps" in (out / task / "report.md").read_text()
