@@ -8,6 +8,9 @@ words), offset by a quarter of a spacing so that they are neither data/debian-sf
 
     python bench/choice_corpus.py /tmp/names-choice.jsonl [--n 600] [--seed 1]
     python bench/zo_convergence.py --task choice --corpus /tmp/names-choice.jsonl ...
+
+``--sft``: the same packages as instruction records for the ``sft`` task, ``{"prompt": "Name
+the Debian package: DESC\nPackage:", "completion": " NAME"}``.
 """
 from __future__ import annotations
 
@@ -44,15 +47,27 @@ def records(dumpavail: str, n: int, k: int = 4, seed: int = 1) -> list[dict]:
     return out
 
 
+def sft_records(dumpavail: str, n: int) -> list[dict]:
+    from semzo.corpus.convert import _short_descriptions
+
+    seen = _short_descriptions(dumpavail)
+    names = sorted(seen)
+    picked = [names[(4 * i + 1) * len(names) // (4 * n)] for i in range(min(n, len(names)))]
+    return [{"id": i, "prompt": f"Name the Debian package: {seen[name]}\nPackage:",
+             "completion": " " + name} for i, name in enumerate(picked)]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
     p.add_argument("--n", type=int, default=600)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--sft", action="store_true", help="prompt/completion records instead")
     a = p.parse_args()
     from semzo.corpus.convert import apt_dumpavail, write_jsonl_atomic
 
-    recs = records(apt_dumpavail(), a.n, seed=a.seed)
+    dump = apt_dumpavail()
+    recs = sft_records(dump, a.n) if a.sft else records(dump, a.n, seed=a.seed)
     print(f"{write_jsonl_atomic(a.out, recs)} records -> {a.out}")
 
 
