@@ -158,6 +158,9 @@ LLAMACPP_VERSION ?= 0.3.36
 BENCHVENV ?= .venv-bench
 
 $(BENCHVENV)/.llamacpp-$(LLAMACPP_VERSION):
+	@command -v g++ >/dev/null && command -v cmake >/dev/null || { \
+	  S=""; [ "$$(id -u)" -eq 0 ] || S=sudo; export DEBIAN_FRONTEND=noninteractive; \
+	  $$S apt-get update -qq && $$S apt-get install -y -qq --no-install-recommends g++ cmake; }
 	python3 -m venv $(BENCHVENV)
 	$(BENCHVENV)/bin/pip install -q --upgrade pip
 	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BENCHVENV)/bin/pip install --no-binary llama-cpp-python \
@@ -165,7 +168,7 @@ $(BENCHVENV)/.llamacpp-$(LLAMACPP_VERSION):
 	touch $@
 
 bench-llamacpp: setup-test $(BENCHVENV)/.llamacpp-$(LLAMACPP_VERSION)
-	timeout -k 10 1800 $(PY) bench/decoder.py --peer llamacpp
+	BENCHVENV=$(BENCHVENV) timeout -k 10 1800 $(PY) bench/decoder.py --peer llamacpp
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench

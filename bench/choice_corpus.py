@@ -26,12 +26,18 @@ sys.path.insert(0, str(ROOT / "src"))
 PROMPT = "Description: {desc}\nDebian package name:"
 
 
-def records(dumpavail: str, n: int, k: int = 4, seed: int = 1) -> list[dict]:
+def _packages(dumpavail: str, n: int) -> tuple[dict[str, str], list[str], list[str]]:
+    """(name -> short description, all names sorted, the n picked: a quarter spacing in)."""
     from semzo.corpus.convert import _short_descriptions
 
     seen = _short_descriptions(dumpavail)
     names = sorted(seen)
     picked = [names[(4 * i + 1) * len(names) // (4 * n)] for i in range(min(n, len(names)))]
+    return seen, names, picked
+
+
+def records(dumpavail: str, n: int, k: int = 4, seed: int = 1) -> list[dict]:
+    seen, names, picked = _packages(dumpavail, n)
     rng = np.random.default_rng(seed)
     out = []
     for i, name in enumerate(picked):
@@ -48,11 +54,7 @@ def records(dumpavail: str, n: int, k: int = 4, seed: int = 1) -> list[dict]:
 
 
 def sft_records(dumpavail: str, n: int) -> list[dict]:
-    from semzo.corpus.convert import _short_descriptions
-
-    seen = _short_descriptions(dumpavail)
-    names = sorted(seen)
-    picked = [names[(4 * i + 1) * len(names) // (4 * n)] for i in range(min(n, len(names)))]
+    seen, _, picked = _packages(dumpavail, n)
     return [{"id": i, "prompt": f"Name the Debian package: {seen[name]}\nPackage:",
              "completion": " " + name} for i, name in enumerate(picked)]
 

@@ -153,10 +153,10 @@ def main() -> None:
           f"median {med['torch'] / med['semzo']:.2f}x (goal >= 1.0x)")
     print(f"logits max relative difference semzo vs transformers: {err:.2e}")
     if args.peer == "llamacpp":
-        llamacpp_peer(args, ours, ids, valid, best["semzo"], med["semzo"], flop, gemm)
+        llamacpp_peer(args, ours, ids, best["semzo"], med["semzo"], flop, gemm)
 
 
-def llamacpp_peer(args, ours, ids, valid, best_s: float, med_s: float, flop: float,
+def llamacpp_peer(args, ours, ids, best_s: float, med_s: float, flop: float,
                   gemm: float) -> None:
     """Time llama.cpp on the model's F32, F16 and BF16 GGUF (see the module text)."""
     import json
@@ -166,9 +166,9 @@ def llamacpp_peer(args, ours, ids, valid, best_s: float, med_s: float, flop: flo
     from semzo.model.gguf_export import export_gguf
 
     root = Path(__file__).resolve().parents[1]
-    py = root / ".venv-bench" / "bin" / "python"
+    py = root / os.environ.get("BENCHVENV", ".venv-bench") / "bin" / "python"
     if not py.exists():
-        raise SystemExit("bench/decoder.py --peer llamacpp: no .venv-bench (run make "
+        raise SystemExit(f"bench/decoder.py --peer llamacpp: no {py} (run make "
                          "bench-llamacpp first)")
     if args.padded:
         raise SystemExit("bench/decoder.py: --peer llamacpp times full rows (no --padded)")

@@ -9,8 +9,8 @@ llama_cpp and numpy, never semzo.
 and the row is decoded as one batch of T tokens (``n_batch = n_ubatch = T``) with the logits
 of every position kept (``logits_all``: semzo's ``logits`` returns all of them too), so a
 forward is B x T tokens through the whole model and the LM head, as semzo's. Prints one JSON
-line: the times of each forward (``--repeat`` of them, after one warm-up), the model's
-file type, and the logits of row 0 (as ``--logits OUT.npy``, for the check against semzo's).
+line: the times of each forward (``--repeat`` of them, after one warm-up) and the
+llama_cpp version; ``--logits OUT.npy`` also saves row 0's logits (the check against semzo's).
 """
 
 from __future__ import annotations
