@@ -167,6 +167,52 @@ def test_split_slices_by_weight_are_consecutive_non_empty_and_balanced():
     assert K.split_slices(3, 0, 1, [5, 5, 5], parts=1) == [slice(0, 3)]
 
 
+def test_scratch_buffers_are_reused_per_name_and_thread(monkeypatch):
+    """The decoder's block temporaries: one buffer per (thread, name), grown to the largest
+    request, never shared between names or threads; above the cap a plain allocation."""
+    import threading
+
+    a = K.scratch(np, "t-a", (4, 8), np.float32)
+    a[...] = 1.0
+    a2 = K.scratch(np, "t-a", (2, 3), np.float32)          # smaller: the same memory
+    assert np.shares_memory(a, a2) and a2.shape == (2, 3) and a2.dtype == np.float32
+    b = K.scratch(np, "t-b", (4, 8), np.float32)
+    assert not np.shares_memory(a, b)
+    big = K.scratch(np, "t-a", (64, 64), np.float64)         # larger: a new buffer
+    assert big.shape == (64, 64) and big.dtype == np.float64 and big.flags.c_contiguous
+    assert np.shares_memory(big, K.scratch(np, "t-a", (64, 64), np.float64))
+    other = []
+    th = threading.Thread(target=lambda: other.append(K.scratch(np, "t-a", (64, 64),
+                                                                  np.float64)))
+    th.start()
+    th.join()
+    assert not np.shares_memory(big, other[0])
+    monkeypatch.setattr(K, "SCRATCH_MAX_BYTES", 1024)
+    huge = K.scratch(np, "t-a", (64, 64), np.float64)        # over the cap: its own array
+    assert not np.shares_memory(huge, big)
+
+
+def test_decoder_forward_is_repeatable_with_scratch_buffers(tmp_path):
+    """Reused block temporaries leave no trace: the same logits, bit for bit, on a second
+    call, after a call of another shape, and on two threads."""
+    from semzo.model import set_threads
+
+    m = load_model(tiny_gpt2(tmp_path / "g"))
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, m.config.vocab_size, size=(4, 9))
+    mask = np.ones_like(ids)
+    mask[1, 6:] = 0
+    z0 = m.logits(ids, mask)
+    m.logits(ids[:3, :5], mask[:3, :5])
+    assert np.array_equal(m.logits(ids, mask), z0)
+    set_threads(2)
+    try:
+        z2 = m.logits(ids, mask)
+    finally:
+        set_threads(1)
+    np.testing.assert_allclose(z2, z0, rtol=1e-5, atol=1e-5)
+
+
 def test_thread_split_forward_equals_single(minilm, tok, tmp_path):
     """set_threads(n): row blocks run concurrently give the one-thread results, in order."""
     from semzo.model import get_threads, set_threads

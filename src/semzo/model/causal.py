@@ -26,6 +26,7 @@ import numpy as np
 from semzo.model import variants as vx
 from semzo.model.base import TransformerBase
 from semzo.model.kernels import (
+    scratch,
     bias_act,
     bias_residual_layernorm,
     layernorm,
@@ -357,36 +358,37 @@ class CausalLM(TransformerBase):
         n, h, nh, nkv, d = b * t, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim
         g, nq, nk = nh // nkv, nh * d, nkv * d
         nr = x.shape[0]                             # rows computed (n, or fewer packed)
-        a = self._norm(x, m["norm1"], xp.empty_like(x)) if s.pre_norm else x
-        qkv = xp.empty((nr, nq + 2 * nk), dtype=dt)
+        a = self._norm(x, m["norm1"], scratch(xp, "a", x.shape, x.dtype)) if s.pre_norm else x
+        qkv = scratch(xp, "qkv", (nr, nq + 2 * nk), dt)
         biases = vx.project_qkv(self, a, m, qkv, nh, nkv, d)
         if rows is not None:                        # the padded layout attention reads
-            full = xp.zeros((n, nq + 2 * nk), dtype=dt)
+            full = scratch(xp, "full", (n, nq + 2 * nk), dt)
+            full.fill(0)
             full[rows] = qkv
             qkv = full
         if kc is None:
-            kc = xp.empty((b, nkv, t, d), dtype=dt)
-            vc = xp.empty((b, nkv, t, d), dtype=dt)
-        q = xp.empty((b, nh, t, d), dtype=dt)
+            kc = scratch(xp, "k", (b, nkv, t, d), dt)
+            vc = scratch(xp, "v", (b, nkv, t, d), dt)
+        q = scratch(xp, "q", (b, nh, t, d), dt)
         cos = sin = None
         rope = s.layer_rope(i)
         if rope is not None:
             cos, sin = vx.rope_tables(self, past + t, rope)
         rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, kc, vc, past)
         tk = past + t
-        sc = xp.empty((b, nkv, g * t, tk), dtype=dt)
+        sc = scratch(xp, "scores", (b, nkv, g * t, tk), dt)
         matmul_into(q.reshape(b, nkv, g * t, d), kc[:, :, :tk].transpose(0, 1, 3, 2), sc)
         scale = self.scale / (i + 1) if s.scale_by_layer else self.scale   # GPT-2's option
         if s.attn_softcap:                          # c * tanh(scale * s / c), then softmax
             scale = vx.softcap(sc, s.attn_softcap, scale)
         attn_softmax(sc.reshape(b * nkv, g, t, tk), maskf, scale, nkv, past, s.window(i))
-        ctx = xp.empty((b, t, nh, d), dtype=dt)
+        ctx = scratch(xp, "ctx", (b, t, nh, d), dt)
         matmul_into(sc.reshape(b, nkv, g, t, tk), vc[:, :, None, :tk],
                     ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4))
         ctx = ctx.reshape(n, nq)
         if rows is not None:
             ctx = ctx[rows]
-        o = xp.empty((nr, h), dtype=dt)
+        o = scratch(xp, "o", (nr, h), dt)
         self._proj(ctx, m["o"], o)
         ob = self._bias(m["o"], s.o_bias)
         if s.sandwich:                              # Gemma: norm the output, then add
@@ -395,15 +397,15 @@ class CausalLM(TransformerBase):
             a = self._residual_norm(o, ob, x, m["norm2"], a)
         else:
             a = self._residual_norm(o, ob, x, m["norm1"], x)
-        inter = xp.empty((nr, s.intermediate_size), dtype=dt)
+        inter = scratch(xp, "inter", (nr, s.intermediate_size), dt)
         if s.gated:
-            gu = xp.empty((nr, 2 * s.intermediate_size), dtype=dt)
+            gu = scratch(xp, "gate_up", (nr, 2 * s.intermediate_size), dt)
             gated_act(gu, *vx.project_gate_up(self, a, m, gu), s.act, inter)
         else:
             self._proj(a, m["up"], inter)
             ub = self._bias(m["up"], s.mlp_bias)
             bias_act(inter, ub if ub is not None else xp.zeros(inter.shape[1], dt), s.act)
-        down = xp.empty((nr, h), dtype=dt)
+        down = scratch(xp, "down", (nr, h), dt)
         self._proj(inter, m["down"], down)
         db = self._bias(m["down"], s.mlp_bias)
         if s.sandwich:
