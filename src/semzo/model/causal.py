@@ -26,13 +26,13 @@ import numpy as np
 from semzo.model import variants as vx
 from semzo.model.base import TransformerBase
 from semzo.model.kernels import (
-    scratch,
     bias_act,
     bias_residual_layernorm,
     layernorm,
     matmul_into,
     run_slices,
     run_split,
+    scratch,
     split_slices,
 )
 from semzo.model.kernels_lm import (
