@@ -339,10 +339,11 @@ def test_fused_kernels_match_serial_reference(dtype, dist):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rademacher_whole_blocks_match_serial_reference(dtype):
     """Offsets on a 128-element block boundary take the bufferless Rademacher path
-    (zgen.rad_axpy: the sign bit of a flipped by the z bit); it gives the reference bits,
+    (zgen.rad_axpy: the sign bit of a flipped by the z bit, a whole piece of Philox blocks at
+    a time), an unaligned offset the buffered one; both give the reference bits,
     also for signed zeros, for a negative and a zero scale, and next to a ragged end."""
     for off, n in ((0, 3 * kernels.CHUNK + 333), (128 * 7919, kernels.CHUNK + 128),
-                   (2 ** 33, 4096)):
+                   (2 ** 33, 4096), (5, 2 * kernels.CHUNK + 7)):
         p0 = params(n, dtype, seed=off % 97)
         p0[:4] = np.array([0.0, -0.0, 1.0, -1.0]).astype(p0.dtype) if dtype != BF16 else \
             np.array([0, 0x8000, 0x3F80, 0xBF80], np.uint16)

@@ -47,6 +47,7 @@ from .zgen import (
     FAST_TABLE,
     SUB,
     WS,
+    WSTRIDE,
     _load,
     _store,
     fill_z,
@@ -137,7 +138,21 @@ def _fused_piece(proto, addr, size, off, t, wd, c0, mc, dist, k0, k1, a, lr, g, 
     zc = numba.carray(_as_pointer(zout, zproto), size)   # used only if not 0
     post = (flag & POST) != 0
     pre = (flag & PRE) != 0
-    for s0 in range(0, mc, SUB):          # z of SUB elements at a time stays in L1
+    start = 0
+    if mode == 0 and dist == 1 and not pre and not post and \
+            ((off + np.uint64(c0)) & _U127) == 0:
+        # Rademacher perturbation of whole 128-element blocks, WSTRIDE blocks (a piece of
+        # CHUNK elements) per Philox batch: z never stored (rad_axpy); the rest below
+        nbt = mc >> 7
+        b = 0
+        while b < nbt:
+            nb = min(WSTRIDE, nbt - b)
+            i0 = c0 + 128 * b
+            philox_blocks(ws, nb, (off + np.uint64(i0)) >> _U7, t, _U1, k0, k1)
+            rad_axpy(p[i0:i0 + 128 * nb], nb, ws, a)
+            b += nb
+        start = 128 * nbt
+    for s0 in range(start, mc, SUB):      # z of SUB elements at a time stays in L1
         i0 = c0 + s0
         m = min(SUB, mc - s0)
         e0 = off + np.uint64(i0)
@@ -146,7 +161,7 @@ def _fused_piece(proto, addr, size, off, t, wd, c0, mc, dist, k0, k1, a, lr, g, 
         # in the loops below, which LLVM then vectorizes
         pv = p[i0:i0 + m]
         if mode == 0 and dist == 1 and not pre and (e0 & _U127) == 0 and (m & 127) == 0:
-            # Rademacher perturbation of whole blocks: z never stored (rad_axpy)
+            # Rademacher perturbation of whole blocks (with post): z never stored
             philox_blocks(ws, m >> 7, e0 >> _U7, t, _U1, k0, k1)
             rad_axpy(pv, m >> 7, ws, a)
         elif mode == 0 or mode == 1:
