@@ -192,6 +192,42 @@ def test_scratch_buffers_are_reused_per_name_and_thread(monkeypatch):
     assert not np.shares_memory(huge, big)
 
 
+def test_output_cache_reuses_only_what_the_caller_let_go():
+    c = K.OutputCache(max_bytes=4096)
+    a = c.get((4, 5), np.float32)
+    b = c.get((4, 5), np.float32)                       # a still held: a new array
+    assert not np.shares_memory(a, b)
+    del a
+    addr = b.ctypes.data
+    del b
+    again = c.get((4, 5), np.float32)                    # dropped: the same memory back
+    assert again.ctypes.data == addr and again.shape == (4, 5)
+    view = again[1:]
+    del again
+    fresh = c.get((4, 5), np.float32)                    # a view still held: a new array
+    assert not np.shares_memory(fresh, view)
+    assert c.get((3, 5), np.float32).shape == (3, 5)     # another shape: a new array
+    del fresh
+    big = c.get((64, 64), np.float64)                    # 32 KiB > max_bytes: never kept
+    assert big.shape == (64, 64) and c._buf is None
+
+
+def test_decoder_logits_never_overwrite_an_array_the_caller_holds(tmp_path):
+    m = load_model(tiny_gpt2(tmp_path / "g"))
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, m.config.vocab_size, size=(2, 7))
+    y = rng.integers(0, m.config.vocab_size, size=(2, 7))
+    zx = m.logits(x)
+    keep = zx.copy()
+    zy = m.logits(y)                                     # zx held: not reused
+    assert np.array_equal(zx, keep) and not np.shares_memory(zx, zy)
+    addr = zy.ctypes.data
+    del zy
+    zy2 = m.logits(y)                                    # dropped: its memory reused
+    assert zy2.ctypes.data == addr
+    assert np.array_equal(m.logits(x), keep)
+
+
 def test_decoder_forward_is_repeatable_with_scratch_buffers(tmp_path):
     """Reused block temporaries leave no trace: the same logits, bit for bit, on a second
     call, after a call of another shape, and on two threads."""

@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from semzo.model.kernels import matmul_into, run_slices, run_split, split_slices
+from semzo.model.kernels import matmul_into, run_slices, run_split, scratch, split_slices
 from semzo.model.kernels_lm import token_nll
 from semzo.model.losses import (
     TokenIdError,
@@ -413,14 +413,21 @@ class TransformerBase(StagedModel):
         hit = np.zeros(n_rows, np.float64)
         w = self._head_w()
 
+        def head(rows):
+            # a chunk's logits (256 x 49,152 floats for SmolLM2: 50 MB) in this thread's
+            # scratch buffer, not faulted in afresh for every chunk of every forward pass
+            h = hs[rows]
+            return self._head(h, w, out=scratch(np, "head_chunk", (h.shape[0], w.shape[0]),
+                                                np.float32))
+
         def run(sl):
             for r in chunks[sl]:
                 if r[-1] - r[0] + 1 == len(r):      # consecutive rows: write in place
                     rs = slice(int(r[0]), int(r[-1]) + 1)
-                    token_nll(self._head(hs[rs], w), tgt[rs], nll[rs], hit[rs])
+                    token_nll(head(rs), tgt[rs], nll[rs], hit[rs])
                     continue
                 nl, ht = np.empty(len(r)), np.empty(len(r))
-                token_nll(self._head(hs[r], w), tgt[r], nl, ht)
+                token_nll(head(r), tgt[r], nl, ht)
                 nll[r], hit[r] = nl, ht
 
         run_slices(run, split_slices(len(chunks), 0, 1))

@@ -26,6 +26,7 @@ import numpy as np
 from semzo.model import variants as vx
 from semzo.model.base import TransformerBase
 from semzo.model.kernels import (
+    OutputCache,
     bias_act,
     bias_residual_layernorm,
     layernorm,
@@ -120,6 +121,7 @@ class CausalLM(TransformerBase):
         self._rope: dict = {}                                  # RopeSpec -> tables
         self.scale = s.attn_scale or 1.0 / math.sqrt(s.head_dim)
         self.layout = s.layout
+        self._logits_out = OutputCache()                       # logits' (B, T, V) on NumPy
 
     # ------------------------------------------------------------------ contract
     @property
@@ -452,8 +454,9 @@ class CausalLM(TransformerBase):
         # (a copy of B x T x V floats: 0.2 GB for SmolLM2 at 8 x 128)
         # the head weight read once (for bfloat16 storage an upcast of V x E: once, not per
         # row block)
+        # the array of the previous call when its caller has let go of it (OutputCache)
         w = self._head_weight()
-        out = np.empty((b, t, w.shape[0]), dtype=np.float32)
+        out = self._logits_out.get((b, t, w.shape[0]), np.float32)
 
         def part(sl):
             rows = out[sl]

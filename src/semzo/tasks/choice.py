@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..model.chat import InstructTokenizer
+from ..model.kernels import scratch
+from ..model.kernels_lm import token_nll
 from ..runtime import get_logger
 from .base import Task, pad_batch
 from .prefix import PrefixCached
@@ -97,7 +99,17 @@ class ChoiceTask(PrefixCached, Task):
         w = model._head_w()
         out = np.empty(len(pos), np.float64)
         for a in range(0, len(pos), 256):
-            z = model._head(h[a:a + 256], w).astype(xp.float64)
+            ha = h[a:a + 256]
+            if xp is np and ha.dtype == np.float32:
+                # the CPU: float32 logits in a scratch buffer, their float64 log-sum-exp by
+                # the Numba kernel of the next-token loss (no float64 copy of 256 x V)
+                z = model._head(ha, w, out=scratch(np, "choice_head", (ha.shape[0],
+                                                                      w.shape[0]), np.float32))
+                nll, hit = np.empty(ha.shape[0]), np.empty(ha.shape[0])
+                token_nll(z, tgt[a:a + 256], nll, hit)
+                out[a:a + 256] = -nll
+                continue
+            z = model._head(ha, w).astype(xp.float64)
             m = z.max(axis=1, keepdims=True)
             lse = (m + xp.log(xp.exp(z - m).sum(axis=1, keepdims=True)))[:, 0]
             pick = z[xp.arange(z.shape[0]), xp.asarray(tgt[a:a + 256])]
