@@ -484,16 +484,18 @@ class OutputCache:
     def __init__(self, max_bytes: int = 1 << 30) -> None:
         self.max_bytes = max_bytes
         self._buf = None
+        self._probe = np.empty(0)        # held exactly as _buf is: the count of no caller
         self._lock = threading.Lock()
 
     def get(self, shape, dtype) -> np.ndarray:
         """An uninitialised C-contiguous NumPy array of ``shape`` and ``dtype``."""
         shape, dtype = tuple(int(d) for d in shape), np.dtype(dtype)
         with self._lock:
-            buf = self._buf
-            # references: self._buf, buf, getrefcount's argument; a caller's would be a 4th
+            buf, probe = self._buf, self._probe
+            # buf and probe are referenced alike here (an attribute, a local, the argument),
+            # so whatever the interpreter counts, a caller's reference makes buf's larger
             if buf is not None and buf.shape == shape and buf.dtype == dtype \
-                    and sys.getrefcount(buf) <= 3:
+                    and sys.getrefcount(buf) <= sys.getrefcount(probe):
                 return buf
             self._buf = buf = None
             out = np.empty(shape, dtype)
