@@ -250,6 +250,46 @@ def test_finetune_stage_fzoo_auto_offload_keeps_the_best(run):
     assert "best heldout loss" in proc.stderr and "final heldout loss" in proc.stderr
 
 
+def test_finetune_stage_heldout_guard_rolls_back_to_best_h5(run):
+    """zo.lr_rollback at 2 ranks, hybrid mode with reference copies: a fixed lr far too large
+    makes the held-out loss rise; the guard reads checkpoints/best.h5 back into every replica
+    (the checksums that follow agree) and halves the lr. The rolling checkpoint written at the
+    rollback's step holds exactly the parameters of the checkpoint at the best step."""
+    tmp, shared, _ = run
+    out = tmp / "out_rollback"
+    out.mkdir()
+    shutil.copy(shared / "shards.h5", out / "shards.h5")
+    bert = tmp / "bert"
+    proc = check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
+                            "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
+                            "--set", f"corpus.path={tmp / 'corpus.jsonl'}",
+                            "--set", f"model.path={bert}", "--set", "train.params=head+last",
+                            "--set", "train.last_layers=1", "--set", "train.steps=24",
+                            "--set", "train.eval_every=4", "--set", "zo.mode=hybrid",
+                            "--set", "zo.lr=3.0", "--set", "zo.lr_rollback=0.1",
+                            "--set", "zo.checksum_every=2", "--set", "checkpoint.every_steps=4",
+                            "--set", "checkpoint.keep=10", *COMMON], timeout=180, env=ENV))
+    hits = re.findall(r"step (\d+): held-out loss \S+ is more than 10 % above the lowest so far "
+                      r"\(\S+\): back to the best held-out model \(step (\d+)", proc.stderr)
+    assert hits, proc.stderr[-3000:]
+    assert "lr scale 1 -> 0.5 (zo.lr_rollback)" in proc.stderr
+    rows = _metrics(out / "metrics.csv")
+    lrs = [float(r["lr"]) for r in rows if r["kind"] == "train"]
+    at = int(hits[0][0])
+    assert lrs[at - 1] == 3.0 and lrs[at] == 1.5            # halved from the next step on
+    from mpi4py import MPI
+
+    from semzo.checkpoint import load
+
+    def params(step):
+        return load(out / "checkpoints" / f"ckpt-{step:09d}.h5", MPI.COMM_SELF).params
+    later = [(int(a), int(b)) for a, b in hits if int(b) > 0]   # step 0 has no checkpoint
+    assert later, hits
+    for at, best in later:
+        a, b = params(at), params(best)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), (at, best)
+
+
 @pytest.mark.parametrize("kind,task", [("llama", "lm"), ("llama_tied", "prompt")],
                          ids=["untied-lm", "tied-prompt"])
 def test_finetune_stage_streamed_with_deferred_rows_equals_three_pass(run, kind, task):

@@ -259,6 +259,119 @@ def test_guard_window_setting():
     assert ZoSection(lr=0.01, lr_guard=12).lr_guard_name == 12
 
 
+def _hl_state(best_step: int, best_loss: float, step: int, **kw) -> TrainState:
+    return TrainState(best_step=best_step, best_loss=best_loss, step=step, **kw)
+
+
+def test_heldout_guard_rolls_back_on_a_clear_rise_only():
+    """zo.lr_rollback: a held-out loss more than tol above the lowest so far (not a new best)
+    halves the lr scale, counts a rollback and takes the best model's loss as the new
+    reference; small rises, new bests and a run with no best model kept do not act; a NaN
+    held-out loss acts."""
+    s = _hl_state(0, 1.0, 25)
+    assert autolr.heldout_update(s, 1.09, 0.1) == "" and s.hl_ref == 1.0   # +9 %: noise
+    s.step = 50
+    assert autolr.heldout_update(s, 0.8, 0.1) == "" and s.hl_ref == 0.8    # lower, not best
+    s.step = 75
+    msg = autolr.heldout_update(s, 0.9, 0.1)                                # +12.5 % over 0.8
+    assert "back to the best held-out model (step 0" in msg and "zo.lr_rollback" in msg
+    assert (s.lr_scale, s.rollbacks, s.hl_ref) == (0.5, 1, 1.0)             # best's own loss
+    s.step = 100
+    assert autolr.heldout_update(s, 1.05, 0.1) == "" and s.lr_scale == 0.5
+    s.step, s.best_step, s.best_loss = 125, 125, 1.3                         # a new best (acc)
+    assert autolr.heldout_update(s, 1.3, 0.1) == "" and s.hl_ref == 1.0
+    s.step = 150
+    assert autolr.heldout_update(s, math.nan, 0.1) != "" and s.lr_scale == 0.25
+    assert s.hl_ref == 1.3 and s.rollbacks == 2
+    assert autolr.heldout_update(_hl_state(-1, math.inf, 25), 5.0, 0.1) == ""
+    d = TrainState.from_dict(s.to_dict())                                   # checkpointed
+    assert (d.hl_ref, d.rollbacks, d.lr_scale) == (1.3, 2, 0.25)
+
+
+def test_lr_rollback_setting(tmp_path):
+    from semzo.deck import DeckError, load
+
+    assert ZoSection().lr_rollback_value == 0.1               # lr auto: on
+    assert ZoSection(lr=0.01).lr_rollback_value == 0.0        # a fixed lr: as before
+    assert ZoSection(lr=0.01, lr_rollback=0.2).lr_rollback_value == 0.2
+    assert ZoSection(offload="host").lr_rollback_value == 0.0
+    with pytest.raises(DeckError, match=r"zo.lr_rollback: the held-out guard needs periodic"):
+        load(None, ["zo.lr_rollback=0.1", "train.eval_every=0"], check_inputs=False)
+    with pytest.raises(DeckError, match=r"zo.lr_rollback: not with zo.offload"):
+        load(None, ["zo.lr_rollback=0.1", "train.eval_every=5", "zo.offload=\"host\""],
+             check_inputs=False)
+
+
+def _rollback_run(folders, steps: int, stop_at: int | None = None):
+    """A tiny BERT (head + last block) at a fixed mezo lr far too large: held-out loss rises
+    and the held-out guard puts the best model (kept in memory here, as best.h5 in a run)
+    back. Returns (params, state, rollbacks seen: (step, whether the parameters then equal
+    the best kept, the lr scale))."""
+    z = ZoSection(lr=3.0, estimator="mezo", dist="gaussian")
+    m, names, task = _task(folders, "classify")
+    eng = _engine(m, names, 3, z)
+    best: dict = {}
+    seen: list = []
+
+    def on_eval(st, loss, acc):
+        if st.better(loss, acc, "acc"):
+            st.best_step, st.best_acc, st.best_loss = st.step, acc, loss
+            best.clear()
+            best.update({i: m.params[n].copy() for i, n in enumerate(names)})
+
+    def on_rollback(st):
+        eng.reload(best)
+        seen.append((st.step, all(np.array_equal(m.params[n], best[i])
+                                  for i, n in enumerate(names)), st.lr_scale))
+
+    cfg = LoopConfig(steps=steps, lr=z.lr, eval_every=4, log_every=1000, checksum_every=0,
+                     rollback=0.1)
+    s = TrainState(run_seed=3)
+    on_eval(s, *evaluate(task, SoloTopo())[:2])
+    b = Batcher(task.train_rows.size, 8, 3, 0)
+    if stop_at is not None:
+        s = train(eng, task, b, s, cfg, on_eval=on_eval, on_rollback=on_rollback,
+                  stop=_StopAt(stop_at))
+        s = TrainState.from_dict(s.to_dict())
+        kept = {k: v.copy() for k, v in best.items()}          # best.h5 outlives the process
+        m2, _, task = _task(folders, "classify")
+        for n in names:
+            np.copyto(m2.params[n], m.params[n])
+        m, eng = m2, _engine(m2, names, 3, z)
+        best.clear()
+        best.update(kept)
+        b = Batcher(task.train_rows.size, 8, 3, 0)
+    s = train(eng, task, b, s, cfg, on_eval=on_eval, on_rollback=on_rollback)
+    return {n: m.params[n].copy() for n in names}, s, seen
+
+
+def test_engine_reload_sets_the_reference_copies_too():
+    """With reference copies (perturbation/hybrid, restore "copy") the next step restores
+    from them: a rollback that left them behind would undo itself one step later."""
+    topo = SimpleNamespace(rank=0, size=2, node_id=0, n_nodes=2)
+    a = np.arange(6, dtype=np.float32)
+    eng = ZOEngine([ZTensor(3, a)], topo, mode="perturbation", restore="copy")
+    assert eng.copy
+    a += 1.0                                   # the parameters as training left them
+    eng.reload({0: np.full(6, 7.0, np.float32)})
+    assert (a == 7.0).all() and (eng.ref[0].array == 7.0).all()
+    eng._copy_back()                           # what the next step's restore does
+    assert (a == 7.0).all()
+
+
+def test_heldout_guard_puts_the_best_model_back_and_resumes_bit_exact(folders):
+    a, sa, seen = _rollback_run(folders, 40)
+    assert sa.rollbacks >= 1 and len(seen) == sa.rollbacks, seen
+    assert all(ok for _, ok, _ in seen)                          # the best model's bits
+    assert [sc for _, _, sc in seen] == [0.5 ** (i + 1) for i in range(len(seen))]
+    first = seen[0][0]
+    b, sb, _ = _rollback_run(folders, 40, stop_at=first + 1)   # stopped after a rollback
+    assert all(a[n].tobytes() == b[n].tobytes() for n in a)
+    da, db = sa.to_dict(), sb.to_dict()
+    for k in da:
+        assert np.array_equal(da[k], db[k]), k
+
+
 def test_auto_schedule_is_cosine_with_the_auto_lr_only():
     from semzo.deck import TrainSection
     from semzo.finetune.loop import schedule_name

@@ -374,6 +374,12 @@ class Checkpointer:
                  time.perf_counter() - t0)
         return path
 
+    def load_best(self) -> Loaded:
+        """Read ``best.h5`` back (one verified read; :class:`CheckpointError` on every rank when
+        it is missing or damaged). Collective over the world."""
+        self.wait()
+        return load(self.dir / BEST, self.comm)
+
     def resume(self, *, shard_size: int | None = None) -> Loaded | None:
         """The newest valid checkpoint of this run's folder, or None (also with ``resume =
         "never"``). Collective. Later saves of the step it holds are no-ops. Warns when the

@@ -154,6 +154,14 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     if d.zo.offload == "host" and d.zo.schedule != "streamed":
         raise DeckError(f"{d.source}: zo.offload: \"host\" streams stages and needs "
                         f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")
+    if d.zo.lr_rollback != "auto" and float(d.zo.lr_rollback) > 0:
+        if d.train.eval_every <= 0:
+            raise DeckError(f"{d.source}: zo.lr_rollback: the held-out guard needs periodic "
+                            f"evaluations (train.eval_every > 0), got train.eval_every = "
+                            f"{d.train.eval_every}")
+        if d.zo.offload == "host":
+            raise DeckError(f"{d.source}: zo.lr_rollback: not with zo.offload = \"host\" "
+                            f"(set it to 0 or \"auto\")")
     # inputs are checked only when a stage that reads them runs (so `semzo topology` works
     # without a corpus); defaults are checked too, not only the keys the deck sets
     # (the model folders are the preflight's: semzo.preflight.check_inputs)

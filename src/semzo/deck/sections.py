@@ -29,6 +29,7 @@ def key(default: Any, doc: str, *, choices: tuple | None = None, min: float | No
     return field(default=default, metadata=meta)
 
 
+ROLLBACK_AUTO = 0.1      # zo.lr_rollback = "auto" with zo.lr = "auto": a 10 % rise
 STAGES = ("topology", "embed", "cluster", "place", "finetune")
 
 
@@ -180,6 +181,14 @@ class ZoSection:
                         "`auto` = windows of max(5, train.steps // 30) steps when `lr` is "
                         "`auto`, off for a fixed lr (fixed-lr decks keep their meaning).",
                         min=0, kind="int_or_auto")
+    lr_rollback: float = key("auto", "The held-out guard: when a periodic held-out "
+                             "evaluation (`train.eval_every`) that is not a new best finds "
+                             "the held-out loss more than this fraction above the lowest so "
+                             "far, the trainable parameters go back to the best held-out model "
+                             "(checkpoints/best.h5) and the lr is halved for the rest of the "
+                             "run (logged; kept in checkpoints). 0 = off; `auto` = 0.1 when "
+                             "`lr` is `auto` and evaluations are on, off for a fixed lr. Not "
+                             "with `offload = \"host\"`.", min=0.0, kind="float_or_auto")
     lr_scan_fraction: float = key(0.1, "`lr = \"auto\"`: the scan's forward passes at most this "
                                   "fraction of the run's.", min=0.0, max=0.5, min_excl=True)
     weight_decay: float = key(0.0, "Weight decay (not on biases and LayerNorm weights).",
@@ -232,6 +241,14 @@ class ZoSection:
         if self.lr_guard != "auto":
             return int(self.lr_guard)
         return "auto" if self.lr == "auto" else 0
+
+    @property
+    def lr_rollback_value(self) -> float:
+        """The held-out guard's tolerance (``auto`` resolved by the lr: 0.1 with ``lr =
+        "auto"``, off for a fixed lr; 0 = off). Evaluations must be on for it to act."""
+        if self.lr_rollback != "auto":
+            return float(self.lr_rollback)
+        return ROLLBACK_AUTO if self.lr == "auto" and self.offload != "host" else 0.0
 
     @property
     def dist_name(self) -> str:

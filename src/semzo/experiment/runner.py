@@ -85,7 +85,8 @@ def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int,
     train = deck.train
     if lr is not None and deck.zo.lr == "auto":      # the shared scan's lr, as lr auto runs it
         zo = dataclasses.replace(zo, lr=float(lr), lr_guard=(
-            guard_window("auto", steps) if deck.zo.lr_guard == "auto" else deck.zo.lr_guard))
+            guard_window("auto", steps) if deck.zo.lr_guard == "auto" else deck.zo.lr_guard),
+            lr_rollback=deck.zo.lr_rollback_value)
         train = dataclasses.replace(train, schedule=schedule_name(deck))
     return deck.replace(
         run=dataclasses.replace(deck.run, output_dir=str(out), seed=deck.run.seed + seed_index),

@@ -265,3 +265,41 @@ def guard_update(state, loss: float, window: int) -> str:
                 f"(zo.lr_guard)")
     state.gw_best = min(state.gw_best, mean)
     return ""
+
+
+# ----------------------------------------------------------------------------- the held-out guard
+ROLLBACK_FACTOR = 0.5     # the lr scale after a rollback
+
+
+def heldout_update(state, loss: float, tol: float) -> str:
+    """Feed one periodic held-out loss (allreduced: the same on every rank) into the held-out
+    guard (``zo.lr_rollback`` = ``tol``); call it after the best-model hook has seen the
+    evaluation. ``state.hl_ref`` is the lowest held-out loss since the start or the last
+    rollback (the rolled-back-to model's own loss after one). When this evaluation is not a
+    new best (``state.best_step`` is not this step) and its loss exceeds ``hl_ref`` by more
+    than ``tol`` of it, or is not finite, the training went astray: ``state.lr_scale`` is
+    multiplied by :data:`ROLLBACK_FACTOR`, ``state.rollbacks`` counts it, ``hl_ref`` becomes
+    the best model's loss, and a message for the log is returned: the caller then puts the
+    best model's parameters back. Otherwise returns "". (The "newbob" rule of speech
+    recognition's trainers: a held-out loss that got worse rejects the steps since the best
+    and halves the step.) A new best never trips it, so with ``train.eval_every`` the run
+    goes back at most to a model the best-model hook kept. Deterministic in allreduced
+    numbers: every rank decides alike without a collective."""
+    if state.best_step < 0:
+        return ""
+    ref = state.hl_ref if math.isfinite(state.hl_ref) else state.best_loss
+    if state.best_step == state.step:
+        state.hl_ref = min(ref, loss) if math.isfinite(loss) else ref
+        return ""
+    if math.isfinite(loss) and loss <= ref + tol * abs(ref):
+        state.hl_ref = min(ref, loss)
+        return ""
+    old = state.lr_scale
+    state.lr_scale *= ROLLBACK_FACTOR
+    state.rollbacks += 1
+    state.hl_ref = state.best_loss
+    state.gw_n, state.gw_sum, state.gw_sq = 0, 0.0, 0.0     # the loss guard's open window
+    return (f"held-out loss {loss:.4f} is more than {100 * tol:g} % above the lowest so far "
+            f"({ref:.4f}): back to the best held-out model (step {state.best_step}, held-out "
+            f"loss {state.best_loss:.4f}); lr scale {old:.3g} -> {state.lr_scale:.3g} "
+            f"(zo.lr_rollback)")

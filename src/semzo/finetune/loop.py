@@ -25,7 +25,7 @@ from ..runtime import EXIT_FAILURE, SemzoError, get_logger
 from ..tasks.base import Task
 from ..zo.engine import ZOEngine
 from ..zo.streamed import staged_loss, staged_score, step_streamed
-from .autolr import guard_update, guard_window, scan_lr
+from .autolr import guard_update, guard_window, heldout_update, scan_lr
 from .data import Batcher
 from .schedule import lr_at
 
@@ -174,6 +174,8 @@ class TrainState:
     gw_best: float = math.inf      # the best window's mean loss
     gw_var: float = 0.0            # the step-to-step variance of the loss, pooled
     gw_windows: int = 0            # windows so far
+    hl_ref: float = math.inf       # the held-out guard's reference loss (autolr.py)
+    rollbacks: int = 0             # the held-out guard's rollbacks so far
     hist_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     hist_seed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     hist_g: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
@@ -213,7 +215,8 @@ class TrainState:
                 lr_scale=float(d.get("lr_scale", 1.0)), gw_n=int(d.get("gw_n", 0)),
                 gw_sum=float(d.get("gw_sum", 0.0)), gw_sq=float(d.get("gw_sq", 0.0)),
                 gw_best=float(d.get("gw_best", math.inf)),
-                gw_var=float(d.get("gw_var", 0.0)), gw_windows=int(d.get("gw_windows", 0)))
+                gw_var=float(d.get("gw_var", 0.0)), gw_windows=int(d.get("gw_windows", 0)),
+                hl_ref=float(d.get("hl_ref", math.inf)), rollbacks=int(d.get("rollbacks", 0)))
         s.hist_step = np.array(d["hist_step"], np.int64)
         s.hist_seed = np.array(d["hist_seed"], np.uint64)
         s.hist_g = np.array(d["hist_g"], np.float64)
@@ -270,6 +273,7 @@ class LoopConfig:
     history: int = 16
     lr_scan_fraction: float = 0.1
     guard: int = 0                 # the loss guard's window in steps (0 = off)
+    rollback: float = 0.0          # the held-out guard's tolerance (0 = off)
 
     @classmethod
     def from_deck(cls, deck) -> LoopConfig:
@@ -279,7 +283,8 @@ class LoopConfig:
                    min_lr_ratio=t.min_lr_ratio, eval_every=t.eval_every, log_every=t.log_every,
                    checksum_every=z.checksum_every, max_skips=t.max_skips, history=z.history,
                    lr_scan_fraction=z.lr_scan_fraction,
-                   guard=guard_window(z.lr_guard_name, t.steps))
+                   guard=guard_window(z.lr_guard_name, t.steps),
+                   rollback=z.lr_rollback_value)
 
 
 def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
@@ -287,6 +292,7 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
           on_comm: Callable[[float], None] | None = None,
           on_step: Callable[[TrainState], None] | None = None,
           on_eval: Callable[[TrainState, float, float], None] | None = None,
+          on_rollback: Callable[[TrainState], None] | None = None,
           stop: StopRequest | None = None) -> TrainState:
     """Run steps ``state.step .. cfg.steps - 1``. Collective over ``engine.topo.world``.
 
@@ -297,7 +303,9 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
     ``cfg.eval_every`` steps), on every rank. ``on_step(state)`` is called on every rank after
     every completed step (the hook for periodic checkpoints; it may be collective).
     ``on_eval(state, loss, acc)`` after every periodic held-out evaluation (collective: the
-    best-checkpoint hook).
+    best-checkpoint hook). ``on_rollback(state)``: puts the best held-out model's parameters
+    back (collective) when the held-out guard (``cfg.rollback``, :func:`.autolr.heldout_update`)
+    trips after an evaluation; without it the guard is off.
 
     ``cfg.lr = "auto"``: unless the state already holds the chosen lr (``base_lr``, a resumed
     run), :func:`.autolr.scan_lr` picks it first. Raises :class:`TooManySkips` (every rank, same
@@ -388,6 +396,12 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
             log.info("step %d: held-out loss %.4f, accuracy %.4f (%d %s)", done, loss,
                      acc, n, {"lm": "tokens", "sft": "completion tokens"}.get(
                          getattr(task, "kind", ""), "samples"))
+            if cfg.rollback and on_rollback is not None:
+                msg = heldout_update(state, loss, cfg.rollback)
+                if msg:
+                    if topo.rank == 0:
+                        log.warning("step %d: %s", done, msg)
+                    on_rollback(state)
         if done % cfg.log_every == 0 or done == cfg.steps:
             now = time.perf_counter()
             rate = (done - last_log[1]) / max(now - last_log[0], 1e-9)

@@ -25,7 +25,7 @@ import h5py
 import numpy as np
 from mpi4py import MPI
 
-from ..checkpoint import Checkpointer, list_checkpoints
+from ..checkpoint import Checkpointer, CheckpointError, list_checkpoints
 from ..energy import summary as energy_summary
 from ..h5check import SHARD_KEYS, agree, deck_drift
 from ..h5io import create_collective, row_range, string_array, write_slab
@@ -232,9 +232,17 @@ def run_finetune_stage(ctx) -> dict:
                        keep_best=t.eval_every > 0, by="loss" if task_kind == "lm" else "acc")
     if state.step == 0:                          # the model before training is a candidate
         saver.on_eval(state, before[0], before[1])
+    on_rollback = None
+    if cfg.rollback and saver.keep_best:
+        def on_rollback(st: TrainState) -> None:
+            saver.rollback(st, engine)
+        log.info("finetune: held-out guard on (zo.lr_rollback %g): a held-out loss %g %% above "
+                 "the lowest so far puts the best held-out model back and halves the lr",
+                 cfg.rollback, 100 * cfg.rollback)
     with StopRequest(topo.world) as stop:       # SIGUSR1 / SIGTERM: checkpoint, then stop
         state = train(engine, task, batcher, state, cfg, on_row=saver.on_row(add_row),
-                      on_comm=add_comm, on_step=saver, on_eval=saver.on_eval, stop=stop)
+                      on_comm=add_comm, on_step=saver, on_eval=saver.on_eval,
+                      on_rollback=on_rollback, stop=stop)
     secs = time.perf_counter() - t0
     saver.final(state)
     if stop.signum:
@@ -553,6 +561,20 @@ class _StepSaver:
         params, d, per_rank, metrics = self._payload(state)
         metrics.update({"heldout_loss": float(loss), "heldout_acc": float(acc)})
         self.ck.save_best(state.step, params, d, per_rank, self.extras, metrics)
+
+    def rollback(self, state: TrainState, engine) -> None:
+        """The held-out guard tripped: the trainable tensors (and the engine's reference
+        copies) become ``best.h5``'s, read back verified. A damaged or missing ``best.h5``
+        leaves the parameters as they are (the lr is halved all the same), with a warning.
+        Collective."""
+        try:
+            loaded = self.ck.load_best()
+        except CheckpointError as exc:
+            if self.topo.rank == 0:
+                log.warning("held-out guard: cannot read the best model back (%s): training "
+                            "goes on from the current parameters at the halved lr", exc)
+            return
+        engine.reload({i: loaded.params[n] for i, n in enumerate(self.names)})
 
     def final(self, state: TrainState) -> None:
         """The last checkpoint (a no-op when this step was just saved); the checkpointer

@@ -432,6 +432,19 @@ class ZOEngine:
         self.pending, self.pending_copy = None, False
         self.owed.clear()
 
+    def reload(self, arrays: dict[int, object]) -> None:
+        """Overwrite the trainable tensors with ``arrays`` (tensor index -> array of the
+        tensor's shape: the best held-out model's, for the held-out guard's rollback), the
+        reference copies too; a pending update is applied first and then overwritten. Local:
+        every rank must pass the same arrays (they come from one checkpoint)."""
+        self.flush()
+        for i, z in enumerate(self.tensors):
+            xp = array_module(z.array)
+            xp.copyto(z.array, xp.asarray(arrays[i]).reshape(z.array.shape).astype(
+                z.array.dtype, copy=False))
+            if self.copy:
+                xp.copyto(self.ref[i].array, z.array)
+
     def split_pairs(self, refs, tens):
         """:meth:`_split` of (ref, tensor) pairs by the tensor's size."""
         pairs = list(zip(refs, tens))
