@@ -20,7 +20,7 @@ Configurations (``--configs``):
 * ``mezo-fixed``: ``estimator = "mezo"``, Gaussian z, lr 2e-2 (the demo's), 2 passes per step;
 * ``auto-fzoo``: the deck defaults: lr auto (its scan counted in the budget), cosine
   decay, the loss guard, fzoo with
-  4 directions, Rademacher z, 5 passes per step;
+  4 directions, Rademacher z, 5 passes per step, the held-out guard (zo.lr_rollback 0.1);
 * ``mezo-auto``: MeZO with the automatic lr; ``fzoo-gauss``: auto-fzoo with Gaussian z;
   ``mezo-rad``: mezo-fixed with Rademacher z.
 
@@ -67,9 +67,10 @@ sys.path.insert(0, str(ROOT / "tests" / "mpi"))
 CONFIGS = {
     "mezo-fixed": {"estimator": "mezo", "dist": "gaussian", "lr": 2e-2},
     "auto-fzoo": {"estimator": "fzoo", "dist": "rademacher", "lr": "auto", "guard": "auto",
-                  "schedule": "cosine"},
+                  "schedule": "cosine", "rollback": "auto"},
     "mezo-auto": {"estimator": "mezo", "dist": "gaussian", "lr": "auto"},
-    "fzoo-gauss": {"estimator": "fzoo", "dist": "gaussian", "lr": "auto"},
+    "fzoo-gauss": {"estimator": "fzoo", "dist": "gaussian", "lr": "auto", "guard": "auto",
+                   "schedule": "cosine", "rollback": "auto"},
     "mezo-rad": {"estimator": "mezo", "dist": "rademacher", "lr": 2e-2},
 }
 
@@ -181,7 +182,8 @@ SAFETY, APART = _defaults()          # the shipped values, before any configurat
 def parse_config(name: str) -> dict:
     """A named configuration of :data:`CONFIGS`, or ``key=value`` pairs joined by ``:``
     (keys estimator, dist, lr, schedule, min_lr_ratio, eps, directions, guard: the loss
-    guard's window, or auto, the default with lr auto), e.g.
+    guard's window, or auto, the default with lr auto; rollback: the held-out guard's
+    tolerance, zo.lr_rollback, auto = 0.1 with lr auto as in a run), e.g.
     ``estimator=fzoo:dist=rademacher:lr=auto:schedule=cosine``."""
     if name in CONFIGS:
         return dict(CONFIGS[name])
@@ -191,6 +193,7 @@ def parse_config(name: str) -> dict:
         cfg[k] = v if k in ("estimator", "dist", "schedule") or v == "auto" else float(v)
     # (safety: autolr.SAFETY; apart=1: the line searches on a batch apart from the direction's)
     cfg.setdefault("guard", "auto" if cfg["lr"] == "auto" else 0)
+    cfg.setdefault("rollback", "auto")
     return cfg
 
 
@@ -222,14 +225,28 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
     loss0, acc0, _ = evaluate(task, topo)
     curve.append((0, 0.0, loss0, acc0))
 
+    # the held-out guard (zo.lr_rollback) as a run has it: the best held-out model (by
+    # accuracy) kept, here in memory where a run keeps checkpoints/best.h5
+    rb = cfg.get("rollback", "auto")
+    tol = (0.1 if cfg["lr"] == "auto" else 0.0) if rb == "auto" else float(rb)
+    best = {i: init[n].copy() for i, n in enumerate(names)}
+    st0 = TrainState(run_seed=seed, best_step=0, best_acc=acc0, best_loss=loss0)
+
     def on_eval(state, loss, acc):
         curve.append((state.forwards, time.perf_counter() - t0 - eval_s[0], loss, acc))
+        if tol and state.better(loss, acc, "acc"):
+            state.best_step, state.best_acc, state.best_loss = state.step, acc, loss
+            for i, n in enumerate(names):
+                np.copyto(best[i], m.params[n])
+
+    def on_rollback(state):
+        eng.reload(best)
 
     b = Batcher(task.train_rows.size, batch, seed, 0)
     lc = LoopConfig(steps=steps, lr=cfg["lr"], eval_every=ev, log_every=10**9,
                     checksum_every=0, schedule=cfg.get("schedule", "constant"),
                     min_lr_ratio=float(cfg.get("min_lr_ratio", 0.0)),
-                    guard=guard_window(cfg.get("guard", 0), steps))
+                    guard=guard_window(cfg.get("guard", 0), steps), rollback=tol)
     # the held-out evaluations' time is not the optimizer's: timed and subtracted
     import semzo.finetune.loop as loop_mod
     real_eval = loop_mod.evaluate
@@ -242,13 +259,14 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
 
     loop_mod.evaluate = timed_eval
     try:
-        st = train(eng, task, b, TrainState(run_seed=seed), lc, on_eval=on_eval)
+        st = train(eng, task, b, st0, lc, on_eval=on_eval, on_rollback=on_rollback)
     finally:
         loop_mod.evaluate = real_eval
     wall = time.perf_counter() - t0 - eval_s[0]
     loss, acc, _ = evaluate(task, topo)
     curve.append((st.forwards, wall, loss, acc))
     return {"seed": seed, "lr": st.base_lr, "steps": steps, "curve": curve,
+            "rollbacks": st.rollbacks,
             "zero_acc": acc0, "zero_loss": loss0, "final_acc": acc, "final_loss": loss}
 
 
@@ -336,7 +354,8 @@ def first_reach(curve, ok) -> tuple[float, float]:
     return math.nan, math.nan
 
 
-_LINE = re.compile(r"^(\S+)\s+seed (\d+): lr (\S+), (\d+) steps, acc (\S+) -> (\S+), loss (\S+) -> "
+_LINE = re.compile(r"^(\S+)\s+seed (\d+): lr (\S+), (\d+) steps,(?: \d+ rollbacks,)? acc (\S+) -> "
+                   r"(\S+), loss (\S+) -> "
                    r"(\S+), (\S+) s; curve \(fw, acc, loss\): (.*)$")
 
 
@@ -415,7 +434,8 @@ def main() -> None:
             r = run_one(deck, m, names, init, task, parse_config(c), seed, a.forwards, a.batch,
                         a.eval_every)
             res[c].append(r)
-            print(f"{c:11s} seed {seed}: lr {r['lr']:.3g}, {r['steps']} steps, acc "
+            print(f"{c:11s} seed {seed}: lr {r['lr']:.3g}, {r['steps']} steps, "
+                  f"{r['rollbacks']} rollbacks, acc "
                   f"{r['zero_acc']:.3f} -> {r['final_acc']:.3f}, loss {r['zero_loss']:.3f} -> "
                   f"{r['final_loss']:.3f}, {r['curve'][-1][1]:.1f} s; curve (fw, acc, loss): "
                   + " ".join(f"({fw},{acc:.3f},{loss:.3f})" for fw, _, loss, acc in r["curve"]),
