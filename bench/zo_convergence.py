@@ -382,6 +382,8 @@ def from_log(path: str) -> dict[str, list[dict]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--first-seed", type=int, default=0,
+                    help="run seeds first-seed .. first-seed + seeds - 1 (more seeds later)")
     ap.add_argument("--forwards", type=int, default=800)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--eval-every", type=int, default=80)
@@ -429,7 +431,7 @@ def main() -> None:
                                            a.template)
     configs = a.configs.split(",")
     res: dict[str, list[dict]] = {c: [] for c in configs}
-    for seed in range(a.seeds):
+    for seed in range(a.first_seed, a.first_seed + a.seeds):
         for c in configs:
             r = run_one(deck, m, names, init, task, parse_config(c), seed, a.forwards, a.batch,
                         a.eval_every)
