@@ -46,6 +46,21 @@ def run(tmp_path_factory):
     return tmp, out, proc
 
 
+def _finetune_only(run, name: str, model, *sets: str, timeout: int = 180):
+    """The finetune stage alone at 2 ranks in a new folder ``name`` (the first run's shards),
+    on ``model`` with the deck settings ``sets``. Returns (folder, completed process)."""
+    tmp, shared, _ = run
+    out = tmp / name
+    out.mkdir()
+    shutil.copy(shared / "shards.h5", out / "shards.h5")
+    args = ["-m", "semzo", "run", "inputs/demo.toml", "--set", f"run.output_dir={out}",
+            "--set", 'run.stages=["finetune"]', "--set", f"corpus.path={tmp / 'corpus.jsonl'}",
+            "--set", f"model.path={model}"]
+    for kv in sets:
+        args += ["--set", kv]
+    return out, check(mpirun(2, [*args, *COMMON], timeout=timeout, env=ENV))
+
+
 def _metrics(path):
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
@@ -224,20 +239,12 @@ def test_finetune_stage_fzoo_auto_offload_keeps_the_best(run):
 
     from semzo.checkpoint import find_model_checkpoint
 
-    tmp, shared, _ = run
-    out = tmp / "out_fzoo"
-    out.mkdir()
-    shutil.copy(shared / "shards.h5", out / "shards.h5")
+    tmp = run[0]
     llama = make_model(tmp / "llama_fz", kind="llama_tied")
-    proc = check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
-                            "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
-                            "--set", f"corpus.path={tmp / 'corpus.jsonl'}",
-                            "--set", f"model.path={llama}", "--set", "train.task=lm",
-                            "--set", "train.params=all", "--set", "train.steps=12",
-                            "--set", "train.eval_every=4", "--set", "zo.schedule=streamed",
-                            "--set", "zo.offload=host", "--set", "zo.mode=hybrid",
-                            "--set", 'zo.lr="auto"', "--set", "zo.lr_scan_fraction=0.5",
-                            *COMMON], timeout=180, env=ENV))
+    out, proc = _finetune_only(run, "out_fzoo", llama, "train.task=lm", "train.params=all",
+                               "train.steps=12", "train.eval_every=4", "zo.schedule=streamed",
+                               "zo.offload=host", "zo.mode=hybrid", 'zo.lr="auto"',
+                               "zo.lr_scan_fraction=0.5")
     assert 'zo.lr = "auto": lr' in proc.stderr
     assert "fzoo (4 directions per step)" in proc.stderr
     rows = _metrics(out / "metrics.csv")
@@ -255,20 +262,11 @@ def test_finetune_stage_heldout_guard_rolls_back_to_best_h5(run):
     makes the held-out loss rise; the guard reads checkpoints/best.h5 back into every replica
     (the checksums that follow agree) and halves the lr. The rolling checkpoint written at the
     rollback's step holds exactly the parameters of the checkpoint at the best step."""
-    tmp, shared, _ = run
-    out = tmp / "out_rollback"
-    out.mkdir()
-    shutil.copy(shared / "shards.h5", out / "shards.h5")
-    bert = tmp / "bert"
-    proc = check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",
-                            "--set", f"run.output_dir={out}", "--set", 'run.stages=["finetune"]',
-                            "--set", f"corpus.path={tmp / 'corpus.jsonl'}",
-                            "--set", f"model.path={bert}", "--set", "train.params=head+last",
-                            "--set", "train.last_layers=1", "--set", "train.steps=24",
-                            "--set", "train.eval_every=4", "--set", "zo.mode=hybrid",
-                            "--set", "zo.lr=3.0", "--set", "zo.lr_rollback=0.1",
-                            "--set", "zo.checksum_every=2", "--set", "checkpoint.every_steps=4",
-                            "--set", "checkpoint.keep=10", *COMMON], timeout=180, env=ENV))
+    out, proc = _finetune_only(run, "out_rollback", run[0] / "bert", "train.params=head+last",
+                               "train.last_layers=1", "train.steps=24", "train.eval_every=4",
+                               "zo.mode=hybrid", "zo.lr=3.0", "zo.lr_rollback=0.1",
+                               "zo.checksum_every=2", "checkpoint.every_steps=4",
+                               "checkpoint.keep=10")
     hits = re.findall(r"step (\d+): held-out loss \S+ is more than 10 % above the lowest so far "
                       r"\(\S+\): back to the best held-out model \(step (\d+)", proc.stderr)
     assert hits, proc.stderr[-3000:]

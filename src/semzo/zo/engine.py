@@ -433,8 +433,8 @@ class ZOEngine:
         self.owed.clear()
 
     def reload(self, arrays: dict[int, object]) -> None:
-        """Overwrite the trainable tensors with ``arrays`` (tensor index -> array of the
-        tensor's shape: the best held-out model's, for the held-out guard's rollback), the
+        """Overwrite the trainable tensors with ``arrays`` (position in ``self.tensors`` ->
+        array of that tensor's shape: the best held-out model's, for the held-out guard's rollback), the
         reference copies too; a pending update is applied first and then overwritten. Local:
         every rank must pass the same arrays (they come from one checkpoint)."""
         self.flush()
