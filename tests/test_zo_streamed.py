@@ -80,6 +80,8 @@ def test_stage_composition_equals_hidden_states(folders, kind, threads):
         m.params[spec.b][...] = 0.01
     tok, seqs, *_ = _data(folders[kind])
     ids, mask = pad_batch(seqs[:40], tok.pad_id)      # 40 x T > 256 tokens: rows split
+    if hasattr(m, "group_tokens"):                    # the decoder: groups of ~128 tokens
+        m.group_tokens = 128
     set_threads(threads)
     try:
         st = m.stage_start(ids, mask)
