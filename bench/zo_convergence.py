@@ -6,6 +6,7 @@ and inputs/choice.toml's tasks (issue 31).
     .venv/bin/python bench/zo_convergence.py [--seeds 5] [--forwards 800] [--batch 8]
         [--eval-every 80] [--configs mezo-fixed,auto-fzoo] [--target-acc +0.10]
         [--target-loss -0.30] [--texts 0] [--task prompt|sft|choice] [--json out.json]
+        [--labels A,B,C [--label-words x,y,z] [--template T]]
         [--from-log OUT.txt]
 
 The task is inputs/llm.toml's: SmolLM2-135M-Instruct (models/smollm2-135m-instruct), the
@@ -75,10 +76,11 @@ CONFIGS = {
 }
 
 
-def build(max_texts: int = 0, labels: list[str] | None = None, template: str = ""):
+def build(max_texts: int = 0, labels: list[str] | None = None, template: str = "",
+          label_words: list[str] | None = None):
     """(model, trainable names, initial values, task) of inputs/llm.toml's prompt task
     (``labels``/``template``: other fortune categories and template than the deck's: data the
-    deck was not tuned on; the label words are then the label names)."""
+    deck was not tuned on; the label words are then the label names, or ``label_words``)."""
     from semzo.deck import load
     from semzo.finetune.trainable import select_trainable
     from semzo.model import Tokenizer, load_model
@@ -102,6 +104,7 @@ def build(max_texts: int = 0, labels: list[str] | None = None, template: str = "
     pr = deck.prompt
     tmpl = template or pr.template
     words = [] if template or labels != list(deck.corpus.labels) else pr.label_words
+    words = label_words or words
     word_ids = label_word_ids(tok, labels, words, tmpl, "bench")
     seqs = encode_prompts(tok, [r["text"] for r in recs], tmpl, t.max_length,
                           int(m.config.max_positions), "bench")
@@ -395,6 +398,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--labels", default="", help="comma-separated fortune categories other "
                     "than the deck's (data it was not tuned on)")
+    ap.add_argument("--label-words", default="", help="with --labels: comma-separated words "
+                    "for the labels, in their order, each given a leading space (red,green,"
+                    "blue: words the model has no prior for)")
     ap.add_argument("--template", default="", help="the prompt template for --labels "
                     "(default: the deck's)")
     ap.add_argument("--task", default="prompt", choices=("prompt", "sft", "choice"),
@@ -427,8 +433,9 @@ def main() -> None:
     if a.task in ("sft", "choice"):
         deck, m, names, init, task = build_records(a.task, a.texts, a.corpus)
     else:
-        deck, m, names, init, task = build(a.texts, a.labels.split(",") if a.labels else None,
-                                           a.template)
+        deck, m, names, init, task = build(
+            a.texts, a.labels.split(",") if a.labels else None, a.template,
+            [" " + w for w in a.label_words.split(",")] if a.label_words else None)
     configs = a.configs.split(",")
     res: dict[str, list[dict]] = {c: [] for c in configs}
     for seed in range(a.first_seed, a.first_seed + a.seeds):
