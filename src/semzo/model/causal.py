@@ -240,7 +240,7 @@ class CausalLM(TransformerBase):
         Why about 512: the GEMMs of a block run faster on more rows (SmolLM2's, one thread,
         2026-11-27: 82, 89, 95 and 98 GFLOP/s on 128, 256, 512 and 1024 rows); groups of 256
         in a multiple of 4 (until then) cost the 8 x 128 forward 3-5 % at 2 threads and a
-        training batch of 8 x 48 at one rank's thread a quarter of its speed (4 groups of 96
+        training batch of 8 x 48 at one rank's thread a fifth of its speed (4 groups of 96
         rows). The GPU runs one group."""
         b = maskf.shape[0]
         if self.xp is not np:
