@@ -263,3 +263,44 @@ def test_token_type_ids_checked_on_cpu(tiny):
 @gpu_skip()
 def test_gpu_token_type_ids_checked(tiny):
     _type_ids_checked(tiny, cupy_or_none())
+
+
+# ----------------------------------------------------------------------------- host_params
+class _DeviceArray(np.ndarray):
+    """A stand-in device array: like CuPy's, its setitem refuses a NumPy (host) source."""
+
+    def __setitem__(self, key, value):
+        if isinstance(value, np.ndarray) and not isinstance(value, _DeviceArray):
+            raise ValueError("non-scalar numpy.ndarray cannot be used for fill")  # noqa: TRY004 (as CuPy raises)
+        super().__setitem__(key, value)
+
+
+def _device_module():
+    dev = types.ModuleType("standin_device")
+    dev.__getattr__ = lambda name: getattr(np, name)
+    dev.ndarray = _DeviceArray
+    dev.empty = lambda *a, **k: np.empty(*a, **k).view(_DeviceArray)
+    return dev
+
+
+def test_encoder_host_params_fused_in_host_memory_on_cpu(tiny):
+    """zo.offload = "host" loads the parameters into host memory with a device xp: the fused
+    Q/K/V buffer must be allocated in host memory too (it was allocated on the device, whose
+    setitem refused the host source: the offloaded GPU step failed at load, first kit run)."""
+    m = load_model(tiny, xp=_device_module(), host_params=True)
+    base = f"{m.prefix}encoder.layer.0.attention.self."
+    w, b, views = m._fused[0]
+    assert type(w) is np.ndarray and type(b) is np.ndarray
+    assert m.params[f"{base}key.weight"] is views[1][0] and views[1][0].base is w
+    ref = load_model(tiny)
+    assert np.array_equal(m.params[f"{base}key.weight"], ref.params[f"{base}key.weight"])
+    with pytest.raises(ValueError, match="cannot be used for fill"):   # the stand-in bites
+        _device_module().empty(3)[...] = np.ones(3)
+
+
+def test_restore_row_stack_on_cpu(monkeypatch):
+    """numba-cuda overloads np.row_stack, which NumPy 2.5 removed: restored as np.vstack."""
+    monkeypatch.delattr(np, "row_stack", raising=False)
+    assert kernels_gpu.restore_row_stack() is True
+    assert np.row_stack is np.vstack
+    assert kernels_gpu.restore_row_stack() is False

@@ -438,7 +438,9 @@ def bench_zo_vs_mezo(args, dev, folder: Path, dtype: str, params: str = "all",
         def tloss():
             return tm(input_ids=ti, attention_mask=tk, labels=tgt).loss
     else:
-        head = torch.nn.Linear(tm.config.hidden_size, 4).to(dev.tdev, tm.dtype)
+        # float32: zo_step.torch_loss pools in float32 (the mask is cast with .float()), as
+        # semzo's head does; a float16 head met float32 input on the first GPU run
+        head = torch.nn.Linear(tm.config.hidden_size, 4).to(dev.tdev, torch.float32)
 
         def tloss():
             return zo_step.torch_loss(torch, tm, head, ti, tk, tl)

@@ -70,8 +70,12 @@ class Encoder(TransformerBase):
         self._fused: list[tuple] = []
         for i in range(cfg.num_layers):
             base = f"{self.prefix}encoder.layer.{i}.attention.self."
-            w = xp.empty((3 * h, h), dtype=self.param_dtype)
-            b = xp.empty((3 * h,), dtype=self.param_dtype)
+            # the fused buffer lives where the parameters live: host memory for a model loaded
+            # with host_params (zo.offload = "host") even when xp is CuPy, whose setitem
+            # refuses a NumPy source (first GPU run of the kit, 2026-11-27)
+            am = np if isinstance(p[f"{base}query.weight"], np.ndarray) else xp
+            w = am.empty((3 * h, h), dtype=self.param_dtype)
+            b = am.empty((3 * h,), dtype=self.param_dtype)
             views = []
             for j, q in enumerate(_QKV):
                 w[j * h:(j + 1) * h] = p[f"{base}{q}.weight"]

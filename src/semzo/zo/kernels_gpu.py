@@ -230,11 +230,27 @@ def stream_pass(p, q, off, t, mode, k0, k1, a, lr, g, wd, k0s, k1s, gs, post, pk
 
 
 # ----------------------------------------------------------------------------- numba.cuda backend
+def restore_row_stack() -> bool:
+    """Give NumPy back ``np.row_stack`` (an alias of ``np.vstack``) where it lacks it; True if
+    it was missing.
+
+    numba-cuda registers an overload of ``np.row_stack`` while it compiles its first kernel
+    (``numba/cuda/np/arrayobj.py``); NumPy 2.5 removed that alias (deprecated since 2.0), so on
+    the GPU image (numpy 2.5.2, numba 0.68.0 with numba-cuda) every numba.cuda launch raised
+    ``AttributeError: module 'numpy' has no attribute 'row_stack'`` (first GPU run of the kit,
+    2026-11-27). The alias is ``np.vstack`` under its old name; nothing else changes."""
+    if hasattr(np, "row_stack"):
+        return False
+    np.row_stack = np.vstack
+    return True
+
+
 class _NumbaCuda:
     """numba.cuda kernels compiled from rng.py's device functions (see numba_cuda_kernels)."""
 
     def __init__(self, threads_per_block: int) -> None:
         global cuda
+        restore_row_stack()
         from numba import cuda  # a module global: the simulator swaps it in kernel globals
         self.cuda = cuda
         self.tpb = threads_per_block
@@ -346,4 +362,4 @@ def numba_cuda_kernels(threads_per_block: int = THREADS_PER_BLOCK) -> _NumbaCuda
 
 
 __all__ = ["THREADS_PER_BLOCK", "cuda_source", "multi_update", "numba_cuda_kernels", "perturb",
-           "restore_update", "stream_pass", "zvec"]
+           "restore_row_stack", "restore_update", "stream_pass", "zvec"]
