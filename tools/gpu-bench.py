@@ -360,6 +360,73 @@ def bench_forward(args, dev, folder: Path, dtype: str, causal: bool = False) -> 
             "note": f"batch {b}x{t}, semzo {ours_dt} vs torch {ours_dt}"}
 
 
+def _kernel_profile(dev, fn, label: str, runs: int = 3) -> tuple[float, float]:
+    """Profile ``runs`` calls of ``fn`` with torch's profiler (CUPTI sees CuPy's and cuBLAS's
+    kernels as well as torch's): prints the busiest kernels to bench.log and returns (kernels
+    per call, device busy seconds per call); (0, 0) on the CPU, where no kernel is recorded."""
+    torch = dev.torch
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if not dev.cpu:
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    fn()
+    dev.sync()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(runs):
+            fn()
+        dev.sync()
+    key = "self_cpu_time_total" if dev.cpu else "self_device_time_total"
+    print(f"--- profile: {label}, {runs} calls", flush=True)
+    print(prof.key_averages().table(sort_by=key, row_limit=25), flush=True)
+    cuda = getattr(torch.autograd, "DeviceType", None)
+    ks = [e for e in prof.events()
+          if cuda is not None and getattr(e, "device_type", None) == cuda.CUDA]
+    busy = sum(getattr(e, "device_time", 0.0) or 0.0 for e in ks) / 1e6
+    return len(ks) / runs, busy / runs
+
+
+def bench_profile_forward(args, dev, folder: Path, dtype: str = "bfloat16") -> dict:
+    """Where the decoder forward's time goes on the device (issue 35's forward at 0.18x torch
+    on the first run): kernels per forward and device busy time, semzo and torch, with the
+    busiest kernels of each in bench.log; then semzo's forward with float32 GEMMs on TF32
+    tensor cores (CuPy's compute type), its time and its largest difference from float32."""
+    from semzo.model import load_model
+    b, t, reps = _sizes(args)
+    ours_dt = "float32" if dev.cpu else dtype
+    m = load_model(folder, xp=dev.xp, dtype=ours_dt)
+    ids, mask, _ = _batch(dev, m.config.vocab_size, b, t)
+    di, dm = dev.xp.asarray(ids), dev.xp.asarray(mask)
+    ours = dev.median(lambda: m.hidden_states(di, dm), reps)
+    nk, busy = _kernel_profile(dev, lambda: m.hidden_states(di, dm), "semzo forward")
+    tm = _torch_model(dev, folder, ours_dt, causal=True)
+    body = getattr(tm, "model", tm)
+    ti = dev.torch.as_tensor(ids, device=dev.tdev)
+    tk = dev.torch.as_tensor(mask, device=dev.tdev)
+    with dev.torch.inference_mode():
+        peer = dev.median(lambda: body(input_ids=ti, attention_mask=tk), reps)
+        tnk, tbusy = _kernel_profile(dev, lambda: body(input_ids=ti, attention_mask=tk),
+                                     "torch forward")
+    tf32 = ""
+    if not dev.cpu:
+        try:
+            from cupy._core import _routines_linalg as rl
+            ref = m.hidden_states(di, dm).astype(dev.xp.float32)
+            old = rl.get_compute_type(dev.xp.dtype("float32"))
+            rl.set_compute_type(dev.xp.dtype("float32"), rl.COMPUTE_TYPE_TF32)
+            try:
+                t32 = dev.median(lambda: m.hidden_states(di, dm), reps)
+                got = m.hidden_states(di, dm).astype(dev.xp.float32)
+            finally:
+                rl.set_compute_type(dev.xp.dtype("float32"), old)
+            rel = float(dev.xp.abs(got - ref).max() / dev.xp.abs(ref).max())
+            tf32 = f"; TF32 GEMMs: {t32:.4g} s ({peer / t32:.3f}x torch), max rel diff {rel:.2e}"
+        except Exception as exc:  # noqa: BLE001 - a probe: report, never fail the item
+            tf32 = f"; TF32 probe failed: {type(exc).__name__}: {str(exc)[:120]}"
+    return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
+            "note": f"batch {b}x{t} {ours_dt}: semzo {nk:.0f} kernels, device busy "
+                    f"{busy:.4g} s per forward; torch {tnk:.0f} kernels, busy {tbusy:.4g} s"
+                    f"{tf32}"}
+
+
 def _zo_setup(args, dev, folder: Path, dtype: str, params: str):
     """Model, engine and task as the finetune stage builds them: an encoder with a 4-class
     head (ClassifyTask) or a decoder with the next-token loss (LMTask), the batch of
@@ -519,6 +586,9 @@ def cmd_run(args) -> None:
             ("smollm2_zo_full_vs_mezo",
              lambda: bench_zo_vs_mezo(args, dev, smol, "bfloat16", "all", causal=True), None),
         ]
+    if (smol / "config.json").is_file():
+        items.append(("profile_forward",
+                      lambda: bench_profile_forward(args, dev, smol, "bfloat16"), None))
     if feats["demo_llm"] and (smol / "config.json").is_file():
         items.append(("demo_llm_gpu", lambda: bench_demo_llm(args, dev, smol), None))
     if (ROOT / "bench" / "zo_pass.py").is_file():

@@ -431,7 +431,7 @@ phase bench-zo 120 bench_phase bench-zo \
   minilm_zo_step_over_2fwd,minilm_zo_vs_mezo,smollm2_zo_lora_vs_mezo,smollm2_zo_full_vs_mezo
 phase bench-offload 150 bench_phase bench-offload offload_vs_resident,largest_model
 phase pipeline 150 pipeline_phase 60
-phase bench-extra 150 bench_phase bench-extra kmeans_vs_torch_floor,zo_pass_gpu,demo_llm_gpu
+phase bench-extra 150 bench_phase bench-extra profile_forward,kmeans_vs_torch_floor,zo_pass_gpu,demo_llm_gpu
 {
   echo "## overall: $N_OK ok, $N_FAIL failed, $N_SKIP ok in an earlier call; $(elapsed) s" \
     "(deadline $DEADLINE s)"
