@@ -304,3 +304,23 @@ def test_restore_row_stack_on_cpu(monkeypatch):
     assert kernels_gpu.restore_row_stack() is True
     assert np.row_stack is np.vstack
     assert kernels_gpu.restore_row_stack() is False
+
+
+def test_encoder_binds_arrays_whose_base_is_no_array_on_cpu(tiny):
+    """HostStore binds pinned host arrays (cupyx.empty_pinned), whose ``base`` is CuPy's
+    PinnedMemoryPointer, not an array: bind_params read its ``shape`` and raised (second GPU
+    run, 2026-11-27). Arrays over a bytearray have such a base here."""
+    m = load_model(tiny)
+    ids, mask = _batch(tiny, np)
+    ref = m.hidden_states(ids, mask)
+    base = f"{m.prefix}encoder.layer.0.attention.self."
+    arrs = {}
+    for q in ("query", "key", "value"):
+        for kind in ("weight", "bias"):
+            a = m.params[f"{base}{q}.{kind}"]
+            arrs[f"{base}{q}.{kind}"] = np.ndarray(a.shape, a.dtype, buffer=bytearray(a.nbytes))
+            arrs[f"{base}{q}.{kind}"][...] = a
+    assert type(arrs[f"{base}key.weight"].base) is bytearray
+    m.bind_params(arrs)
+    assert m.params[f"{base}key.weight"] is arrs[f"{base}key.weight"]
+    assert np.array_equal(m.hidden_states(ids, mask), ref)

@@ -660,8 +660,11 @@ def bench_demo_llm(args, dev, smol: Path) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
     wall = time.perf_counter() - t0
-    if proc.returncode:
-        raise RuntimeError(f"exit {proc.returncode}: {proc.stderr[-300:]}")
+    if proc.returncode:     # both streams: mpirun may say why on stdout (first GPU run: none)
+        print(f"demo_llm_gpu: {' '.join(cmd)}\n--- stdout\n{proc.stdout[-3000:]}\n"
+              f"--- stderr\n{proc.stderr[-3000:]}", flush=True)
+        tail = (proc.stderr.strip() or proc.stdout.strip() or "no output")[-300:]
+        raise RuntimeError(f"exit {proc.returncode}: {tail}")
     return {"ours_s": wall, "peer_s": wall, "ratio": 1.0, "ratio_is": "wall time only",
             "note": "demo-llm deck, 20 steps, 2 ranks, random SmolLM2 weights"}
 

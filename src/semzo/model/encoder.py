@@ -402,7 +402,10 @@ def _fused_group(cur: list[tuple], h: int):
     """(w, b, views) when the (weight, bias) pairs ``cur`` of Q, K, V are rows j*h .. (j+1)*h of
     one (3h, h) buffer ``w`` and one (3h,) buffer ``b`` (any memory order), else None."""
     w, b = cur[0][0].base, cur[0][1].base
-    if w is None or b is None or tuple(w.shape) != (3 * h, h) or tuple(b.shape) != (3 * h,):
+    # a base that is no array is no fused buffer: CuPy's pinned host arrays (HostStore's,
+    # cupyx.empty_pinned) have a PinnedMemoryPointer as their base (first GPU run, 2026-11-27)
+    if not hasattr(w, "shape") or not hasattr(b, "shape") or \
+            tuple(w.shape) != (3 * h, h) or tuple(b.shape) != (3 * h,):
         return None
     for j, (wj, bj) in enumerate(cur):
         if wj.base is not w or bj.base is not b or tuple(wj.shape) != (h, h) or \
