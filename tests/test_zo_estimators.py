@@ -409,3 +409,23 @@ def test_defaults_learn_two_tasks(folders, kind):
     se = drops.std(ddof=1) / math.sqrt(SEEDS)
     assert (drops > 0).all(), drops
     assert drops.mean() > max(0.02, 5 * se), drops
+
+
+def test_scan_weighs_each_line_search_by_its_decrease():
+    """The scan's lr: the median of the line searches' minimizers weighted by the decrease per
+    unit lr each reached. The eight searches of a real scan (SmolLM2, law/education/drugs,
+    seed 0, 600 steps; log of 2026-11-26): two directions that barely lowered the loss stopped
+    at 1.9e-5 and 3.8e-5 and pulled the plain median down to 6.2e-4 (lr 1.5e-4); weighted,
+    the median is 1.23e-3, the minimizer of the three searches with the most signal."""
+    base = 0.89789
+    found = [(3.08e-4, 0.89468), (3.08e-4, 0.89680), (1.23e-3, 0.85892), (1.23e-3, 0.87130),
+             (2.46e-3, 0.77676), (1.92e-5, 0.89788), (3.84e-5, 0.89768),
+             (1.23e-3, 0.87526)]
+    picks = [lr for lr, _ in found]
+    weights = [(base - v) / lr for lr, v in found]
+    plain = autolr._median_log(picks)
+    assert 6.1e-4 < plain < 6.2e-4
+    assert autolr._weighted_median_log(picks, weights) == 1.23e-3
+    assert autolr._weighted_median_log([1.0, 2.0, 3.0], [1, 1, 1]) == 2.0
+    assert autolr._weighted_median_log([1.0, 2.0, 3.0], [1, 0, 5]) == 3.0
+    assert autolr._weighted_median_log([4.0, 1.0], [1, 1]) == 1.0        # the lower middle
