@@ -42,6 +42,16 @@ set -u -o pipefail
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
 
+# the working tree's own hash (tracked and untracked files git does not ignore, path and
+# content): the device tool copies the tree but not always the .git that names its commit
+# (the first GPU run's summaries read the session's first commit); `tools/gpu-check.sh
+# --tree-hash` here gives the hash of the tree at hand to compare with
+tree_hash() {
+  git -C "$ROOT" ls-files -z -co --exclude-standard 2>/dev/null | LC_ALL=C sort -z \
+    | (cd "$ROOT" && xargs -0 sha256sum 2>/dev/null) | sha256sum | cut -c1-12
+}
+if [ "${1:-}" = --tree-hash ]; then tree_hash; exit 0; fi
+
 OUTDIR=${1:-}
 if [ -z "$OUTDIR" ] || [ $# -gt 1 ]; then
   echo "usage: tools/gpu-check.sh OUTDIR   (one command: every phase; see the header)" >&2; exit 2
@@ -258,6 +268,7 @@ report_env() {
     echo "os: $(. /etc/os-release 2>/dev/null; echo "${PRETTY_NAME:-?}")"
     echo "glibc: $(ldd --version 2>/dev/null | head -1)"
     echo "git: $(git -C "$ROOT" log -1 --format='%h %s' 2>/dev/null || echo '?')"
+    echo "tree: $(tree_hash) ($(git -C "$ROOT" status --porcelain 2>/dev/null | wc -l) paths differ from that commit)"
     echo "prefix: $PREFIX"
     if command -v nvidia-smi >/dev/null; then
       nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 \
@@ -275,7 +286,7 @@ report_env() {
   } > "$ENV_TXT" 2>&1
   [ -s "$ENV_TXT" ] || { echo "- FAILED: no environment report"; return 1; }
   # what summary.md keeps of it: the machine, the stack, and every bound that differs
-  grep -E '^(date|mode|gpu|driver CUDA|cupy|cuda driver major|os|glibc|python|numpy|numba|torch|transformers|h5py|mpi|git|model |bounds)' \
+  grep -E '^(date|mode|gpu|driver CUDA|cupy|cuda driver major|os|glibc|python|numpy|numba|torch|transformers|h5py|mpi|git|tree|model |bounds)' \
     "$ENV_TXT" | sed 's/^/- /'
 }
 
@@ -396,7 +407,7 @@ phase() {
   echo
   echo "$( [ "$CPU" = 1 ] && echo "CPU rehearsal (SEMZO_GPU_KIT_CPU=1)" || echo GPU) run of" \
     "\`tools/gpu-check.sh\`, started $(date -u +%Y-%m-%dT%H:%M:%SZ), deadline ${DEADLINE} s," \
-    "commit $(git -C "$ROOT" log -1 --format=%h 2>/dev/null || echo '?')."
+    "commit $(git -C "$ROOT" log -1 --format=%h 2>/dev/null || echo '?'), tree $(tree_hash)."
   echo "Each phase below was appended when it ended. A skipped test, a phase that selected"
   echo "no test and a benchmark item without a figure count as failures. pytest -k:"
   echo "\`$SEMZO_GPU_KIT_K\`.${RESUME:+ Resumed from $RESUME: skipped$RESUMED.}"
