@@ -341,23 +341,31 @@ def _sizes(args):
     return (4, 16, 3) if args.cpu else (64, 128, 20)
 
 
-def bench_forward(args, dev, folder: Path, dtype: str, causal: bool = False) -> dict:
-    """semzo forward (hidden_states) against the transformers model on the same device."""
+def _forward_pair(args, dev, folder: Path, dtype: str, causal: bool):
+    """semzo's model and the transformers model of ``folder`` on one batch of :func:`_batch`:
+    (semzo's forward, torch's forward, the dtype both use, batch, length, repetitions)."""
     from semzo.model import load_model
     b, t, reps = _sizes(args)
-    ours_dt = "float32" if dev.cpu else dtype
-    m = load_model(folder, xp=dev.xp, dtype=ours_dt)
+    dt = "float32" if dev.cpu else dtype
+    m = load_model(folder, xp=dev.xp, dtype=dt)
     ids, mask, _ = _batch(dev, m.config.vocab_size, b, t)
     di, dm = dev.xp.asarray(ids), dev.xp.asarray(mask)
-    ours = dev.median(lambda: m.hidden_states(di, dm), reps)
-    tm = _torch_model(dev, folder, "float32" if dev.cpu else dtype, causal)
+    tm = _torch_model(dev, folder, dt, causal)
     body = getattr(tm, "model", tm) if causal else tm
     ti = dev.torch.as_tensor(ids, device=dev.tdev)
     tk = dev.torch.as_tensor(mask, device=dev.tdev)
+    return (lambda: m.hidden_states(di, dm)), (lambda: body(input_ids=ti, attention_mask=tk)), \
+        dt, b, t, reps
+
+
+def bench_forward(args, dev, folder: Path, dtype: str, causal: bool = False) -> dict:
+    """semzo forward (hidden_states) against the transformers model on the same device."""
+    ours_fn, peer_fn, dt, b, t, reps = _forward_pair(args, dev, folder, dtype, causal)
+    ours = dev.median(ours_fn, reps)
     with dev.torch.inference_mode():
-        peer = dev.median(lambda: body(input_ids=ti, attention_mask=tk), reps)
+        peer = dev.median(peer_fn, reps)
     return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
-            "note": f"batch {b}x{t}, semzo {ours_dt} vs torch {ours_dt}"}
+            "note": f"batch {b}x{t}, semzo {dt} vs torch {dt}"}
 
 
 def _kernel_profile(dev, fn, label: str, runs: int = 3) -> tuple[float, float]:
@@ -389,32 +397,22 @@ def bench_profile_forward(args, dev, folder: Path, dtype: str = "bfloat16") -> d
     on the first run): kernels per forward and device busy time, semzo and torch, with the
     busiest kernels of each in bench.log; then semzo's forward with float32 GEMMs on TF32
     tensor cores (CuPy's compute type), its time and its largest difference from float32."""
-    from semzo.model import load_model
-    b, t, reps = _sizes(args)
-    ours_dt = "float32" if dev.cpu else dtype
-    m = load_model(folder, xp=dev.xp, dtype=ours_dt)
-    ids, mask, _ = _batch(dev, m.config.vocab_size, b, t)
-    di, dm = dev.xp.asarray(ids), dev.xp.asarray(mask)
-    ours = dev.median(lambda: m.hidden_states(di, dm), reps)
-    nk, busy = _kernel_profile(dev, lambda: m.hidden_states(di, dm), "semzo forward")
-    tm = _torch_model(dev, folder, ours_dt, causal=True)
-    body = getattr(tm, "model", tm)
-    ti = dev.torch.as_tensor(ids, device=dev.tdev)
-    tk = dev.torch.as_tensor(mask, device=dev.tdev)
+    ours_fn, peer_fn, dt, b, t, reps = _forward_pair(args, dev, folder, dtype, causal=True)
+    ours = dev.median(ours_fn, reps)
+    nk, busy = _kernel_profile(dev, ours_fn, "semzo forward")
     with dev.torch.inference_mode():
-        peer = dev.median(lambda: body(input_ids=ti, attention_mask=tk), reps)
-        tnk, tbusy = _kernel_profile(dev, lambda: body(input_ids=ti, attention_mask=tk),
-                                     "torch forward")
+        peer = dev.median(peer_fn, reps)
+        tnk, tbusy = _kernel_profile(dev, peer_fn, "torch forward")
     tf32 = ""
     if not dev.cpu:
         try:
             from cupy._core import _routines_linalg as rl
-            ref = m.hidden_states(di, dm).astype(dev.xp.float32)
+            ref = ours_fn().astype(dev.xp.float32)
             old = rl.get_compute_type(dev.xp.dtype("float32"))
             rl.set_compute_type(dev.xp.dtype("float32"), rl.COMPUTE_TYPE_TF32)
             try:
-                t32 = dev.median(lambda: m.hidden_states(di, dm), reps)
-                got = m.hidden_states(di, dm).astype(dev.xp.float32)
+                t32 = dev.median(ours_fn, reps)
+                got = ours_fn().astype(dev.xp.float32)
             finally:
                 rl.set_compute_type(dev.xp.dtype("float32"), old)
             rel = float(dev.xp.abs(got - ref).max() / dev.xp.abs(ref).max())
@@ -422,7 +420,7 @@ def bench_profile_forward(args, dev, folder: Path, dtype: str = "bfloat16") -> d
         except Exception as exc:  # noqa: BLE001 - a probe: report, never fail the item
             tf32 = f"; TF32 probe failed: {type(exc).__name__}: {str(exc)[:120]}"
     return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
-            "note": f"batch {b}x{t} {ours_dt}: semzo {nk:.0f} kernels, device busy "
+            "note": f"batch {b}x{t} {dt}: semzo {nk:.0f} kernels, device busy "
                     f"{busy:.4g} s per forward; torch {tnk:.0f} kernels, busy {tbusy:.4g} s"
                     f"{tf32}"}
 
