@@ -237,6 +237,10 @@ def test_check_on_cpu(tmp_path, kit):
     assert "Failed or not run: checkpoint." in summary
     # env: the machine, the stack, the bounds of pyproject.toml
     assert "- mode: CPU rehearsal" in summary and "- mpi library: Open MPI" in summary
+    # the working tree's own hash beside the commit, the same as --tree-hash gives here
+    here = subprocess.run(["bash", str(CHECK), "--tree-hash"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert len(here) == 12 and f"- tree: {here} (" in summary and f"tree {here}." in summary
     assert "- bounds: no CuPy wheel installed" in summary
     assert "packages within pyproject.toml's bounds" in summary
     assert "- model minilm: random weights" in summary

@@ -415,7 +415,7 @@ phase() {
 } > "$SUMMARY"
 
 export ROOT OUTDIR CPU PREFIX KIT PY SETUP_LOG ENV_TXT WHAT SEMZO_GPU_KIT_K
-export -f log verify_kit install_py deb_x build_h5py h5py_mpi unpack_mpi fix_links setup_models \
+export -f log tree_hash verify_kit install_py deb_x build_h5py h5py_mpi unpack_mpi fix_links setup_models \
   pytest_phase bench_phase wait_h5py checkpoint_phase pipeline_phase report_env
 log "gpu-check into $OUTDIR (prefix $PREFIX, $( [ "$CPU" = 1 ] && echo CPU rehearsal || echo GPU), deadline ${DEADLINE}s)"
 phase setup 300 setup_phase
