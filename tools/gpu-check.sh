@@ -20,7 +20,8 @@
 #   bench-forward, bench-zo, bench-offload   torch on the same GPU as the peer
 #   pipeline    the 2-rank pipeline end to end with run.device = "gpu", the ZO modes at 1 and
 #               2 ranks (MPI and parallel h5py: last)
-#   bench-extra k-means, ZO pass and demo-llm benchmarks: only when named in PHASES
+#   bench-extra the forward's kernel profile, k-means, ZO pass and demo-llm benchmarks: only
+#               when named in PHASES
 #
 # A GPU test that skips counts as a failure, as does a phase that selects no test or a
 # benchmark item that gives no figure. OUTDIR gets at most 7 files: summary.md, env.txt,
