@@ -15,7 +15,12 @@ of logits took 450 ms after a torch call and 315 ms after its own). Prints both 
 load times, and the largest relative logits difference on the batch (on real tokens); the
 achieved GFLOP/s of each (2 x parameters x tokens, the issue-36 count: 275 GFLOP for SmolLM2
 at 8 x 128) and its share of a NumPy float32 sgemm of the model's largest shape (tokens x
-hidden x intermediate) measured in the same run on the same threads, and the CPU model.
+hidden x intermediate) measured in the same run on the same threads, and the CPU model. The
+sgemm is probed (best of 3) just before every timed call as well as 20 times after them: the
+reference is the best rate seen in the whole run, and each call's share of the probe just
+before it is printed too ("paired"), since on a shared host the sgemm rate moved between 158
+and 300 GFLOP/s within minutes (Intel Xeon, 2 cores, 2026-11-27), so a reference taken only
+after the forwards could land in a slow spell the forwards did not see, or the reverse.
 ``--profile``: one semzo forward under cProfile, the 20 functions with the most own time.
 
 ``--peer llamacpp`` (issue 36): llama.cpp's prompt processing as a second peer. The model is
@@ -118,22 +123,32 @@ def main() -> None:
     zr = run_ref().float().numpy()
     err = float(np.max(np.abs(z[valid] - zr[valid])) / np.max(np.abs(zr[valid])))
     del z, zr
+    n_par = ours.num_parameters(include_frozen=True)
+    tokens = args.batch * args.seq
+    c = ours.config
+    inter = getattr(c, "intermediate_size", 4 * c.hidden_size)
+    flop = 2.0 * n_par * tokens
+
+    def probe() -> float:                           # the sgemm rate just before a timed call
+        return sgemm_rate(tokens, c.hidden_size, inter, reps=3)
+
     times: dict[str, list[float]] = {"semzo": [], "torch": []}
+    paired: dict[str, list[float]] = {"semzo": [], "torch": []}   # share of the probe before
+    probes: list[float] = []
     per_round = -(-args.repeat // 2)
     for r in range(2):
         for name, fn in (("semzo", run_ours), ("torch", run_ref)):
             time.sleep(0.3)
             fn()                                    # the first call after a switch: untimed
             for _ in range(min(per_round, args.repeat - r * per_round)):
+                g = probe()
+                probes.append(g)
                 t0 = time.perf_counter()
                 fn()
-                times[name].append(time.perf_counter() - t0)
-    n_par = ours.num_parameters(include_frozen=True)
-    tokens = args.batch * args.seq
-    c = ours.config
-    inter = getattr(c, "intermediate_size", 4 * c.hidden_size)
-    gemm = max(sgemm_rate(tokens, c.hidden_size, inter, reps=10) for _ in range(2))
-    flop = 2.0 * n_par * tokens
+                dt = time.perf_counter() - t0
+                times[name].append(dt)
+                paired[name].append(flop / dt / 1e9 / g)
+    gemm = max(probes + [sgemm_rate(tokens, c.hidden_size, inter, reps=10) for _ in range(2)])
     if args.profile:
         import cProfile
         import pstats
@@ -155,9 +170,12 @@ def main() -> None:
         print(f"{k:6s} forward+logits: best {best[k] * 1e3:8.1f} ms, median {med[k] * 1e3:8.1f} "
               f"ms ({tokens / best[k]:.0f} tokens/s), {flop / best[k] / 1e9:.0f} GFLOP/s = "
               f"{flop / best[k] / 1e9 / gemm:.0%} of sgemm (median "
-              f"{flop / med[k] / 1e9 / gemm:.0%})")
+              f"{flop / med[k] / 1e9 / gemm:.0%}; paired with the sgemm just before each "
+              f"call: best {max(paired[k]):.0%}, median {statistics.median(paired[k]):.0%})")
     print(f"numpy sgemm {tokens}x{c.hidden_size}x{inter} float32, same threads, same run: "
-          f"{gemm:.0f} GFLOP/s (goal: semzo >= 85% of it); {flop / 1e9:.0f} GFLOP per forward")
+          f"{gemm:.0f} GFLOP/s, best of {len(probes)} probes between the timed calls and 20 "
+          f"after (probes: min {min(probes):.0f}, median {statistics.median(probes):.0f}); "
+          f"goal: semzo >= 85% of it; {flop / 1e9:.0f} GFLOP per forward")
     print(f"ratio torch/semzo: best {best['torch'] / best['semzo']:.2f}x, "
           f"median {med['torch'] / med['semzo']:.2f}x (goal >= 1.0x)")
     print(f"logits max relative difference semzo vs transformers: {err:.2e}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from types import ModuleType
@@ -102,14 +103,20 @@ def cpu_model() -> str:
     return "unknown"
 
 
+@functools.lru_cache(maxsize=4)
+def _sgemm_operands(m: int, k: int, n: int):
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((m, k), dtype=np.float32),
+            rng.standard_normal((n, k), dtype=np.float32), np.empty((m, n), dtype=np.float32))
+
+
 def sgemm_rate(m: int, k: int, n: int, reps: int = 20) -> float:
     """GFLOP/s of NumPy float32 (m, k) @ (k, n) with a transposed (n, k) weight, best of
-    ``reps``: the machine's matrix-multiply limit the benchmarks compare against."""
+    ``reps``: the machine's matrix-multiply limit the benchmarks compare against. The operands
+    are made once per shape, so a benchmark can sample the rate between its timed calls
+    (``bench/decoder.py`` does: on a shared host the rate moves by a third within minutes)."""
     import time
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((m, k), dtype=np.float32)
-    w = rng.standard_normal((n, k), dtype=np.float32)
-    out = np.empty((m, n), dtype=np.float32)
+    a, w, out = _sgemm_operands(m, k, n)
     np.matmul(a, w.T, out=out)
     best = float("inf")
     for _ in range(reps):
