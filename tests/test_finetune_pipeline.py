@@ -288,6 +288,46 @@ def test_finetune_stage_heldout_guard_rolls_back_to_best_h5(run):
         assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a), (at, best)
 
 
+def test_finetune_stage_validation_split_makes_the_decisions(run):
+    """train.val_fraction at 2 ranks, the guard's setting of the test above: the validation
+    split comes out of training, not out of the held-out split (the same held-out samples
+    as without it); every evaluation row holds both splits' figures; the held-out guard and
+    the best model follow the validation split, and the summary reports the best model's
+    held-out figure, the one of its own evaluation row."""
+    out, proc = _finetune_only(run, "out_val", run[0] / "bert", "train.params=head+last",
+                               "train.last_layers=1", "train.steps=24", "train.eval_every=4",
+                               "zo.mode=hybrid", "zo.lr=3.0", "zo.lr_rollback=0.1",
+                               "train.val_fraction=0.2")
+    first = _metrics(run[0] / "metrics_first.csv")
+    held_n = {r["heldout_n"] for r in first if r["kind"] == "eval"}
+    counts = re.search(r"(\d+) training / (\d+) held-out / (\d+) validation samples",
+                       proc.stderr)
+    assert counts, proc.stderr[-3000:]
+    n_train, n_held, n_val = map(int, counts.groups())
+    assert held_n == {str(n_held)} and n_val > 0 and n_train + n_held + n_val == 240
+    rows = [r for r in _metrics(out / "metrics.csv") if r["kind"] == "eval"]
+    assert [int(r["step"]) for r in rows] == list(range(0, 25, 4))
+    assert all(r["val_n"] == str(n_val) and r["heldout_n"] == str(n_held) for r in rows)
+    hits = re.findall(r"step (\d+): validation loss \S+ is more than 10 % above the lowest so "
+                      r"far \(\S+\): back to the best validation model \(step (\d+)",
+                      proc.stderr)
+    assert hits, proc.stderr[-3000:]
+    # the best model: the first evaluation of the highest validation accuracy (ties: the
+    # lower validation loss), among those the run had seen when it chose
+    best = None
+    for r in rows:
+        va, vl = float(r["val_acc"]), float(r["val_loss"])
+        if best is None or va > best[1] or (va == best[1] and vl < best[2]):
+            best = (int(r["step"]), va, vl, float(r["heldout_acc"]))
+    got = re.search(r"the best model on the validation split \(step (\d+), validation "
+                    r"accuracy (\S+), kept as \S+\): held-out (\S+)", proc.stderr)
+    assert got, proc.stderr[-3000:]
+    assert int(got.group(1)) == best[0] and float(got.group(2)) == pytest.approx(best[1],
+                                                                                abs=1e-4)
+    assert float(got.group(3)) == pytest.approx(best[3], abs=1e-4)
+    assert (out / "checkpoints" / "best.h5").is_file()
+
+
 @pytest.mark.parametrize("kind,task", [("llama", "lm"), ("llama_tied", "prompt")],
                          ids=["untied-lm", "tied-prompt"])
 def test_finetune_stage_streamed_with_deferred_rows_equals_three_pass(run, kind, task):

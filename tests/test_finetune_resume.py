@@ -251,7 +251,8 @@ def test_resume_with_another_seed_or_split_is_refused(base):
     _ft(base, 2, out, 5)
     written = (out / "model.h5").stat().st_mtime_ns
     with h5py.File(out / "checkpoints" / "ckpt-000000005.h5") as f:
-        assert '"split": {"heldout_fraction": 0.1, "seed": 0}' in f.attrs["model_meta"]
+        assert '"split": {"heldout_fraction": 0.1, "seed": 0, "val_fraction": 0.0}' in \
+            f.attrs["model_meta"]
     ck = "ckpt-000000005.h5: "
     cases = [("run.seed=1", ck + "run.seed = 0 in the checkpoint, 1 in this deck"),
              ("train.split_seed=7", ck + "train.split_seed: the held-out split was drawn with "
@@ -293,6 +294,15 @@ def test_split_of_older_checkpoints():
         check_same_seeds(ck(old), 4, 9, 0.25)
     new = '{"split": {"heldout_fraction": 0.1, "seed": 3}}'
     check_same_seeds(ck(old, new), 3, 3, 0.1)                     # model_meta comes first
+    # train.val_fraction: from model_meta, else the saved deck, else 0 (before it existed)
+    with pytest.raises(SemzoError, match="train.val_fraction = 0 in the checkpoint, 0.1 in"):
+        check_same_seeds(ck(old, new), 3, 3, 0.1, 0.1)
+    val = '{"split": {"heldout_fraction": 0.1, "seed": 3, "val_fraction": 0.15}}'
+    check_same_seeds(ck(old, val), 3, 3, 0.1, 0.15)
+    with pytest.raises(SemzoError, match="train.val_fraction = 0.15 in the checkpoint, 0 in "):
+        check_same_seeds(ck(old, val), 3, 3, 0.1)
+    with pytest.raises(SemzoError, match="train.val_fraction = 0.2 in the checkpoint"):
+        check_same_seeds(ck(old + "val_fraction = 0.2\n"), 3, 9, 0.25)
 
 
 @pytest.mark.parametrize("sig", ["SIGUSR1", "SIGTERM"])

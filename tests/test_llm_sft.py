@@ -183,6 +183,30 @@ def test_sft_generation_metrics(llama):
     assert all(len(e[2].split()) <= 4 for e in task.examples)
 
 
+def test_sft_validation_split(llama):
+    """train.val_fraction: the validation rows leave the held-out batches and the generation
+    subset; evaluating the validation split sums exactly its rows and generates nothing, and
+    the two splits' sums add up to the evaluation of all the rows."""
+    from semzo.finetune.loop import evaluate
+
+    _, whole = _sft(llama, SFT_RECS)
+    total = whole.eval_sums()
+    _, task = _sft(llama, SFT_RECS, gen_rows=[0, 1], gen_tokens=4, topo=SoloTopo())
+    is_val = np.zeros(len(SFT_RECS), bool)
+    is_val[1] = True
+    task.split_eval(is_val)
+    assert task.gen_rows.tolist() == [0]
+    assert sorted(int(r) for b in task.val_batches for r in b) == [1]
+    assert 1 not in [int(r) for b in task.eval_batches for r in b]
+    task.last_gen = None
+    val = evaluate(task, SoloTopo(), split="val")
+    assert task.last_gen is None                                 # no generation on it
+    test = evaluate(task, SoloTopo())
+    assert task.last_gen is not None and task.last_gen[2] == 1
+    assert val[2] + test[2] == total[2] > 0 and val[2] > 0
+    assert val[0] * val[2] + test[0] * test[2] == pytest.approx(total[0], rel=1e-5)
+
+
 # ----------------------------------------------------------------------------- choice
 def test_choice_scores_equal_transformers_log_likelihoods(llama):
     """Each choice's summed (and mean) log-likelihood after the prompt, for records of 2 and 3

@@ -37,6 +37,8 @@ CASES = [
      "train.task: lm fine-tuning needs a decoder in model.path, got an encoder"),
     ("no held-out samples", True, ["cluster.k=2", "train.heldout_fraction=1e-6"],
      "train.heldout_fraction: no held-out samples (1e-06 of 12 samples drew none)"),
+    ("no validation samples", True, ["cluster.k=2", "train.val_fraction=1e-6"],
+     "train.val_fraction: no validation samples (1e-06 of "),
     ("label word of two tokens", True, ["cluster.k=2", "model.path=smollm2",
                                         "train.task=\"prompt\""],
      "prompt.label_words: ' class0' (label 'class0') (default: the label names) is 2 tokens"),
@@ -95,7 +97,7 @@ def test_ranks_without_a_training_sample_are_named(caplog):
     d = deckmod.load(None, ["train.heldout_fraction=0.5"], check_inputs=False)
 
     def three_empty_ranks(counts):                  # this rank plus 3 with no sample
-        counts += np.array([0, 0, 0, 1, 1]) * 3
+        counts += np.array([0, 0, 0, 1, 1, 0]) * 3
 
     ids = np.arange(40)
     with caplog.at_level(logging.WARNING):

@@ -21,7 +21,7 @@ from semzo.finetune.loop import LoopConfig, TooManySkips, TrainState, train
 from semzo.finetune.schedule import lr_at
 from semzo.finetune.trainable import select_trainable
 from semzo.model import Tokenizer, load_model
-from semzo.preflight import heldout_mask
+from semzo.preflight import heldout_mask, validation_mask
 from semzo.tasks.base import pad_batch
 from semzo.tasks.classify import ClassifyTask, init_head_class_means
 from semzo.zo.engine import ZOEngine, param_checksum, step_seed
@@ -231,6 +231,13 @@ def test_seeds_and_data_order():
     h = heldout_mask(ids, 0, 0.1)
     assert 0.09 < h.mean() < 0.11
     assert np.array_equal(h[5000:6000], heldout_mask(ids[5000:6000], 0, 0.1))  # per id
+    # train.val_fraction: the next slice of the same hash, disjoint, the held-out rows as
+    # they were, per id (any rank count)
+    v = validation_mask(ids, 0, 0.1, 0.15)
+    assert not (h & v).any() and 0.14 < v.mean() < 0.16
+    assert np.array_equal(heldout_mask(ids, 0, 0.25), h | v)
+    assert np.array_equal(v[5000:6000], validation_mask(ids[5000:6000], 0, 0.1, 0.15))
+    assert not validation_mask(ids, 0, 0.1, 0.0).any()
     ids2, mask = pad_batch([np.array([5, 6, 7]), np.array([8])], 0)
     assert ids2.tolist() == [[5, 6, 7], [8, 0, 0]] and mask.sum() == 4
 

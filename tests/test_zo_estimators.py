@@ -297,6 +297,13 @@ def test_lr_rollback_setting(tmp_path):
     assert ZoSection(offload="host").lr_rollback_value == 0.0
     with pytest.raises(DeckError, match=r"zo.lr_rollback: the held-out guard needs periodic"):
         load(None, ["zo.lr_rollback=0.1", "train.eval_every=0"], check_inputs=False)
+    with pytest.raises(DeckError, match=r"train.val_fraction: a validation split is read by "
+                                        r"the periodic evaluations"):
+        load(None, ["train.val_fraction=0.1", "train.eval_every=0"], check_inputs=False)
+    with pytest.raises(DeckError, match=r"train.val_fraction: 0.5 with train.heldout_fraction "
+                                        r"= 0.5 leaves no training samples"):
+        load(None, ["train.val_fraction=0.5", "train.heldout_fraction=0.5"],
+             check_inputs=False)
     with pytest.raises(DeckError, match=r"zo.lr_rollback: not with zo.offload"):
         load(None, ["zo.lr_rollback=0.1", "train.eval_every=5", "zo.offload=\"host\""],
              check_inputs=False)

@@ -87,11 +87,33 @@ def embed_model_path(deck) -> tuple[str | None, str]:
 _DOMAIN_HELDOUT = 0x401D
 
 
-def heldout_mask(ids: np.ndarray, seed: int, fraction: float) -> np.ndarray:
-    """True for held-out samples: a hash of the sample id, below ``fraction``."""
+def _split_u(ids: np.ndarray, seed: int) -> np.ndarray:
+    """A uniform number in [0, 1) per sample id: a Philox hash of the id keyed by ``seed``
+    (the same for any rank count or order)."""
     u = np.asarray(ids, np.int64).view(np.uint64)
     x0, _ = philox_hash(u & np.uint64(0xFFFFFFFF), u >> np.uint64(32), 0, _DOMAIN_HELDOUT, seed)
-    return (np.asarray(x0, np.float64) * 2.0 ** -32) < fraction
+    return np.asarray(x0, np.float64) * 2.0 ** -32
+
+
+def heldout_mask(ids: np.ndarray, seed: int, fraction: float) -> np.ndarray:
+    """True for held-out samples: a hash of the sample id, below ``fraction``."""
+    return _split_u(ids, seed) < fraction
+
+
+def validation_mask(ids: np.ndarray, seed: int, heldout: float, fraction: float) -> np.ndarray:
+    """True for validation samples (``train.val_fraction``): the same hash as
+    :func:`heldout_mask`, in ``[heldout, heldout + fraction)``, so the held-out samples do not
+    change when a validation split is added, and the two never share a sample."""
+    u = _split_u(ids, seed)
+    return (u >= heldout) & (u < heldout + fraction)
+
+
+def split_masks(deck, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's (held-out, validation) masks of ``ids`` by the deck's ``[train]`` keys."""
+    t = deck.train
+    seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
+    return (heldout_mask(ids, seed, t.heldout_fraction),
+            validation_mask(ids, seed, t.heldout_fraction, t.val_fraction))
 
 
 def resolve_task(deck, model_kind: str) -> str:
@@ -113,13 +135,14 @@ def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_c
     held-out samples every evaluation would be nan and the run would still "succeed").
     Collective (``allreduce``: an in-place sum over the ranks); every rank raises together.
     The embed stage runs it too, on the corpus, when this run goes on to fine-tune.
-    Returns this rank's held-out mask and the numbers of training and held-out samples over
-    all ranks."""
+    With ``train.val_fraction`` the validation split is counted out of training and must
+    not be empty either. Returns this rank's held-out mask and the numbers of training and
+    held-out samples over all ranks."""
     t = deck.train
-    split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
-    held = heldout_mask(ids, split_seed, t.heldout_fraction)
-    counts = np.array([int((~held).sum()), int(held.sum()), int((labels < 0).sum()),
-                       int((~held).sum() == 0), 1], np.int64)
+    held, val = split_masks(deck, ids)
+    train = ~held & ~val
+    counts = np.array([int(train.sum()), int(held.sum()), int((labels < 0).sum()),
+                       int(train.sum() == 0), 1, int(val.sum())], np.int64)
     allreduce(counts)
     # ranks with no training sample idle through every step: said once, before the work
     # (the embed stage: fewer training samples than ranks) and where it happens (finetune)
@@ -140,6 +163,10 @@ def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_c
         raise AllRanksError(f"{deck.source}: train.heldout_fraction: no held-out samples "
                           f"({t.heldout_fraction:g} of {int(counts[0])} samples drew none); "
                           f"raise it or use a larger corpus")
+    if t.val_fraction > 0 and counts[5] == 0:
+        raise AllRanksError(f"{deck.source}: train.val_fraction: no validation samples "
+                            f"({t.val_fraction:g} of {int(counts[0])} samples drew none); "
+                            f"raise it or use a larger corpus")
     return held, int(counts[0]), int(counts[1])
 
 

@@ -154,6 +154,15 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     if d.zo.offload == "host" and d.zo.schedule != "streamed":
         raise DeckError(f"{d.source}: zo.offload: \"host\" streams stages and needs "
                         f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")
+    if d.train.val_fraction > 0:
+        if d.train.eval_every <= 0:
+            raise DeckError(f"{d.source}: train.val_fraction: a validation split is read by "
+                            f"the periodic evaluations (train.eval_every > 0), got "
+                            f"train.eval_every = {d.train.eval_every}")
+        if d.train.heldout_fraction + d.train.val_fraction >= 1.0:
+            raise DeckError(f"{d.source}: train.val_fraction: {d.train.val_fraction:g} with "
+                            f"train.heldout_fraction = {d.train.heldout_fraction:g} leaves no "
+                            f"training samples")
     if d.zo.lr_rollback != "auto" and float(d.zo.lr_rollback) > 0:
         if d.train.eval_every <= 0:
             raise DeckError(f"{d.source}: zo.lr_rollback: the held-out guard needs periodic "

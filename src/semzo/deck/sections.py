@@ -313,6 +313,16 @@ class TrainSection:
     heldout_fraction: float = key(0.1, "Share of samples held out for evaluation, chosen by a "
                                   "hash of the sample id (independent of the rank count).",
                                   min=0.0, max=0.9, min_excl=True)
+    val_fraction: float = key(0.0, "Share of samples set apart as a validation split (out "
+                              "of training, disjoint from the held-out split: the next "
+                              "`val_fraction` of the same hash, so the held-out samples are "
+                              "the same with or without it). With it, the periodic "
+                              "evaluations' decisions (the best model kept, the held-out "
+                              "guard of zo.lr_rollback) are made on the validation split and "
+                              "the held-out split only reports: the best model's held-out "
+                              "figure is then an unbiased estimate. 0 = no validation split "
+                              "(the decisions read the held-out split). Needs "
+                              "train.eval_every > 0.", min=0.0, max=0.5)
     split_seed: int = key(-1, "Seed of the held-out split (-1 = run.seed); `semzo experiment` "
                           "fixes it to the base run.seed so that every seed and configuration "
                           "is scored on the same held-out samples.", min=-1)

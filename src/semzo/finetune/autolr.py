@@ -294,7 +294,7 @@ def guard_update(state, loss: float, window: int) -> str:
 ROLLBACK_FACTOR = 0.5     # the lr scale after a rollback
 
 
-def heldout_update(state, loss: float, tol: float) -> str:
+def heldout_update(state, loss: float, tol: float, name: str = "held-out") -> str:
     """Feed one periodic held-out loss (allreduced: the same on every rank) into the held-out
     guard (``zo.lr_rollback`` = ``tol``); call it after the best-model hook has seen the
     evaluation. ``state.hl_ref`` is the lowest held-out loss since the start or the last
@@ -307,7 +307,8 @@ def heldout_update(state, loss: float, tol: float) -> str:
     recognition's trainers: a held-out loss that got worse rejects the steps since the best
     and halves the step.) A new best never trips it, so with ``train.eval_every`` the run
     goes back at most to a model the best-model hook kept. Deterministic in allreduced
-    numbers: every rank decides alike without a collective."""
+    numbers: every rank decides alike without a collective. ``name``: the split the loss is
+    of, for the message (``"validation"`` with ``train.val_fraction``)."""
     if state.best_step < 0:
         return ""
     ref = state.hl_ref if math.isfinite(state.hl_ref) else state.best_loss
@@ -322,7 +323,7 @@ def heldout_update(state, loss: float, tol: float) -> str:
     state.rollbacks += 1
     state.hl_ref = state.best_loss
     state.gw_n, state.gw_sum, state.gw_sq = 0, 0.0, 0.0     # the loss guard's open window
-    return (f"held-out loss {loss:.4f} is more than {100 * tol:g} % above the lowest so far "
-            f"({ref:.4f}): back to the best held-out model (step {state.best_step}, held-out "
+    return (f"{name} loss {loss:.4f} is more than {100 * tol:g} % above the lowest so far "
+            f"({ref:.4f}): back to the best {name} model (step {state.best_step}, {name} "
             f"loss {state.best_loss:.4f}); lr scale {old:.3g} -> {state.lr_scale:.3g} "
             f"(zo.lr_rollback)")

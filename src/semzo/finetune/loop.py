@@ -165,8 +165,10 @@ class TrainState:
     base_lr: float = -1.0          # the peak lr (zo.lr, or what its "auto" scan chose); -1: none
     forwards: int = 0              # forward passes of ZO steps (and the lr scan) on this rank
     best_step: int = -1            # the best held-out evaluation so far (-1: none)
-    best_acc: float = -1.0
-    best_loss: float = math.inf
+    best_acc: float = -1.0         # its figures on the split the choice reads (validation, if
+    best_loss: float = math.inf    # train.val_fraction, else held-out)
+    best_test_acc: float = -1.0    # and on the held-out split
+    best_test_loss: float = math.inf
     lr_scale: float = 1.0          # the loss guard's factor on the schedule's lr (autolr.py)
     gw_n: int = 0                  # the guard's current window: steps, sum, sum of squares
     gw_sum: float = 0.0
@@ -212,6 +214,8 @@ class TrainState:
                 best_step=int(d.get("best_step", -1)),
                 best_acc=float(d.get("best_acc", -1.0)),
                 best_loss=float(d.get("best_loss", math.inf)),
+                best_test_acc=float(d.get("best_test_acc", d.get("best_acc", -1.0))),
+                best_test_loss=float(d.get("best_test_loss", d.get("best_loss", math.inf))),
                 lr_scale=float(d.get("lr_scale", 1.0)), gw_n=int(d.get("gw_n", 0)),
                 gw_sum=float(d.get("gw_sum", 0.0)), gw_sq=float(d.get("gw_sq", 0.0)),
                 gw_best=float(d.get("gw_best", math.inf)),
@@ -232,8 +236,9 @@ def perplexity(task, loss: float) -> dict:
     return {"heldout_ppl": math.exp(min(loss, 700.0))}
 
 
-def evaluate(task: Task, topo, store=None) -> tuple[float, float, int]:
-    """Held-out (loss, accuracy, count) over all ranks. Collective over the world.
+def evaluate(task: Task, topo, store=None, split: str = "test") -> tuple[float, float, int]:
+    """Held-out (loss, accuracy, count) over all ranks (``split = "val"``: of the validation
+    split, :meth:`~semzo.tasks.base.Task.split_eval`). Collective over the world.
 
     ``store``: the engine's parameter store; an offloading one (``zo.offload = "host"``) keeps
     the parameters in host memory, so each evaluation batch then runs stage by stage through it
@@ -242,7 +247,11 @@ def evaluate(task: Task, topo, store=None) -> tuple[float, float, int]:
     if getattr(store, "offloads", False):
         def run(batch):
             return staged_score(store, task, batch)
-    sums = task.eval_sums(run)
+    if split == "test":
+        sums = task.eval_sums(run)
+    else:
+        with task.on_split(split):
+            sums = task.eval_sums(run)
     topo.allreduce(sums)
     n = float(sums[2])
     return (float(sums[0]) / n if n else math.nan, float(sums[1]) / n if n else math.nan, int(n))
@@ -274,6 +283,7 @@ class LoopConfig:
     lr_scan_fraction: float = 0.1
     guard: int = 0                 # the loss guard's window in steps (0 = off)
     rollback: float = 0.0          # the held-out guard's tolerance (0 = off)
+    validation: bool = False       # decisions on the validation split (train.val_fraction)
 
     @classmethod
     def from_deck(cls, deck) -> LoopConfig:
@@ -284,7 +294,7 @@ class LoopConfig:
                    checksum_every=z.checksum_every, max_skips=t.max_skips, history=z.history,
                    lr_scan_fraction=z.lr_scan_fraction,
                    guard=guard_window(z.lr_guard_name, t.steps),
-                   rollback=z.lr_rollback_value)
+                   rollback=z.lr_rollback_value, validation=t.val_fraction > 0)
 
 
 def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
@@ -303,7 +313,9 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
     ``cfg.eval_every`` steps), on every rank. ``on_step(state)`` is called on every rank after
     every completed step (the hook for periodic checkpoints; it may be collective).
     ``on_eval(state, loss, acc)`` after every periodic held-out evaluation (collective: the
-    best-checkpoint hook). ``on_rollback(state)``: puts the best held-out model's parameters
+    best-checkpoint hook); with ``cfg.validation`` the loss and accuracy are the validation
+    split's, which the best model and the held-out guard then follow, and the held-out
+    split's come as ``test=(loss, acc)``. ``on_rollback(state)``: puts the best held-out model's parameters
     back (collective) when the held-out guard (``cfg.rollback``, :func:`.autolr.heldout_update`)
     trips after an evaluation; without it the guard is off.
 
@@ -387,17 +399,30 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
         if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
             engine.flush()                 # evaluation sees the updated model
             loss, acc, n = evaluate(task, topo, engine.store)
+            row = {"kind": "eval", "step": done, "heldout_loss": loss, "heldout_acc": acc,
+                   "heldout_n": n, **perplexity(task, loss)}
+            sel = (loss, acc)              # what the best model and the guard follow
+            unit = {"lm": "tokens", "sft": "completion tokens"}.get(getattr(task, "kind", ""),
+                                                                   "samples")
+            if cfg.validation:
+                vl, va, vn = evaluate(task, topo, engine.store, "val")
+                row.update(val_loss=vl, val_acc=va, val_n=vn)
+                sel = (vl, va)
+                log.info("step %d: validation loss %.4f, accuracy %.4f (%d %s)", done, vl, va,
+                         vn, unit)
             if on_row is not None:
-                on_row({"kind": "eval", "step": done, "heldout_loss": loss, "heldout_acc": acc,
-                        "heldout_n": n, "elapsed_s": time.perf_counter() - t_start,
-                        "forwards": state.forwards, **perplexity(task, loss)})
+                on_row({**row, "elapsed_s": time.perf_counter() - t_start,
+                        "forwards": state.forwards})
             if on_eval is not None:
-                on_eval(state, loss, acc)
+                if cfg.validation:
+                    on_eval(state, *sel, test=(loss, acc))
+                else:
+                    on_eval(state, loss, acc)
             log.info("step %d: held-out loss %.4f, accuracy %.4f (%d %s)", done, loss,
-                     acc, n, {"lm": "tokens", "sft": "completion tokens"}.get(
-                         getattr(task, "kind", ""), "samples"))
+                     acc, n, unit)
             if cfg.rollback and on_rollback is not None:
-                msg = heldout_update(state, loss, cfg.rollback)
+                msg = heldout_update(state, sel[0], cfg.rollback,
+                                     "validation" if cfg.validation else "held-out")
                 if msg:
                     if topo.rank == 0:
                         log.warning("step %d: %s", done, msg)

@@ -33,7 +33,7 @@ from ..energy import EnergyMeter, Reading, powercap_root
 COLUMNS = ("kind", "step", "loss", "g", "lr", "compute_s", "comm_s", "skipped",
            "heldout_loss", "heldout_acc", "heldout_n", "sigma", "forwards", "elapsed_s",
            "samples_per_s", "tokens_per_s", "heldout_ppl", "energy_j", "cpu_energy_j",
-           "gpu_energy_j", "core_s")
+           "gpu_energy_j", "core_s", "val_loss", "val_acc", "val_n")
 
 
 class Metrics:

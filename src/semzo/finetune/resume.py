@@ -2,14 +2,15 @@
 
 A checkpoint's seed history and deferred update regenerate z from the stream of ``zo.dist``
 and ``run.seed``; its data cursors and the rows it trained on follow the held-out split
-(``train.split_seed``, or ``run.seed`` when that is -1, and ``train.heldout_fraction``). A
+(``train.split_seed``, or ``run.seed`` when that is -1, ``train.heldout_fraction`` and
+``train.val_fraction``). A
 resume under other values would silently train on another stream, or on rows that were
 held out before (and evaluate on rows it trained on), so each check here refuses the
 mismatch with one line naming the key (exit 2). Every rank holds the same loaded
 checkpoint, so every rank raises the same error.
 
 Where a value comes from: ``model_meta`` (``"zo": {"dist"}``, ``"split": {"seed",
-"heldout_fraction"}``), the saved ``TrainState``'s ``run_seed``, and for checkpoints written
+"heldout_fraction", "val_fraction"}``), the saved ``TrainState``'s ``run_seed``, and for checkpoints written
 before a value was recorded the saved deck; neither there: nothing to compare.
 """
 
@@ -93,9 +94,20 @@ def check_same_dist(loaded, dist: str) -> None:
                           f"{dist!r} in this deck; {_HINT}")
 
 
-def split_meta(split_seed: int, heldout_fraction: float) -> dict:
-    """``model_meta["split"]``: how the held-out rows were chosen."""
-    return {"seed": int(split_seed), "heldout_fraction": float(heldout_fraction)}
+def split_meta(split_seed: int, heldout_fraction: float, val_fraction: float = 0.0) -> dict:
+    """``model_meta["split"]``: how the held-out (and validation) rows were chosen."""
+    return {"seed": int(split_seed), "heldout_fraction": float(heldout_fraction),
+            "val_fraction": float(val_fraction)}
+
+
+def _saved_val_fraction(loaded) -> float:
+    """The checkpoint run's ``train.val_fraction``: ``model_meta["split"]``, else its deck's
+    key, else 0 (written before validation splits existed)."""
+    split = _meta(loaded).get("split")
+    if isinstance(split, dict) and isinstance(split.get("val_fraction"), (int, float)):
+        return float(split["val_fraction"])
+    v = _section(_saved_deck(loaded), "train").get("val_fraction", 0.0)
+    return float(v) if isinstance(v, (int, float)) else 0.0
 
 
 def _saved_split(loaded, run_seed: int | None) -> tuple[int | None, float | None]:
@@ -116,11 +128,13 @@ def _saved_split(loaded, run_seed: int | None) -> tuple[int | None, float | None
             float(frac) if isinstance(frac, (int, float)) else None)
 
 
-def check_same_seeds(loaded, run_seed: int, split_seed: int, heldout_fraction: float) -> None:
+def check_same_seeds(loaded, run_seed: int, split_seed: int, heldout_fraction: float,
+                     val_fraction: float = 0.0) -> None:
     """Refuse (one line naming the key, exit 2) a checkpoint written under another
     ``run.seed`` (the z stream of every step and the data order derive from it), another
-    held-out split seed (``train.split_seed``, or ``run.seed`` when it is -1) or another
-    ``train.heldout_fraction`` (either would move training rows into the held-out set)."""
+    held-out split seed (``train.split_seed``, or ``run.seed`` when it is -1), another
+    ``train.heldout_fraction`` (either would move training rows into the held-out set) or
+    another ``train.val_fraction`` (training rows into the validation set, or back)."""
     saved_run = loaded.state.get("run_seed")
     saved_run = None if saved_run is None else int(saved_run)
     if saved_run is not None and saved_run != int(run_seed):
@@ -136,6 +150,11 @@ def check_same_seeds(loaded, run_seed: int, split_seed: int, heldout_fraction: f
         raise _deck_error(f"{loaded.path}: train.heldout_fraction = {frac:g} in the "
                           f"checkpoint, {float(heldout_fraction):g} in this deck (another "
                           f"held-out split); {_HINT}")
+    vfrac = _saved_val_fraction(loaded)
+    if vfrac != float(val_fraction):
+        raise _deck_error(f"{loaded.path}: train.val_fraction = {vfrac:g} in the checkpoint, "
+                          f"{float(val_fraction):g} in this deck (another validation split); "
+                          f"{_HINT}")
 
 
 def _plain(v):

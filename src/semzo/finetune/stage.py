@@ -32,7 +32,7 @@ from ..h5io import create_collective, row_range, string_array, write_slab
 from ..model import Tokenizer, load_model
 from ..model.storage import BF16, storage_name
 from ..model.zoo import folder_checksum
-from ..preflight import check_samples, resolve_task
+from ..preflight import check_samples, resolve_task, split_masks
 from ..runtime import SemzoError, get_logger
 from ..tasks.choice import build_choice_task
 from ..tasks.classify import (
@@ -108,6 +108,10 @@ def run_finetune_stage(ctx) -> dict:
     n_classes = len(rows.label_names)
     held, n_train, n_held = check_samples(deck, task_kind, rows.ids, rows.labels, n_classes,
                                           topo.allreduce)
+    # train.val_fraction: a validation split out of training; the tasks are built with the
+    # held-out and the validation rows as evaluation rows, then set the validation ones apart
+    val = split_masks(deck, rows.ids)[1]
+    validation = t.val_fraction > 0
     if task_kind == "classify":
         model.add_classifier(n_classes, init="zeros" if use_emb else "normal",
                              seed=deck.run.seed, normalize=True)
@@ -115,11 +119,11 @@ def run_finetune_stage(ctx) -> dict:
                              deck.run.seed, targets=t.lora_targets, src=deck.source,
                              lora_layers=t.lora_layers)
     if task_kind == "classify" and use_emb:
-        train_rows = ~held
+        train_rows = ~held & ~val
         init_head_class_means(model, rows.embeddings[train_rows], rows.labels[train_rows],
                               n_classes, t.head_scale, topo)
     max_len = t.max_length or deck.model.max_length
-    train_idx, held_idx = np.flatnonzero(~held), np.flatnonzero(held)
+    train_idx, held_idx = np.flatnonzero(~held & ~val), np.flatnonzero(held | val)
     head_only = task_kind == "classify" and all(n.startswith("classifier.") for n in names)
     if task_kind == "prompt":
         task = build_prompt_task(ctx, model, names, rows, train_idx, held_idx, max_len,
@@ -165,6 +169,9 @@ def run_finetune_stage(ctx) -> dict:
             task = ClassifyTask(model, seqs, rows.labels, train_idx, held_idx, tok.pad_id,
                                 t.eval_batch_size)
 
+    if validation:
+        task.split_eval(val)
+    n_val = int(topo.allreduce(np.array([int(val.sum())], np.int64))[0]) if validation else 0
     steps = t.steps
     if t.max_epochs > 0:
         per_epoch = n_train / (topo.size * t.batch_size)
@@ -185,12 +192,13 @@ def run_finetune_stage(ctx) -> dict:
     n_tr = engine.n_trainable
     n_all = model.num_parameters(include_frozen=True)
     log.info("finetune: task %s, %s model, trainable %s: %d tensors, %d of %d parameters "
-             "(%.2f%%); %d training / %d held-out samples; mode %s (%d seed group%s), "
+             "(%.2f%%); %d training / %d held-out%s samples; mode %s (%d seed group%s), "
              "batch %d per rank, max_length %d, %d steps, lr %s (%s), eps %.1e, z %s, "
              "estimator %s",
              task_kind, model.kind, t.params if t.params != "head+last"
              else f"head+last:{t.last_layers}", len(names), n_tr, n_all,
-             100.0 * n_tr / max(n_all, 1), n_train, n_held, z.mode, engine.n_groups,
+             100.0 * n_tr / max(n_all, 1), n_train, n_held,
+             f" / {n_val} validation" if validation else "", z.mode, engine.n_groups,
              "s" if engine.n_groups > 1 else "", t.batch_size, max_len, steps,
              z.lr if z.lr == "auto" else f"{z.lr:.2e}", schedule_name(deck), z.eps, z.dist_name,
              z.estimator_name if z.estimator_name == "mezo" else
@@ -203,12 +211,14 @@ def run_finetune_stage(ctx) -> dict:
     add_row = metered(metrics.add, meter)
     # what the held-out count counts
     unit = {"lm": "tokens", "sft": "completion tokens"}.get(task_kind, "samples")
+    val_before = None
     if before is None:
         before = evaluate(task, topo, engine.store)
         if resumed_from is None:
+            val_before = _validate(task, topo, engine, validation, state.step)
             add_row({"kind": "eval", "step": state.step, "heldout_loss": before[0],
-                         "heldout_acc": before[1], "heldout_n": before[2],
-                         **perplexity(task, before[0])})
+                     "heldout_acc": before[1], "heldout_n": before[2],
+                     **perplexity(task, before[0]), **_val_row(val_before)})
         log.info("held-out before fine-tuning%s: loss %.4f, accuracy %.4f (%d " + unit + ")",
                  (" (ZERO-SHOT, the prompt alone)" if task_kind in ("prompt", "choice") else "")
                  if resumed_from is None else f" (at the resumed step {resumed_from})", *before)
@@ -231,7 +241,8 @@ def run_finetune_stage(ctx) -> dict:
                        flush=engine.flush, before=before, rows=metrics,
                        keep_best=t.eval_every > 0, by="loss" if task_kind == "lm" else "acc")
     if state.step == 0:                          # the model before training is a candidate
-        saver.on_eval(state, before[0], before[1])
+        _candidate(saver, state, before, val_before or _validate(task, topo, engine,
+                                                                 validation, state.step))
     on_rollback = None
     if cfg.rollback and saver.keep_best:
         def on_rollback(st: TrainState) -> None:
@@ -252,13 +263,14 @@ def run_finetune_stage(ctx) -> dict:
                         f"step {state.step} of {steps}, checkpoint {ck.last_path} written; "
                         f"the same command with --resume continues")
     after = evaluate(task, topo, engine.store)
+    val_after = _validate(task, topo, engine, validation, state.step)
     used = meter.read()
     metrics.add({"kind": "eval", "step": state.step, "heldout_loss": after[0],
                  "heldout_acc": after[1], "heldout_n": after[2],
                  "elapsed_s": time.perf_counter() - t0, "forwards": state.forwards,
-                 **perplexity(task, after[0]), **used.row()})
+                 **perplexity(task, after[0]), **used.row(), **_val_row(val_after)})
     meter.close()
-    saver.on_eval(state, after[0], after[1])
+    _candidate(saver, state, after, val_after)
     saver.close()
     if t.save != "none":
         save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after,
@@ -293,7 +305,7 @@ def run_finetune_stage(ctx) -> dict:
         out["heldout ppl after"] = math.exp(min(after[0], 700.0))
     out.update(energy_summary(used, meter))
     out.update(_summary_best(state, before, after, task_kind, t.eval_every > 0, ck,
-                             topo.rank == 0))
+                             topo.rank == 0, validation))
     if resumed_from is not None:
         out["resumed from step"] = resumed_from
     files = [p for p in ("model.h5", "metrics.csv", "loss.png", "accuracy.png")
@@ -328,16 +340,50 @@ def _clip(s: str, n: int = 160) -> str:
     return s if len(s) <= n else s[:n - 3] + "..."
 
 
+def _validate(task, topo, engine, validation: bool, step: int):
+    """The validation split's (loss, accuracy, count) with ``train.val_fraction``, else None.
+    Collective."""
+    if not validation:
+        return None
+    got = evaluate(task, topo, engine.store, "val")
+    log.info("validation at step %d: loss %.4f, accuracy %.4f (%d)", step, *got)
+    return got
+
+
+def _val_row(val) -> dict:
+    return {} if val is None else {"val_loss": val[0], "val_acc": val[1], "val_n": val[2]}
+
+
+def _candidate(saver, state, test, val) -> None:
+    """The model before or after training as a candidate for the best one: by its held-out
+    figures ``test``, or with a validation split by its validation figures ``val``."""
+    if val is None:
+        saver.on_eval(state, test[0], test[1])
+    else:
+        saver.on_eval(state, val[0], val[1], test=(test[0], test[1]))
+
+
 def _summary_best(state: TrainState, before, after, task_kind: str, evals: bool, ck,
-                  speak: bool = True) -> dict:
+                  speak: bool = True, validation: bool = False) -> dict:
     """The final and the best held-out metric and their steps (logged, and for the stage's
-    summary), and a warning when the final model is worse than the one before training."""
+    summary), and a warning when the final model is worse than the one before training.
+    With a validation split the best model is the best on it, and its held-out figure is
+    reported beside its validation figure."""
     lm = task_kind == "lm"
     name = "loss" if lm else "accuracy"
     fin = float(after[0] if lm else after[1])
     zero = float(before[0] if lm else before[1])
     out = {f"final heldout {'loss' if lm else 'acc'}": fin, "final step": state.step}
-    if evals and state.best_step >= 0:
+    if evals and state.best_step >= 0 and validation:
+        best = state.best_test_loss if lm else state.best_test_acc
+        vbest = state.best_loss if lm else state.best_acc
+        log.info("held-out %s: final %.4f (step %d); the best model on the validation split "
+                 "(step %d, validation %s %.4f, kept as %s): held-out %.4f", name, fin,
+                 state.step, state.best_step, name, vbest, ck.dir / "best.h5", best)
+        out[f"best heldout {'loss' if lm else 'acc'}"] = float(best)
+        out[f"best validation {'loss' if lm else 'acc'}"] = float(vbest)
+        out["best step"] = state.best_step
+    elif evals and state.best_step >= 0:
         best = state.best_loss if lm else state.best_acc
         log.info("held-out %s: final %.4f (step %d), best %.4f (step %d, kept as %s)", name,
                  fin, state.step, best, state.best_step, ck.dir / "best.h5")
@@ -407,7 +453,7 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
                   "estimator": deck.zo.estimator_name, "directions": deck.zo.directions}
     t = deck.train                                        # the held-out split it trained beside
     split_seed = t.split_seed if t.split_seed >= 0 else deck.run.seed
-    meta["split"] = split_meta(split_seed, t.heldout_fraction)
+    meta["split"] = split_meta(split_seed, t.heldout_fraction, t.val_fraction)
     ck = Checkpointer(topo, deck.checkpoint, deck.run.output_dir, deck.to_toml(),
                       shards_path=ctx.path("shards.h5"), model_meta=meta)
     state = TrainState(run_seed=deck.run.seed)
@@ -424,7 +470,7 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     check_same_dist(loaded, meta["zo"]["dist"])
     check_same_task(loaded, deck)
     check_same_estimator(loaded, deck.zo.estimator_name, deck.zo.directions)
-    check_same_seeds(loaded, deck.run.seed, split_seed, t.heldout_fraction)
+    check_same_seeds(loaded, deck.run.seed, split_seed, t.heldout_fraction, t.val_fraction)
     missing = sorted(set(names) - set(loaded.params))
     extra = sorted(set(loaded.params) - set(names))
     bad = [n for n in names if n in loaded.params and
@@ -550,16 +596,22 @@ class _StepSaver:
         else:
             self.ck.poll()
 
-    def on_eval(self, state: TrainState, loss: float, acc: float) -> None:
+    def on_eval(self, state: TrainState, loss: float, acc: float, test=None) -> None:
         """After a held-out evaluation (the parameters flushed): a new best (``by``: "acc",
         ties broken by the loss, or "loss") is recorded in the state and written to
-        ``best.h5``. Collective (every rank holds the same evaluation)."""
+        ``best.h5``. With a validation split, ``loss`` and ``acc`` are its figures (the
+        choice reads them) and ``test`` the held-out (loss, accuracy). Collective (every rank
+        holds the same evaluation)."""
         if not self.keep_best or not state.better(loss, acc, self.by):
             return
+        tl, ta = (loss, acc) if test is None else test
         state.best_step, state.best_acc, state.best_loss = state.step, float(acc), float(loss)
+        state.best_test_acc, state.best_test_loss = float(ta), float(tl)
         self.flush()
         params, d, per_rank, metrics = self._payload(state)
-        metrics.update({"heldout_loss": float(loss), "heldout_acc": float(acc)})
+        metrics.update({"heldout_loss": float(tl), "heldout_acc": float(ta)})
+        if test is not None:
+            metrics.update({"val_loss": float(loss), "val_acc": float(acc)})
         self.ck.save_best(state.step, params, d, per_rank, self.extras, metrics)
 
     def rollback(self, state: TrainState, engine) -> None:

@@ -8,6 +8,8 @@ A task knows the model and the rank's token sequences; it knows nothing of the o
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 
 
@@ -52,6 +54,10 @@ class Task:
     """
 
     tied_head = False
+    #: evaluation batches of the validation split (``train.val_fraction``; :meth:`split_eval`)
+    val_batches: tuple | list = ()
+    #: the split :meth:`eval_sums` reads now: "test" (the held-out one) or "val"
+    evaluating = "test"
 
     def __init__(self, model, seqs: list[np.ndarray], labels: np.ndarray,
                  train_rows: np.ndarray, heldout_rows: np.ndarray, pad_id: int,
@@ -62,6 +68,35 @@ class Task:
         order = sorted(heldout_rows.tolist(), key=lambda r: -len(seqs[r]))
         self.eval_batches = [np.array(order[i:i + eval_batch_size], np.int64)
                              for i in range(0, len(order), eval_batch_size)]
+
+    def split_eval(self, is_val: np.ndarray) -> None:
+        """Set the validation rows (``is_val[row]``) apart: the task was built with the
+        held-out and the validation rows as its evaluation rows; ``eval_batches`` keeps the
+        held-out ones, ``val_batches`` gets the others, each batch's rows in the task's own
+        order (so a batch is never split across the two)."""
+        test, val = [], []
+        for b in self.eval_batches:
+            b = np.asarray(b, np.int64)
+            m = np.asarray(is_val, bool)[b]
+            if (~m).any():
+                test.append(b[~m])
+            if m.any():
+                val.append(b[m])
+        self.eval_batches, self.val_batches = test, val
+
+    @contextmanager
+    def on_split(self, name: str):
+        """Within the block, :meth:`eval_sums` reads the ``"val"`` (validation) batches
+        instead of the held-out ones (``"test"``: no change)."""
+        if name == "test":
+            yield self
+            return
+        keep = self.eval_batches
+        self.eval_batches, self.evaluating = self.val_batches, "val"
+        try:
+            yield self
+        finally:
+            self.eval_batches, self.evaluating = keep, "test"
 
     def batch(self, positions: np.ndarray):
         """Prepared inputs of training rows ``train_rows[positions]``."""

@@ -162,9 +162,13 @@ class SFTTask(PrefixCached, Task):
                 continue
             loss, acc = self.eval_batch(rows) if run is None else run(b)
             out += (loss * cnt, round(acc * cnt), cnt)
-        if self.topo is not None and run is None:
-            self.generation_metrics()
+        if self.topo is not None and run is None and self.evaluating == "test":
+            self.generation_metrics()          # of held-out records only, never validation
         return out
+
+    def split_eval(self, is_val: np.ndarray) -> None:
+        super().split_eval(is_val)
+        self.gen_rows = self.gen_rows[~np.asarray(is_val, bool)[self.gen_rows]]
 
     # ------------------------------------------------------------------ generations
     def prompt_of(self, r: int) -> np.ndarray:
