@@ -288,41 +288,6 @@ def test_heldout_guard_rolls_back_on_a_clear_rise_only():
     assert (d.hl_ref, d.rollbacks, d.lr_scale) == (1.3, 2, 0.25)
 
 
-def test_lr_grows_on_new_best_losses_until_a_guard_cuts_it():
-    """zo.lr_grow: a new best model with the lowest loss so far multiplies the lr scale by
-    the factor, capped at 1 / SAFETY; a new best by accuracy whose loss is not the lowest, an
-    evaluation that is not a new best, and any evaluation after a guard lowered the lr (the
-    held-out guard's rollback, the loss guard's cut) leave it; checkpointed."""
-    s = _hl_state(0, 1.0, 25)
-    s.best_step, s.best_loss = 25, 0.9                                       # new best, lower
-    assert autolr.heldout_update(s, 0.9, 0.1) == ""
-    msg = autolr.grow_update(s, 0.9, 2.0 ** 0.5)
-    assert "lr scale 1 -> 1.41 (zo.lr_grow)" in msg and s.lr_scale == 2.0 ** 0.5
-    s.step = 50                                                              # not a new best
-    assert autolr.heldout_update(s, 0.95, 0.1) == "" and autolr.grow_update(s, 0.95, 2) == ""
-    s.step, s.best_step, s.best_loss = 75, 75, 0.97                          # best by accuracy
-    assert autolr.heldout_update(s, 0.97, 0.1) == ""
-    assert autolr.grow_update(s, 0.97, 2.0) == "" and s.lr_scale == 2.0 ** 0.5
-    for step, loss in ((100, 0.8), (125, 0.7), (150, 0.6)):                  # to the cap
-        s.step, s.best_step, s.best_loss = step, step, loss
-        assert autolr.heldout_update(s, loss, 0.1) == ""
-        autolr.grow_update(s, loss, 2.0 ** 0.5)
-    assert s.lr_scale == autolr.GROW_CAP == 1 / autolr.SAFETY
-    assert autolr.grow_update(s, 0.6, 2.0) == ""
-    assert TrainState.from_dict(s.to_dict()).grow_off == 0
-    s.step = 175
-    assert autolr.heldout_update(s, 0.9, 0.1) != ""                          # rollback
-    assert s.grow_off == 1 and s.lr_scale == autolr.GROW_CAP / 2
-    s.step, s.best_step, s.best_loss = 200, 200, 0.5
-    assert autolr.heldout_update(s, 0.5, 0.1) == "" and autolr.grow_update(s, 0.5, 2) == ""
-    assert TrainState.from_dict(s.to_dict()).grow_off == 1
-    g = _hl_state(0, 1.0, 25)                                                # the loss guard
-    for x in [1.0] * 5 + [2.0] * 5:
-        autolr.guard_update(g, x, 5)
-    assert g.lr_scale == 0.5 and g.grow_off == 1
-    assert autolr.grow_update(_hl_state(25, 0.5, 25, hl_ref=0.5), 0.5, 1.0) == ""  # off
-
-
 def test_lr_rollback_setting(tmp_path):
     from semzo.deck import DeckError, load
 
@@ -339,13 +304,6 @@ def test_lr_rollback_setting(tmp_path):
                                         r"= 0.5 leaves no training samples"):
         load(None, ["train.val_fraction=0.5", "train.heldout_fraction=0.5"],
              check_inputs=False)
-    assert ZoSection().lr_grow_value == 2.0 ** 0.5                # lr auto: on
-    assert ZoSection(lr=0.01).lr_grow_value == 1.0                # a fixed lr: off
-    assert ZoSection(lr_rollback=0.0).lr_grow_value == 1.0        # no guard: off
-    assert ZoSection(lr_grow=1.2).lr_grow_value == 1.2
-    with pytest.raises(DeckError, match=r"zo.lr_grow: the lr grows only under the held-out "
-                                        r"guard .* zo.lr_rollback = 0, train.eval_every = 5"):
-        load(None, ["zo.lr=0.01", "zo.lr_grow=1.5", "train.eval_every=5"], check_inputs=False)
     with pytest.raises(DeckError, match=r"zo.lr_rollback: not with zo.offload"):
         load(None, ["zo.lr_rollback=0.1", "train.eval_every=5", "zo.offload=\"host\""],
              check_inputs=False)

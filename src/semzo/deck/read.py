@@ -163,11 +163,6 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
             raise DeckError(f"{d.source}: train.val_fraction: {d.train.val_fraction:g} with "
                             f"train.heldout_fraction = {d.train.heldout_fraction:g} leaves no "
                             f"training samples")
-    if d.zo.lr_grow != "auto" and float(d.zo.lr_grow) > 1 and (
-            d.zo.lr_rollback_value <= 0 or d.train.eval_every <= 0):
-        raise DeckError(f"{d.source}: zo.lr_grow: the lr grows only under the held-out guard "
-                        f"(zo.lr_rollback > 0 and train.eval_every > 0), got zo.lr_rollback = "
-                        f"{d.zo.lr_rollback_value:g}, train.eval_every = {d.train.eval_every}")
     if d.zo.lr_rollback != "auto" and float(d.zo.lr_rollback) > 0:
         if d.train.eval_every <= 0:
             raise DeckError(f"{d.source}: zo.lr_rollback: the held-out guard needs periodic "

@@ -30,7 +30,6 @@ def key(default: Any, doc: str, *, choices: tuple | None = None, min: float | No
 
 
 ROLLBACK_AUTO = 0.1      # zo.lr_rollback = "auto" with zo.lr = "auto": a 10 % rise
-GROW_AUTO = 2.0 ** 0.5   # zo.lr_grow = "auto" under the held-out guard: x sqrt(2) per new best
 STAGES = ("topology", "embed", "cluster", "place", "finetune")
 
 
@@ -190,14 +189,6 @@ class ZoSection:
                              "run (logged; kept in checkpoints). 0 = off; `auto` = 0.1 when "
                              "`lr` is `auto` and evaluations are on, off for a fixed lr. Not "
                              "with `offload = \"host\"`.", min=0.0, kind="float_or_auto")
-    lr_grow: float = key("auto", "Under the held-out guard (`lr_rollback` > 0): each periodic "
-                         "evaluation that finds a new best model with the lowest held-out "
-                         "(validation, with train.val_fraction) loss so far multiplies the "
-                         "lr by this factor, up to 4 x the peak lr (the inverse of the "
-                         "`auto` scan's safety factor), until a guard first lowers the lr; "
-                         "from then on it stays as the guards leave it (logged; kept in "
-                         "checkpoints). 1 = off; `auto` = sqrt(2) when the held-out guard is "
-                         "on, else off.", min=1.0, kind="float_or_auto")
     lr_scan_fraction: float = key(0.1, "`lr = \"auto\"`: the scan's forward passes at most this "
                                   "fraction of the run's.", min=0.0, max=0.5, min_excl=True)
     weight_decay: float = key(0.0, "Weight decay (not on biases and LayerNorm weights).",
@@ -258,14 +249,6 @@ class ZoSection:
         if self.lr_rollback != "auto":
             return float(self.lr_rollback)
         return ROLLBACK_AUTO if self.lr == "auto" and self.offload != "host" else 0.0
-
-    @property
-    def lr_grow_value(self) -> float:
-        """The growth factor (``auto`` resolved: sqrt(2) when the held-out guard is on, else
-        1 = off)."""
-        if self.lr_grow != "auto":
-            return float(self.lr_grow)
-        return GROW_AUTO if self.lr_rollback_value > 0 else 1.0
 
     @property
     def dist_name(self) -> str:

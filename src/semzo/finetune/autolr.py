@@ -282,7 +282,6 @@ def guard_update(state, loss: float, window: int) -> str:
     if mean > lim:
         old = state.lr_scale
         state.lr_scale *= GUARD_FACTOR
-        state.grow_off = 1                 # the lr found its limit: zo.lr_grow stops
         return (f"training loss rose: this window's mean {mean:.4f} > the best window's "
                 f"{state.gw_best:.4f} by more than {GUARD_Z:g} standard errors and "
                 f"{100 * GUARD_REL:g} %; lr scale {old:.3g} -> {state.lr_scale:.3g} "
@@ -322,33 +321,9 @@ def heldout_update(state, loss: float, tol: float, name: str = "held-out") -> st
     old = state.lr_scale
     state.lr_scale *= ROLLBACK_FACTOR
     state.rollbacks += 1
-    state.grow_off = 1                     # the lr found its limit: zo.lr_grow stops
     state.hl_ref = state.best_loss
     state.gw_n, state.gw_sum, state.gw_sq = 0, 0.0, 0.0     # the loss guard's open window
     return (f"{name} loss {loss:.4f} is more than {100 * tol:g} % above the lowest so far "
             f"({ref:.4f}): back to the best {name} model (step {state.best_step}, {name} "
             f"loss {state.best_loss:.4f}); lr scale {old:.3g} -> {state.lr_scale:.3g} "
             f"(zo.lr_rollback)")
-
-
-# ----------------------------------------------------------------------------- growth
-GROW_CAP = 1.0 / SAFETY   # the lr scale zo.lr_grow reaches at most: the scan's minimizer
-
-
-def grow_update(state, loss: float, grow: float, name: str = "held-out") -> str:
-    """``zo.lr_grow`` after a periodic evaluation that did not roll back (call it after
-    :func:`heldout_update`): when this evaluation is a new best model (``state.best_step``
-    is this step) whose loss is the lowest so far (``state.hl_ref``), no guard has lowered
-    the lr yet (``state.grow_off``) and the scale is below :data:`GROW_CAP`, the lr scale is
-    multiplied by ``grow`` (at most to the cap) and a message for the log is returned; else
-    "". The scan's lr is its line searches' minimizer times :data:`SAFETY`; this gives the
-    safety factor back step by step while the held-out (validation) loss confirms it, and the
-    guards' first cut ends it, so a run whose scan chose too small a step is not held there
-    for good. Deterministic in allreduced numbers: every rank decides alike."""
-    if grow <= 1.0 or state.grow_off or state.best_step != state.step or \
-            state.lr_scale >= GROW_CAP or not (math.isfinite(loss) and loss <= state.hl_ref):
-        return ""
-    old = state.lr_scale
-    state.lr_scale = min(GROW_CAP, state.lr_scale * grow)
-    return (f"a new best model and the lowest {name} loss so far ({loss:.4f}): lr scale "
-            f"{old:.3g} -> {state.lr_scale:.3g} (zo.lr_grow)")

@@ -25,7 +25,7 @@ from ..runtime import EXIT_FAILURE, SemzoError, get_logger
 from ..tasks.base import Task
 from ..zo.engine import ZOEngine
 from ..zo.streamed import staged_loss, staged_score, step_streamed
-from .autolr import grow_update, guard_update, guard_window, heldout_update, scan_lr
+from .autolr import guard_update, guard_window, heldout_update, scan_lr
 from .data import Batcher
 from .schedule import lr_at
 
@@ -178,7 +178,6 @@ class TrainState:
     gw_windows: int = 0            # windows so far
     hl_ref: float = math.inf       # the held-out guard's reference loss (autolr.py)
     rollbacks: int = 0             # the held-out guard's rollbacks so far
-    grow_off: int = 0              # 1 once a guard lowered the lr: zo.lr_grow stops
     hist_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     hist_seed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     hist_g: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
@@ -221,8 +220,7 @@ class TrainState:
                 gw_sum=float(d.get("gw_sum", 0.0)), gw_sq=float(d.get("gw_sq", 0.0)),
                 gw_best=float(d.get("gw_best", math.inf)),
                 gw_var=float(d.get("gw_var", 0.0)), gw_windows=int(d.get("gw_windows", 0)),
-                hl_ref=float(d.get("hl_ref", math.inf)), rollbacks=int(d.get("rollbacks", 0)),
-                grow_off=int(d.get("grow_off", 0)))
+                hl_ref=float(d.get("hl_ref", math.inf)), rollbacks=int(d.get("rollbacks", 0)))
         s.hist_step = np.array(d["hist_step"], np.int64)
         s.hist_seed = np.array(d["hist_seed"], np.uint64)
         s.hist_g = np.array(d["hist_g"], np.float64)
@@ -286,7 +284,6 @@ class LoopConfig:
     guard: int = 0                 # the loss guard's window in steps (0 = off)
     rollback: float = 0.0          # the held-out guard's tolerance (0 = off)
     validation: bool = False       # decisions on the validation split (train.val_fraction)
-    grow: float = 1.0              # zo.lr_grow (1 = off)
 
     @classmethod
     def from_deck(cls, deck) -> LoopConfig:
@@ -297,7 +294,7 @@ class LoopConfig:
                    checksum_every=z.checksum_every, max_skips=t.max_skips, history=z.history,
                    lr_scan_fraction=z.lr_scan_fraction,
                    guard=guard_window(z.lr_guard_name, t.steps),
-                   rollback=z.lr_rollback_value, validation=t.val_fraction > 0, grow=z.lr_grow_value)
+                   rollback=z.lr_rollback_value, validation=t.val_fraction > 0)
 
 
 def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
@@ -424,16 +421,12 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
             log.info("step %d: held-out loss %.4f, accuracy %.4f (%d %s)", done, loss,
                      acc, n, unit)
             if cfg.rollback and on_rollback is not None:
-                split = "validation" if cfg.validation else "held-out"
-                msg = heldout_update(state, sel[0], cfg.rollback, split)
+                msg = heldout_update(state, sel[0], cfg.rollback,
+                                     "validation" if cfg.validation else "held-out")
                 if msg:
                     if topo.rank == 0:
                         log.warning("step %d: %s", done, msg)
                     on_rollback(state)
-                else:
-                    msg = grow_update(state, sel[0], cfg.grow, split)
-                    if msg and topo.rank == 0:
-                        log.info("step %d: %s", done, msg)
         if done % cfg.log_every == 0 or done == cfg.steps:
             now = time.perf_counter()
             rate = (done - last_log[1]) / max(now - last_log[0], 1e-9)
