@@ -179,6 +179,7 @@ def plot_metrics(rows: list[dict], outdir: Path, title: str = "") -> list[Path]:
     if ev:
         ax.plot([r["step"] for r in ev], [r["heldout_loss"] for r in ev], "o-", color="C3",
                 label="held-out loss")
+    _plot_val(ax, ev, "val_loss", "validation loss", "C1")
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("loss")
@@ -191,6 +192,7 @@ def plot_metrics(rows: list[dict], outdir: Path, title: str = "") -> list[Path]:
     if ev:
         ax.plot([r["step"] for r in ev], [r["heldout_acc"] for r in ev], "o-", color="C2",
                 label="held-out accuracy")
+    _plot_val(ax, ev, "val_acc", "validation accuracy (decides the best model)", "C1")
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_ylabel("accuracy")
@@ -201,6 +203,13 @@ def plot_metrics(rows: list[dict], outdir: Path, title: str = "") -> list[Path]:
     paths.append(_save(fig, outdir / "accuracy.png"))
     plt.close(fig)
     return paths
+
+
+def _plot_val(ax, ev: list[dict], key: str, label: str, color: str) -> None:
+    """The validation split's curve (train.val_fraction), where the rows have it."""
+    pts = [(r["step"], r[key]) for r in ev if isinstance(r.get(key), (int, float))]
+    if pts:
+        ax.plot(*zip(*pts, strict=True), "s--", color=color, ms=4, label=label)
 
 
 def energy_meter(ctx, metrics: Metrics) -> EnergyMeter:
