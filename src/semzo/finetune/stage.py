@@ -129,8 +129,12 @@ def run_finetune_stage(ctx) -> dict:
         task = build_prompt_task(ctx, model, names, rows, train_idx, held_idx, max_len,
                                  cache=not offload)
     elif task_kind in ("sft", "choice"):
-        build = build_sft_task if task_kind == "sft" else build_choice_task
-        task = build(ctx, model, names, rows, train_idx, held_idx, max_len, cache=not offload)
+        if task_kind == "sft":
+            task = build_sft_task(ctx, model, names, rows, train_idx, held_idx, max_len,
+                                  cache=not offload, is_val=val)
+        else:
+            task = build_choice_task(ctx, model, names, rows, train_idx, held_idx, max_len,
+                                     cache=not offload)
         train_idx, held_idx = task.train_rows, task.heldout_rows    # overlong ones left out
         if offload and task_kind == "sft":
             task.topo = None           # greedy generation needs the resident model

@@ -245,9 +245,11 @@ def _overlong_error(deck, topo, ids: np.ndarray, over: np.ndarray, what: str,
 
 
 def build_sft_task(ctx, model, names, rows, train_idx, held_idx, max_len: int,
-                   cache: bool = True) -> SFTTask:
+                   cache: bool = True, is_val: np.ndarray | None = None) -> SFTTask:
     """The run's :class:`SFTTask` from the shard's records, with the frozen-prefix cache when
-    ``cache`` and the trainable set allows it. Collective (a few allreduces)."""
+    ``cache`` and the trainable set allows it. ``is_val``: the validation rows among
+    ``held_idx`` (``train.val_fraction``), never in the generation subset. Collective (a few
+    allreduces)."""
     deck, topo, t = ctx.deck, ctx.topo, ctx.deck.train
     itok = InstructTokenizer.from_folder(deck.model.path)
     recs = _load_records(rows.texts, deck.corpus.path, "sft", topo)
@@ -282,7 +284,8 @@ def build_sft_task(ctx, model, names, rows, train_idx, held_idx, max_len: int,
              if layer else "")
     k, p, r = t.gen_samples, topo.size, topo.rank
     mine = k * (r + 1) // p - k * r // p
-    order = held_idx[np.argsort(rows.ids[held_idx], kind="stable")]
+    gen = held_idx if is_val is None else held_idx[~is_val[held_idx]]
+    order = gen[np.argsort(rows.ids[gen], kind="stable")]
     eos = {itok.eos_id} if itok.eos_id is not None else set()
     return SFTTask(model, seqs, masks, train_idx, held_idx, itok.pad_id, t.eval_batch_size,
                    tk=itok.tk, eos=eos, gen_rows=order[:mine], gen_tokens=t.gen_tokens,
