@@ -6,7 +6,9 @@ stops the run (exit 2, one line naming the file and line) before anything is emb
 
 from __future__ import annotations
 
+import csv
 import json
+import re
 
 import h5py
 import numpy as np
@@ -78,6 +80,25 @@ def test_sft_jsonl_and_parquet_same_shards_and_training(setup):
     assert "HELD-OUT GENERATIONS exact match" in err and "generation 3 after" in err
     with h5py.File(tmp / "a" / "model.h5") as f:
         assert f.attrs["task"] == "sft"
+
+
+def test_sft_with_a_validation_split(setup):
+    """train.val_fraction with the sft task at 2 ranks: every evaluation row has the
+    validation split's completion tokens beside the held-out ones, the generations are of
+    held-out records only and as many as train.gen_samples, and the summary reports the best
+    model on the validation split with its held-out figure."""
+    tmp, model, jl, _ = setup
+    out = tmp / "val"
+    p = check(mpirun(2, _args(out, jl, model, "--set", "train.val_fraction=0.25"),
+                     timeout=300, env=ENV))
+    got = re.search(r"(\d+) training / (\d+) held-out / (\d+) validation samples", p.stderr)
+    assert got and int(got.group(3)) > 0, p.stderr[-3000:]
+    with open(out / "metrics.csv", newline="") as f:
+        ev = [r for r in csv.DictReader(f) if r["kind"] == "eval"]
+    assert [int(r["step"]) for r in ev] == [0, 10, 20]
+    assert all(int(r["val_n"]) > 0 and int(r["heldout_n"]) > 0 for r in ev)
+    assert "(6 greedy generations)" in p.stderr
+    assert "the best model on the validation split (step" in p.stderr
 
 
 def test_choice_pipeline(setup):
