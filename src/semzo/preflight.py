@@ -128,7 +128,8 @@ def resolve_task(deck, model_kind: str) -> str:
 
 
 def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_classes: int,
-                  allreduce, *, placed: bool = True) -> tuple[np.ndarray, int, int]:
+                  allreduce, *, placed: bool = True) -> tuple[np.ndarray, np.ndarray, int,
+                                                              int, int]:
     """What the finetune stage needs of its samples (this rank's ``ids`` and ``labels``, -1
     unlabeled; ``n_classes`` the same on every rank): labels on every sample and two classes
     for a classify or prompt task, and both sides of the held-out split non-empty (without
@@ -136,8 +137,8 @@ def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_c
     Collective (``allreduce``: an in-place sum over the ranks); every rank raises together.
     The embed stage runs it too, on the corpus, when this run goes on to fine-tune.
     With ``train.val_fraction`` the validation split is counted out of training and must
-    not be empty either. Returns this rank's held-out mask and the numbers of training and
-    held-out samples over all ranks."""
+    not be empty either. Returns this rank's held-out and validation masks and the numbers of
+    training, held-out and validation samples over all ranks."""
     t = deck.train
     held, val = split_masks(deck, ids)
     train = ~held & ~val
@@ -167,7 +168,7 @@ def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_c
         raise AllRanksError(f"{deck.source}: train.val_fraction: no validation samples "
                             f"({t.val_fraction:g} of {int(counts[0])} samples drew none); "
                             f"raise it or use a larger corpus")
-    return held, int(counts[0]), int(counts[1])
+    return held, val, int(counts[0]), int(counts[1]), int(counts[5])
 
 
 def check_k(deck, n_total: int) -> None:

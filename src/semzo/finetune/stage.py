@@ -32,7 +32,7 @@ from ..h5io import create_collective, row_range, string_array, write_slab
 from ..model import Tokenizer, load_model
 from ..model.storage import BF16, storage_name
 from ..model.zoo import folder_checksum
-from ..preflight import check_samples, resolve_task, split_masks
+from ..preflight import check_samples, resolve_task
 from ..runtime import SemzoError, get_logger
 from ..tasks.choice import build_choice_task
 from ..tasks.classify import (
@@ -106,11 +106,10 @@ def run_finetune_stage(ctx) -> dict:
     agree(comm, deck_drift(shards, rows.deck_toml, deck, SHARD_KEYS,
                            "rerun the place stage (run.stages) or set the key back"))
     n_classes = len(rows.label_names)
-    held, n_train, n_held = check_samples(deck, task_kind, rows.ids, rows.labels, n_classes,
-                                          topo.allreduce)
     # train.val_fraction: a validation split out of training; the tasks are built with the
     # held-out and the validation rows as evaluation rows, then set the validation ones apart
-    val = split_masks(deck, rows.ids)[1]
+    held, val, n_train, n_held, n_val = check_samples(deck, task_kind, rows.ids, rows.labels,
+                                                      n_classes, topo.allreduce)
     validation = t.val_fraction > 0
     if task_kind == "classify":
         model.add_classifier(n_classes, init="zeros" if use_emb else "normal",
@@ -175,7 +174,6 @@ def run_finetune_stage(ctx) -> dict:
 
     if validation:
         task.split_eval(val)
-    n_val = int(topo.allreduce(np.array([int(val.sum())], np.int64))[0]) if validation else 0
     steps = t.steps
     if t.max_epochs > 0:
         per_epoch = n_train / (topo.size * t.batch_size)
