@@ -3,6 +3,7 @@ experiment under mpirun (2 ranks, 2 shardings x 3 ZO modes x 2 seeds) whose outp
 and report are checked."""
 
 import csv
+import dataclasses
 import math
 import re
 import subprocess
@@ -85,6 +86,13 @@ def test_config_deck_changes_only_the_compared_keys():
     assert c.train.max_epochs == 0 and c.train.steps == base.train.steps
     assert c.zo.lr == base.zo.lr and c.zo.eps == base.zo.eps
     assert c.cluster == base.cluster and c.model == base.model
+    # with zo.lr = "auto" and the shared scan's lr: the estimator and z the scan measured
+    auto = base.replace(zo=dataclasses.replace(base.zo, lr="auto", estimator="auto",
+                                               dist="auto"),
+                        train=dataclasses.replace(base.train, schedule="auto"))
+    c = config_deck(auto, "shuffle", "data", 1, lr=3e-4)
+    assert c.zo.lr == 3e-4 and c.zo.estimator_name == "fzoo" and c.zo.dist_name == "rademacher"
+    assert c.zo.lr_guard_name != 0 and c.train.schedule == "cosine"
 
 
 @pytest.fixture(scope="module")

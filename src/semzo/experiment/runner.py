@@ -84,7 +84,10 @@ def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int,
     zo = dataclasses.replace(deck.zo, mode=mode or deck.zo.mode)
     train = deck.train
     if lr is not None and deck.zo.lr == "auto":      # the shared scan's lr, as lr auto runs it
-        zo = dataclasses.replace(zo, lr=float(lr), lr_guard=(
+        # (a number in zo.lr would turn estimator and dist "auto" into MeZO and Gaussian z:
+        # the scan measured the lr auto estimator's step, so that estimator runs)
+        zo = dataclasses.replace(zo, lr=float(lr), estimator=deck.zo.estimator_name,
+                                 dist=deck.zo.dist_name, lr_guard=(
             guard_window("auto", steps) if deck.zo.lr_guard == "auto" else deck.zo.lr_guard),
             lr_rollback=deck.zo.lr_rollback_value)
         train = dataclasses.replace(train, schedule=schedule_name(deck))
