@@ -127,7 +127,7 @@ experiment-llm: setup data/fortunes.jsonl data/debian-sft.jsonl
 # the Gemma 3 270M checks (tests marked gemma3) run in `make test-gemma3`: minutes of CPU and
 # 1.3 GB of converted weights that CI's 20-minute suite budget leaves out (README says so)
 test: setup-test data/fortunes.jsonl
-	$(PY) -m pytest -q -m "not gemma3" tests
+	$(PY) -m pytest -q -m "not gemma3" --durations=25 tests
 
 test-gemma3: setup-gemma3 setup-test data/fortunes.jsonl
 	$(PY) -m pytest -q -m gemma3 tests

@@ -60,7 +60,8 @@ PROBE_EPOCH = 1 << 30     # the scan batch's epoch of the data order (far from t
 SCAN_STEP0 = 1 << 48      # the scan's step indices (seeds), far from the run's
 RHO = 1e-3                # first candidate: this relative change of ||theta|| per step
 FACTOR = 4.0              # between candidates
-SAFETY = 0.25             # the line searches' minimizer times this
+SAFETY = 0.4              # the pooled optimum of the line searches' parabolas times this
+SAFETY_MEDIAN = 0.25      # the fallback without a parabola: the weighted median times this
 MAX_CANDIDATES = 12       # per direction: the first
 LATER_CANDIDATES = 6      # the others (they start near the first's minimizer)
 MAX_DIRECTIONS = 8
@@ -95,6 +96,26 @@ def _weighted_median_log(xs: list[float], ws: list[float]) -> float:
     order = np.argsort(x, kind="stable")
     c = np.cumsum(w[order])
     return float(x[order][int(np.searchsorted(c, 0.5 * c[-1]))])
+
+
+def _parabola(base: float, tried: dict[float, float]) -> tuple[float, float] | None:
+    """(a, b) of the loss along one scanned direction, ``L(lr) = base - a lr + b lr^2 / 2``,
+    through the line search's best candidate and the next one above it (below when the search
+    ended on its cap while the loss still fell); None without a second point, with a
+    non-finite one, or when the fit is not a valley (a <= 0 or b <= 0)."""
+    ts = sorted(tried)
+    ls = [tried[t] for t in ts]
+    i = int(np.argmin(ls))
+    if not ls[i] < base:
+        return None
+    j = i + 1 if i + 1 < len(ts) else i - 1
+    if j < 0 or not math.isfinite(ls[j]):
+        return None
+    t1, d1, t2, d2 = ts[i], base - ls[i], ts[j], base - ls[j]
+    den = t1 * t2 * (t1 - t2)                        # base - L(t) = a t - b t^2 / 2 at both
+    a = (t1 * t1 * d2 - t2 * t2 * d1) / den
+    b = 2.0 * (t1 * d2 - t2 * d1) / den
+    return (a, b) if a > 0.0 and b > 0.0 else None
 
 
 def _norm(tensors: list[ZTensor]) -> float:
@@ -165,6 +186,7 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         theta = 1e-2 * math.sqrt(engine.n_trainable)
     picks: list[float] = []
     weights: list[float] = []                       # loss decrease per unit lr of each pick
+    fits: list[tuple[float, float]] = []            # (a, b) of each search's parabola
     for r in range(MAX_DIRECTIONS if n_dirs else 1):
         if r and used + per + LATER_CANDIDATES > budget:
             break                     # the next direction's worst case does not fit
@@ -213,6 +235,9 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         if best < base:
             picks.append(lr)
             weights.append((base - best) / lr)
+            ab = _parabola(base, tried)
+            if ab is not None:
+                fits.append(ab)
         log.info("zo.lr = \"auto\": direction %d: %s", r, ", ".join(
             f"lr {x:.2e} -> {v:.5f}" for x, v in sorted(tried.items())) + f" (start {base:.5f})")
     snap.restore()
@@ -221,18 +246,29 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         log.warning("zo.lr = \"auto\": no step along the scanned directions lowered the loss; "
                     "lr %.3g", lr)
         return lr, used
-    best_lr = _weighted_median_log(picks, weights)
-    chosen = best_lr * (SAFETY if n_dirs else 1.0)
     if n_dirs == 0:
+        chosen = picks[0]
         log.warning("zo.lr = \"auto\": the line search does not fit zo.lr_scan_fraction of "
                     "this run's forward passes; lr %.3g from the size of one step", chosen)
-    else:
-        log.info("zo.lr = \"auto\": lr %.3e (the line searches' minimizers %s, their "
-                 "median weighted by the decrease per unit lr %s, x %.2g; %d forward passes "
-                 "per rank, %.1f%% of the run's)", chosen,
-                 ", ".join(f"{x:.2e}" for x in picks), ", ".join(f"{x:.3g}" for x in weights),
-                 SAFETY, used,
+    elif fits:
+        # the step that lowers the loss most on average over the scanned directions: the
+        # run's steps are directions of the same kind, so the sum of their parabolas is
+        # what one run step can expect; a / b of one direction alone swings with how
+        # well it happens to point downhill
+        pooled = sum(a for a, _ in fits) / sum(b for _, b in fits)
+        chosen = pooled * SAFETY
+        log.info("zo.lr = \"auto\": lr %.3e (the line searches' parabolas, minimizers %s: "
+                 "their pooled optimum sum a / sum b %.3e, x %.2g; %d forward passes per "
+                 "rank, %.1f%% of the run's)", chosen,
+                 ", ".join(f"{a / b:.2e}" for a, b in fits), pooled, SAFETY, used,
                  100.0 * used / max(steps_left * per, 1))
+    else:
+        chosen = _weighted_median_log(picks, weights) * SAFETY_MEDIAN
+        log.info("zo.lr = \"auto\": lr %.3e (no line search gave a parabola; their "
+                 "minimizers %s, their median weighted by the decrease per unit lr %s, "
+                 "x %.2g; %d forward passes per rank, %.1f%% of the run's)", chosen,
+                 ", ".join(f"{x:.2e}" for x in picks), ", ".join(f"{x:.3g}" for x in weights),
+                 SAFETY_MEDIAN, used, 100.0 * used / max(steps_left * per, 1))
     return chosen, used
 
 
