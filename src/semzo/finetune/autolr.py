@@ -18,23 +18,24 @@ it compares is allreduced first):
    The first line search starts at lr0; every later one starts :data:`FACTOR` squared below
    the minimizers found so far (their median) and takes at most :data:`LATER_CANDIDATES`
    probes, so a direction after the first costs a step at lr 0 and about 4 probes.
-4. The run's lr is the weighted median (in log) of the R minimizers times :data:`SAFETY`, each
-   minimizer weighted by the loss decrease it reached per unit lr (``(L0 - L(lr)) / lr``,
-   about half the squared slope ``a`` below: the signal its line search had): a direction
-   nearly orthogonal to the gradient lowers the loss by little more than the float32 noise of
-   the loss, so its search stops early on a small lr that says nothing of the curvature
-   (measured on SmolLM2, law/education/drugs seed 0: minimizers 1.9e-5 and 3.8e-5 with
-   decreases of 1e-5 and 2e-4 beside 3.1e-4 to 2.5e-3 with 1e-3 to 0.12, which pulled the plain
-   median down one grid step, and the run learned too slowly). A line
-   search on the batch that gave its direction overshoots when that batch's own gradient
-   dominates (measured on SmolLM2 with 16 prompts per step: single searches landed on 1.5e-3
-   or on 6e-3, and runs at a quarter of the latter diverged), and the median of several
-   directions is not pulled by one such search. Along a ZO
-   direction the loss is ``L0 - lr a + lr^2 b / 2`` with b of the order of the trace of the
-   Hessian (the curvature the noise of a d-dimensional random direction sees), so the
-   minimizer a / b measures the largest step ZO-SGD tolerates at this point, whatever the
-   model, the trainable set, the estimator's scale (fzoo's normalized step or mezo's) or the
-   loss's.
+4. The run's lr: along a ZO direction the loss is ``L0 - lr a + lr^2 b / 2`` (b of the order
+   of the trace of the Hessian: the curvature the noise of a d-dimensional random direction
+   sees). Each line search gives a parabola through its best candidate and the next one above
+   it (:func:`_parabola`), and the lr is the optimum of their sum, ``sum a / sum b``, times
+   :data:`SAFETY`: the step that lowers the loss most on average over directions of the kind
+   the run will take, whatever the model, the trainable set, the estimator's scale (fzoo's
+   normalized step or mezo's) or the loss's. One direction's own minimizer ``a / b`` swings
+   with how well it happens to point downhill (a direction nearly orthogonal to the gradient
+   stops at once on a small lr; one that its own batch's gradient dominates overshoots), and
+   the grid of candidates is a factor 4 coarse: the pooled optimum averages both away. Until
+   the twentieth session the lr was the median of the grid minimizers weighted by the decrease
+   per unit lr, times 0.25; on the seven SmolLM2 scans logged in that week (the demo corpus and
+   six of law/education/drugs, seeds 0-2 with and without a validation split) the law scans'
+   lr spread 3.8-fold under it (9.5e-5 to 3.65e-4) and 1.7-fold pooled (2.3e-4 to 4.0e-4),
+   the pooled optimum came out 0.51-0.76 of the weighted median on six of the seven, and
+   SAFETY = 0.4 keeps the typical lr where it was (the demo's: 3.71e-4 before, 3.75e-4
+   pooled). Without any parabola (every search a single point) the weighted median times
+   :data:`SAFETY_MEDIAN` stands in.
 
 Cost: one probe, and per direction a step at lr 0 plus at most :data:`MAX_CANDIDATES` probes
 (the first) or :data:`LATER_CANDIDATES` (the others); a direction starts only when its worst
