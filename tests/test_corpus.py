@@ -81,6 +81,42 @@ def test_parse_line_errors(raw, fragment):
     assert isinstance(msg, str) and fragment in msg, msg
 
 
+_ESCAPING_LINES = [     # lines that used to escape as tracebacks (or later as UnicodeEncodeError)
+    (b'{"text": "a", "id": ' + b"7" * 5000 + b"}", "text", "an integer with too many digits"),
+    (b"[" * 100_000 + b"]" * 100_000, "text", "nested too deeply"),
+    (b'{"text": "a", "label": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "text",
+     "nested too deeply"),
+    (rb'{"text": "\ud800", "label": "\udc00"}', "text", "'text' holds a lone surrogate"),
+    (rb'{"text": "ok", "label": "\udc00"}', "text", "'label' holds a lone surrogate"),
+    (rb'{"prompt": "p", "completion": "x\ud800"}', "sft", "'completion' holds a lone surr"),
+    (rb'{"messages": [{"role": "assistant", "content": "\udfff"}]}', "sft",
+     "'content' of messages[0] holds a lone surrogate"),
+    (rb'{"prompt": "p", "choices": ["a", "\ud800b"], "answer": 0}', "choice",
+     "choices[1] holds a lone surrogate"),
+]
+
+
+@pytest.mark.parametrize("raw, kind, fragment", _ESCAPING_LINES)
+def test_parse_line_errors_that_used_to_escape(raw, kind, fragment):
+    msg = parse_line(raw, kind)
+    assert isinstance(msg, str) and fragment in msg, msg
+
+
+def test_escaping_lines_give_the_file_and_line(tmp_path):
+    from mpi4py import MPI
+
+    from semzo.corpus.jsonl import read_jsonl_slice
+    for n, (raw, kind, fragment) in enumerate(_ESCAPING_LINES):
+        path = tmp_path / f"bad{n}.jsonl"
+        good = b'{"prompt": "p", "choices": ["a", "b"], "answer": 0}' if kind == "choice" \
+            else b'{"prompt": "p", "completion": "c"}' if kind == "sft" else b'{"text": "t"}'
+        path.write_bytes(good + b"\n\n" + raw + b"\n" + good + b"\n")
+        with pytest.raises(SemzoError) as exc:
+            read_jsonl_slice(path, MPI.COMM_SELF, kind)
+        assert str(exc.value).startswith(f"{path}:3: ") and fragment in str(exc.value), exc.value
+        assert "\n" not in str(exc.value)
+
+
 # --- the reader under MPI -------------------------------------------------------------------
 
 def _write_case(folder, name, lines, texts, labels, ids, **extra):

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
-from semzo.corpus.records import canonical, check_record, embed_text
+from semzo.corpus.records import SURROGATE, canonical, check_record, embed_text, is_unicode
 from semzo.corpus.strings import allgather_strings
 from semzo.runtime import SemzoError, get_logger
 
@@ -111,6 +111,10 @@ def parse_line(raw: bytes, kind: str = "text") -> tuple | str | None:
         return f"invalid UTF-8 ({exc.reason} at byte {exc.start})"
     except json.JSONDecodeError as exc:
         return f"invalid JSON ({exc.msg} at column {exc.colno})"
+    except RecursionError:
+        return "invalid JSON (nested too deeply)"
+    except ValueError:                    # an integer of more than sys.get_int_max_str_digits()
+        return "invalid JSON (an integer with too many digits)"
     return parse_object(obj, kind)
 
 
@@ -131,10 +135,14 @@ def parse_object(obj, kind: str = "text") -> tuple | str:
     text = obj["text"]
     if not isinstance(text, str):
         return f"'text' must be a string, got {_jtype(text)}"
+    if not is_unicode(text):
+        return f"'text' {SURROGATE}"
     label = obj.get("label", ...)
     if label is not ...:
         if isinstance(label, bool) or not isinstance(label, (str, int)):
             return f"'label' must be a string or an integer, got {_jtype(label)}"
+        if isinstance(label, str) and not is_unicode(label):
+            return f"'label' {SURROGATE}"
         label = str(label)
     ident = _check_id(obj)
     if isinstance(ident, str):

@@ -25,6 +25,17 @@ import json
 KINDS = ("text", "sft", "choice")
 ROLES = ("system", "user", "assistant")
 MAX_CHOICES = 16
+SURROGATE = "holds a lone surrogate (a \\ud800-\\udfff escape): not valid Unicode"
+
+
+def is_unicode(s: str) -> bool:
+    """Whether ``s`` can be written as UTF-8 (JSON's ``\\ud800`` escapes parse to lone
+    surrogates, which cannot)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def record_kind(task: str) -> str:
@@ -45,6 +56,8 @@ def _text(obj: dict, key: str, where: str = "") -> str | None:
         return f"'{key}'{where} must be a string, got {_jtype(obj[key])}"
     if not obj[key].strip():
         return f"'{key}'{where} is empty"
+    if not is_unicode(obj[key]):
+        return f"'{key}'{where} {SURROGATE}"
     return None
 
 
@@ -94,6 +107,8 @@ def check_record(obj: dict, kind: str) -> dict | str:
                 return f"choices[{i}] must be a string, got {_jtype(c)}"
             if not c.strip():
                 return f"choices[{i}] is empty"
+            if not is_unicode(c):
+                return f"choices[{i}] {SURROGATE}"
         a = obj.get("answer")
         if a is None:
             return "missing 'answer'"
