@@ -362,3 +362,23 @@ def test_sigusr1_to_mpirun_is_forwarded_and_stops_with_a_checkpoint(base):
     step = int(rest.split("stopped after step ")[1].split(" ")[0])
     assert 10 <= step < 100000
     assert (out / "checkpoints" / f"ckpt-{step:09d}.h5").is_file()
+
+
+def test_cursor_out_of_range_is_refused():
+    """A checkpoint's data cursor is checked before the data order uses it: a negative
+    position never reaches the end of the shard (the batcher would loop for ever)."""
+    from semzo.finetune.data import Batcher
+    from semzo.finetune.stage import cursor_error
+
+    p = Path("ckpt-000000005.h5")
+    assert cursor_error(p, 0, np.array([3, 7], np.int64), 10) is None
+    assert cursor_error(p, 0, np.array([0, 0], np.int64), 0) is None        # an empty shard
+    b = Batcher(10, 4, 0, 0)
+    epoch, pos = 0, 0
+    for _ in range(7):                        # every cursor the batcher leaves is accepted
+        _, epoch, pos = b.next(epoch, pos)
+        assert cursor_error(p, 0, np.array([epoch, pos], np.int64), 10) is None
+    for bad in ([0, -3], [-1, 0], [0, 10], [2]):
+        msg = cursor_error(p, 1, np.array(bad, np.int64), 10)
+        assert msg.startswith(f"{p}: per_rank/cursor of rank 1 is {bad}"), msg
+    assert cursor_error(p, 0, np.array([0.0, 1.0]), 10) is not None       # not integers

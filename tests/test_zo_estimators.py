@@ -390,6 +390,13 @@ def test_auto_schedule_is_cosine_with_the_auto_lr_only():
     assert schedule_name(deck(0.01, "auto")) == "constant"
     assert schedule_name(deck("auto", "linear")) == "linear"
     assert LoopConfig.from_deck(deck("auto", "auto")).schedule == "cosine"
+    # the loss guard's window follows the steps the run takes (train.max_epochs can cut
+    # train.steps = 3000 to 50: a window of 100 steps would never close)
+    d = SimpleNamespace(zo=ZoSection(lr="auto"), train=TrainSection(steps=3000))
+    assert LoopConfig.from_deck(d).guard == 100
+    cut = LoopConfig.from_deck(d, 50)
+    assert cut.steps == 50 and cut.guard == autolr.GUARD_MIN_WINDOW
+    assert LoopConfig.from_deck(d, 600).guard == 20
 
 
 # ----------------------------------------------------------------------------- learning

@@ -182,7 +182,9 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
     snap = _Snapshot(engine)
     base = probe_loss()
     used = 1
-    theta = _norm(engine.tensors)
+    # rank 0's norm for all: a BLAS dot's last bits depend on its thread count, which may
+    # differ between ranks (run.threads = 0 on unlike nodes), and lr0 sets every candidate
+    theta = float(topo.bcast(np.array([_norm(engine.tensors)], np.float64))[0])
     if theta <= 0.0:
         theta = 1e-2 * math.sqrt(engine.n_trainable)
     picks: list[float] = []

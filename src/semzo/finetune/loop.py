@@ -286,14 +286,17 @@ class LoopConfig:
     validation: bool = False       # decisions on the validation split (train.val_fraction)
 
     @classmethod
-    def from_deck(cls, deck) -> LoopConfig:
+    def from_deck(cls, deck, steps: int | None = None) -> LoopConfig:
+        """``steps``: the steps the run takes (``train.steps``, or fewer under
+        ``train.max_epochs``): the loss guard's window is a fraction of them."""
         t, z = deck.train, deck.zo
-        return cls(steps=t.steps, lr=z.lr, schedule=schedule_name(deck),
+        steps = t.steps if steps is None else int(steps)
+        return cls(steps=steps, lr=z.lr, schedule=schedule_name(deck),
                    warmup_steps=t.warmup_steps,
                    min_lr_ratio=t.min_lr_ratio, eval_every=t.eval_every, log_every=t.log_every,
                    checksum_every=z.checksum_every, max_skips=t.max_skips, history=z.history,
                    lr_scan_fraction=z.lr_scan_fraction,
-                   guard=guard_window(z.lr_guard_name, t.steps),
+                   guard=guard_window(z.lr_guard_name, steps),
                    rollback=z.lr_rollback_value, validation=t.val_fraction > 0)
 
 

@@ -237,8 +237,7 @@ def run_finetune_stage(ctx) -> dict:
         ctx.timer.comm_time["finetune"] = ctx.timer.comm_time.get("finetune", 0.0) + s
 
     t0, first_step = time.perf_counter(), state.step
-    cfg = LoopConfig.from_deck(deck)
-    cfg.steps = steps
+    cfg = LoopConfig.from_deck(deck, steps)
     saver = _StepSaver(ck, model, names, train_idx.size, centroids=_centroids(ctx), topo=topo,
                        flush=engine.flush, before=before, rows=metrics,
                        keep_best=t.eval_every > 0, by="loss" if task_kind == "lm" else "acc")
@@ -430,6 +429,15 @@ def _log_device_memory(ctx, topo, engine, model) -> None:
 
 
 # ----------------------------------------------------------------------------- checkpoints
+def cursor_error(path, rank: int, cur: np.ndarray, n_local: int) -> str | None:
+    """None when a checkpoint's data cursor ``[epoch, position, ...]`` can resume a shard of
+    ``n_local`` training rows, else the one-line error."""
+    ok = cur.size >= 2 and cur.dtype.kind in "iu" and int(cur[0]) >= 0 and \
+        0 <= int(cur[1]) < max(n_local, 1)
+    return None if ok else (f"{path}: per_rank/cursor of rank {rank} is {cur.tolist()}: not "
+                            f"[epoch >= 0, position in [0, {max(n_local, 1)})]")
+
+
 def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: int,
                       n_train_local: int, label_names: list[str] = ()):
     """The run's :class:`~semzo.checkpoint.Checkpointer` and the starting
@@ -494,6 +502,9 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
         mod = xp if isinstance(dst, xp.ndarray) else np      # host_params: NumPy arrays
         mod.copyto(dst, mod.asarray(loaded.params[n]).astype(dst.dtype, copy=False))
     cur = np.asarray(loaded.per_rank["cursor"]).reshape(-1)
+    # a cursor out of range would make the data order loop for ever (a negative position
+    # never reaches the end of the shard): checked on every rank, refused on all
+    agree(topo.world, cursor_error(loaded.path, topo.rank, cur, n_train_local))
     state = TrainState.from_dict({**loaded.state, "epoch": int(cur[0]), "pos": int(cur[1])})
     if loaded.resharded:
         log.info("finetune: resumed from %s (step %d) written at %d ranks, now %d: data "
