@@ -113,3 +113,33 @@ def test_ranks_without_a_training_sample_are_named(caplog, monkeypatch):
     with caplog.at_level(logging.WARNING):
         check_samples(d, "lm", ids[:2], np.full(2, -1), 0, three_empty_ranks, placed=False)
     assert "of 4 ranks will hold no training sample" in caplog.text
+
+
+def test_splits_emptied_by_left_out_records_are_refused():
+    """sft/choice with train.overlong = "skip" leave records out after check_samples counted
+    the splits: a split they empty stops every rank (a validation split with no sample would
+    make every validation figure nan and the best model never chosen)."""
+    import numpy as np
+
+    from semzo import deck as deckmod
+    from semzo.preflight import check_kept, split_masks
+    from semzo.runtime import AllRanksError
+
+    d = deckmod.load(None, ["train.heldout_fraction=0.3", "train.val_fraction=0.2",
+                            'train.overlong="skip"'], check_inputs=False)
+    ids = np.arange(200)
+    held, val = split_masks(d, ids)
+    train = np.flatnonzero(~held & ~val)
+    ev = np.flatnonzero(held | val)
+    same = lambda c: c                                    # noqa: E731 (one rank)
+    assert check_kept(d, train, ev, held, val, same) == (
+        train.size, int(held.sum()), int(val.sum()))
+    with pytest.raises(AllRanksError, match=r'train.overlong = "skip": no validation samples '
+                                            r'left'):
+        check_kept(d, train, np.flatnonzero(held), held, val, same)
+    with pytest.raises(AllRanksError, match="no training and no held-out samples left"):
+        check_kept(d, train[:0], np.flatnonzero(val), held, val, same)
+
+    def other_rank_keeps_some(counts):              # another rank still has each split
+        counts += np.array([5, 5, 5])
+    assert check_kept(d, train[:0], ev[:0], held, val, other_rank_keeps_some) == (5, 5, 5)

@@ -171,6 +171,29 @@ def check_samples(deck, task_kind: str, ids: np.ndarray, labels: np.ndarray, n_c
     return held, val, int(counts[0]), int(counts[1]), int(counts[5])
 
 
+def check_kept(deck, train_rows: np.ndarray, eval_rows: np.ndarray, held: np.ndarray,
+               val: np.ndarray, allreduce) -> tuple[int, int, int]:
+    """The numbers of training, held-out and validation samples over all ranks after a task
+    left records out (``train.overlong = "skip"``: ``sft`` and ``choice``): :func:`check_samples`
+    counted them before. ``eval_rows``: this rank's held-out and validation rows kept;
+    ``held``/``val``: its masks over all rows. Collective; every rank raises together when a
+    split is now empty (without training samples every rank would idle through the run,
+    without held-out or validation ones every evaluation would be nan)."""
+    counts = np.array([train_rows.size, int(held[eval_rows].sum()),
+                       int(val[eval_rows].sum())], np.int64)
+    allreduce(counts)
+    t = deck.train
+    splits = ["training"] + ["held-out"] + (["validation"] if t.val_fraction > 0 else [])
+    empty = [name for name, c in zip(splits, counts) if c == 0]
+    if empty:
+        raise AllRanksError(f"{deck.source}: train.overlong = \"{t.overlong}\": no "
+                            f"{' and no '.join(empty)} samples left once the records longer "
+                            f"than train.max_length were left out ({int(counts[0])} training, "
+                            f"{int(counts[1])} held-out, {int(counts[2])} validation); raise "
+                            f"train.max_length or use a larger corpus")
+    return int(counts[0]), int(counts[1]), int(counts[2])
+
+
 def check_k(deck, n_total: int) -> None:
     """``cluster.k`` against the number of samples (the same on every rank): more clusters
     than samples is an error every rank raises together. The embed stage runs it too, on the

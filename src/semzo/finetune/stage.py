@@ -32,7 +32,7 @@ from ..h5io import create_collective, row_range, string_array, write_slab
 from ..model import Tokenizer, load_model
 from ..model.storage import BF16, storage_name
 from ..model.zoo import folder_checksum
-from ..preflight import check_samples, resolve_task
+from ..preflight import check_kept, check_samples, resolve_task
 from ..runtime import SemzoError, get_logger
 from ..tasks.choice import build_choice_task
 from ..tasks.classify import (
@@ -135,6 +135,8 @@ def run_finetune_stage(ctx) -> dict:
             task = build_choice_task(ctx, model, names, rows, train_idx, held_idx, max_len,
                                      cache=not offload)
         train_idx, held_idx = task.train_rows, task.heldout_rows    # overlong ones left out
+        n_train, n_held, n_val = check_kept(deck, train_idx, held_idx, held, val,
+                                            topo.allreduce)
         if offload and task_kind == "sft":
             task.topo = None           # greedy generation needs the resident model
     elif head_only and (not offload or features_in_shards(ctx, model, rows, max_len)):
