@@ -425,6 +425,41 @@ def test_tokenizer_truncation_and_padding(tok):
     assert Tokenizer.from_folder(max_length=16).encode_batch(SENTENCES[-1:])[0].size == 16
 
 
+@pytest.mark.parametrize("file, key, value, want", [
+    ("tokenizer_config.json", "model_max_length", 40, 40),
+    ("tokenizer_config.json", "model_max_length", 64.0, 64),
+    ("tokenizer_config.json", "model_max_length", 10**30, 77),    # transformers' "no limit"
+    ("tokenizer_config.json", "model_max_length", float("inf"), 77),
+    ("tokenizer_config.json", "model_max_length", -1, None),
+    ("tokenizer_config.json", "model_max_length", 0, None),
+    ("tokenizer_config.json", "model_max_length", "abc", None),
+    ("tokenizer_config.json", "model_max_length", 12.5, None),
+    ("tokenizer_config.json", "model_max_length", float("nan"), None),
+    ("tokenizer_config.json", "model_max_length", True, None),
+    ("sentence_bert_config.json", "max_seq_length", 33, 33),
+    ("sentence_bert_config.json", "max_seq_length", -5, None),
+    ("sentence_bert_config.json", "max_seq_length", 10**30, None),
+    ("sentence_bert_config.json", "max_seq_length", [8], None),
+    ("config.json", "max_position_embeddings", -3, None),
+    ("config.json", "n_positions", "512", None),
+])
+def test_tokenizer_length_keys_are_checked(tmp_path, file, key, value, want):
+    from semzo.model.loader import default_model_path
+    tj = json.loads((default_model_path() / "tokenizer.json").read_text(encoding="utf-8"))
+    tj["truncation"] = None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj), encoding="utf-8")
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 77}))
+    (tmp_path / file).write_text(json.dumps({key: value}))
+    if want is not None:
+        assert Tokenizer.from_folder(tmp_path).max_length == want
+        return
+    with pytest.raises(SemzoError) as exc:
+        Tokenizer.from_folder(tmp_path)
+    msg = str(exc.value)
+    assert msg.startswith(f"{tmp_path / file}: '{key}' must be a positive integer"), msg
+    assert "\n" not in msg
+
+
 def test_classifier_head_loss_and_accuracy(minilm, tok):
     ids, mask = tok(SENTENCES[:6])
     labels = np.array([0, 1, 2, 0, 1, 2])

@@ -104,16 +104,38 @@ def pad_id_for(cfg: dict, tokenizer_pad: int | None = None) -> int:
     return 0
 
 
+_NO_LIMIT = 1_000_000     # model_max_length from this up: "no limit" (transformers' 1e30)
+
+
+def _length(path: Path, key: str, v, no_limit: bool = False) -> int | None:
+    """``v`` (``path``'s ``key``) as a positive length, None when absent; with ``no_limit``
+    (``model_max_length``) also None from :data:`_NO_LIMIT` up, infinity included. Anything
+    else (a negative, zero or fractional number, one of 2**63 or more, a string, NaN) is a
+    :class:`SemzoError` naming the file and the key."""
+    if v is None:
+        return None
+    if no_limit and not isinstance(v, bool) and isinstance(v, (int, float)) and v >= _NO_LIMIT:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 1 <= v < 2**63 or (
+            isinstance(v, float) and not v.is_integer()):
+        raise SemzoError(f"{path}: '{key}' must be a positive integer, got {repr(v)[:40]}")
+    return int(v)
+
+
 def _default_max_length(folder: Path, tk) -> int | None:
-    st = _json(folder / "sentence_bert_config.json").get("max_seq_length")
+    f = folder / "sentence_bert_config.json"
+    st = _length(f, "max_seq_length", _json(f).get("max_seq_length"))
     if st:
-        return int(st)
+        return st
     tr = tk.truncation
     if tr and tr.get("max_length"):
         return int(tr["max_length"])
-    mml = _json(folder / "tokenizer_config.json").get("model_max_length")
-    if mml and int(mml) < 1_000_000:
-        return int(mml)
-    cfg = _json(folder / "config.json")
-    mp = cfg.get("max_position_embeddings") or cfg.get("n_positions")
-    return int(mp) if mp else None
+    f = folder / "tokenizer_config.json"
+    mml = _length(f, "model_max_length", _json(f).get("model_max_length"), no_limit=True)
+    if mml:
+        return mml
+    f = folder / "config.json"
+    cfg = _json(f)
+    key = "max_position_embeddings" if cfg.get("max_position_embeddings") is not None \
+        else "n_positions"
+    return _length(f, key, cfg.get(key))
