@@ -382,3 +382,25 @@ def test_cursor_out_of_range_is_refused():
         msg = cursor_error(p, 1, np.array(bad, np.int64), 10)
         assert msg.startswith(f"{p}: per_rank/cursor of rank 1 is {bad}"), msg
     assert cursor_error(p, 0, np.array([0.0, 1.0]), 10) is not None       # not integers
+
+
+def test_fixed_lr_checkpoint_under_lr_auto_is_refused():
+    """A resumed run does not scan: a checkpoint of a fixed-lr run resumed with zo.lr =
+    "auto" would keep its lr under lr auto's schedule and guards. Refused in one line naming
+    zo.lr; lr auto on both sides, or a number on the resuming side, goes on."""
+    from types import SimpleNamespace
+
+    from semzo.finetune.resume import check_lr_auto
+    from semzo.runtime import SemzoError
+
+    def ck(deck_toml: str):
+        return SimpleNamespace(path=Path("ckpt-000000005.h5"), state={}, attrs={},
+                               deck_toml=deck_toml)
+
+    with pytest.raises(SemzoError, match=r'^ckpt-000000005.h5: zo.lr = 0.001 in the '
+                                         r'checkpoint, "auto" in this deck'):
+        check_lr_auto(ck("[zo]\nlr = 1e-3\n"), "auto")
+    check_lr_auto(ck('[zo]\nlr = "auto"\n'), "auto")
+    check_lr_auto(ck("[zo]\nlr = 1e-3\n"), 1e-3)
+    check_lr_auto(ck('[zo]\nlr = "auto"\n'), 2e-4)      # a number given on purpose
+    check_lr_auto(ck(""), "auto")                        # no deck saved: nothing to compare

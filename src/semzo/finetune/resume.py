@@ -178,6 +178,18 @@ def check_same_task(loaded, deck) -> None:
                               f"{new!r} in this deck; {_HINT}")
 
 
+def check_lr_auto(loaded, lr) -> None:
+    """Refuse (one line naming ``zo.lr``, exit 2) a resume under ``zo.lr = "auto"`` of a
+    checkpoint whose run had a fixed lr: a resumed run never scans (the lr is the
+    checkpoint's ``base_lr``), so it would go on at the fixed lr under lr auto's schedule and
+    guards. Reads the checkpoint's deck; nothing to compare when it has none."""
+    saved = _section(_saved_deck(loaded), "zo").get("lr")
+    if lr == "auto" and saved is not None and saved != "auto":
+        raise _deck_error(f"{loaded.path}: zo.lr = {saved!r} in the checkpoint, \"auto\" in "
+                          f"this deck (a resumed run does not scan: it would keep the "
+                          f"checkpoint's lr); {_HINT}")
+
+
 def check_same_estimator(loaded, estimator: str, directions: int) -> None:
     """Refuse (one line naming ``zo.estimator`` or ``zo.directions``, exit 2) a checkpoint
     written with another gradient estimator or another number of fzoo directions: its seed

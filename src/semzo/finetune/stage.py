@@ -63,6 +63,7 @@ from .loop import (
 from .report import Metrics, energy_meter, metered
 from .resume import (
     check_same_dist,
+    check_lr_auto,
     check_same_estimator,
     check_same_seeds,
     check_same_task,
@@ -139,6 +140,11 @@ def run_finetune_stage(ctx) -> dict:
                                             topo.allreduce)
         if offload and task_kind == "sft":
             task.topo = None           # greedy generation needs the resident model
+            if t.gen_samples and topo.rank == 0:
+                log.warning("finetune: train.gen_samples = %d: no greedy generations are "
+                            "scored with zo.offload = \"host\" (generation needs the "
+                            "resident model); the completion loss and token accuracy still are",
+                            t.gen_samples)
     elif head_only and (not offload or features_in_shards(ctx, model, rows, max_len)):
         feats, how = head_features(ctx, model, rows, max_len, t.eval_batch_size)
         log.info("finetune: only the head trains: the frozen encoder's pooled features are "
@@ -479,6 +485,7 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     if loaded is None:
         log.info("finetune: no valid checkpoint in %s: starting from the model", ck.dir)
         return ck, state, None, None
+    check_lr_auto(loaded, deck.zo.lr)        # first: zo.lr decides the estimator and z "auto"
     check_same_dist(loaded, meta["zo"]["dist"])
     check_same_task(loaded, deck)
     check_same_estimator(loaded, deck.zo.estimator_name, deck.zo.directions)
