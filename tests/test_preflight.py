@@ -131,7 +131,7 @@ def test_splits_emptied_by_left_out_records_are_refused():
     held, val = split_masks(d, ids)
     train = np.flatnonzero(~held & ~val)
     ev = np.flatnonzero(held | val)
-    same = lambda c: c                                    # noqa: E731 (one rank)
+    same = lambda c: c                                    # one rank
     assert check_kept(d, train, ev, held, val, same) == (
         train.size, int(held.sum()), int(val.sum()))
     with pytest.raises(AllRanksError, match=r'train.overlong = "skip": no validation samples '

@@ -62,8 +62,8 @@ from .loop import (
 )
 from .report import Metrics, energy_meter, metered
 from .resume import (
-    check_same_dist,
     check_lr_auto,
+    check_same_dist,
     check_same_estimator,
     check_same_seeds,
     check_same_task,
