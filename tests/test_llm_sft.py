@@ -381,3 +381,87 @@ def test_parquet_equals_jsonl(tmp_path):
     (tmp_path / "bad.jsonl").write_text("".join(json.dumps(r) + "\n" for r in bad))
     with pytest.raises(SemzoError, match=r"bad.jsonl:10: 'completion' is empty"):
         read_corpus_slice(tmp_path / "bad.jsonl", MPI.COMM_SELF, "sft")
+
+
+# ----------------------------------------------------------------------------- bad model files
+def _variant(llama: Path, folder: Path, tc: dict | None = None, cfg: dict | None = None) -> Path:
+    """The tokenizer files of ``llama`` in ``folder`` with keys of tokenizer_config.json
+    (``tc``) and config.json (``cfg``) replaced (no weights: the tokenizer reads none)."""
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes((llama / "tokenizer.json").read_bytes())
+    for name, new in (("tokenizer_config.json", tc), ("config.json", cfg)):
+        old = json.loads((llama / name).read_text())
+        (folder / name).write_text(json.dumps({**old, **(new or {})}))
+    return folder
+
+
+def _ctx(tmp_path):
+    from types import SimpleNamespace
+    return SimpleNamespace(topo=SoloTopo(), path=lambda name: tmp_path / name)
+
+
+@pytest.mark.parametrize("tpl, want", [
+    ("{% if %}", "not a valid jinja2 template"),
+    ("{{ 1/0 }}", "cannot render (ZeroDivisionError"),
+    ("{% set _ = messages.append(1) %}", "cannot render (SecurityError"),
+    ("{{ messages[0].content | nosuchfilter }}", "not a valid jinja2 template"),
+    (5, "must be a string, got int"),
+    ([7], "must hold {\"name\", \"template\"} objects"),
+])
+def test_malformed_chat_template_is_one_error(llama, tmp_path, tpl, want):
+    folder = _variant(llama, tmp_path / "m", {"chat_template": tpl})
+    rec = {"messages": [{"role": "user", "content": "cat"},
+                        {"role": "assistant", "content": "good"}]}
+    with pytest.raises(SemzoError) as exc:
+        InstructTokenizer.from_folder(folder).sft(rec, 40)
+    msg = str(exc.value)
+    assert msg.startswith(f"{folder}: tokenizer_config.json: chat_template: ") and want in msg, \
+        msg
+    assert "\n" not in msg
+    with pytest.raises(SemzoError, match="tokenizer_config.json: chat_template: "):
+        render_chat({"chat_template": tpl}, rec["messages"])
+
+
+def test_template_failing_on_one_record_stops_every_rank_naming_it(llama, tmp_path):
+    """A template that fails on one record only: the error every rank raises together
+    (:class:`AllRanksError`) names shards.h5, the record id and the template."""
+    from semzo.runtime import AllRanksError
+    from semzo.tasks.sft import encode_records
+    tpl = TPL.replace("{% for m in messages %}", "{% for m in messages %}{% if m['content'] == "
+                      "'boom' %}{{ 1/0 }}{% endif %}")
+    folder = _variant(llama, tmp_path / "m", {"chat_template": tpl})
+    it = InstructTokenizer.from_folder(folder)
+    recs = [dict(r) for r in SFT_RECS] + [
+        {"messages": [{"role": "user", "content": "boom"},
+                      {"role": "assistant", "content": "good"}]}]
+    assert all(e is not None for e in encode_records(_ctx(tmp_path), recs[:3],
+                                                     np.arange(3), it.sft, 40))
+    with pytest.raises(AllRanksError) as exc:
+        encode_records(_ctx(tmp_path), recs, np.array([4, 5, 6, 41]), it.sft, 40)
+    msg = str(exc.value)
+    assert msg.startswith(f"{tmp_path / 'shards.h5'}: record id 41: {folder}: "
+                          f"tokenizer_config.json: chat_template: cannot render "
+                          f"(ZeroDivisionError"), msg
+
+
+def test_preflight_names_the_corpus_line_of_a_record_the_template_refuses(llama, tmp_path):
+    from types import SimpleNamespace
+
+    from semzo.corpus.records import canonical
+    from semzo.preflight import check_record_lengths
+    from semzo.runtime import AllRanksError
+    tpl = TPL.replace("{% for m in messages %}", "{% for m in messages %}{% if m['content'] == "
+                      "'boom' %}{{ 1/0 }}{% endif %}")
+    folder = _variant(llama, tmp_path / "m", {"chat_template": tpl})
+    deck = SimpleNamespace(train=SimpleNamespace(overlong="error", max_length=40),
+                           model=SimpleNamespace(path=str(folder), max_length=40),
+                           corpus=SimpleNamespace(path="c.jsonl"))
+    ctx = SimpleNamespace(deck=deck, topo=SoloTopo())
+    boom = {"messages": [{"role": "user", "content": "boom"},
+                         {"role": "assistant", "content": "good"}]}
+    records = [(canonical(r), "", line) for line, r in ((1, SFT_RECS[0]), (3, boom))]
+    check_record_lengths(ctx, "sft", records[:1])
+    with pytest.raises(AllRanksError) as exc:
+        check_record_lengths(ctx, "sft", records)
+    assert str(exc.value).startswith(f"c.jsonl:3: {folder}: tokenizer_config.json: "
+                                     f"chat_template: cannot render (ZeroDivisionError"), exc.value

@@ -194,7 +194,7 @@ def chat_prompt(loaded: Loaded, text: str) -> str:
     """``text`` as one user message through the model's chat template (generation prompt
     added; :func:`semzo.model.chat.render_chat`, the renderer the ``sft`` task uses). A model
     without a template, or no jinja2, is a :class:`SemzoError`."""
-    if not chat_template(loaded.tok_config):
+    if not chat_template(loaded.tok_config, loaded.what):
         raise SemzoError(f"{loaded.what}: --chat: the model has no chat_template in "
                          f"tokenizer_config.json")
     return render_chat(loaded.tok_config, [{"role": "user", "content": text}], True,

@@ -21,7 +21,7 @@ from .model.config import read_config
 from .model.loader import model_kind
 from .model.zoo import NAMED, resolve_model_path
 from .rng import philox_hash
-from .runtime import AllRanksError, SemzoError, get_logger
+from .runtime import AllRanksError, SemzoError, get_logger, raise_first
 
 log = get_logger(__name__)
 
@@ -246,15 +246,24 @@ def check_record_lengths(ctx, task: str, records: list) -> None:
     max_len = deck.train.max_length or deck.model.max_length
     itok = InstructTokenizer.from_folder(deck.model.path)
     fit = itok.sft if task == "sft" else itok.choice
-    bad = [(line, rec) for rec, _, line in records if fit(parse_stored(rec), max_len) is None]
+    parquet = str(deck.corpus.path).endswith(".parquet")
+    bad, refused = [], None
+    for rec, _, line in records:
+        try:
+            if fit(parse_stored(rec), max_len) is None:
+                bad.append((line, rec))
+        except SemzoError as exc:          # a chat template that fails, a choice of no tokens
+            if refused is None:
+                where = f": row {line} (0-based)" if parquet else f":{line}"
+                refused = (line, f"{deck.corpus.path}{where}: {exc}")
+    raise_first(topo.allreduce, *(refused or (None, None)))
     first = np.array([bad[0][0] if bad else np.iinfo(np.int64).max], np.int64)
     topo.allreduce(first, op=MPI.MIN)
     if first[0] == np.iinfo(np.int64).max:
         return
     n = np.array([len(bad)], np.int64)
     topo.allreduce(n)
-    where = (f":{int(first[0])}" if not str(deck.corpus.path).endswith(".parquet")
-             else f": row {int(first[0])} (0-based)")
+    where = f": row {int(first[0])} (0-based)" if parquet else f":{int(first[0])}"
     what = "completion" if task == "sft" else "longest choice"
     raise AllRanksError(f"{deck.corpus.path}{where}: the record's {what} alone does not fit "
                         f"train.max_length = {max_len} tokens of {deck.model.path} (prompts "

@@ -44,6 +44,32 @@ class InvariantError(AllRanksError):
     exit_code = EXIT_FAILURE
 
 
+def raise_first(allreduce, key: int | None, msg: str | None) -> None:
+    """Collective: when some rank has an error (``key`` not None: the record id, line or row it
+    is about, ``msg`` its message), every rank raises the same :class:`AllRanksError`: the
+    message of the smallest key (of the lowest rank holding it). ``allreduce``: a topology's
+    (or :func:`semzo.preflight.check_samples`'s) in-place allreduce of NumPy buffers; one call
+    when no rank has an error, three when one has (the message travels as UTF-8 bytes)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    none = np.iinfo(np.int64).max
+    k = np.array([none if key is None else int(key)], np.int64)
+    allreduce(k, op=MPI.MIN)
+    if k[0] == none:
+        return
+    rank, size = _rank_size()
+    mine = key is not None and int(key) == k[0]
+    r = np.array([rank if mine else size], np.int64)
+    allreduce(r, op=MPI.MIN)
+    b = np.zeros(1024, np.uint8)
+    if rank == r[0]:
+        raw = str(msg).encode("utf-8", "replace")[:b.size]
+        b[:len(raw)] = np.frombuffer(raw, np.uint8)
+    allreduce(b, op=MPI.MAX)
+    raise AllRanksError(b.tobytes().rstrip(b"\0").decode("utf-8", "replace"))
+
+
 def _rank_size() -> tuple[int, int]:
     """Rank and size of the world, without initializing MPI if it is not initialized yet."""
     mpi = sys.modules.get("mpi4py.MPI")

@@ -32,13 +32,27 @@ def _json(path: Path) -> dict:
         raise SemzoError(f"{path}: not valid JSON ({exc})") from None
 
 
-def chat_template(tok_config: dict) -> str | None:
+TEMPLATE_KEY = "tokenizer_config.json: chat_template"     # how errors name the template
+
+
+def chat_template(tok_config: dict, what: str = "model") -> str | None:
     """The chat template of a tokenizer_config.json (a list of named ones: "default"), or
-    None."""
+    None. Anything but a string or a list of ``{"name", "template"}`` objects is a
+    :class:`SemzoError` naming ``what`` and the key."""
     tpl = tok_config.get("chat_template")
     if isinstance(tpl, list):      # named templates: take "default"
+        if not all(isinstance(t, dict) for t in tpl):
+            raise SemzoError(f"{what}: {TEMPLATE_KEY}: a list of templates must hold "
+                             f"{{\"name\", \"template\"}} objects")
         tpl = next((t.get("template") for t in tpl if t.get("name") == "default"), None)
+    if tpl is not None and not isinstance(tpl, str):
+        raise SemzoError(f"{what}: {TEMPLATE_KEY}: must be a string, got "
+                         f"{type(tpl).__name__}")
     return tpl or None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300]
 
 
 def _special(tok_config: dict, key: str) -> str:
@@ -57,23 +71,39 @@ class ChatRenderer:
                              "run make setup)") from None
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
+        from jinja2 import TemplateError
+
         def raise_exception(msg):
             raise SemzoError(f"{what}: chat template: {msg}")
         env.globals["raise_exception"] = raise_exception
-        self.tpl = env.from_string(template)
+        try:
+            self.tpl = env.from_string(template)
+        except TemplateError as exc:       # TemplateSyntaxError and the like
+            raise SemzoError(f"{what}: {TEMPLATE_KEY}: not a valid jinja2 template "
+                             f"({_one_line(exc)})") from None
         self.what = what
         self.bos, self.eos = _special(tok_config, "bos_token"), _special(tok_config, "eos_token")
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self.tpl.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos, eos_token=self.eos)
+        """The rendered conversation; a template that fails (its own ``raise_exception``, a
+        division by zero, a call the sandbox refuses, an undefined test...) is a
+        :class:`SemzoError` naming the template."""
+        try:
+            return self.tpl.render(messages=messages,
+                                   add_generation_prompt=add_generation_prompt,
+                                   bos_token=self.bos, eos_token=self.eos)
+        except SemzoError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the template is code from the model folder
+            raise SemzoError(f"{self.what}: {TEMPLATE_KEY}: cannot render "
+                             f"({type(exc).__name__}: {_one_line(exc)})") from None
 
 
 def render_chat(tok_config: dict, messages: list[dict], add_generation_prompt: bool = True,
                 what: str = "model") -> str:
     """``messages`` through the model's chat template. A model without a template, or no
     jinja2, is a :class:`SemzoError`."""
-    tpl = chat_template(tok_config)
+    tpl = chat_template(tok_config, what)
     if not tpl:
         raise SemzoError(f"{what}: the model has no chat_template in tokenizer_config.json")
     return ChatRenderer(tpl, tok_config, what).render(messages, add_generation_prompt)
@@ -186,7 +216,7 @@ class InstructTokenizer:
         if not isinstance(eos, int):
             name = _special(tc, "eos_token")
             eos = tok.tk.token_to_id(name) if name else None
-        tpl = chat_template(tc)
+        tpl = chat_template(tc, str(folder))
         return cls(tok.tk, tok.pad_id, eos,
                    ChatRenderer(tpl, tc, str(folder)) if tpl else None, str(folder))
 

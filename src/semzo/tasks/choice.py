@@ -32,7 +32,7 @@ from .base import Task, pad_batch
 from .prefix import PrefixCached
 from .prefix_store import PrefixStore, store_args
 from .prompt import cache_layer
-from .sft import _load_records, _overlong_error
+from .sft import _load_records, _overlong_error, encode_records
 
 log = get_logger(__name__)
 
@@ -173,8 +173,8 @@ def build_choice_task(ctx, model, names, rows, train_idx, held_idx, max_len: int
     prompts, choices, answers = [], [], []
     over = np.zeros(len(recs), bool)
     stats = np.zeros(3, np.int64)              # cut records, tokens cut, choices
-    for i, rec in enumerate(recs):
-        got = itok.choice(rec, max_len)
+    encoded = encode_records(ctx, recs, rows.ids, itok.choice, max_len)
+    for i, (rec, got) in enumerate(zip(recs, encoded)):
         if got is None:
             over[i] = True                   # left out: empty rows (none cached)
             prompts.append(np.zeros(0, np.int64))

@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from ..corpus.records import parse_stored
 from ..model.chat import InstructTokenizer
-from ..runtime import AllRanksError, get_logger
+from ..runtime import AllRanksError, SemzoError, get_logger, raise_first
 from .base import Task, pad_batch
 from .prefix import PrefixCached
 from .prefix_store import PrefixStore, store_args
@@ -228,6 +228,25 @@ def _load_records(texts, corpus_path: str, what: str, topo) -> list[dict]:
     return out
 
 
+def encode_records(ctx, recs: list[dict], ids: np.ndarray, fit, max_len: int) -> list:
+    """``fit(rec, max_len)`` of each record (:meth:`InstructTokenizer.sft` or ``.choice``); a
+    record it refuses with a :class:`SemzoError` (a chat template that fails to render it, a
+    choice of no tokens) stops every rank together, naming shards.h5 and the smallest such
+    record id. Collective (one allreduce, three on an error)."""
+    out, first = [], None
+    for rec, i in zip(recs, ids):
+        try:
+            out.append(fit(rec, max_len))
+        except SemzoError as exc:
+            out.append(None)
+            if first is None or int(i) < first[0]:
+                first = (int(i), str(exc))
+    raise_first(ctx.topo.allreduce, None if first is None else first[0],
+                None if first is None else
+                f"{ctx.path('shards.h5')}: record id {first[0]}: {first[1]}")
+    return out
+
+
 def _overlong_error(deck, topo, ids: np.ndarray, over: np.ndarray, what: str,
                     max_len: int) -> int:
     """The number of overlong records over all ranks; every rank raises together when
@@ -255,8 +274,8 @@ def build_sft_task(ctx, model, names, rows, train_idx, held_idx, max_len: int,
     recs = _load_records(rows.texts, deck.corpus.path, "sft", topo)
     seqs, masks, over = [], [], np.zeros(len(recs), bool)
     stats = np.zeros(3, np.int64)               # cut records, tokens cut, conversations
-    for i, rec in enumerate(recs):
-        got = itok.sft(rec, max_len)
+    encoded = encode_records(ctx, recs, rows.ids, itok.sft, max_len)
+    for i, (rec, got) in enumerate(zip(recs, encoded)):
         stats[2] += "messages" in rec
         if got is None:
             over[i] = True
