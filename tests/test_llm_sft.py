@@ -465,3 +465,26 @@ def test_preflight_names_the_corpus_line_of_a_record_the_template_refuses(llama,
         check_record_lengths(ctx, "sft", records)
     assert str(exc.value).startswith(f"c.jsonl:3: {folder}: tokenizer_config.json: "
                                      f"chat_template: cannot render (ZeroDivisionError"), exc.value
+
+
+@pytest.mark.parametrize("eos, want", [
+    (99999, "in [0, vocab_size = V), got 99999"),
+    (True, "got true"),
+    ("2", "got \"2\""),
+    (-1, "got -1"),
+    ([0, 99999], "got [0, 99999]"),
+    (1.0, "got 1.0"),
+    ([2, 0], 2),
+    (None, 0),                     # absent: tokenizer_config.json's eos_token (id 0)
+])
+def test_eos_token_id_is_checked_against_the_vocabulary(llama, tmp_path, eos, want):
+    folder = _variant(llama, tmp_path / "m", cfg={"eos_token_id": eos})
+    if isinstance(want, int):
+        assert InstructTokenizer.from_folder(folder).eos_id == want
+        return
+    v = json.loads((folder / "config.json").read_text())["vocab_size"]
+    with pytest.raises(SemzoError) as exc:
+        InstructTokenizer.from_folder(folder)
+    assert str(exc.value).startswith(f"{folder / 'config.json'}: 'eos_token_id' must be a "
+                                     f"token id"), exc.value
+    assert want.replace("= V", f"= {v}") in str(exc.value), exc.value

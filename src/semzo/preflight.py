@@ -21,7 +21,7 @@ from .model.config import read_config
 from .model.loader import model_kind
 from .model.zoo import NAMED, resolve_model_path
 from .rng import philox_hash
-from .runtime import AllRanksError, SemzoError, get_logger, raise_first
+from .runtime import AllRanksError, SemzoError, get_logger, raise_first, together
 
 log = get_logger(__name__)
 
@@ -238,13 +238,17 @@ def check_record_lengths(ctx, task: str, records: list) -> None:
     """With ``train.overlong = "error"``: the first record (in file order) whose completion
     (``sft``) or longest choice (``choice``) alone does not fit ``train.max_length`` tokens of
     the decoder's tokenizer (the prompt is cut from the left, see :mod:`semzo.model.chat`) is
-    an error naming the corpus file and its line (row for Parquet), before any embedding.
-    Collective; every rank raises together."""
+    an error naming the corpus file and its line (row for Parquet), before any embedding; so
+    is a record the tokenizer refuses (a chat template that fails on it). The decoder's
+    tokenizer files are read whatever ``train.overlong``. Collective; every rank raises
+    together."""
     deck, topo = ctx.deck, ctx.topo
+    # the decoder's tokenizer files (eos_token_id, the chat template) are read now, before any
+    # embedding, whatever train.overlong
+    itok = together(topo.allreduce, InstructTokenizer.from_folder, deck.model.path)
     if deck.train.overlong != "error":
         return
     max_len = deck.train.max_length or deck.model.max_length
-    itok = InstructTokenizer.from_folder(deck.model.path)
     fit = itok.sft if task == "sft" else itok.choice
     parquet = str(deck.corpus.path).endswith(".parquet")
     bad, refused = [], None

@@ -70,6 +70,18 @@ def raise_first(allreduce, key: int | None, msg: str | None) -> None:
     raise AllRanksError(b.tobytes().rstrip(b"\0").decode("utf-8", "replace"))
 
 
+def together(allreduce, fn: Callable, *args, **kw):
+    """``fn(*args, **kw)``; a :class:`SemzoError` it raises on any rank is raised on every rank
+    together (:func:`raise_first`). Collective: for what every rank reads alike (a model
+    folder's files) inside a collective stage."""
+    try:
+        out, key, msg = fn(*args, **kw), None, None
+    except SemzoError as exc:
+        out, key, msg = None, 0, str(exc)
+    raise_first(allreduce, key, msg)
+    return out
+
+
 def _rank_size() -> tuple[int, int]:
     """Rank and size of the world, without initializing MPI if it is not initialized yet."""
     mpi = sys.modules.get("mpi4py.MPI")

@@ -193,6 +193,26 @@ def choice_tokens(tk, rec: dict) -> tuple[np.ndarray, list[np.ndarray]]:
             [np.array(_enc(tk, c, False), np.int64) for c in rec["choices"]])
 
 
+def _eos_id(folder: Path, cfg: dict) -> int | None:
+    """``eos_token_id`` of config.json (the first of a list), None when absent; an id that is
+    not an integer (``true``, ``"2"``) or lies outside the vocabulary (``vocab_size``; the
+    sft task appends it to every completion, the generations stop on it) is a
+    :class:`SemzoError` naming the file and the key, as :func:`.tokenizer.pad_id_for` keeps
+    the pad id inside it."""
+    eos = cfg.get("eos_token_id")
+    ids = eos if isinstance(eos, list) else [eos]
+    vocab = cfg.get("vocab_size")
+    for e in ids:
+        if e is None and not isinstance(eos, list):
+            return None
+        if isinstance(e, bool) or not isinstance(e, int) or e < 0 or (
+                isinstance(vocab, int) and e >= vocab):
+            inside = f"[0, vocab_size = {vocab})" if isinstance(vocab, int) else "[0, 2**63)"
+            raise SemzoError(f"{folder / 'config.json'}: 'eos_token_id' must be a token id (or "
+                             f"a list of them) in {inside}, got {json.dumps(eos)[:60]}")
+    return int(ids[0]) if ids else None
+
+
 @dataclass
 class InstructTokenizer:
     """What the ``sft`` and ``choice`` tasks need of a decoder's folder: the tokenizer (no
@@ -211,9 +231,8 @@ class InstructTokenizer:
         tok = Tokenizer.from_folder(folder, max_length=None)
         tok.tk.no_truncation()
         tc, cfg = _json(folder / "tokenizer_config.json"), _json(folder / "config.json")
-        eos = cfg.get("eos_token_id")
-        eos = eos[0] if isinstance(eos, list) and eos else eos
-        if not isinstance(eos, int):
+        eos = _eos_id(folder, cfg)
+        if eos is None:
             name = _special(tc, "eos_token")
             eos = tok.tk.token_to_id(name) if name else None
         tpl = chat_template(tc, str(folder))

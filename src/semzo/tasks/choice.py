@@ -27,7 +27,7 @@ import numpy as np
 from ..model.chat import InstructTokenizer
 from ..model.kernels import scratch
 from ..model.kernels_lm import token_nll
-from ..runtime import get_logger
+from ..runtime import get_logger, together
 from .base import Task, pad_batch
 from .prefix import PrefixCached
 from .prefix_store import PrefixStore, store_args
@@ -168,7 +168,7 @@ def build_choice_task(ctx, model, names, rows, train_idx, held_idx, max_len: int
     """The run's :class:`ChoiceTask` from the shard's records, with the frozen-prefix cache of
     its (record, choice) rows when ``cache`` and the trainable set allows it. Collective."""
     deck, topo, t = ctx.deck, ctx.topo, ctx.deck.train
-    itok = InstructTokenizer.from_folder(deck.model.path)
+    itok = together(topo.allreduce, InstructTokenizer.from_folder, deck.model.path)
     recs = _load_records(rows.texts, deck.corpus.path, "choice", topo)
     prompts, choices, answers = [], [], []
     over = np.zeros(len(recs), bool)

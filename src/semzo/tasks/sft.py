@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 from ..corpus.records import parse_stored
 from ..model.chat import InstructTokenizer
-from ..runtime import AllRanksError, SemzoError, get_logger, raise_first
+from ..runtime import AllRanksError, SemzoError, get_logger, raise_first, together
 from .base import Task, pad_batch
 from .prefix import PrefixCached
 from .prefix_store import PrefixStore, store_args
@@ -270,7 +270,7 @@ def build_sft_task(ctx, model, names, rows, train_idx, held_idx, max_len: int,
     ``held_idx`` (``train.val_fraction``), never in the generation subset. Collective (a few
     allreduces)."""
     deck, topo, t = ctx.deck, ctx.topo, ctx.deck.train
-    itok = InstructTokenizer.from_folder(deck.model.path)
+    itok = together(topo.allreduce, InstructTokenizer.from_folder, deck.model.path)
     recs = _load_records(rows.texts, deck.corpus.path, "sft", topo)
     seqs, masks, over = [], [], np.zeros(len(recs), bool)
     stats = np.zeros(3, np.int64)               # cut records, tokens cut, conversations
