@@ -248,7 +248,8 @@ def run_finetune_stage(ctx) -> dict:
     cfg = LoopConfig.from_deck(deck, steps)
     saver = _StepSaver(ck, model, names, train_idx.size, centroids=_centroids(ctx), topo=topo,
                        flush=engine.flush, before=before, rows=metrics,
-                       keep_best=t.eval_every > 0, by="loss" if task_kind == "lm" else "acc")
+                       keep_best=t.eval_every > 0, by="loss" if task_kind == "lm" else "acc",
+                       sync=engine.verify if engine.fused_groups else None)
     if state.step == 0:                          # the model before training is a candidate
         _candidate(saver, state, before, val_before or _validate(task, topo, engine,
                                                                  validation, state.step))
@@ -561,10 +562,16 @@ class _StepSaver:
     tests only)."""
 
     def __init__(self, ck, model, names, n_local, *, centroids, topo, flush=None,
-                 before=None, rows=None, keep_best: bool = False, by: str = "acc") -> None:
+                 before=None, rows=None, keep_best: bool = False, by: str = "acc",
+                 sync=None) -> None:
         self.before = before                     # held-out figures before fine-tuning
         self.rows = rows                         # the Metrics whose rows a checkpoint covers
         self.flush = flush or (lambda: None)     # the streamed step's deferred update
+        # zo.restore = "fused" with several seed groups: the replicas drift by rounding until
+        # a checksum step re-syncs them from rank 0, and each rank writes its own rows of a
+        # checkpoint: every save re-syncs first (``sync(step)``, flushing too), so a file
+        # holds one model and a resumed run starts where the uninterrupted one went on
+        self.sync = sync
         self.ck, self.model, self.names, self.n_local = ck, model, names, int(n_local)
         self.extras, self.topo = centroids, topo
         self.keep_best, self.by = keep_best, by
@@ -574,6 +581,12 @@ class _StepSaver:
         sig = os.environ.get("SEMZO_TEST_SIGNAL", "")      # "rank:step:SIGNAME" (tests only)
         self.signal = (int(sig.split(":")[0]), int(sig.split(":")[1]),
                        sig.split(":")[2]) if sig else None
+
+    def _settle(self, step: int) -> None:
+        if self.sync is not None:
+            self.sync(step)
+        else:
+            self.flush()
 
     def on_row(self, inner):
         def add(row: dict) -> None:
@@ -610,7 +623,7 @@ class _StepSaver:
             # stop checks, about StopRequest.PERIOD_S apart, would then fall after the run)
             time.sleep(0.05)
         if self.ck.due(state.step):
-            self.flush()                          # save exactly the updated model
+            self._settle(state.step)              # save exactly the updated model
             if self.rows is not None:             # the rows up to here are on disk first
                 self.rows.flush()
             params, d, per_rank, metrics = self._payload(state)
@@ -629,7 +642,7 @@ class _StepSaver:
         tl, ta = (loss, acc) if test is None else test
         state.best_step, state.best_acc, state.best_loss = state.step, float(acc), float(loss)
         state.best_test_acc, state.best_test_loss = float(ta), float(tl)
-        self.flush()
+        self._settle(state.step)
         params, d, per_rank, metrics = self._payload(state)
         metrics.update({"heldout_loss": float(tl), "heldout_acc": float(ta)})
         if test is not None:
@@ -648,6 +661,16 @@ class _StepSaver:
                 log.warning("held-out guard: cannot read the best model back (%s): training "
                             "goes on from the current parameters at the halved lr", exc)
             return
+        if loaded.step != state.best_step:
+            # a resumed run whose interrupted predecessor wrote a newer best.h5 after the
+            # checkpoint it resumed from: the model the state's best refers to is gone
+            if self.topo.rank == 0:
+                log.warning("held-out guard: %s holds the model of step %d, not this run's "
+                            "best (step %d: an interrupted run saved a later best after the "
+                            "checkpoint this one resumed from); training goes on from the "
+                            "current parameters at the halved lr", self.ck.dir / "best.h5",
+                            loaded.step, state.best_step)
+            return
         engine.reload({i: loaded.params[n] for i, n in enumerate(self.names)})
 
     def final(self, state: TrainState) -> None:
@@ -655,7 +678,7 @@ class _StepSaver:
         stays open for :meth:`on_eval` of the final evaluation (:meth:`close`)."""
         try:
             if state.step != self.ck.last_step:
-                self.flush()
+                self._settle(state.step)
                 params, d, per_rank, metrics = self._payload(state)
                 self.ck.save(state.step, params, d, per_rank, self.extras, metrics)
         except BaseException:
