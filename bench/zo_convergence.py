@@ -22,7 +22,8 @@ Configurations (``--configs``):
 * ``auto-fzoo``: the deck defaults: lr auto (its scan counted in the budget), cosine
   decay, the loss guard, fzoo with
   4 directions, Rademacher z, 5 passes per step, the held-out guard (zo.lr_rollback 0.1);
-* ``mezo-auto``: MeZO with the automatic lr; ``fzoo-gauss``: auto-fzoo with Gaussian z;
+* ``mezo-auto``: MeZO with the automatic lr (and, as a deck resolves lr auto, cosine decay and
+  both guards); ``fzoo-gauss``: auto-fzoo with Gaussian z;
   ``mezo-rad``: mezo-fixed with Rademacher z.
 
 Every run gets the same budget of ZO forward passes (``--forwards``, per process: a pass is
@@ -187,15 +188,27 @@ def parse_config(name: str) -> dict:
     (keys estimator, dist, lr, schedule, min_lr_ratio, eps, directions, guard: the loss
     guard's window, or auto, the default with lr auto; rollback: the held-out guard's
     tolerance, zo.lr_rollback, auto = 0.1 with lr auto as in a run), e.g.
-    ``estimator=fzoo:dist=rademacher:lr=auto:schedule=cosine``."""
+    ``estimator=fzoo:dist=rademacher:lr=auto:schedule=cosine``. Keys left out (lr: 2e-2) or
+    "auto" resolve from lr as a deck resolves them: lr auto gives fzoo, Rademacher z, cosine
+    decay and both guards; a number MeZO, Gaussian z, a constant lr, no loss guard."""
     if name in CONFIGS:
-        return dict(CONFIGS[name])
-    cfg = {"estimator": "mezo", "dist": "gaussian", "lr": 2e-2}
-    for kv in name.split(":"):
-        k, v = kv.split("=", 1)
-        cfg[k] = v if k in ("estimator", "dist", "schedule") or v == "auto" else float(v)
+        cfg = dict(CONFIGS[name])
+    else:
+        cfg = {"lr": 2e-2}
+        for kv in name.split(":"):
+            k, v = kv.split("=", 1)
+            cfg[k] = v if k in ("estimator", "dist", "schedule") or v == "auto" else float(v)
+    # what a deck resolves from zo.lr when a key is left out or "auto" (deck/sections.py's
+    # estimator_name, dist_name, lr_guard_name; loop.schedule_name)
+    auto = cfg["lr"] == "auto"
+    if cfg.get("estimator", "auto") == "auto":
+        cfg["estimator"] = "fzoo" if auto else "mezo"
+    if cfg.get("dist", "auto") == "auto":
+        cfg["dist"] = "rademacher" if cfg["estimator"] == "fzoo" else "gaussian"
+    if cfg.get("schedule", "auto") == "auto":
+        cfg["schedule"] = "cosine" if auto else "constant"
     # (safety: autolr.SAFETY; apart=1: the line searches on a batch apart from the direction's)
-    cfg.setdefault("guard", "auto" if cfg["lr"] == "auto" else 0)
+    cfg.setdefault("guard", "auto" if auto else 0)
     cfg.setdefault("rollback", "auto")
     return cfg
 
