@@ -47,9 +47,11 @@ def add_tokenizer(w: gguf.GGUFWriter, pre: str = "smollm", template: str | None 
 
 
 def write_gguf(path: Path, arch: str, meta: dict, tensors: dict, *, tokenizer: bool = True,
-               pre: str = "smollm", template: str | None = None) -> Path:
+               pre: str = "smollm", template: str | None = None,
+               floats: dict | None = None) -> Path:
     """``meta``: key (without the arch prefix) -> int/float/str; ``tensors``: GGUF name ->
-    float array (float16 written F16, others F32) or ``(uint8 bytes, GGMLQuantizationType)``."""
+    float array (float16 written F16, others F32) or ``(uint8 bytes, GGMLQuantizationType)``;
+    ``floats``: full keys written last as float32 (replacing the tokenizer's)."""
     w = gguf.GGUFWriter(str(path), arch)
     for k, v in meta.items():
         key = f"{arch}.{k}"
@@ -63,6 +65,8 @@ def write_gguf(path: Path, arch: str, meta: dict, tensors: dict, *, tokenizer: b
             w.add_string(key, v)
     if tokenizer:
         add_tokenizer(w, pre, template)
+    for k, v in (floats or {}).items():
+        w.kv_data[0][k] = gguf.GGUFValue(value=v, type=gguf.GGUFValueType.FLOAT32)
     for name, t in tensors.items():
         if isinstance(t, tuple):
             w.add_tensor(name, t[0], raw_dtype=t[1])

@@ -299,3 +299,25 @@ def test_shape_and_missing_tensor_refused(tmp_path):
     with pytest.raises(SemzoError, match="blk.0.ffn_up.weight' has shape"):
         convert_gguf(p, tmp_path / "o")
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("key, value, want", [
+    ("llama.block_count", float("nan"), "expected a non-negative integer, got nan"),
+    ("llama.context_length", float("inf"), "expected a non-negative integer, got inf"),
+    ("llama.feed_forward_length", 96.5, "expected a non-negative integer, got 96.5"),
+    ("tokenizer.ggml.eos_token_id", float("nan"), "expected a non-negative integer, got nan"),
+    ("tokenizer.ggml.bos_token_id", float("-inf"), "expected a non-negative integer"),
+    ("tokenizer.ggml.eos_token_id", 1e9, "outside the vocabulary"),
+    ("llama.rope.freq_base", float("nan"), "expected a finite positive number, got nan"),
+    ("llama.attention.layer_norm_rms_epsilon", float("inf"), "expected a finite positive"),
+])
+def test_nan_or_infinite_metadata_is_one_error(tmp_path, key, value, want):
+    """Integer metadata stored as NaN/infinite floats (were ValueError/OverflowError
+    tracebacks from int()), and non-finite float metadata: one error naming file and key."""
+    p = write_gguf(tmp_path / "nan.gguf", "llama", META, _block_tensors(np.random.default_rng(6)),
+                   floats={key: value})
+    with pytest.raises(SemzoError) as e:
+        convert_gguf(p, tmp_path / "o")
+    msg = str(e.value)
+    assert msg.startswith(f"{p}: ") and key in msg and want in msg and "\n" not in msg, msg
+    assert not (tmp_path / "o").exists()

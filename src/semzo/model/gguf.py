@@ -26,6 +26,7 @@ as transformers' ``LlamaTensorProcessor`` does. Qwen2 is written unpermuted.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,10 +191,32 @@ class GGUFModel:
         return v
 
     def _int(self, key: str, default=...) -> int:
+        """A non-negative integer (an integral float counts; NaN, infinities, fractions,
+        strings and booleans do not: an error naming the key)."""
         v = self.value(key, default)
-        if isinstance(v, bool) or not isinstance(v, int | float) or int(v) != v or v < 0:
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+                or int(v) != v or v < 0:
             raise self.error(f"metadata key {key!r}: expected a non-negative integer, got {v!r}")
         return int(v)
+
+    def _float(self, key: str, default=...) -> float:
+        """A finite positive number (an error naming the key otherwise)."""
+        v = self.value(key, default)
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) \
+                or v <= 0:
+            raise self.error(f"metadata key {key!r}: expected a finite positive number, got "
+                             f"{v!r}")
+        return float(v)
+
+    def token_id(self, key: str, n_vocab: int) -> int | None:
+        """``tokenizer.ggml.<key>_token_id`` inside ``[0, n_vocab)``, None when absent."""
+        name = f"tokenizer.ggml.{key}_token_id"
+        if self.value(name, None) is None:
+            return None
+        i = self._int(name)
+        if i >= n_vocab:
+            raise self.error(f"{name}: {i} outside the vocabulary of {n_vocab}")
+        return i
 
     # ---- config ---------------------------------------------------------------------------
     def hf_config(self) -> dict:
@@ -234,13 +257,13 @@ class GGUFModel:
         kind = self.value(f"{a}.rope.scaling.type", "none")
         if kind == "linear":
             rope_scaling = {"rope_type": "linear",
-                            "factor": float(self.value(f"{a}.rope.scaling.factor"))}
+                            "factor": self._float(f"{a}.rope.scaling.factor")}
         elif kind != "none":
             raise self.error(f"{a}.rope.scaling.type: {kind!r} is not supported "
                              f"(none or linear)")
         embd = self.tensors.get("token_embd.weight")
         n_vocab = self._int(f"{a}.vocab_size", int(embd.shape[-1]) if embd is not None else 0)
-        eps = self.value(f"{a}.attention.layer_norm_rms_epsilon")
+        eps = self._float(f"{a}.attention.layer_norm_rms_epsilon")
         cfg = {
             "architectures": [self.arch.hf_class],
             "model_type": self.arch.model_type,
@@ -252,7 +275,7 @@ class GGUFModel:
             "head_dim": head_dim,
             "max_position_embeddings": self._int(f"{a}.context_length"),
             "rms_norm_eps": float(np.float32(eps)),
-            "rope_theta": float(self.value(f"{a}.rope.freq_base", 10000.0)),
+            "rope_theta": self._float(f"{a}.rope.freq_base", 10000.0),
             "rope_scaling": rope_scaling,
             "vocab_size": n_vocab,
             "hidden_act": "silu",
@@ -270,11 +293,7 @@ class GGUFModel:
                        max_window_layers=cfg["num_hidden_layers"])
         for name, key in (("bos_token_id", "bos"), ("eos_token_id", "eos"),
                           ("pad_token_id", "padding")):
-            v = self.value(f"tokenizer.ggml.{key}_token_id", None)
-            if v is not None and not 0 <= int(v) < n_vocab:
-                raise self.error(f"tokenizer.ggml.{key}_token_id: {v} outside the vocabulary "
-                                 f"of {n_vocab}")
-            cfg[name] = None if v is None else int(v)
+            cfg[name] = self.token_id(key, n_vocab)
         return cfg
 
     def _gemma3_config(self, cfg: dict, rope_scaling: dict | None) -> None:

@@ -136,12 +136,8 @@ def build_tokenizer(g: GGUFModel, cfg: dict):
     tk.add_tokens(user)
 
     def tok(key: str) -> str | None:
-        i = g.value(f"tokenizer.ggml.{key}_token_id", None)
-        if i is None:
-            return None
-        if not 0 <= int(i) < len(tokens):
-            raise g.error(f"tokenizer.ggml.{key}_token_id: {i} outside the vocabulary")
-        return tokens[int(i)]
+        i = g.token_id(key, len(tokens))
+        return None if i is None else tokens[i]
 
     bos, eos = tok("bos"), tok("eos")
     add_bos = bool(g.value("tokenizer.ggml.add_bos_token", False))
@@ -214,12 +210,8 @@ def _sentencepiece(g: GGUFModel, cfg: dict):
                       "not supported")
 
     def tok(key: str, default: str | None = None) -> str | None:
-        i = g.value(f"tokenizer.ggml.{key}_token_id", None)
-        if i is None:
-            return default
-        if not 0 <= int(i) < len(tokens):
-            raise g.error(f"tokenizer.ggml.{key}_token_id: {i} outside the vocabulary")
-        return tokens[int(i)]
+        i = g.token_id(key, len(tokens))
+        return default if i is None else tokens[i]
 
     bos, eos, unk, pad = tok("bos"), tok("eos"), tok("unknown"), tok("padding")
     if unk is None:
