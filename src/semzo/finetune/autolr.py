@@ -199,9 +199,9 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         if not res.ok:
             continue
         seeds = [int(x) for x in res.seeds]
-        w = np.asarray(res.gs, np.float64)
-        if engine.estimator == "mezo":           # the update applies g_k n_k / n
-            w = w / max(len(w), 1)
+        # the weights the step's update applies per unit lr (mezo: g_k n_k / n over the
+        # seed groups, which differ when the ranks' batches do; fzoo: its normalized ones)
+        w = np.asarray(res.w if res.w is not None else res.gs, np.float64)
         unit = math.sqrt(engine.n_trainable * float(np.dot(w, w)))
         if unit <= 0.0 or not math.isfinite(unit):
             continue

@@ -177,6 +177,7 @@ class StepResult:
     n: float = 0.0          # the step's weight over all ranks (samples, or predicted tokens)
     sigma: float = math.nan  # fzoo: the spread (std) of the N loss differences
     forwards: int = 2        # forward passes this rank ran
+    w: np.ndarray | None = None  # the update's weight per seed and unit lr (what it applied)
 
 
 class ZOEngine:
@@ -292,7 +293,8 @@ class ZOEngine:
             g_mean, loss = math.nan, math.nan
         t3 = time.perf_counter()
         return StepResult(step, ok, g_mean, loss, seeds, gs, lp, lm,
-                          compute_s=(t1 - t0) + (t3 - t2), comm_s=t2 - t1, n=n_tot)
+                          compute_s=(t1 - t0) + (t3 - t2), comm_s=t2 - t1, n=n_tot,
+                          w=np.asarray(w, np.float64))
 
     # ------------------------------------------------------------------ fzoo
     @property
@@ -371,7 +373,8 @@ class ZOEngine:
         t3 = time.perf_counter()
         return StepResult(step, apply, g_mean, loss, allseeds, np.asarray(w, np.float64),
                           l0, losses[-1], compute_s=(t1 - t0) + (t3 - t2), comm_s=t2 - t1,
-                          sigma=sigma, forwards=1 + len(seeds), n=n_batch)
+                          sigma=sigma, forwards=1 + len(seeds), n=n_batch,
+                          w=np.asarray(w, np.float64))
 
     def _exchange_fzoo(self, step: int, vals: np.ndarray, n: float, bad: float):
         """(seeds uint64 (N,), loss differences (N,), weights n (N,), base losses (N,),
