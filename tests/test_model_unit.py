@@ -562,6 +562,51 @@ def test_export_roundtrip_bit_identical_with_head(minilm, tmp_path, tok):
 
 # ----------------------------------------------------------------------------- decoder
 
+def test_bad_head_file_is_one_error_naming_file_and_tensor(minilm, tmp_path):
+    """semzo_head.safetensors is checked when loaded: a damaged header, a missing tensor, a
+    non-float dtype, a width other than the hidden size, a bias that does not match the
+    weight's rows (was silently broadcast), NaN values, a bad ``normalize`` value."""
+    minilm.add_classifier(3, seed=2)
+    try:
+        out = export_hf(minilm, tmp_path / "exp")
+    finally:
+        del minilm.params["classifier.weight"], minilm.params["classifier.bias"]
+        minilm.head = None
+    head = out / "semzo_head.safetensors"
+    good = head.read_bytes()
+    w = np.zeros((3, 384), np.float32)
+    cases = [
+        (b"\x10" + b"\x00" * 7 + b"not json!" * 2, "not a safetensors file"),
+        (good[:len(good) - 9], "truncated or damaged file"),
+        ({"classifier.weight": w}, "missing tensor 'classifier.bias'"),
+        ({"classifier.weight": w.astype(np.int32), "classifier.bias": np.zeros(3, np.float32)},
+         "classifier.weight has dtype I32, expected a float tensor"),
+        ({"classifier.weight": w[:, :8], "classifier.bias": np.zeros(3, np.float32)},
+         "classifier.weight has shape [3, 8], expected [classes, 384]"),
+        ({"classifier.weight": w, "classifier.bias": np.zeros(1, np.float32)},
+         "classifier.bias has shape [1], expected [3]"),
+        ({"classifier.weight": w + np.nan, "classifier.bias": np.zeros(3, np.float32)},
+         "classifier.weight holds NaN or infinite values"),
+        (({"classifier.weight": w, "classifier.bias": np.zeros(3, np.float32)},
+          {"normalize": "yes"}), "metadata 'normalize' is 'yes'"),
+    ]
+    for content, want in cases:
+        if isinstance(content, bytes):
+            head.write_bytes(content)
+        else:
+            tensors, meta = content if isinstance(content, tuple) else (content, None)
+            save_file(tensors, str(head), metadata=meta)
+        with pytest.raises(SemzoError) as exc:
+            load_model(out)
+        msg = str(exc.value)
+        assert msg.startswith(str(head)) and want in msg and "\n" not in msg, (want, msg)
+    save_file({"classifier.weight": w + 1, "classifier.bias": np.ones(3, np.float32)}, str(head),
+              metadata={"normalize": "true"})
+    back = load_model(out)
+    assert back.head.n_classes == 3 and back.head.normalize
+    assert np.array_equal(np.asarray(back.params["classifier.bias"]), np.ones(3, np.float32))
+
+
 def test_decoder_loss_matches_logits_and_prefix(tmp_path):
     a = load_model(tiny_gpt2(tmp_path / "g"))
     b = load_model(tiny_gpt2(tmp_path / "t", prefix="transformer."))

@@ -14,8 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from safetensors import safe_open
-from safetensors.numpy import load_file
 
 from semzo.model import families
 from semzo.model.base import HeadSpec, TransformerBase
@@ -201,16 +199,36 @@ def load_causal(folder: Path, fam, raw: dict, xp, dt, host_params: bool = False)
 
 
 def _load_head(model: TransformerBase, path: Path) -> None:
-    with safe_open(str(path), framework="numpy") as f:
-        meta = f.metadata() or {}
-    t = load_file(str(path))
-    try:
-        w, b = t["classifier.weight"], t["classifier.bias"]
-    except KeyError as exc:
-        raise SemzoError(f"{path}: missing tensor {exc.args[0]!r}") from None
+    """``semzo_head.safetensors``: ``classifier.weight`` (C, hidden size) and
+    ``classifier.bias`` (C,), float tensors of finite values, C >= 1, and the ``normalize``
+    metadata ("true" or "false"); any other content is a :class:`SemzoError` naming the file
+    and the tensor (or key)."""
+    ck = Checkpoint.of_file(path)         # a damaged header: one line naming the file
+    for name in ("classifier.weight", "classifier.bias"):
+        if name not in ck:
+            raise SemzoError(f"{path}: missing tensor {name!r}")
+        if ck.dtype(name) not in ("F64", "F32", "F16", "BF16"):
+            raise SemzoError(f"{path}: {name} has dtype {ck.dtype(name)}, expected a float "
+                             f"tensor")
+    h = model.config.hidden_size
+    ws, bs = ck.shape("classifier.weight"), ck.shape("classifier.bias")
+    if len(ws) != 2 or ws[0] < 1 or ws[1] != h:
+        raise SemzoError(f"{path}: classifier.weight has shape {list(ws)}, expected [classes, "
+                         f"{h}] (the model's hidden size {h})")
+    if bs != ws[:1]:
+        raise SemzoError(f"{path}: classifier.bias has shape {list(bs)}, expected [{ws[0]}] "
+                         f"(one per row of classifier.weight)")
+    norm = ck.metadata.get("normalize", "false")
+    if norm not in ("true", "false"):
+        raise SemzoError(f"{path}: metadata 'normalize' is {norm[:40]!r}, expected \"true\" or "
+                         f"\"false\"")
+    w, b = ck["classifier.weight"], ck["classifier.bias"]
+    for name, a in (("classifier.weight", w), ("classifier.bias", b)):
+        if not np.isfinite(a).all():
+            raise SemzoError(f"{path}: {name} holds NaN or infinite values")
     model.params["classifier.weight"] = _head_param(model, w, path, "classifier.weight")
     model.params["classifier.bias"] = _head_param(model, b, path, "classifier.bias")
-    model.head = HeadSpec(int(w.shape[0]), meta.get("normalize", "false") == "true")
+    model.head = HeadSpec(int(ws[0]), norm == "true")
 
 
 def _head_param(model: TransformerBase, a: np.ndarray, path: Path, name: str):

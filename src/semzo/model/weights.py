@@ -26,8 +26,9 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.u
 _MAX_HEADER = 100 * 2**20
 
 
-def _header(path: Path) -> tuple[dict, int]:
-    """(tensor entries, offset of the data) of one safetensors file."""
+def _header(path: Path) -> tuple[dict, int, dict]:
+    """(tensor entries, offset of the data, ``__metadata__``: {} when absent or not a map of
+    strings) of one safetensors file."""
     try:
         with open(path, "rb") as f:
             raw = f.read(8)
@@ -48,7 +49,9 @@ def _header(path: Path) -> tuple[dict, int]:
         raise SemzoError(f"{path}: not a safetensors file (header is not JSON)") from None
     if not isinstance(meta, dict) or len(head) < n:
         raise SemzoError(f"{path}: not a safetensors file (truncated header)")
-    meta.pop("__metadata__", None)
+    user = meta.pop("__metadata__", None)
+    if not (isinstance(user, dict) and all(isinstance(v, str) for v in user.values())):
+        user = {}
     start = 8 + n
     for name, e in meta.items():
         try:
@@ -64,7 +67,7 @@ def _header(path: Path) -> tuple[dict, int]:
             raise SemzoError(f"{path}: tensor {name!r}: data offsets {a}..{b} do not match "
                              f"shape {list(shape)} {e['dtype']} within the file's {size} bytes "
                              f"(truncated or damaged file)")
-    return meta, start
+    return meta, start, user
 
 
 class Checkpoint(Mapping):
@@ -87,14 +90,26 @@ class Checkpoint(Mapping):
             raise SemzoError(f"{self.folder}: no model.safetensors (pickle checkpoints are "
                              f"not read)")
         self._where: dict[str, tuple[Path, dict, int]] = {}
+        self.metadata: dict[str, str] = {}
         for f, expect in files.items():
-            meta, start = _header(f)
+            meta, start, self.metadata = _header(f)
             for name, e in meta.items():
                 self._where[name] = (f, e, start)
             for name in expect or ():
                 if name not in meta:
                     raise SemzoError(f"{index}: tensor {name!r} is listed in shard {f.name} "
                                      f"but that file does not hold it")
+
+    @classmethod
+    def of_file(cls, path: str | Path) -> Checkpoint:
+        """One safetensors file (not a folder's model checkpoint), checked and read the same
+        way; ``metadata``: its ``__metadata__``."""
+        self = cls.__new__(cls)
+        path = Path(path)
+        self.folder, self.source = path.parent, path
+        meta, start, self.metadata = _header(path)
+        self._where = {name: (path, e, start) for name, e in meta.items()}
+        return self
 
     def _shards(self, index: Path) -> dict[Path, list[str]]:
         try:
