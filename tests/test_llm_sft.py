@@ -488,3 +488,38 @@ def test_eos_token_id_is_checked_against_the_vocabulary(llama, tmp_path, eos, wa
     assert str(exc.value).startswith(f"{folder / 'config.json'}: 'eos_token_id' must be a "
                                      f"token id"), exc.value
     assert want.replace("= V", f"= {v}") in str(exc.value), exc.value
+
+
+def test_stored_records_are_checked_for_the_task_that_reads_them(tmp_path):
+    """Shards placed for the other task (train.task switched between sft and choice with
+    run.stages = ["finetune"]), or carrying a crafted answer, stop every rank together with
+    one error naming shards.h5, the record id and what is wrong (were KeyError 'choices' /
+    'completion', an IndexError or a silently wrong answer with -1)."""
+    from types import SimpleNamespace
+
+    from semzo.corpus.records import canonical
+    from semzo.runtime import AllRanksError
+    from semzo.tasks.sft import _load_records
+    choice = {"prompt": "p", "choices": ["a", "b"], "answer": 1}
+    good = {"sft": [SFT_RECS[0], SFT_RECS[2]], "choice": [choice, choice]}
+    cases = [
+        ("choice", SFT_RECS[0], "missing 'choices'"),
+        ("sft", choice, "missing 'completion'"),
+        ("choice", {**choice, "answer": 5}, "'answer' 5 is out of range for 2 choices"),
+        ("choice", {**choice, "answer": -1}, "'answer' -1 is out of range"),
+        ("choice", {**choice, "choices": ["a", ""]}, "choices[1] is empty"),
+        ("sft", "plain text", "not a JSON object"),
+        ("sft", [1, 2], "not a JSON object"),
+    ]
+    ctx = _ctx(tmp_path)
+    for kind, bad, want in cases:
+        texts = [canonical(r) for r in good[kind]]
+        rows = SimpleNamespace(texts=texts, ids=np.array([3, 9]))
+        assert _load_records(ctx, rows, kind) == good[kind]
+        rows = SimpleNamespace(texts=[texts[0], bad if isinstance(bad, str) else canonical(bad),
+                                      texts[1], "{"], ids=np.array([3, 7, 9, 8]))
+        with pytest.raises(AllRanksError) as exc:
+            _load_records(ctx, rows, kind)
+        msg = str(exc.value)
+        assert msg.startswith(f"{tmp_path / 'shards.h5'}: record id 7: {want}"), msg
+        assert f"not a train.task = {kind} record (2 such records)" in msg, msg

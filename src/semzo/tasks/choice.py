@@ -169,7 +169,7 @@ def build_choice_task(ctx, model, names, rows, train_idx, held_idx, max_len: int
     its (record, choice) rows when ``cache`` and the trainable set allows it. Collective."""
     deck, topo, t = ctx.deck, ctx.topo, ctx.deck.train
     itok = together(topo.allreduce, InstructTokenizer.from_folder, deck.model.path)
-    recs = _load_records(rows.texts, deck.corpus.path, "choice", topo)
+    recs = _load_records(ctx, rows, "choice")
     prompts, choices, answers = [], [], []
     over = np.zeros(len(recs), bool)
     stats = np.zeros(3, np.int64)              # cut records, tokens cut, choices

@@ -24,7 +24,7 @@ from collections import Counter
 import numpy as np
 from mpi4py import MPI
 
-from ..corpus.records import parse_stored
+from ..corpus.records import check_record, parse_stored
 from ..model.chat import InstructTokenizer
 from ..runtime import AllRanksError, SemzoError, get_logger, raise_first, together
 from .base import Task, pad_batch
@@ -207,24 +207,33 @@ class SFTTask(PrefixCached, Task):
         return self.last_gen
 
 
-def _load_records(texts, corpus_path: str, what: str, topo) -> list[dict]:
-    """The records stored in the shard texts (canonical JSON); every rank raises together when
-    some rank holds a text that is not a record (shards built for another task)."""
-    out, bad = [], 0
-    for t in texts:
+def _load_records(ctx, rows, kind: str) -> list[dict]:
+    """The records stored in the shard texts (canonical JSON), each checked as a ``kind``
+    record (:func:`semzo.corpus.records.check_record`, what the corpus reader checks): a text
+    that is not one (shards placed for the other task, or a damaged file: an answer out of
+    range, a missing field) stops every rank together, naming shards.h5, the smallest such
+    record id and what is wrong. Collective (one allreduce, four on an error)."""
+    out, bad, first = [], 0, None
+    for t, i in zip(rows.texts, rows.ids):
         try:
             rec = parse_stored(t)
-        except ValueError:
+        except (ValueError, RecursionError):
             rec = None
-        if not isinstance(rec, dict):
-            bad, rec = bad + 1, {}
-        out.append(rec)
+        got = check_record(rec, kind) if isinstance(rec, dict) else "not a JSON object"
+        if isinstance(got, str):
+            bad += 1
+            if first is None or int(i) < first[0]:
+                first = (int(i), got)
+            got = {}
+        out.append(got)
     n = np.array([bad], np.int64)
-    topo.allreduce(n)
+    ctx.topo.allreduce(n)
     if n[0]:
-        raise AllRanksError(f"{corpus_path}: train.task = {what}: {int(n[0])} shard texts are "
-                            f"not {what} records: the shards were built for another task "
-                            f"(rerun from the embed stage with this deck)")
+        raise_first(ctx.topo.allreduce, None if first is None else first[0],
+                    None if first is None else
+                    f"{ctx.path('shards.h5')}: record id {first[0]}: {first[1]}: not a "
+                    f"train.task = {kind} record ({int(n[0])} such records): were the shards "
+                    f"placed for another task? (rerun from the embed stage with this deck)")
     return out
 
 
@@ -271,7 +280,7 @@ def build_sft_task(ctx, model, names, rows, train_idx, held_idx, max_len: int,
     allreduces)."""
     deck, topo, t = ctx.deck, ctx.topo, ctx.deck.train
     itok = together(topo.allreduce, InstructTokenizer.from_folder, deck.model.path)
-    recs = _load_records(rows.texts, deck.corpus.path, "sft", topo)
+    recs = _load_records(ctx, rows, "sft")
     seqs, masks, over = [], [], np.zeros(len(recs), bool)
     stats = np.zeros(3, np.int64)               # cut records, tokens cut, conversations
     encoded = encode_records(ctx, recs, rows.ids, itok.sft, max_len)
