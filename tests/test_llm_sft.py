@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -396,7 +397,6 @@ def _variant(llama: Path, folder: Path, tc: dict | None = None, cfg: dict | None
 
 
 def _ctx(tmp_path):
-    from types import SimpleNamespace
     return SimpleNamespace(topo=SoloTopo(), path=lambda name: tmp_path / name)
 
 
@@ -445,8 +445,6 @@ def test_template_failing_on_one_record_stops_every_rank_naming_it(llama, tmp_pa
 
 
 def test_preflight_names_the_corpus_line_of_a_record_the_template_refuses(llama, tmp_path):
-    from types import SimpleNamespace
-
     from semzo.corpus.records import canonical
     from semzo.preflight import check_record_lengths
     from semzo.runtime import AllRanksError
@@ -495,8 +493,6 @@ def test_stored_records_are_checked_for_the_task_that_reads_them(tmp_path):
     run.stages = ["finetune"]), or carrying a crafted answer, stop every rank together with
     one error naming shards.h5, the record id and what is wrong (were KeyError 'choices' /
     'completion', an IndexError or a silently wrong answer with -1)."""
-    from types import SimpleNamespace
-
     from semzo.corpus.records import canonical
     from semzo.runtime import AllRanksError
     from semzo.tasks.sft import _load_records
@@ -523,3 +519,29 @@ def test_stored_records_are_checked_for_the_task_that_reads_them(tmp_path):
         msg = str(exc.value)
         assert msg.startswith(f"{tmp_path / 'shards.h5'}: record id 7: {want}"), msg
         assert f"not a train.task = {kind} record (2 such records)" in msg, msg
+
+
+class _StubTk:
+    """A tokenizer that gives one id per character, none for the character '~'."""
+
+    def encode(self, text, add_special_tokens=False):
+        return SimpleNamespace(ids=[ord(ch) % 50 for ch in text if ch != "~"])
+
+
+def test_choice_of_no_tokens_is_refused_when_encoded(tmp_path):
+    """A choice the tokenizer turns into no tokens used to take the next choice's first token
+    score (np.add.reduceat), an IndexError for the last, a division by zero with "mean": it
+    is refused when the record is encoded, every rank together, naming the record."""
+    from semzo.runtime import AllRanksError
+    from semzo.tasks.sft import encode_records
+    it = InstructTokenizer(_StubTk(), 0, None, None, "stub-model")
+    ok = {"prompt": "p q", "choices": ["ab", "c"], "answer": 0}
+    p, cs, cut = it.choice(ok, 40)
+    assert [len(c) for c in cs] == [2, 1] and len(p) == 3 and cut == 0
+    bad = {"prompt": "p q", "choices": ["ab", "~~"], "answer": 0}
+    with pytest.raises(SemzoError, match=r"^stub-model: choices\[1\] '~~' is no token of the "):
+        it.choice(bad, 40)
+    with pytest.raises(AllRanksError) as exc:
+        encode_records(_ctx(tmp_path), [ok, bad, ok], np.array([1, 2, 3]), it.choice, 40)
+    assert str(exc.value).startswith(f"{tmp_path / 'shards.h5'}: record id 2: stub-model: "
+                                     f"choices[1] '~~' is no token"), exc.value

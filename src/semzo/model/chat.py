@@ -247,11 +247,15 @@ class InstructTokenizer:
     def choice(self, rec: dict, max_len: int):
         """``(prompt ids, choice ids, tokens cut)`` with every choice after the prompt within
         ``max_len`` tokens (prompt cut from the left), or None when the longest choice alone
-        (with one prompt token) does not fit."""
+        (with one prompt token) does not fit. A choice of no tokens is a
+        :class:`SemzoError`."""
         p, cs = choice_tokens(self.tk, rec)
+        for i, c in enumerate(cs):
+            if not len(c):        # its score would be no log-likelihood (np.add.reduceat)
+                raise SemzoError(f"{self.what}: choices[{i}] {rec['choices'][i][:40]!r} is "
+                                 f"no token of the tokenizer: a choice is scored by its "
+                                 f"tokens, it needs one at least")
         longest = max(len(c) for c in cs)
-        if longest == 0:
-            return None
         cut = max(0, len(p) + longest - max_len)
         if cut + 1 > len(p):
             return None
