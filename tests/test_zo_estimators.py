@@ -288,6 +288,30 @@ def test_heldout_guard_rolls_back_on_a_clear_rise_only():
     assert (d.hl_ref, d.rollbacks, d.lr_scale) == (1.3, 2, 0.25)
 
 
+def test_rollback_does_not_compound_a_loss_guard_cut_it_undoes():
+    """After a rollback the lr scale is the best model's own scale halved once per rollback
+    to it: a loss-guard cut taken in the steps the rollback undoes answered the same
+    excursion (law/education/drugs seed 1, 600 steps: the loss guard at step 119 and a
+    rollback at 125 to step 100 left a quarter of the lr for 475 steps). Repeated rollbacks
+    to the same model still halve each time; the fields survive a checkpoint."""
+    s = _hl_state(0, 1.0, 100)
+    s.best_step, s.best_loss = 100, 0.5
+    assert autolr.heldout_update(s, 0.5, 0.1) == "" and s.best_lr_scale == 1.0   # a new best
+    s.lr_scale = 0.5                                   # the loss guard, at step 119
+    s.step = 125
+    msg = autolr.heldout_update(s, 0.6, 0.1)
+    assert "lr scale 0.5 -> 0.5" in msg and (s.lr_scale, s.rb_since_best) == (0.5, 1)
+    s.step = 150
+    assert autolr.heldout_update(s, 0.6, 0.1) != "" and s.lr_scale == 0.25   # again: halves
+    d = TrainState.from_dict(s.to_dict())
+    assert (d.best_lr_scale, d.rb_since_best, d.lr_scale) == (1.0, 2, 0.25)
+    s.step, s.best_step, s.best_loss = 175, 175, 0.45                         # a new best
+    assert autolr.heldout_update(s, 0.45, 0.1) == ""
+    assert (s.best_lr_scale, s.rb_since_best) == (0.25, 0)
+    s.step = 200
+    assert autolr.heldout_update(s, 0.6, 0.1) != "" and s.lr_scale == 0.125
+
+
 def test_lr_rollback_setting(tmp_path):
     from semzo.deck import DeckError, load
 

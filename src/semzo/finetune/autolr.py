@@ -353,12 +353,18 @@ def heldout_update(state, loss: float, tol: float, name: str = "held-out") -> st
     ref = state.hl_ref if math.isfinite(state.hl_ref) else state.best_loss
     if state.best_step == state.step:
         state.hl_ref = min(ref, loss) if math.isfinite(loss) else ref
+        state.best_lr_scale, state.rb_since_best = state.lr_scale, 0
         return ""
     if math.isfinite(loss) and loss <= ref + tol * abs(ref):
         state.hl_ref = min(ref, loss)
         return ""
     old = state.lr_scale
-    state.lr_scale *= ROLLBACK_FACTOR
+    # back to the best model, and to the lr scale it was made at, halved once per rollback
+    # to it: a loss-guard cut in the steps now undone answered the same excursion and is
+    # not compounded (measured: law/education/drugs seed 1, 600 steps, the loss guard at
+    # step 119 and this guard at 125 left a quarter of the lr for 475 steps: +5.8 points)
+    state.rb_since_best += 1
+    state.lr_scale = state.best_lr_scale * ROLLBACK_FACTOR ** state.rb_since_best
     state.rollbacks += 1
     state.hl_ref = state.best_loss
     state.gw_n, state.gw_sum, state.gw_sq = 0, 0.0, 0.0     # the loss guard's open window

@@ -178,6 +178,8 @@ class TrainState:
     gw_windows: int = 0            # windows so far
     hl_ref: float = math.inf       # the held-out guard's reference loss (autolr.py)
     rollbacks: int = 0             # the held-out guard's rollbacks so far
+    best_lr_scale: float = 1.0     # lr_scale when the best model was recorded, and the
+    rb_since_best: int = 0         # rollbacks to that model since (autolr.heldout_update)
     hist_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     hist_seed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     hist_g: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
@@ -220,7 +222,9 @@ class TrainState:
                 gw_sum=float(d.get("gw_sum", 0.0)), gw_sq=float(d.get("gw_sq", 0.0)),
                 gw_best=float(d.get("gw_best", math.inf)),
                 gw_var=float(d.get("gw_var", 0.0)), gw_windows=int(d.get("gw_windows", 0)),
-                hl_ref=float(d.get("hl_ref", math.inf)), rollbacks=int(d.get("rollbacks", 0)))
+                hl_ref=float(d.get("hl_ref", math.inf)), rollbacks=int(d.get("rollbacks", 0)),
+                best_lr_scale=float(d.get("best_lr_scale", d.get("lr_scale", 1.0))),
+                rb_since_best=int(d.get("rb_since_best", 0)))
         s.hist_step = np.array(d["hist_step"], np.int64)
         s.hist_seed = np.array(d["hist_seed"], np.uint64)
         s.hist_g = np.array(d["hist_g"], np.float64)
