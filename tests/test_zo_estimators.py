@@ -265,7 +265,7 @@ def _hl_state(best_step: int, best_loss: float, step: int, **kw) -> TrainState:
 
 def test_heldout_guard_rolls_back_on_a_clear_rise_only():
     """zo.lr_rollback: a held-out loss more than tol above the lowest so far (not a new best)
-    halves the lr scale, counts a rollback and takes the best model's loss as the new
+    and above the best model's own goes back to that model, halves the lr scale, counts a rollback and takes the best model's loss as the new
     reference; small rises, new bests and a run with no best model kept do not act; a NaN
     held-out loss acts."""
     s = _hl_state(0, 1.0, 25)
@@ -273,7 +273,8 @@ def test_heldout_guard_rolls_back_on_a_clear_rise_only():
     s.step = 50
     assert autolr.heldout_update(s, 0.8, 0.1) == "" and s.hl_ref == 0.8    # lower, not best
     s.step = 75
-    msg = autolr.heldout_update(s, 0.9, 0.1)                                # +12.5 % over 0.8
+    assert autolr.heldout_update(s, 0.9, 0.1) == ""     # +12.5 % over 0.8, below the best's 1
+    msg = autolr.heldout_update(s, 1.05, 0.1)           # +31 % over 0.8, above the best's
     assert "back to the best held-out model (step 0" in msg and "zo.lr_rollback" in msg
     assert (s.lr_scale, s.rollbacks, s.hl_ref) == (0.5, 1, 1.0)             # best's own loss
     s.step = 100
@@ -310,6 +311,12 @@ def test_rollback_does_not_compound_a_loss_guard_cut_it_undoes():
     assert (s.best_lr_scale, s.rb_since_best) == (0.25, 0)
     s.step = 200
     assert autolr.heldout_update(s, 0.6, 0.1) != "" and s.lr_scale == 0.125
+    # the lowest loss of another step than the best model's (chosen by accuracy): a loss
+    # above it by more than tol but below the best model's own does not go back to it
+    s = _hl_state(100, 0.5114, 200, hl_ref=0.4478)
+    assert autolr.heldout_update(s, 0.4977, 0.1) == "" and s.rollbacks == 0
+    assert s.hl_ref == 0.4478
+    assert autolr.heldout_update(s, 0.52, 0.1) != "" and s.rollbacks == 1
 
 
 def test_lr_rollback_setting(tmp_path):

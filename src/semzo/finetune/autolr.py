@@ -355,7 +355,11 @@ def heldout_update(state, loss: float, tol: float, name: str = "held-out") -> st
         state.hl_ref = min(ref, loss) if math.isfinite(loss) else ref
         state.best_lr_scale, state.rb_since_best = state.lr_scale, 0
         return ""
-    if math.isfinite(loss) and loss <= ref + tol * abs(ref):
+    # no going back to a model whose own loss is higher than this one's: the best model is
+    # chosen by accuracy and the lowest loss may belong to another step (law seed 1, step
+    # 225: 0.4977 against a lowest 0.4478, and the best model's 0.5114: a rollback there
+    # only undid progress and halved the lr)
+    if math.isfinite(loss) and (loss <= ref + tol * abs(ref) or loss <= state.best_loss):
         state.hl_ref = min(ref, loss)
         return ""
     old = state.lr_scale
