@@ -456,50 +456,6 @@ def test_defaults_learn_two_tasks(folders, kind):
     assert drops.mean() > max(0.02, 5 * se), drops
 
 
-def test_scan_pools_the_line_searches_parabolas():
-    """The scan's lr: a parabola base - a lr + b lr^2 / 2 through each line search's best
-    candidate and its neighbour, and the optimum of their sum, sum a / sum b (x SAFETY). Exact
-    on a quadratic; the eight searches of a real scan (SmolLM2, law/education/drugs seed 0 with
-    a validation split, 600 steps, 4 ranks; log of 2026-11-27, losses as printed) whose
-    grid minimizers' weighted median, 3.8e-4 (lr 9.5e-5), came out a factor 3 below the other
-    five law scans of that week: pooled, 5.9e-4 (lr 2.4e-4), among theirs."""
-    base, a, b = 2.0, 3.0, 4e3                      # minimizer a / b = 7.5e-4
-    grid = [1e-5 * 4.0 ** j for j in range(6)]      # 1e-5 .. 1.02e-2
-    curve = {t: base - a * t + b * t * t / 2 for t in grid}
-    up = {t: v for t, v in curve.items() if t <= 2.6e-3}      # best 6.4e-4, one above
-    got = autolr._parabola(base, up)
-    assert got is not None and np.allclose(got, (a, b), rtol=1e-9), got
-    falling = {t: v for t, v in curve.items() if t <= 6.4e-4}  # the cap while still falling
-    assert np.allclose(autolr._parabola(base, falling), (a, b), rtol=1e-9)
-    assert autolr._parabola(base, {6.4e-4: curve[6.4e-4]}) is None          # one point
-    assert autolr._parabola(base, {1e-4: 1.9, 4e-4: math.inf}) is None      # a NaN step
-    assert autolr._parabola(base, {1e-4: 2.1, 4e-4: 2.2}) is None           # no decrease
-    assert autolr._parabola(base, {1e-4: 1.999, 4e-4: 1.99}) is None        # no valley seen
-    scan = [  # (start, {lr: loss}) of each direction
-        (0.55981, {3.72e-07: 0.55981, 1.49e-06: 0.55980, 5.95e-06: 0.55976, 2.38e-05: 0.55962,
-                   9.52e-05: 0.55907, 3.81e-04: 0.55692, 1.52e-03: 0.55717}),
-        (0.55981, {2.38e-05: 0.55957, 9.52e-05: 0.55910, 3.81e-04: 0.56088}),
-        (0.55981, {1.19e-05: 0.55974, 4.76e-05: 0.55952, 1.90e-04: 0.55846, 7.61e-04: 0.55461,
-                   3.04e-03: 0.85421}),
-        (0.55981, {2.38e-05: 0.55968, 9.52e-05: 0.55937, 3.81e-04: 0.55898, 1.52e-03: 0.58367}),
-        (0.55981, {2.38e-05: 0.55970, 9.52e-05: 0.55938, 3.81e-04: 0.55816, 1.52e-03: 0.55725,
-                   6.09e-03: 2.05729}),
-        (0.55981, {2.38e-05: 0.55972, 9.52e-05: 0.55951, 3.81e-04: 0.55960}),
-        (0.55981, {2.38e-05: 0.55975, 9.52e-05: 0.55963, 3.81e-04: 0.55964}),
-        (0.55981, {2.38e-05: 0.55974, 9.52e-05: 0.55952, 3.81e-04: 0.55834, 1.52e-03: 0.55765,
-                   6.09e-03: 3.78749}),
-    ]
-    picks = [min(tr, key=tr.get) for _, tr in scan]
-    weights = [(b0 - tr[p]) / p for (b0, tr), p in zip(scan, picks)]
-    assert autolr._weighted_median_log(picks, weights) == 3.81e-4
-    fits = [autolr._parabola(b0, tr) for b0, tr in scan]
-    assert all(f is not None for f in fits)
-    pooled = sum(f[0] for f in fits) / sum(f[1] for f in fits)
-    assert 5.8e-4 < pooled < 6.0e-4, pooled
-    mins = sorted(f[0] / f[1] for f in fits)
-    assert mins[0] < 2e-4 and mins[-1] > 7e-4      # single directions still spread 6-fold
-
-
 def test_scan_weighs_each_line_search_by_its_decrease():
     """The scan's lr: the median of the line searches' minimizers weighted by the decrease per
     unit lr each reached. The eight searches of a real scan (SmolLM2, law/education/drugs,

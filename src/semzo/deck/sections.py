@@ -446,7 +446,7 @@ class ExperimentSection:
                            "held-out rows, so fewer suit slow models.", min=1, max=10000)
     shared_lr: bool = key(True, "With zo.lr = \"auto\": one step-size scan per experiment "
                           "before the configurations (the first sharding's placement, "
-                          "run.seed, data mode; 8 line searches, their pooled optimum), its lr then "
+                          "run.seed, data mode; 8 line searches, their weighted median), its lr then "
                           "used by every configuration with the schedule and the loss guard "
                           "of lr auto: no configuration gets a luckier or unluckier scan. "
                           "false: every configuration scans for itself.")

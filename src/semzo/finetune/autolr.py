@@ -18,24 +18,25 @@ it compares is allreduced first):
    The first line search starts at lr0; every later one starts :data:`FACTOR` squared below
    the minimizers found so far (their median) and takes at most :data:`LATER_CANDIDATES`
    probes, so a direction after the first costs a step at lr 0 and about 4 probes.
-4. The run's lr: along a ZO direction the loss is ``L0 - lr a + lr^2 b / 2`` (b of the order
-   of the trace of the Hessian: the curvature the noise of a d-dimensional random direction
-   sees). Each line search gives a parabola through its best candidate and the next one above
-   it (:func:`_parabola`), and the lr is the optimum of their sum, ``sum a / sum b``, times
-   :data:`SAFETY`: the step that lowers the loss most on average over directions of the kind
-   the run will take, whatever the model, the trainable set, the estimator's scale (fzoo's
-   normalized step or mezo's) or the loss's. One direction's own minimizer ``a / b`` swings
-   with how well it happens to point downhill (a direction nearly orthogonal to the gradient
-   stops at once on a small lr; one that its own batch's gradient dominates overshoots), and
-   the grid of candidates is a factor 4 coarse: the pooled optimum averages both away. Until
-   the twentieth session the lr was the median of the grid minimizers weighted by the decrease
-   per unit lr, times 0.25; on the seven SmolLM2 scans logged in that week (the demo corpus and
-   six of law/education/drugs, seeds 0-2 with and without a validation split) the law scans'
-   lr spread 3.8-fold under it (9.5e-5 to 3.65e-4) and 1.7-fold pooled (2.3e-4 to 4.0e-4),
-   the pooled optimum came out 0.51-0.76 of the weighted median on six of the seven, and
-   SAFETY = 0.4 keeps the typical lr where it was (the demo's: 3.71e-4 before, 3.75e-4
-   pooled). Without any parabola (every search a single point) the weighted median times
-   :data:`SAFETY_MEDIAN` stands in.
+4. The run's lr is the weighted median (in log) of the R minimizers times :data:`SAFETY`, each
+   minimizer weighted by the loss decrease it reached per unit lr (``(L0 - L(lr)) / lr``,
+   about half the squared slope ``a`` below: the signal its line search had): a direction
+   nearly orthogonal to the gradient lowers the loss by little more than the float32 noise of
+   the loss, so its search stops early on a small lr that says nothing of the curvature
+   (measured on SmolLM2, law/education/drugs seed 0: minimizers 1.9e-5 and 3.8e-5 with
+   decreases of 1e-5 and 2e-4 beside 3.1e-4 to 2.5e-3 with 1e-3 to 0.12, which pulled the plain
+   median down one grid step, and the run learned too slowly). A line
+   search on the batch that gave its direction overshoots when that batch's own gradient
+   dominates (measured on SmolLM2 with 16 prompts per step: single searches landed on 1.5e-3
+   or on 6e-3, and runs at a quarter of the latter diverged), and the median of several
+   directions is not pulled by one such search. Along a ZO
+   direction the loss is ``L0 - lr a + lr^2 b / 2`` with b of the order of the trace of the
+   Hessian (the curvature the noise of a d-dimensional random direction sees), so the
+   minimizer a / b measures the largest step ZO-SGD tolerates at this point, whatever the
+   model, the trainable set, the estimator's scale (fzoo's normalized step or mezo's) or the
+   loss's.
+   (Tried and dropped in the twentieth session: the optimum of the searches' summed
+   parabolas, ``sum a / sum b``; docs/tuning.md.)
 
 Cost: one probe, and per direction a step at lr 0 plus at most :data:`MAX_CANDIDATES` probes
 (the first) or :data:`LATER_CANDIDATES` (the others); a direction starts only when its worst
@@ -61,8 +62,7 @@ PROBE_EPOCH = 1 << 30     # the scan batch's epoch of the data order (far from t
 SCAN_STEP0 = 1 << 48      # the scan's step indices (seeds), far from the run's
 RHO = 1e-3                # first candidate: this relative change of ||theta|| per step
 FACTOR = 4.0              # between candidates
-SAFETY = 0.4              # the pooled optimum of the line searches' parabolas times this
-SAFETY_MEDIAN = 0.25      # the fallback without a parabola: the weighted median times this
+SAFETY = 0.25             # the line searches' minimizer times this
 MAX_CANDIDATES = 12       # per direction: the first
 LATER_CANDIDATES = 6      # the others (they start near the first's minimizer)
 MAX_DIRECTIONS = 8
@@ -97,26 +97,6 @@ def _weighted_median_log(xs: list[float], ws: list[float]) -> float:
     order = np.argsort(x, kind="stable")
     c = np.cumsum(w[order])
     return float(x[order][int(np.searchsorted(c, 0.5 * c[-1]))])
-
-
-def _parabola(base: float, tried: dict[float, float]) -> tuple[float, float] | None:
-    """(a, b) of the loss along one scanned direction, ``L(lr) = base - a lr + b lr^2 / 2``,
-    through the line search's best candidate and the next one above it (below when the search
-    ended on its cap while the loss still fell); None without a second point, with a
-    non-finite one, or when the fit is not a valley (a <= 0 or b <= 0)."""
-    ts = sorted(tried)
-    ls = [tried[t] for t in ts]
-    i = int(np.argmin(ls))
-    if not ls[i] < base:
-        return None
-    j = i + 1 if i + 1 < len(ts) else i - 1
-    if j < 0 or not math.isfinite(ls[j]):
-        return None
-    t1, d1, t2, d2 = ts[i], base - ls[i], ts[j], base - ls[j]
-    den = t1 * t2 * (t1 - t2)                        # base - L(t) = a t - b t^2 / 2 at both
-    a = (t1 * t1 * d2 - t2 * t2 * d1) / den
-    b = 2.0 * (t1 * d2 - t2 * d1) / den
-    return (a, b) if a > 0.0 and b > 0.0 else None
 
 
 def _norm(tensors: list[ZTensor]) -> float:
@@ -189,7 +169,6 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         theta = 1e-2 * math.sqrt(engine.n_trainable)
     picks: list[float] = []
     weights: list[float] = []                       # loss decrease per unit lr of each pick
-    fits: list[tuple[float, float]] = []            # (a, b) of each search's parabola
     for r in range(MAX_DIRECTIONS if n_dirs else 1):
         if r and used + per + LATER_CANDIDATES > budget:
             break                     # the next direction's worst case does not fit
@@ -238,9 +217,6 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         if best < base:
             picks.append(lr)
             weights.append((base - best) / lr)
-            ab = _parabola(base, tried)
-            if ab is not None:
-                fits.append(ab)
         log.info("zo.lr = \"auto\": direction %d: %s", r, ", ".join(
             f"lr {x:.2e} -> {v:.5f}" for x, v in sorted(tried.items())) + f" (start {base:.5f})")
     snap.restore()
@@ -249,29 +225,18 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         log.warning("zo.lr = \"auto\": no step along the scanned directions lowered the loss; "
                     "lr %.3g", lr)
         return lr, used
+    best_lr = _weighted_median_log(picks, weights)
+    chosen = best_lr * (SAFETY if n_dirs else 1.0)
     if n_dirs == 0:
-        chosen = picks[0]
         log.warning("zo.lr = \"auto\": the line search does not fit zo.lr_scan_fraction of "
                     "this run's forward passes; lr %.3g from the size of one step", chosen)
-    elif fits:
-        # the step that lowers the loss most on average over the scanned directions: the
-        # run's steps are directions of the same kind, so the sum of their parabolas is
-        # what one run step can expect; a / b of one direction alone swings with how
-        # well it happens to point downhill
-        pooled = sum(a for a, _ in fits) / sum(b for _, b in fits)
-        chosen = pooled * SAFETY
-        log.info("zo.lr = \"auto\": lr %.3e (the line searches' parabolas, minimizers %s: "
-                 "their pooled optimum sum a / sum b %.3e, x %.2g; %d forward passes per "
-                 "rank, %.1f%% of the run's)", chosen,
-                 ", ".join(f"{a / b:.2e}" for a, b in fits), pooled, SAFETY, used,
-                 100.0 * used / max(steps_left * per, 1))
     else:
-        chosen = _weighted_median_log(picks, weights) * SAFETY_MEDIAN
-        log.info("zo.lr = \"auto\": lr %.3e (no line search gave a parabola; their "
-                 "minimizers %s, their median weighted by the decrease per unit lr %s, "
-                 "x %.2g; %d forward passes per rank, %.1f%% of the run's)", chosen,
+        log.info("zo.lr = \"auto\": lr %.3e (the line searches' minimizers %s, their "
+                 "median weighted by the decrease per unit lr %s, x %.2g; %d forward passes "
+                 "per rank, %.1f%% of the run's)", chosen,
                  ", ".join(f"{x:.2e}" for x in picks), ", ".join(f"{x:.3g}" for x in weights),
-                 SAFETY_MEDIAN, used, 100.0 * used / max(steps_left * per, 1))
+                 SAFETY, used,
+                 100.0 * used / max(steps_left * per, 1))
     return chosen, used
 
 
