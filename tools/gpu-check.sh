@@ -220,7 +220,7 @@ setup_mpi() {
     # the process means the carried one for mpi4py too. What the machine's own MPI is, and
     # whether it is CUDA-aware, is logged first (the carried one is not: a later call may
     # want the machine's for the CUDA-aware test alone)
-    log "MPI: the machine's own: $(mpirun --version 2>&1 | head -1); $( { ompi_info --parsable --all 2>/dev/null | grep -m1 mpi_built_with_cuda_support; } || echo 'no ompi_info')"
+    log "MPI: the machine's own: $(mpirun --version 2>&1 | head -1); $( { ompi_info --parsable --all 2>/dev/null | tr -d '\000' | grep -a -m1 -E '(mpi|opal)_built_with_cuda_support:value:'; } || echo 'no ompi_info')"
     log "MPI: the machine's own works but its h5py is serial: the carried Open MPI serves both"
   fi
   log "MPI: none usable here (or SEMZO_GPU_KIT_FORCE_DEBS=1); unpacking Open MPI from $KIT/debs into $PREFIX/root"
