@@ -59,3 +59,40 @@ def test_cupy_decoder_matches_numpy(tmp_path, dtype, tol):
     assert np.max(np.abs(z - ref[:, :8])) / np.max(np.abs(ref[:, :8])) < tol
     with pytest.raises(ValueError, match="1000000000"):
         gpu.logits(np.array([[1, 10**9]]), np.array([[1, 0]]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_kernels_run_and_match_the_generic_cupy_chains(tmp_path, monkeypatch, dtype):
+    """The fused decoder kernels (semzo.model.kernels_lm_gpu) compile and run on the device
+    (every launch counted), and the forward with them equals the forward with the generic
+    CuPy chains (SEMZO_GPU_FUSED=0) to float32 rounding (their reductions are CuPy's own;
+    the elementwise arithmetic is the same, uncontracted); a cached forward at an offset
+    (past > 0) too."""
+    from semzo.model import kernels_lm_gpu as fused
+    folder = tiny_llama(tmp_path / "m")
+    gpu = load_model(folder, xp="cupy", dtype=dtype)
+    ids = np.random.default_rng(2).integers(0, 101, size=(3, 20))
+    mask = np.ones_like(ids)
+    mask[2, 15:] = 0
+    launched = []
+    real = fused._launch
+    monkeypatch.setattr(fused, "_launch",
+                        lambda fn, n, args: (launched.append(n), real(fn, n, args))[1])
+    monkeypatch.setenv("SEMZO_GPU_FUSED", "1")
+    on = cp.asnumpy(gpu.logits(ids, mask))
+    cache = gpu.new_cache(3, 24)
+    gpu.forward_cached(ids[:, :12], cache)
+    on_c = cp.asnumpy(gpu.forward_cached(ids[:, 12:16], cache))
+    assert not fused._FAILED, fused._FAILED
+    # per layer: rope x 3, softmax x 3, gated x 1, rmsnorm x 2 (+ the final norm)
+    assert len(launched) >= CFG["num_hidden_layers"] * 9
+    n = len(launched)
+    monkeypatch.setenv("SEMZO_GPU_FUSED", "0")
+    off = cp.asnumpy(gpu.logits(ids, mask))
+    cache = gpu.new_cache(3, 24)
+    gpu.forward_cached(ids[:, :12], cache)
+    off_c = cp.asnumpy(gpu.forward_cached(ids[:, 12:16], cache))
+    assert len(launched) == n                      # off means off
+    valid = mask.astype(bool)
+    assert np.max(np.abs(on - off)[valid]) <= 1e-5 * np.max(np.abs(off[valid]))
+    assert np.max(np.abs(on_c - off_c)) <= 1e-5 * np.max(np.abs(off_c))

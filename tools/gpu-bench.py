@@ -422,7 +422,37 @@ def bench_profile_forward(args, dev, folder: Path, dtype: str = "bfloat16") -> d
     return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
             "note": f"batch {b}x{t} {dt}: semzo {nk:.0f} kernels, device busy "
                     f"{busy:.4g} s per forward; torch {tnk:.0f} kernels, busy {tbusy:.4g} s"
-                    f"{tf32}"}
+                    f"{tf32}{_unfused_probe(dev, ours_fn, ours, peer, reps)}"}
+
+
+def _unfused_probe(dev, ours_fn, ours: float, peer: float, reps: int) -> str:
+    """The same forward with the fused decoder kernels off (``SEMZO_GPU_FUSED=0``: the
+    generic CuPy chains): its time, kernels per forward and largest difference from the
+    fused forward; says whether the fused kernels ran at all."""
+    if dev.cpu:
+        return ""
+    try:
+        from semzo.model import kernels_lm_gpu
+        failed = dict(kernels_lm_gpu._FAILED)
+        ref = ours_fn().astype(dev.xp.float32)
+        old = os.environ.get("SEMZO_GPU_FUSED")
+        os.environ["SEMZO_GPU_FUSED"] = "0"
+        try:
+            plain = dev.median(ours_fn, reps)
+            nk, _ = _kernel_profile(dev, ours_fn, "semzo forward, fused kernels off")
+            got = ours_fn().astype(dev.xp.float32)
+        finally:
+            if old is None:
+                os.environ.pop("SEMZO_GPU_FUSED", None)
+            else:
+                os.environ["SEMZO_GPU_FUSED"] = old
+        rel = float(dev.xp.abs(got - ref).max() / dev.xp.abs(ref).max())
+        ran = "fused kernels FAILED to compile: " + "; ".join(failed.values())[:200] if failed \
+            else "fused kernels ran"
+        return (f"; {ran}; fused off: {plain:.4g} s ({peer / plain:.3f}x torch, fused "
+                f"{plain / ours:.2f}x faster), {nk:.0f} kernels, max rel diff {rel:.2e}")
+    except Exception as exc:  # noqa: BLE001 - a probe: report, never fail the item
+        return f"; fused-off probe failed: {type(exc).__name__}: {str(exc)[:120]}"
 
 
 def _zo_setup(args, dev, folder: Path, dtype: str, params: str):

@@ -185,6 +185,12 @@ def _nb_gated(gu, bg, bu, kind, out):
 
 # --------------------------------------------------------------------------- dispatch
 
+def _fused():
+    """The fused CuPy kernels (:mod:`.kernels_lm_gpu`): imported only with CuPy arrays."""
+    from semzo.model import kernels_lm_gpu
+    return kernels_lm_gpu
+
+
 def _empty_like_bias(x, bias):
     return bias if bias is not None else np.empty(0, F32)
 
@@ -195,6 +201,9 @@ def rmsnorm(x, gamma, eps: float, out):
         _nb_rmsnorm(x, gamma, F32(eps), out)
         return out
     xp = array_module(x)
+    if xp is not np and _fused().rmsnorm(x, _f32(xp, gamma) if gamma.dtype == np.uint16
+                                         else gamma, eps, out):
+        return out
     t = x.astype(xp.float32)
     t *= 1.0 / xp.sqrt((t * t).mean(axis=-1, keepdims=True) + xp.float32(eps))
     out[...] = (_f32(xp, gamma) * t).astype(out.dtype, copy=False)
@@ -238,6 +247,10 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, k, v, p
                        bv if bv is not None else e, pos, c, s, nh, nkv, d, rot, q, k, v, past)
         return
     xp = array_module(qkv)
+    if xp is not np:
+        bias = None if bq is None else _f32(xp, xp.concatenate([bq, bk, bv]))
+        if _fused().rope_split(qkv, bias, pos, cos, sin, nh, nkv, d, q, k, v, past):
+            return
     b, t = pos.shape
     x = qkv.astype(xp.float32).reshape(b, t, nh + 2 * nkv, d)
     if bq is not None:
@@ -264,6 +277,8 @@ def attn_softmax(s, maskf, scale: float, nkv: int, past: int, window: int | None
         _nb_attn_softmax(s, maskf, F32(scale), nkv, past, w)
         return s
     xp = array_module(s)
+    if xp is not np and _fused().attn_softmax(s, maskf, scale, nkv, past, w):
+        return s
     g, grp, tq, tk = s.shape
     b = g // nkv
     qi = xp.arange(tq)[:, None] + past
@@ -291,6 +306,8 @@ def gated_act(gu, bg, bu, act: str, out):
         _nb_gated(gu, e if bg is None else bg, e if bu is None else bu, kind, out)
         return out
     xp = array_module(gu)
+    if xp is not np and bg is None and _fused().gated(gu, kind, out):
+        return out
     m = gu.shape[1] // 2
     g = gu[:, :m].astype(xp.float32)
     u = gu[:, m:].astype(xp.float32)

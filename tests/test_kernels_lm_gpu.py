@@ -1,0 +1,182 @@
+"""The fused GPU kernels of the decoder (semzo.model.kernels_lm_gpu) on the CPU: their CUDA C
+source built by gcc as plain C, each kernel against the generic ``xp`` version of
+semzo.model.kernels_lm on NumPy (the version CuPy runs without them). The index arithmetic
+(rotary split into caches at an offset, grouped-query softmax masks) is checked bit for bit
+where no transcendental function is involved; exp and tanh (glibc's here, CUDA's there) to
+float32 rounding. The GPU side: tests/test_decoder_gpu.py and test_gpu_model.py run the
+forward with these kernels against NumPy on a device."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from semzo.model import kernels_lm, kernels_lm_gpu
+
+P, LL, I, F = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory) -> ctypes.CDLL:
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "a C compiler is needed to test the CUDA C source on the CPU"
+    d = tmp_path_factory.mktemp("lmgpu")
+    src, so = d / "lm.c", d / "liblm.so"
+    src.write_text(kernels_lm_gpu.cuda_source())
+    subprocess.run([cc, "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-shared", "-fPIC",
+                    "-x", "c", str(src), "-o", str(so), "-lm"], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.lm_rmsnorm_apply.argtypes = [P, P, P, P, LL, I, F]
+    lib.lm_gated.argtypes = [P, P, LL, I, I]
+    lib.lm_rope_split.argtypes = [P, P, I, P, P, P, I, P, LL, I, I, I, I, I, LL, LL]
+    lib.lm_softmax_scale.argtypes = [P, P, LL, I, I, LL, LL, I, F]
+    lib.lm_softmax_exp.argtypes = [P, P, P, LL, I, I, LL, LL, I]
+    lib.lm_softmax_div.argtypes = [P, P, LL, I]
+    return lib
+
+
+@pytest.fixture
+def xp_path(monkeypatch):
+    """kernels_lm's generic xp versions on NumPy float32 (what CuPy runs unfused)."""
+    monkeypatch.setattr(kernels_lm, "_is_cpu32", lambda *a: False)
+
+
+def ptr(a: np.ndarray):
+    assert a.flags.c_contiguous
+    return a.ctypes.data
+
+
+def test_source_compiles_as_c_with_every_kernel(lib):
+    for name in ("lm_rmsnorm_apply", "lm_gated", "lm_rope_split", "lm_softmax_scale",
+                 "lm_softmax_exp", "lm_softmax_div"):
+        assert hasattr(lib, name)
+
+
+def test_rmsnorm_matches_the_xp_version(lib, xp_path):
+    rng = np.random.default_rng(0)
+    n, h, eps = 37, 96, 1e-6
+    x = rng.standard_normal((n, h)).astype(np.float32) * 3
+    g = rng.standard_normal(h).astype(np.float32)
+    ref = kernels_lm.rmsnorm(x, g, eps, np.empty_like(x))
+    ss = (x * x).sum(axis=1, dtype=np.float32)
+    out = np.full_like(x, np.nan)
+    lib.lm_rmsnorm_apply(ptr(x), ptr(ss), ptr(g), ptr(out), n, h, eps)
+    np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-7)
+    # in place (out is x), as the decoder's residual norm may call it
+    y = x.copy()
+    lib.lm_rmsnorm_apply(ptr(y), ptr(ss), ptr(g), ptr(y), n, h, eps)
+    assert np.array_equal(y, out)
+
+
+@pytest.mark.parametrize("act,kind", [("silu", 0), ("gelu_pytorch_tanh", 2), ("relu", 3)])
+def test_gated_matches_the_xp_version(lib, xp_path, act, kind):
+    rng = np.random.default_rng(kind)
+    n, m = 29, 40
+    gu = (rng.standard_normal((n, 2 * m)) * 4).astype(np.float32)
+    gu[0, :3] = [0.0, -0.0, 50.0]
+    ref = kernels_lm.gated_act(gu, None, None, act, np.empty((n, m), np.float32))
+    out = np.full((n, m), np.nan, np.float32)
+    lib.lm_gated(ptr(gu), ptr(out), n, m, kind)
+    # exp / tanh of glibc against NumPy's: a few float32 ulps of the product's inputs (the
+    # tanh GELU cancels 1 + tanh for large negative gates, so relative to |gate * up|)
+    scale = np.abs(gu[:, :m] * gu[:, m:]) + np.abs(ref)
+    assert np.all(np.abs(out - ref) <= 4e-7 * scale + 1e-30), np.abs(out - ref).max()
+    if kind == 3:
+        assert np.array_equal(out, ref)
+
+
+@pytest.mark.parametrize("rot_dims,bias,past", [(8, False, 0), (4, True, 3), (0, False, 2)])
+def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, past):
+    """GQA (6 query heads, 2 kv heads), head dim 8, partial rotary (4 of 8 dims), biases,
+    caches written at an offset: the same bits as the xp version, rows outside untouched."""
+    rng = np.random.default_rng(rot_dims + past)
+    b, t, nh, nkv, d, tc = 3, 5, 6, 2, 8, 11
+    w = (nh + 2 * nkv) * d
+    qkv = rng.standard_normal((b * t, w)).astype(np.float32)
+    biases = tuple(rng.standard_normal(k * d).astype(np.float32) for k in (nh, nkv, nkv)) \
+        if bias else None
+    pos = (np.arange(t)[None, :] + past + np.arange(b)[:, None]).astype(np.int64)
+    h2 = rot_dims // 2
+    if h2:
+        ang = np.arange(20, dtype=np.float32)[:, None] * (0.3 ** np.arange(h2, dtype=np.float32))
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    else:
+        cos = sin = None
+    q0 = np.full((b, nh, t, d), 7.0, np.float32)
+    k0 = rng.standard_normal((b, nkv, tc, d)).astype(np.float32)
+    v0 = rng.standard_normal((b, nkv, tc, d)).astype(np.float32)
+    q, k, v = q0.copy(), k0.copy(), v0.copy()
+    kernels_lm.rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, k, v, past)
+    bcat = np.concatenate(biases) if bias else np.zeros(1, np.float32)
+    cs = cos if h2 else np.zeros((1, 1), np.float32)
+    sn = sin if h2 else np.zeros((1, 1), np.float32)
+    qc, kc, vc = q0.copy(), k0.copy(), v0.copy()
+    for dst, heads, off, rot, dlen, at in ((qc, nh, 0, h2, t, 0), (kc, nkv, nh, h2, tc, past),
+                                           (vc, nkv, nh + nkv, 0, tc, past)):
+        lib.lm_rope_split(ptr(qkv), ptr(bcat), int(bias), ptr(pos), ptr(cs), ptr(sn), rot,
+                          ptr(dst), b, t, heads, d, w, off, dlen, at)
+    assert np.array_equal(qc, q)
+    assert np.array_equal(kc, k) and np.array_equal(vc, v)
+    outside = np.ones(tc, bool)
+    outside[past:past + t] = False
+    assert np.array_equal(kc[:, :, outside], k0[:, :, outside])     # the cache's other rows
+
+
+@pytest.mark.parametrize("past,window", [(0, 0), (3, 0), (2, 4)])
+def test_attn_softmax_matches_the_xp_version(lib, xp_path, past, window):
+    """Causal, padded keys (a row left with no key: zeros), grouped queries (2 per kv head),
+    a sliding window; masked entries exactly 0 as in the xp version."""
+    rng = np.random.default_rng(past * 10 + window)
+    b, nkv, grp, tq = 3, 2, 2, 5
+    tk = past + tq
+    s0 = (rng.standard_normal((b * nkv, grp, tq, tk)) * 5).astype(np.float32)
+    maskf = np.ones((b, tk), np.float32)
+    maskf[1, : tk - 2] = 0.0                  # batch 1: only the last two keys are real
+    maskf[2, :] = 0.0                         # batch 2: nothing to attend
+    scale = 0.37
+    ref = kernels_lm.attn_softmax(s0.copy(), maskf, scale, nkv, past, window or None)
+    s = s0.copy()
+    rows = b * nkv * grp * tq
+    flat = s.reshape(rows, tk)
+    lib.lm_softmax_scale(ptr(flat), ptr(maskf), rows, tq, tk, grp * nkv, past, window, scale)
+    mx = np.ascontiguousarray(flat.max(axis=1))
+    lib.lm_softmax_exp(ptr(flat), ptr(mx), ptr(maskf), rows, tq, tk, grp * nkv, past, window)
+    tot = np.ascontiguousarray(flat.sum(axis=1, dtype=np.float32))
+    lib.lm_softmax_div(ptr(flat), ptr(tot), rows, tk)
+    assert np.array_equal(s == 0, ref == 0)
+    np.testing.assert_allclose(s, ref, rtol=2e-6, atol=1e-7)
+    assert np.all(s[2 * nkv:] == 0)           # batch 2's rows: zeros
+    assert np.any(ref > 0)
+
+
+def test_entry_points_decline_what_they_do_not_cover(monkeypatch):
+    """Cases the kernels do not take go back to the xp version (False), before any CuPy use:
+    turned off, the erf GELU."""
+    monkeypatch.setenv("SEMZO_GPU_FUSED", "0")
+    assert not kernels_lm_gpu.enabled()
+    x = np.zeros((2, 4), np.float32)
+    assert kernels_lm_gpu.rmsnorm(x, np.ones(4, np.float32), 1e-6, x) is False
+    monkeypatch.setenv("SEMZO_GPU_FUSED", "1")
+    assert kernels_lm_gpu.enabled()
+    assert kernels_lm_gpu.gated(np.zeros((2, 8), np.float32), 1, np.zeros((2, 4))) is False
+
+
+def test_cpu_arrays_never_reach_the_fused_module(monkeypatch):
+    """NumPy arrays of any dtype keep the CPU paths (the fused module is CuPy only)."""
+    def boom(*a, **k):
+        raise AssertionError("fused kernels called with NumPy arrays")
+    monkeypatch.setattr(kernels_lm, "_fused", boom)
+    x = np.ones((3, 4), np.float16)
+    kernels_lm.rmsnorm(x, np.ones(4, np.float16), 1e-6, np.empty_like(x))
+    gu = np.ones((3, 8), np.float16)
+    kernels_lm.gated_act(gu, None, None, "silu", np.empty((3, 4), np.float16))
+
+
+def test_source_path_is_the_one_tests_build():
+    assert Path(kernels_lm_gpu.__file__).name == "kernels_lm_gpu.py"
+    assert "lm_rope_split" in kernels_lm_gpu.cuda_source()
