@@ -781,3 +781,25 @@ def test_embedding_does_not_depend_on_the_batch(minilm, tok):
     wmask = np.zeros(wide.shape, mask.dtype)
     wide[:, :ids.shape[1]], wmask[:, :ids.shape[1]] = ids, mask
     assert np.array_equal(minilm.embed(ids, mask), minilm.embed(wide, wmask))
+
+
+@pytest.mark.parametrize("file", ["sentence_bert_config.json", "tokenizer_config.json",
+                                  "config.json"])
+@pytest.mark.parametrize("text, why", [("{not json", "not valid JSON"),
+                                       ("[1, 2]", "must hold a JSON object"),
+                                       (b"\xff\xfe{}", "not valid JSON")])
+def test_tokenizer_refuses_a_damaged_json_file_by_name(tmp_path, file, text, why):
+    """A config file that is there but damaged is refused in one line naming it (it used to
+    read as {}, and the tokenizer quietly lost its lengths and pad id)."""
+    from semzo.model.loader import default_model_path
+    tj = json.loads((default_model_path() / "tokenizer.json").read_text(encoding="utf-8"))
+    tj["truncation"] = None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tj), encoding="utf-8")
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 77}))
+    p = tmp_path / file
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(SemzoError) as exc:
+        Tokenizer.from_folder(tmp_path)
+    msg = str(exc.value)
+    assert msg.startswith(f"{p}: {why}"), msg
+    assert "\n" not in msg

@@ -18,10 +18,18 @@ from semzo.runtime import SemzoError
 
 
 def _json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (OSError, json.JSONDecodeError):
+    """The JSON object in ``path``; {} when there is no such file. A file that is there but
+    unreadable, not JSON or not an object is refused by name (it used to read as {}, so a
+    damaged config silently lost its lengths and pad id)."""
+    if not path.is_file():
         return {}
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SemzoError(f"{path}: not valid JSON: {str(exc).splitlines()[0][:160]}") from None
+    if not isinstance(obj, dict):
+        raise SemzoError(f"{path}: must hold a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 class Tokenizer:
