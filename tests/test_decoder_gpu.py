@@ -63,12 +63,12 @@ def test_cupy_decoder_matches_numpy(tmp_path, dtype, tol):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fused_kernels_run_and_match_the_generic_cupy_chains(tmp_path, monkeypatch, dtype):
-    """The fused decoder kernels (semzo.model.kernels_lm_gpu) compile and run on the device
+    """The fused decoder kernels (semzo.model.kernels_gpu) compile and run on the device
     (every launch counted), and the forward with them equals the forward with the generic
     CuPy chains (SEMZO_GPU_FUSED=0) to float32 rounding (their reductions are CuPy's own;
     the elementwise arithmetic is the same, uncontracted); a cached forward at an offset
     (past > 0) too."""
-    from semzo.model import kernels_lm_gpu as fused
+    from semzo.model import kernels_gpu as fused
     folder = tiny_llama(tmp_path / "m")
     gpu = load_model(folder, xp="cupy", dtype=dtype)
     ids = np.random.default_rng(2).integers(0, 101, size=(3, 20))

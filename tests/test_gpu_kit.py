@@ -190,7 +190,7 @@ REHEARSAL_K = ("(forward_harness_on_cpu and bert and not bf16) or validate_befor
                " or (replay_harness_on_cpu and float32) or estep_without_rows_on_cpu"
                " or bind_gpu_friendly or (checkpoint and not on_cpu)"
                " or prefix_cache_harness_on_cpu")
-BENCH = "minilm_forward_f16,minilm_zo_step_over_2fwd,offload_vs_resident"
+BENCH = "minilm_forward_f16,minilm_forward_f32,minilm_zo_step_over_2fwd,offload_vs_resident"
 
 
 def _sections(summary: str) -> dict[str, str]:

@@ -144,3 +144,33 @@ def test_forward_harness_on_cpu(folders, family):
 def test_forward_harness_bf16_on_cpu(folders, family):
     """The bfloat16 comparison with NumPy on both sides (bits edited as values)."""
     check_forward(np, folders[family], "bfloat16", 1e-6, "bfloat16")
+
+
+@gpu_skip()
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_gpu_fused_kernels_match_the_generic_chains(folders, monkeypatch, family):
+    """The fused kernels of the encoder path (LayerNorm, bias + residual, bias + GELU, the
+    padding-masked and causal softmax: semzo.model.kernels_gpu) run on the device (launches
+    counted) and give the generic CuPy chains' hidden states (SEMZO_GPU_FUSED=0) to float32
+    rounding."""
+    from semzo.model import kernels_gpu as fused
+    cp = cupy_or_none()
+    dev = load_model(folders[family], xp="cupy", dtype="float32")
+    ids = np.random.default_rng(3).integers(1, 90, size=(3, 12))
+    mask = np.ones_like(ids)
+    mask[1, 8:] = 0
+    launched = []
+    real = fused._launch
+    monkeypatch.setattr(fused, "_launch",
+                        lambda fn, n, args: (launched.append(n), real(fn, n, args))[1])
+    monkeypatch.setenv("SEMZO_GPU_FUSED", "1")
+    on = host(dev.hidden_states(ids, mask)).copy()
+    assert not fused._FAILED, fused._FAILED
+    assert len(launched) >= 2 * 4          # per layer: LayerNorm, softmax x 3, GELU at least
+    n = len(launched)
+    monkeypatch.setenv("SEMZO_GPU_FUSED", "0")
+    off = host(dev.hidden_states(ids, mask)).copy()
+    assert len(launched) == n
+    valid = mask.astype(bool)
+    assert np.max(np.abs(on - off)[valid]) <= 1e-5 * np.max(np.abs(off[valid]))
+    assert cp is not None

@@ -358,14 +358,17 @@ def _forward_pair(args, dev, folder: Path, dtype: str, causal: bool):
         dt, b, t, reps
 
 
-def bench_forward(args, dev, folder: Path, dtype: str, causal: bool = False) -> dict:
-    """semzo forward (hidden_states) against the transformers model on the same device."""
+def bench_forward(args, dev, folder: Path, dtype: str, causal: bool = False,
+                  fused_probe: bool = False) -> dict:
+    """semzo forward (hidden_states) against the transformers model on the same device;
+    ``fused_probe``: also the forward with the fused kernels off, in the same run."""
     ours_fn, peer_fn, dt, b, t, reps = _forward_pair(args, dev, folder, dtype, causal)
     ours = dev.median(ours_fn, reps)
     with dev.torch.inference_mode():
         peer = dev.median(peer_fn, reps)
+    extra = _unfused_probe(dev, ours_fn, ours, peer, reps, profile=False) if fused_probe else ""
     return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
-            "note": f"batch {b}x{t}, semzo {dt} vs torch {dt}"}
+            "note": f"batch {b}x{t}, semzo {dt} vs torch {dt}{extra}"}
 
 
 def _kernel_profile(dev, fn, label: str, runs: int = 3) -> tuple[float, float]:
@@ -425,21 +428,23 @@ def bench_profile_forward(args, dev, folder: Path, dtype: str = "bfloat16") -> d
                     f"{tf32}{_unfused_probe(dev, ours_fn, ours, peer, reps)}"}
 
 
-def _unfused_probe(dev, ours_fn, ours: float, peer: float, reps: int) -> str:
+def _unfused_probe(dev, ours_fn, ours: float, peer: float, reps: int,
+                   profile: bool = True) -> str:
     """The same forward with the fused decoder kernels off (``SEMZO_GPU_FUSED=0``: the
     generic CuPy chains): its time, kernels per forward and largest difference from the
     fused forward; says whether the fused kernels ran at all."""
     if dev.cpu:
         return ""
     try:
-        from semzo.model import kernels_lm_gpu
-        failed = dict(kernels_lm_gpu._FAILED)
+        from semzo.model import kernels_gpu
+        failed = dict(kernels_gpu._FAILED)
         ref = ours_fn().astype(dev.xp.float32)
         old = os.environ.get("SEMZO_GPU_FUSED")
         os.environ["SEMZO_GPU_FUSED"] = "0"
         try:
             plain = dev.median(ours_fn, reps)
-            nk, _ = _kernel_profile(dev, ours_fn, "semzo forward, fused kernels off")
+            nk = _kernel_profile(dev, ours_fn, "semzo forward, fused kernels off")[0] \
+                if profile else 0
             got = ours_fn().astype(dev.xp.float32)
         finally:
             if old is None:
@@ -449,8 +454,9 @@ def _unfused_probe(dev, ours_fn, ours: float, peer: float, reps: int) -> str:
         rel = float(dev.xp.abs(got - ref).max() / dev.xp.abs(ref).max())
         ran = "fused kernels FAILED to compile: " + "; ".join(failed.values())[:200] if failed \
             else "fused kernels ran"
+        kern = f", {nk:.0f} kernels" if profile else ""
         return (f"; {ran}; fused off: {plain:.4g} s ({peer / plain:.3f}x torch, fused "
-                f"{plain / ours:.2f}x faster), {nk:.0f} kernels, max rel diff {rel:.2e}")
+                f"{plain / ours:.2f}x faster){kern}, max rel diff {rel:.2e}")
     except Exception as exc:  # noqa: BLE001 - a probe: report, never fail the item
         return f"; fused-off probe failed: {type(exc).__name__}: {str(exc)[:120]}"
 
@@ -600,6 +606,9 @@ def cmd_run(args) -> None:
     half = "float16"
     items = [
         ("minilm_forward_f16", lambda: bench_forward(args, dev, minilm, half), ">= 0.8"),
+        # float32: the embed stage's default storage, and the fused kernels' (float32 only)
+        ("minilm_forward_f32", lambda: bench_forward(args, dev, minilm, "float32",
+                                                     fused_probe=True), None),
         ("minilm_zo_step_over_2fwd", lambda: bench_zo_ratio(args, dev, minilm, half), "<= 1.10"),
         ("minilm_zo_vs_mezo", lambda: bench_zo_vs_mezo(args, dev, minilm, half), None),
         ("kmeans_vs_torch_floor", lambda: bench_kmeans(args, dev), None),

@@ -324,6 +324,17 @@ def _is_cpu32(*arrays) -> bool:
     return all(isinstance(a, np.ndarray) and a.dtype == F32 for a in arrays)
 
 
+def _fused():
+    """The fused CuPy kernels (:mod:`.kernels_gpu`): imported only with CuPy arrays."""
+    from semzo.model import kernels_gpu
+    return kernels_gpu
+
+
+def _f32v(xp, a):
+    """``a`` as float32 (bfloat16 bits upcast), the array itself when it is float32."""
+    return a if a.dtype == np.float32 else _f32(xp, a)
+
+
 def _f32(xp, a):
     """float32 values of ``a``: bfloat16 bits (uint16) upcast exactly, others converted."""
     if a.dtype == np.uint16:
@@ -339,6 +350,8 @@ def layernorm(x, gamma, beta, eps: float, out=None):
         _nb_layernorm(x, gamma, beta, F32(eps), out)
         return out
     xp = array_module(x)
+    if xp is not np and _fused().layernorm(x, _f32v(xp, gamma), _f32v(xp, beta), eps, out):
+        return out
     t = x.astype(xp.float32)
     mean = t.mean(axis=-1, keepdims=True)
     t -= mean
@@ -358,8 +371,10 @@ def bias_residual_layernorm(x, bias, resid, gamma, beta, eps: float, out):
     if _is_cpu32(x, bias, resid, gamma, beta, out):
         _nb_bias_residual_layernorm(x, bias, resid, gamma, beta, F32(eps), out)
         return out
-    resid += x
-    resid += _f32(array_module(bias), bias) if bias.dtype == np.uint16 else bias
+    xp = array_module(resid)
+    if xp is np or not _fused().add_bias(resid, x, _f32v(xp, bias)):
+        resid += x
+        resid += _f32(xp, bias) if bias.dtype == np.uint16 else bias
     return layernorm(resid, gamma, beta, eps, out)
 
 
@@ -386,6 +401,8 @@ def bias_act(x, bias, act: str | None):
         _nb_bias_act(x, bias, kind)
         return x
     xp = array_module(x)
+    if xp is not np and _fused().bias_act(x, _f32v(xp, bias), kind):
+        return x
     t = x.astype(xp.float32) + _f32(xp, bias)
     if kind == 0:
         t = 0.5 * t * (1.0 + _xp_erf(xp, t * xp.float32(0.7071067811865476)))
@@ -408,6 +425,10 @@ def masked_softmax(s, maskf, scale: float, heads: int, causal: bool):
         return s
     xp = array_module(s)
     g, tq, tk = s.shape
+    # (a view only: the kernel must write into s itself)
+    if xp is not np and s.flags.c_contiguous and not (causal and tq != tk) and \
+            _fused().attn_softmax(s.reshape(g, 1, tq, tk), maskf, scale, heads, 0, 0, causal):
+        return s
     b = g // heads
     t = s.astype(xp.float32).reshape(b, heads, tq, tk) * xp.float32(scale)
     keep = (maskf > 0)[:, None, None, :]

@@ -24,6 +24,7 @@ from semzo.model.kernels import (
     _ferf,
     _fexp,
     _ftanh,
+    _fused,
     _is_cpu32,
     _key_masks,
     _key_value,
@@ -184,12 +185,6 @@ def _nb_gated(gu, bg, bu, kind, out):
 
 
 # --------------------------------------------------------------------------- dispatch
-
-def _fused():
-    """The fused CuPy kernels (:mod:`.kernels_lm_gpu`): imported only with CuPy arrays."""
-    from semzo.model import kernels_lm_gpu
-    return kernels_lm_gpu
-
 
 def _empty_like_bias(x, bias):
     return bias if bias is not None else np.empty(0, F32)

@@ -1,6 +1,6 @@
-"""The fused GPU kernels of the decoder (semzo.model.kernels_lm_gpu) on the CPU: their CUDA C
+"""The fused GPU kernels of the forward (semzo.model.kernels_gpu) on the CPU: their CUDA C
 source built by gcc as plain C, each kernel against the generic ``xp`` version of
-semzo.model.kernels_lm on NumPy (the version CuPy runs without them). The index arithmetic
+semzo.model.kernels_lm / semzo.model.kernels on NumPy (the version CuPy runs without them). The index arithmetic
 (rotary split into caches at an offset, grouped-query softmax masks) is checked bit for bit
 where no transcendental function is involved; exp and tanh (glibc's here, CUDA's there) to
 float32 rounding. The GPU side: tests/test_decoder_gpu.py and test_gpu_model.py run the
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from semzo.model import kernels_lm, kernels_lm_gpu
+from semzo.model import kernels, kernels_gpu, kernels_lm
 
 P, LL, I, F = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
 
@@ -27,23 +27,27 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     assert cc, "a C compiler is needed to test the CUDA C source on the CPU"
     d = tmp_path_factory.mktemp("lmgpu")
     src, so = d / "lm.c", d / "liblm.so"
-    src.write_text(kernels_lm_gpu.cuda_source())
+    src.write_text(kernels_gpu.cuda_source())
     subprocess.run([cc, "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-shared", "-fPIC",
                     "-x", "c", str(src), "-o", str(so), "-lm"], check=True)
     lib = ctypes.CDLL(str(so))
     lib.lm_rmsnorm_apply.argtypes = [P, P, P, P, LL, I, F]
     lib.lm_gated.argtypes = [P, P, LL, I, I]
     lib.lm_rope_split.argtypes = [P, P, I, P, P, P, I, P, LL, I, I, I, I, I, LL, LL]
-    lib.lm_softmax_scale.argtypes = [P, P, LL, I, I, LL, LL, I, F]
-    lib.lm_softmax_exp.argtypes = [P, P, P, LL, I, I, LL, LL, I]
+    lib.lm_softmax_scale.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
+    lib.lm_softmax_exp.argtypes = [P, P, P, LL, I, I, LL, LL, I, I]
     lib.lm_softmax_div.argtypes = [P, P, LL, I]
+    lib.lm_layernorm_apply.argtypes = [P, P, P, P, P, P, LL, I, F]
+    lib.lm_add_bias.argtypes = [P, P, P, LL, I]
+    lib.lm_bias_act.argtypes = [P, P, LL, I, I]
     return lib
 
 
 @pytest.fixture
 def xp_path(monkeypatch):
-    """kernels_lm's generic xp versions on NumPy float32 (what CuPy runs unfused)."""
+    """The generic xp versions on NumPy float32 (what CuPy runs unfused)."""
     monkeypatch.setattr(kernels_lm, "_is_cpu32", lambda *a: False)
+    monkeypatch.setattr(kernels, "_is_cpu32", lambda *a: False)
 
 
 def ptr(a: np.ndarray):
@@ -52,8 +56,7 @@ def ptr(a: np.ndarray):
 
 
 def test_source_compiles_as_c_with_every_kernel(lib):
-    for name in ("lm_rmsnorm_apply", "lm_gated", "lm_rope_split", "lm_softmax_scale",
-                 "lm_softmax_exp", "lm_softmax_div"):
+    for name in kernels_gpu.KERNELS:
         assert hasattr(lib, name)
 
 
@@ -127,6 +130,18 @@ def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, 
     assert np.array_equal(kc[:, :, outside], k0[:, :, outside])     # the cache's other rows
 
 
+def _softmax_c(lib, s, maskf, scale, rows, tq, tk, bdiv, past, window, causal):
+    """The three kernels around NumPy's max and sum (CuPy's reductions on the GPU)."""
+    flat = s.reshape(rows, tk)
+    lib.lm_softmax_scale(ptr(flat), ptr(maskf), rows, tq, tk, bdiv, past, window, causal,
+                         scale)
+    mx = np.ascontiguousarray(flat.max(axis=1))
+    lib.lm_softmax_exp(ptr(flat), ptr(mx), ptr(maskf), rows, tq, tk, bdiv, past, window,
+                       causal)
+    tot = np.ascontiguousarray(flat.sum(axis=1, dtype=np.float32))
+    lib.lm_softmax_div(ptr(flat), ptr(tot), rows, tk)
+
+
 @pytest.mark.parametrize("past,window", [(0, 0), (3, 0), (2, 4)])
 def test_attn_softmax_matches_the_xp_version(lib, xp_path, past, window):
     """Causal, padded keys (a row left with no key: zeros), grouped queries (2 per kv head),
@@ -141,13 +156,7 @@ def test_attn_softmax_matches_the_xp_version(lib, xp_path, past, window):
     scale = 0.37
     ref = kernels_lm.attn_softmax(s0.copy(), maskf, scale, nkv, past, window or None)
     s = s0.copy()
-    rows = b * nkv * grp * tq
-    flat = s.reshape(rows, tk)
-    lib.lm_softmax_scale(ptr(flat), ptr(maskf), rows, tq, tk, grp * nkv, past, window, scale)
-    mx = np.ascontiguousarray(flat.max(axis=1))
-    lib.lm_softmax_exp(ptr(flat), ptr(mx), ptr(maskf), rows, tq, tk, grp * nkv, past, window)
-    tot = np.ascontiguousarray(flat.sum(axis=1, dtype=np.float32))
-    lib.lm_softmax_div(ptr(flat), ptr(tot), rows, tk)
+    _softmax_c(lib, s, maskf, scale, b * nkv * grp * tq, tq, tk, grp * nkv, past, window, 1)
     assert np.array_equal(s == 0, ref == 0)
     np.testing.assert_allclose(s, ref, rtol=2e-6, atol=1e-7)
     assert np.all(s[2 * nkv:] == 0)           # batch 2's rows: zeros
@@ -158,12 +167,12 @@ def test_entry_points_decline_what_they_do_not_cover(monkeypatch):
     """Cases the kernels do not take go back to the xp version (False), before any CuPy use:
     turned off, the erf GELU."""
     monkeypatch.setenv("SEMZO_GPU_FUSED", "0")
-    assert not kernels_lm_gpu.enabled()
+    assert not kernels_gpu.enabled()
     x = np.zeros((2, 4), np.float32)
-    assert kernels_lm_gpu.rmsnorm(x, np.ones(4, np.float32), 1e-6, x) is False
+    assert kernels_gpu.rmsnorm(x, np.ones(4, np.float32), 1e-6, x) is False
     monkeypatch.setenv("SEMZO_GPU_FUSED", "1")
-    assert kernels_lm_gpu.enabled()
-    assert kernels_lm_gpu.gated(np.zeros((2, 8), np.float32), 1, np.zeros((2, 4))) is False
+    assert kernels_gpu.enabled()
+    assert kernels_gpu.gated(np.zeros((2, 8), np.float32), 1, np.zeros((2, 4))) is False
 
 
 def test_cpu_arrays_never_reach_the_fused_module(monkeypatch):
@@ -178,5 +187,71 @@ def test_cpu_arrays_never_reach_the_fused_module(monkeypatch):
 
 
 def test_source_path_is_the_one_tests_build():
-    assert Path(kernels_lm_gpu.__file__).name == "kernels_lm_gpu.py"
-    assert "lm_rope_split" in kernels_lm_gpu.cuda_source()
+    assert Path(kernels_gpu.__file__).name == "kernels_gpu.py"
+    assert "lm_rope_split" in kernels_gpu.cuda_source()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_encoder_masked_softmax_matches_the_xp_version(lib, xp_path, causal):
+    """kernels.masked_softmax (the encoder's, and GPT-2's): padding mask, optionally causal;
+    s (B*heads, T, T) is viewed as (B*heads, 1, T, T)."""
+    rng = np.random.default_rng(int(causal))
+    b, heads, t = 3, 4, 6
+    s0 = (rng.standard_normal((b * heads, t, t)) * 4).astype(np.float32)
+    maskf = np.ones((b, t), np.float32)
+    maskf[1, 4:] = 0.0
+    maskf[2, :] = 0.0
+    ref = kernels.masked_softmax(s0.copy(), maskf, 0.125, heads, causal)
+    s = s0.copy()
+    _softmax_c(lib, s, maskf, 0.125, b * heads * t, t, t, heads, 0, 0, int(causal))
+    assert np.array_equal(s == 0, ref == 0)
+    np.testing.assert_allclose(s, ref, rtol=2e-6, atol=1e-7)
+
+
+def test_layernorm_matches_the_xp_version(lib, xp_path):
+    rng = np.random.default_rng(5)
+    n, h, eps = 23, 48, 1e-12
+    x = (rng.standard_normal((n, h)) * 2 + 0.5).astype(np.float32)
+    g = rng.standard_normal(h).astype(np.float32)
+    bt = rng.standard_normal(h).astype(np.float32)
+    ref = kernels.layernorm(x, g, bt, eps, out=np.empty_like(x))
+    mean = np.ascontiguousarray(x.mean(axis=1, dtype=np.float32))
+    ss = np.ascontiguousarray(((x - mean[:, None]) * (x - mean[:, None])).sum(axis=1,
+                                                                            dtype=np.float32))
+    out = np.full_like(x, np.nan)
+    lib.lm_layernorm_apply(ptr(x), ptr(mean), ptr(ss), ptr(g), ptr(bt), ptr(out), n, h, eps)
+    np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+
+
+def test_add_bias_is_the_xp_version_bit_for_bit(lib, xp_path):
+    """bias_residual_layernorm's residual update, rounded as resid += x; resid += bias."""
+    rng = np.random.default_rng(6)
+    n, h = 9, 16
+    r0, x = (rng.standard_normal((n, h)).astype(np.float32) for _ in range(2))
+    bias = rng.standard_normal(h).astype(np.float32)
+    want = r0.copy()
+    want += x
+    want += bias
+    got = r0.copy()
+    lib.lm_add_bias(ptr(got), ptr(x), ptr(bias), n, h)
+    assert np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("act,kind", [("gelu", 0), ("gelu_new", 1), ("relu", 2), (None, 3)])
+def test_bias_act_matches_the_xp_version(lib, xp_path, act, kind):
+    """The erf GELU is kernels._xp_erf's rational function with the same float32 constants,
+    operation for operation (bit for bit here: no transcendental function); tanh to rounding."""
+    assert kernels._ACT[act] == kind
+    rng = np.random.default_rng(kind + 10)
+    n, f = 17, 33
+    x0 = (rng.standard_normal((n, f)) * 3).astype(np.float32)
+    x0[0, :4] = [0.0, 9.0, -9.0, 1e-30]
+    bias = rng.standard_normal(f).astype(np.float32)
+    ref = kernels.bias_act(x0.copy(), bias, act)
+    got = x0.copy()
+    lib.lm_bias_act(ptr(got), ptr(bias), n, f, kind)
+    if kind == 1:
+        scale = np.abs(x0 + bias) + np.abs(ref)
+        assert np.all(np.abs(got - ref) <= 4e-7 * scale + 1e-30)
+    else:
+        assert np.array_equal(got, ref)

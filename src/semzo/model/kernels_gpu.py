@@ -13,7 +13,7 @@ The arithmetic is the ``xp`` version's, operation for operation and in the same 
 the source is compiled with ``--fmad=false`` (no multiply-add contracted), so an elementwise
 kernel gives the bits the chain of CuPy kernels gives; the reductions are CuPy's. The same
 source compiles as plain C (the ``LM_*`` macros turn each grid-stride loop into a serial
-loop): ``tests/test_kernels_lm_gpu.py`` builds it with gcc and checks every kernel against the
+loop): ``tests/test_kernels_gpu.py`` builds it with gcc and checks every kernel against the
 ``xp`` version on the CPU.
 
 Only float32 activations take these kernels (every storage but float16 computes in float32);
@@ -32,17 +32,22 @@ import warnings
 import numpy as np
 
 THREADS_PER_BLOCK = 256
+KERNELS = ("lm_rmsnorm_apply", "lm_gated", "lm_rope_split", "lm_softmax_scale",
+           "lm_softmax_exp", "lm_softmax_div", "lm_layernorm_apply", "lm_add_bias",
+           "lm_bias_act")
 MAX_BLOCKS = 65535
 
 _SOURCE = r"""
-// semzo decoder kernels (generated from semzo/model/kernels_lm_gpu.py)
+// semzo decoder kernels (generated from semzo/model/kernels_gpu.py)
 #ifdef __CUDACC__
 #define LM_GLOBAL extern "C" __global__ void
+#define LM_DEV __device__ __forceinline__
 #define LM_FOR(i, n) for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; \
                           i < (n); i += (long long)blockDim.x * gridDim.x)
 #else
 #include <math.h>
 #define LM_GLOBAL void
+#define LM_DEV inline
 #define LM_FOR(i, n) for (long long i = 0; i < (n); ++i)
 #endif
 
@@ -115,17 +120,19 @@ LM_GLOBAL lm_rope_split(const float* qkv, const float* bias, int has_bias,
 }
 
 // the softmax's key mask of score i of s (rows, tk), row r = ((bn * grp + g) * tq + qt),
-// bn = b * nkv + kv: key j kept when j <= past + qt, j > past + qt - w (w > 0), maskf[b, j] > 0
+// bn = b * nkv + kv: key j kept when maskf[b, j] > 0 and, if causal, j <= past + qt and
+// j > past + qt - w (w > 0)
 #define LM_KEEP(i)                                                           \
   long long r = (i) / tk;                                                    \
   int j = (int)((i) - r * tk);                                               \
   long long qi = r % tq + past;                                              \
   long long bb = r / ((long long)tq * bdiv);                                 \
-  int keep = j <= qi && (w <= 0 || j > qi - w) && maskf[bb * tk + j] > 0.0f;
+  int keep = (!causal || (j <= qi && (w <= 0 || j > qi - w))) &&             \
+             maskf[bb * tk + j] > 0.0f;
 
 // s = keep ? s * scale : -3e38 (in place); bdiv = grp * nkv
 LM_GLOBAL lm_softmax_scale(float* s, const float* maskf, long long rows, int tq, int tk,
-                           long long bdiv, long long past, int w, float scale) {
+                           long long bdiv, long long past, int w, int causal, float scale) {
   LM_FOR(i, rows * (long long)tk) {
     LM_KEEP(i)
     s[i] = keep ? s[i] * scale : -3.0e38f;
@@ -134,7 +141,7 @@ LM_GLOBAL lm_softmax_scale(float* s, const float* maskf, long long rows, int tq,
 
 // s = keep ? exp(s - mx[r]) : 0 (in place)
 LM_GLOBAL lm_softmax_exp(float* s, const float* mx, const float* maskf, long long rows,
-                         int tq, int tk, long long bdiv, long long past, int w) {
+                         int tq, int tk, long long bdiv, long long past, int w, int causal) {
   LM_FOR(i, rows * (long long)tk) {
     LM_KEEP(i)
     s[i] = keep ? expf(s[i] - mx[r]) : 0.0f;
@@ -149,12 +156,81 @@ LM_GLOBAL lm_softmax_div(float* s, const float* tot, long long rows, int tk) {
     s[i] = s[i] / (t > 0.0f ? t : 1.0f);
   }
 }
+
+// ---- the encoder's (and GPT-2's) LayerNorm, bias + residual, bias + activation
+// out[r, j] = ((x[r, j] - mean[r]) * (1 / sqrt(ss[r] / h + eps))) * g[j] + b[j]
+LM_GLOBAL lm_layernorm_apply(const float* x, const float* mean, const float* ss,
+                             const float* g, const float* b, float* out, long long rows,
+                             int h, float eps) {
+  LM_FOR(i, rows * (long long)h) {
+    long long r = i / h;
+    int j = (int)(i - r * h);
+    float inv = 1.0f / sqrtf(ss[r] / (float)h + eps);
+    out[i] = ((x[i] - mean[r]) * inv) * g[j] + b[j];
+  }
+}
+
+// resid[r, j] = (resid[r, j] + x[r, j]) + bias[j]
+LM_GLOBAL lm_add_bias(float* resid, const float* x, const float* bias, long long rows, int h) {
+  LM_FOR(i, rows * (long long)h) {
+    long long r = i / h;
+    int j = (int)(i - r * h);
+    resid[i] = (resid[i] + x[i]) + bias[j];
+  }
+}
+
+// kernels._xp_erf: a rational function of x clipped to [-4, 4]
+static LM_DEV float lm_erf(float x) {
+  x = x < -4.0f ? -4.0f : (x > 4.0f ? 4.0f : x);
+  float x2 = x * x;
+  float p = @ERF_A0@;
+@ERF_P@
+  float q = @ERF_B0@;
+@ERF_Q@
+  return (x * p) / q;
+}
+
+// x[r, j] = act(x[r, j] + bias[j]) in place; kind 0: erf GELU, 1: tanh GELU, 2: relu, 3: none
+LM_GLOBAL lm_bias_act(float* x, const float* bias, long long rows, int f, int kind) {
+  LM_FOR(i, rows * (long long)f) {
+    long long r = i / f;
+    int j = (int)(i - r * f);
+    float t = x[i] + bias[j];
+    if (kind == 0) {
+      t = (0.5f * t) * (1.0f + lm_erf(t * 0.7071067811865476f));
+    } else if (kind == 1) {
+      t = (0.5f * t) * (1.0f + tanhf(0.7978845608028654f * (t + ((0.044715f * t) * t) * t)));
+    } else if (kind == 2) {
+      t = (t > 0.0f || t != t) ? t : 0.0f;
+    }
+    x[i] = t;
+  }
+}
 """
 
 
+def _f32_literal(c: float) -> str:
+    """A C float literal of ``np.float32(c)`` (the xp version's constant), exactly."""
+    v = np.float32(c)
+    r = repr(float(v))
+    assert np.float32(float(r)) == v
+    return r + ("f" if ("e" in r or "." in r) else ".0f")
+
+
+@functools.cache
 def cuda_source() -> str:
-    """The CUDA C source of the kernels (also valid C: see the module docstring)."""
-    return _SOURCE
+    """The CUDA C source of the kernels (also valid C: see the module docstring), with the
+    erf GELU's coefficients pasted from :mod:`semzo.model.kernels`."""
+    from semzo.model.kernels import _ERF_A, _ERF_B
+    src = _SOURCE.replace("@ERF_A0@", _f32_literal(_ERF_A[0]))
+    src = src.replace("@ERF_B0@", _f32_literal(_ERF_B[0]))
+    src = src.replace("@ERF_P@", "\n".join(f"  p = p * x2 + {_f32_literal(c)};"
+                                           for c in _ERF_A[1:]))
+    src = src.replace("@ERF_Q@", "\n".join(f"  q = q * x2 + {_f32_literal(c)};"
+                                           for c in _ERF_B[1:]))
+    if "@" in src:
+        raise RuntimeError("unsubstituted constant in the CUDA source")
+    return src
 
 
 def enabled() -> bool:
@@ -170,12 +246,13 @@ _FAILED: dict = {}
 def _module(device_id: int):
     import cupy  # GPU only
     mod = cupy.RawModule(code=cuda_source(), options=("--fmad=false",))
-    for name in ("lm_rmsnorm_apply", "lm_gated", "lm_rope_split", "lm_softmax_scale",
-                 "lm_softmax_exp", "lm_softmax_div"):
+    for name in KERNELS:
         mod.get_function(name)          # compile now: a failure falls back before any launch
     sumsq = cupy.ReductionKernel("float32 x", "float32 y", "x * x", "a + b", "y = a", "0",
                                  "semzo_sumsq")
-    return mod, sumsq
+    sqdev = cupy.ReductionKernel("float32 x, float32 m", "float32 y", "(x - m) * (x - m)",
+                                 "a + b", "y = a", "0", "semzo_sqdev")
+    return mod, sumsq, sqdev
 
 
 def _kernels():
@@ -215,7 +292,7 @@ def rmsnorm(x, gamma, eps: float, out) -> bool:
     if k is None or x.ndim != 2 or not (_f32c(x) and _f32c(out)) or out.shape != x.shape:
         return False
     import cupy  # GPU only
-    mod, sumsq = k
+    mod, sumsq = k[0], k[1]
     rows, h = x.shape
     if gamma.dtype != np.float32 or gamma.shape != (h,):
         return False
@@ -282,9 +359,11 @@ def rope_split(qkv, bias, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
     return True
 
 
-def attn_softmax(s, maskf, scale: float, nkv: int, past: int, w: int) -> bool:
+def attn_softmax(s, maskf, scale: float, nkv: int, past: int, w: int,
+                 causal: bool = True) -> bool:
     """:func:`semzo.model.kernels_lm.attn_softmax` for a C-contiguous float32 ``s``
-    (B*nkv, g, Tq, Tk), in place."""
+    (B*nkv, g, Tq, Tk), in place; ``causal`` False: only the padding mask
+    (:func:`semzo.model.kernels.masked_softmax`, s viewed as (B*heads, 1, Tq, Tk))."""
     k = _kernels()
     if k is None or s.ndim != 4 or not _f32c(s):
         return False
@@ -299,10 +378,56 @@ def attn_softmax(s, maskf, scale: float, nkv: int, past: int, w: int) -> bool:
     flat = s.reshape(rows, tk)
     n = rows * tk
     idx = (np.int64(rows), np.int32(tq), np.int32(tk), np.int64(grp * nkv), np.int64(past),
-           np.int32(w))
+           np.int32(w), np.int32(bool(causal)))
     _launch(mod.get_function("lm_softmax_scale"), n, (flat, m, *idx, np.float32(scale)))
     mx = flat.max(axis=1)
     _launch(mod.get_function("lm_softmax_exp"), n, (flat, mx, m, *idx))
     tot = flat.sum(axis=1)
     _launch(mod.get_function("lm_softmax_div"), n, (flat, tot, np.int64(rows), np.int32(tk)))
+    return True
+
+
+def layernorm(x, gamma, beta, eps: float, out) -> bool:
+    """:func:`semzo.model.kernels.layernorm` for float32 x, out (N, H) (out may be x) and
+    float32 gamma, beta (H,): CuPy's mean, one squared-deviation reduction, one kernel."""
+    k = _kernels()
+    if k is None or x.ndim != 2 or not (_f32c(x) and _f32c(out)) or out.shape != x.shape:
+        return False
+    rows, h = x.shape
+    if gamma.dtype != np.float32 or beta.dtype != np.float32 or gamma.shape != (h,) or \
+            beta.shape != (h,):
+        return False
+    import cupy  # GPU only
+    mean = x.mean(axis=1, keepdims=True)
+    ss = k[2](x, mean, axis=1)
+    _launch(k[0].get_function("lm_layernorm_apply"), rows * h,
+            (x, mean, ss, cupy.ascontiguousarray(gamma), cupy.ascontiguousarray(beta), out,
+             np.int64(rows), np.int32(h), np.float32(eps)))
+    return True
+
+
+def add_bias(resid, x, bias) -> bool:
+    """``resid += x + bias`` (rounded as ``resid += x; resid += bias``), float32 (N, H)."""
+    k = _kernels()
+    if k is None or resid.ndim != 2 or not (_f32c(resid) and _f32c(x)) or \
+            x.shape != resid.shape or bias.dtype != np.float32 or bias.shape != resid.shape[1:]:
+        return False
+    import cupy  # GPU only
+    rows, h = resid.shape
+    _launch(k[0].get_function("lm_add_bias"), rows * h,
+            (resid, x, cupy.ascontiguousarray(bias), np.int64(rows), np.int32(h)))
+    return True
+
+
+def bias_act(x, bias, kind: int) -> bool:
+    """:func:`semzo.model.kernels.bias_act` in place for float32 x (N, F), bias (F,); kinds of
+    ``kernels._ACT``: 0 erf GELU, 1 tanh GELU, 2 relu, 3 none."""
+    k = _kernels()
+    if k is None or x.ndim != 2 or not _f32c(x) or bias.dtype != np.float32 or \
+            bias.shape != x.shape[1:] or kind not in (0, 1, 2, 3):
+        return False
+    import cupy  # GPU only
+    rows, f = x.shape
+    _launch(k[0].get_function("lm_bias_act"), rows * f,
+            (x, cupy.ascontiguousarray(bias), np.int64(rows), np.int32(f), np.int32(kind)))
     return True
