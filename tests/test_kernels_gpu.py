@@ -37,7 +37,8 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     lib.lm_softmax_scale.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
     lib.lm_softmax_exp.argtypes = [P, P, P, LL, I, I, LL, LL, I, I]
     lib.lm_softmax_div.argtypes = [P, P, LL, I]
-    lib.lm_layernorm_apply.argtypes = [P, P, P, P, P, P, LL, I, F]
+    lib.lm_center.argtypes = [P, P, P, LL, I]
+    lib.lm_layernorm_apply.argtypes = [P, P, P, P, P, LL, I, F]
     lib.lm_add_bias.argtypes = [P, P, P, LL, I]
     lib.lm_bias_act.argtypes = [P, P, LL, I, I]
     return lib
@@ -216,10 +217,11 @@ def test_layernorm_matches_the_xp_version(lib, xp_path):
     bt = rng.standard_normal(h).astype(np.float32)
     ref = kernels.layernorm(x, g, bt, eps, out=np.empty_like(x))
     mean = np.ascontiguousarray(x.mean(axis=1, dtype=np.float32))
-    ss = np.ascontiguousarray(((x - mean[:, None]) * (x - mean[:, None])).sum(axis=1,
-                                                                            dtype=np.float32))
     out = np.full_like(x, np.nan)
-    lib.lm_layernorm_apply(ptr(x), ptr(mean), ptr(ss), ptr(g), ptr(bt), ptr(out), n, h, eps)
+    lib.lm_center(ptr(x), ptr(mean), ptr(out), n, h)         # into out, as on the GPU
+    assert np.array_equal(out, x - mean[:, None])
+    ss = np.ascontiguousarray((out * out).sum(axis=1, dtype=np.float32))
+    lib.lm_layernorm_apply(ptr(out), ptr(ss), ptr(g), ptr(bt), ptr(out), n, h, eps)
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
 
 

@@ -33,8 +33,8 @@ import numpy as np
 
 THREADS_PER_BLOCK = 256
 KERNELS = ("lm_rmsnorm_apply", "lm_gated", "lm_rope_split", "lm_softmax_scale",
-           "lm_softmax_exp", "lm_softmax_div", "lm_layernorm_apply", "lm_add_bias",
-           "lm_bias_act")
+           "lm_softmax_exp", "lm_softmax_div", "lm_center", "lm_layernorm_apply",
+           "lm_add_bias", "lm_bias_act")
 MAX_BLOCKS = 65535
 
 _SOURCE = r"""
@@ -158,15 +158,21 @@ LM_GLOBAL lm_softmax_div(float* s, const float* tot, long long rows, int tk) {
 }
 
 // ---- the encoder's (and GPT-2's) LayerNorm, bias + residual, bias + activation
-// out[r, j] = ((x[r, j] - mean[r]) * (1 / sqrt(ss[r] / h + eps))) * g[j] + b[j]
-LM_GLOBAL lm_layernorm_apply(const float* x, const float* mean, const float* ss,
-                             const float* g, const float* b, float* out, long long rows,
-                             int h, float eps) {
+// d[r, j] = x[r, j] - mean[r] (d may be x)
+LM_GLOBAL lm_center(const float* x, const float* mean, float* d, long long rows, int h) {
+  LM_FOR(i, rows * (long long)h) {
+    d[i] = x[i] - mean[i / h];
+  }
+}
+
+// out[r, j] = (d[r, j] * (1 / sqrt(ss[r] / h + eps))) * g[j] + b[j] (out may be d)
+LM_GLOBAL lm_layernorm_apply(const float* d, const float* ss, const float* g, const float* b,
+                             float* out, long long rows, int h, float eps) {
   LM_FOR(i, rows * (long long)h) {
     long long r = i / h;
     int j = (int)(i - r * h);
     float inv = 1.0f / sqrtf(ss[r] / (float)h + eps);
-    out[i] = ((x[i] - mean[r]) * inv) * g[j] + b[j];
+    out[i] = (d[i] * inv) * g[j] + b[j];
   }
 }
 
@@ -250,9 +256,7 @@ def _module(device_id: int):
         mod.get_function(name)          # compile now: a failure falls back before any launch
     sumsq = cupy.ReductionKernel("float32 x", "float32 y", "x * x", "a + b", "y = a", "0",
                                  "semzo_sumsq")
-    sqdev = cupy.ReductionKernel("float32 x, float32 m", "float32 y", "(x - m) * (x - m)",
-                                 "a + b", "y = a", "0", "semzo_sqdev")
-    return mod, sumsq, sqdev
+    return mod, sumsq
 
 
 def _kernels():
@@ -389,7 +393,8 @@ def attn_softmax(s, maskf, scale: float, nkv: int, past: int, w: int,
 
 def layernorm(x, gamma, beta, eps: float, out) -> bool:
     """:func:`semzo.model.kernels.layernorm` for float32 x, out (N, H) (out may be x) and
-    float32 gamma, beta (H,): CuPy's mean, one squared-deviation reduction, one kernel."""
+    float32 gamma, beta (H,): CuPy's mean, the centred rows written to ``out``, their sum of
+    squares (the RMSNorm reduction), one kernel for the rest."""
     k = _kernels()
     if k is None or x.ndim != 2 or not (_f32c(x) and _f32c(out)) or out.shape != x.shape:
         return False
@@ -398,11 +403,14 @@ def layernorm(x, gamma, beta, eps: float, out) -> bool:
             beta.shape != (h,):
         return False
     import cupy  # GPU only
-    mean = x.mean(axis=1, keepdims=True)
-    ss = k[2](x, mean, axis=1)
-    _launch(k[0].get_function("lm_layernorm_apply"), rows * h,
-            (x, mean, ss, cupy.ascontiguousarray(gamma), cupy.ascontiguousarray(beta), out,
-             np.int64(rows), np.int32(h), np.float32(eps)))
+    mod, sumsq = k
+    mean = x.mean(axis=1)
+    n = np.int64(rows)
+    _launch(mod.get_function("lm_center"), rows * h, (x, mean, out, n, np.int32(h)))
+    ss = sumsq(out, axis=1)
+    _launch(mod.get_function("lm_layernorm_apply"), rows * h,
+            (out, ss, cupy.ascontiguousarray(gamma), cupy.ascontiguousarray(beta), out, n,
+             np.int32(h), np.float32(eps)))
     return True
 
 
