@@ -16,7 +16,13 @@ except Exception as exc:  # noqa: BLE001 - any failure to reach a GPU means: ski
     pytest.skip(f"GPU-only tests: cupy with a CUDA device is not available ({exc})",
                 allow_module_level=True)
 
+import sys
+from pathlib import Path
+
 from safetensors.numpy import save_file
+
+sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+from gpu_common import count_fused_launches
 
 from semzo.model import load_model
 
@@ -74,11 +80,7 @@ def test_fused_kernels_run_and_match_the_generic_cupy_chains(tmp_path, monkeypat
     ids = np.random.default_rng(2).integers(0, 101, size=(3, 20))
     mask = np.ones_like(ids)
     mask[2, 15:] = 0
-    launched = []
-    real = fused._launch
-    monkeypatch.setattr(fused, "_launch",
-                        lambda fn, n, args: (launched.append(n), real(fn, n, args))[1])
-    monkeypatch.setenv("SEMZO_GPU_FUSED", "1")
+    launched = count_fused_launches(monkeypatch)
     on = cp.asnumpy(gpu.logits(ids, mask))
     cache = gpu.new_cache(3, 24)
     gpu.forward_cached(ids[:, :12], cache)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
-from gpu_common import cupy_or_none, gpu_skip, host, rel_err
+from gpu_common import count_fused_launches, cupy_or_none, gpu_skip, host, rel_err
 from zo_common import make_model
 
 from semzo.model import load_model
@@ -159,11 +159,7 @@ def test_gpu_fused_kernels_match_the_generic_chains(folders, monkeypatch, family
     ids = np.random.default_rng(3).integers(1, 90, size=(3, 12))
     mask = np.ones_like(ids)
     mask[1, 8:] = 0
-    launched = []
-    real = fused._launch
-    monkeypatch.setattr(fused, "_launch",
-                        lambda fn, n, args: (launched.append(n), real(fn, n, args))[1])
-    monkeypatch.setenv("SEMZO_GPU_FUSED", "1")
+    launched = count_fused_launches(monkeypatch)
     on = host(dev.hidden_states(ids, mask)).copy()
     assert not fused._FAILED, fused._FAILED
     assert len(launched) >= 2 * 4          # per layer: LayerNorm, softmax x 3, GELU at least

@@ -76,3 +76,19 @@ def mpi_cuda_aware() -> tuple[bool, str]:
                 ok = line.strip().endswith("true")
                 return ok, f"ompi_info: {line.strip()}"
     return False, "the MPI library does not say it is CUDA-aware"
+
+
+def count_fused_launches(monkeypatch) -> list:
+    """Record every launch of the fused forward kernels (semzo.model.kernels_gpu) in the
+    returned list (one entry, the element count, per launch); SEMZO_GPU_FUSED set on."""
+    from semzo.model import kernels_gpu
+    launched: list = []
+    real = kernels_gpu._launch
+
+    def counted(fn, n, args):
+        launched.append(n)
+        return real(fn, n, args)
+
+    monkeypatch.setattr(kernels_gpu, "_launch", counted)
+    monkeypatch.setenv("SEMZO_GPU_FUSED", "1")
+    return launched
