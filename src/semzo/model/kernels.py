@@ -39,6 +39,7 @@ from numba.extending import intrinsic
 from threadpoolctl import ThreadpoolController
 
 from semzo.backend import array_module
+from semzo.model.erf import ERF_A, ERF_B
 from semzo.model.storage import to_float32
 
 F32 = np.float32
@@ -155,13 +156,8 @@ def _fexp(x):
     return p * _bits_to_f32((np.int32(k) + np.int32(127)) << np.int32(23))
 
 
-# Rational approximation of erf on [-4, 4] (odd numerator / even denominator in x^2), the one
-# Eigen uses for float32; |error| < 5e-7 over the real line (erf is +-1 in float32 beyond 4).
-_ERF_A = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
-          -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
-          -1.60960333262415e-02)
-_ERF_B = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
-          -7.37332916720468e-03, -1.42647390514189e-02)
+# erf on [-4, 4]: the rational approximation of semzo.model.erf (the GPU source pastes it too)
+_ERF_A, _ERF_B = ERF_A, ERF_B
 
 
 @njit(inline="always", fastmath=True, cache=True, error_model="numpy")

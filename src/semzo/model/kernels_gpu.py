@@ -31,6 +31,8 @@ import warnings
 
 import numpy as np
 
+from semzo.model.erf import ERF_A, ERF_B
+
 THREADS_PER_BLOCK = 256
 KERNELS = ("lm_rmsnorm_apply", "lm_gated", "lm_rope_split", "lm_softmax_scale",
            "lm_softmax_exp", "lm_softmax_div", "lm_center", "lm_layernorm_apply",
@@ -226,14 +228,13 @@ def _f32_literal(c: float) -> str:
 @functools.cache
 def cuda_source() -> str:
     """The CUDA C source of the kernels (also valid C: see the module docstring), with the
-    erf GELU's coefficients pasted from :mod:`semzo.model.kernels`."""
-    from semzo.model.kernels import _ERF_A, _ERF_B
-    src = _SOURCE.replace("@ERF_A0@", _f32_literal(_ERF_A[0]))
-    src = src.replace("@ERF_B0@", _f32_literal(_ERF_B[0]))
+    erf GELU's coefficients pasted from :mod:`semzo.model.erf`."""
+    src = _SOURCE.replace("@ERF_A0@", _f32_literal(ERF_A[0]))
+    src = src.replace("@ERF_B0@", _f32_literal(ERF_B[0]))
     src = src.replace("@ERF_P@", "\n".join(f"  p = p * x2 + {_f32_literal(c)};"
-                                           for c in _ERF_A[1:]))
+                                           for c in ERF_A[1:]))
     src = src.replace("@ERF_Q@", "\n".join(f"  q = q * x2 + {_f32_literal(c)};"
-                                           for c in _ERF_B[1:]))
+                                           for c in ERF_B[1:]))
     if "@" in src:
         raise RuntimeError("unsubstituted constant in the CUDA source")
     return src
