@@ -32,6 +32,7 @@ import warnings
 import numpy as np
 
 from semzo.model.erf import ERF_A, ERF_B
+from semzo.model.storage import to_float32
 
 THREADS_PER_BLOCK = 256
 KERNELS = ("lm_rmsnorm_apply", "lm_gated", "lm_rope_split", "lm_softmax_scale",
@@ -325,11 +326,11 @@ def gated(gu, kind: int, out) -> bool:
     return True
 
 
-def rope_split(qkv, bias, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
+def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
                past: int) -> bool:
     """:func:`semzo.model.kernels_lm.rope_split` for float32 arrays: ``q`` (B, nh, T, d),
     ``kc``, ``vc`` (B, nkv, Tc, d) C-contiguous caches written at rows past..past+T-1;
-    ``bias`` the concatenated (bq, bk, bv) float32 or None; ``cos`` None: no rotation."""
+    ``biases`` (bq, bk, bv) (float32 or bfloat16 bits) or None; ``cos`` None: no rotation."""
     k = _kernels()
     if k is None or qkv.ndim != 2 or not all(_f32c(a) for a in (qkv, q, kc, vc)):
         return False
@@ -350,8 +351,11 @@ def rope_split(qkv, bias, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
     else:
         cs = sn = cupy.zeros((1, 1), cupy.float32)
         h2 = 0
-    if bias is not None and (bias.dtype != np.float32 or bias.size != w):
-        return False
+    bias = None
+    if biases is not None:
+        bias = cupy.concatenate([to_float32(a) if a.dtype == np.uint16 else a for a in biases])
+        if bias.dtype != np.float32 or bias.size != w:
+            return False
     bias_arr = cupy.zeros(1, cupy.float32) if bias is None else cupy.ascontiguousarray(bias)
     fn = k[0].get_function("lm_rope_split")
     for dst, heads, off, rot in ((q, nh, 0, h2), (kc, nkv, nh, h2), (vc, nkv, nh + nkv, 0)):

@@ -21,6 +21,7 @@ from semzo.model.kernels import (
     SAFE_FAST,
     _dexp,
     _f32,
+    _f32v,
     _ferf,
     _fexp,
     _ftanh,
@@ -196,8 +197,7 @@ def rmsnorm(x, gamma, eps: float, out):
         _nb_rmsnorm(x, gamma, F32(eps), out)
         return out
     xp = array_module(x)
-    if xp is not np and _fused().rmsnorm(x, _f32(xp, gamma) if gamma.dtype == np.uint16
-                                         else gamma, eps, out):
+    if xp is not np and _fused().rmsnorm(x, _f32v(xp, gamma), eps, out):
         return out
     t = x.astype(xp.float32)
     t *= 1.0 / xp.sqrt((t * t).mean(axis=-1, keepdims=True) + xp.float32(eps))
@@ -242,10 +242,9 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, k, v, p
                        bv if bv is not None else e, pos, c, s, nh, nkv, d, rot, q, k, v, past)
         return
     xp = array_module(qkv)
-    if xp is not np:
-        bias = None if bq is None else _f32(xp, xp.concatenate([bq, bk, bv]))
-        if _fused().rope_split(qkv, bias, pos, cos, sin, nh, nkv, d, q, k, v, past):
-            return
+    if xp is not np and _fused().rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, k, v,
+                                            past):
+        return
     b, t = pos.shape
     x = qkv.astype(xp.float32).reshape(b, t, nh + 2 * nkv, d)
     if bq is not None:
