@@ -368,9 +368,10 @@ def bias_residual_layernorm(x, bias, resid, gamma, beta, eps: float, out):
         _nb_bias_residual_layernorm(x, bias, resid, gamma, beta, F32(eps), out)
         return out
     xp = array_module(resid)
-    if xp is np or not _fused().add_bias(resid, x, _f32v(xp, bias)):
+    b = _f32(xp, bias) if bias.dtype == np.uint16 else bias
+    if xp is np or not _fused().add_bias(resid, x, b):
         resid += x
-        resid += _f32(xp, bias) if bias.dtype == np.uint16 else bias
+        resid += b
     return layernorm(resid, gamma, beta, eps, out)
 
 
