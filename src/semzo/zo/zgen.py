@@ -4,7 +4,8 @@ a buffer with z (:func:`fill_z`, :func:`zvec_kernel`). The fused passes that use
 :mod:`.kernels`; the GPU kernels (:mod:`.kernels_gpu`) compile the same generator functions
 (:func:`build_device_functions`) for CUDA, so z has the same bits on CPU and GPU.
 
-numba's cache does not see edits to rng.py: touch this file after changing the generator.
+numba keys a cached kernel on its own file only; ``import semzo`` drops the package's caches
+when any source changed (``semzo._drop_stale_numba_caches``), so edits of rng.py reach them.
 """
 
 from __future__ import annotations
