@@ -196,6 +196,21 @@ def test_zvec_matches_independent_numpy_reference(dist):
 
 
 @pytest.mark.parametrize("dist", DISTS)
+def test_fill_z_of_any_size_keeps_to_its_scratch(dist):
+    """fill_z on a buffer far larger than the kernels' SUB (its Philox words go through the
+    WS-word scratch WSTRIDE blocks at a time): the same z as zvec, and not one word written
+    past the scratch (numba checks no bounds: a guard word after it must survive)."""
+    seed, t, start, n = 99, 5, 3, 70_001                # unaligned start, partial ends
+    k0, k1 = rng.split_seed(seed)
+    z = np.empty(n)
+    ws = np.full(zgen.WS + 8, 0xDEADBEEF, np.uint64)
+    zgen.fill_z(z, np.uint64(start), np.uint64(t), k0, k1, rng.dist_code(dist),
+                zgen.FAST_TABLE, ws[:zgen.WS])
+    assert np.all(ws[zgen.WS:] == 0xDEADBEEF)
+    assert bits_equal(z.astype(np.float32), zvec(seed, t, start, n, dist))
+
+
+@pytest.mark.parametrize("dist", DISTS)
 def test_any_slice_regenerates_in_any_order(dist):
     n = 3 * kernels.CHUNK + 517
     full = zvec(123, 7, 0, n, dist)

@@ -268,12 +268,13 @@ def rad_axpy(pv, nb, ws, a):
 
 @njit(cache=True, error_model="numpy")
 def fill_z(z, e0, t, k0, k1, dist, tab, ws):
-    """z[i] = z(seed, t, e0 + i) for i < z.size <= SUB (float64 array of float32-rounded
+    """z[i] = z(seed, t, e0 + i) for i < z.size (float64 array of float32-rounded
     values).
 
     e0, t, k0, k1: uint64; dist: rng.GAUSSIAN, rng.RADEMACHER or rng.GAUSSIAN_FAST;
     tab: FAST_TABLE; ws: uint64[WS] scratch. Serial. Whole Philox blocks are generated
-    together (:func:`philox_blocks`), partial ones at the ends element by element.
+    together (:func:`philox_blocks`, at most WSTRIDE at a time: any z.size is safe for ws),
+    partial ones at the ends element by element.
     """
     m = z.size
     i = 0
@@ -285,12 +286,14 @@ def fill_z(z, e0, t, k0, k1, dist, tab, ws):
             z[i] = _gauss_at(e, t, k0, k1)
             i += 1
             e += _U1
-        nb = (m - i) >> 2
-        if nb > 0:
+        left = (m - i) >> 2
+        while left > 0:                     # at most WSTRIDE blocks per fill of ws
+            nb = min(left, WSTRIDE)
             philox_blocks(ws, nb, e >> _U2, t, _U0, k0, k1)
             _gauss_blocks(z, i, nb, ws)
-        i += 4 * nb
-        e += np.uint64(4 * nb)
+            i += 4 * nb
+            e += np.uint64(4 * nb)
+            left -= nb
         while i < m:
             z[i] = _gauss_at(e, t, k0, k1)
             i += 1
@@ -300,12 +303,14 @@ def fill_z(z, e0, t, k0, k1, dist, tab, ws):
             z[i] = _rad_at(e, t, k0, k1)
             i += 1
             e += _U1
-        nb = (m - i) >> 7
-        if nb > 0:
+        left = (m - i) >> 7
+        while left > 0:
+            nb = min(left, WSTRIDE)
             philox_blocks(ws, nb, e >> _U7, t, _U1, k0, k1)
             _rad_blocks(z, i, nb, ws)
-        i += 128 * nb
-        e += np.uint64(128 * nb)
+            i += 128 * nb
+            e += np.uint64(128 * nb)
+            left -= nb
         while i < m:
             z[i] = _rad_at(e, t, k0, k1)
             i += 1
