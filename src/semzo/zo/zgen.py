@@ -281,38 +281,29 @@ def fill_z(z, e0, t, k0, k1, dist, tab, ws):
     e = e0
     if dist == 2:
         fill_fast(z, e0, t, k0, k1, tab, ws)
-    elif dist == 0:
-        while i < m and (e & _U3) != _U0:
-            z[i] = _gauss_at(e, t, k0, k1)
+    else:
+        gauss = dist == 0               # Gaussian: 4 z per Philox block, Rademacher: 128
+        per = 4 if gauss else 128
+        mask = np.uint64(per - 1)
+        shift = _U2 if gauss else _U7
+        dom = _U0 if gauss else _U1
+        while i < m and (e & mask) != _U0:                   # a partial first block
+            z[i] = _gauss_at(e, t, k0, k1) if gauss else _rad_at(e, t, k0, k1)
             i += 1
             e += _U1
-        left = (m - i) >> 2
+        left = (m - i) // per
         while left > 0:                     # at most WSTRIDE blocks per fill of ws
             nb = min(left, WSTRIDE)
-            philox_blocks(ws, nb, e >> _U2, t, _U0, k0, k1)
-            _gauss_blocks(z, i, nb, ws)
-            i += 4 * nb
-            e += np.uint64(4 * nb)
+            philox_blocks(ws, nb, e >> shift, t, dom, k0, k1)
+            if gauss:
+                _gauss_blocks(z, i, nb, ws)
+            else:
+                _rad_blocks(z, i, nb, ws)
+            i += per * nb
+            e += np.uint64(per * nb)
             left -= nb
         while i < m:
-            z[i] = _gauss_at(e, t, k0, k1)
-            i += 1
-            e += _U1
-    else:
-        while i < m and (e & _U127) != _U0:
-            z[i] = _rad_at(e, t, k0, k1)
-            i += 1
-            e += _U1
-        left = (m - i) >> 7
-        while left > 0:
-            nb = min(left, WSTRIDE)
-            philox_blocks(ws, nb, e >> _U7, t, _U1, k0, k1)
-            _rad_blocks(z, i, nb, ws)
-            i += 128 * nb
-            e += np.uint64(128 * nb)
-            left -= nb
-        while i < m:
-            z[i] = _rad_at(e, t, k0, k1)
+            z[i] = _gauss_at(e, t, k0, k1) if gauss else _rad_at(e, t, k0, k1)
             i += 1
             e += _U1
 
