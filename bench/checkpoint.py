@@ -20,7 +20,9 @@ tensors, large matrices and many small vectors, replicated on every rank):
   with their loads;
 - training time lost per checkpoint: a simulated training loop (numpy work + one scalar
   allreduce per step) with no checkpoint, a synchronous one, and an asynchronous one (the
-  background write must finish before the loop ends: ``close`` is counted).
+  background write must finish before the loop ends: ``close`` is counted), once per round
+  with the order of the three rotated; the medians and the per-round difference async -
+  sync are printed (one sample of a cost of about 2 s is noise on a shared machine).
 
 Prints a table: seconds (max over ranks), GiB/s, and the ratio to the dd figure (the median
 of the rounds; dd's own spread over the rounds and the per-round ratio of semzo's save are
@@ -343,9 +345,11 @@ def main() -> None:
             for k, v in ((W_NP, nw), (R_NP, nr), (W_TORCH, pw), (R_TORCH, pr)):
                 t.setdefault(k, []).append(v)
         steps, at = args.steps, args.steps // 4
-        l_none, ref, _, _ = training_loss("none", params, d, comm, steps, at)
-        l_sync, _, b_sync, _ = training_loss("sync", params, d, comm, steps, at)
-        l_async, _, b_async, how = training_loss("async", params, d, comm, steps, at)
+        lost: dict[str, list[tuple]] = {"none": [], "sync": [], "async": []}
+        for r in range(args.repeat):    # rounds, the order rotated: one sample of a ~2 s
+            order = ("none", "sync", "async")           # cost on a shared machine is noise
+            for mode in order[r % 3:] + order[:r % 3]:
+                lost[mode].append(training_loss(mode, params, d, comm, steps, at))
     finally:
         comm.Barrier()
         if rank == 0:
@@ -371,16 +375,26 @@ def main() -> None:
               f"{nbytes / GIB / v.min():.2f} GiB/s); semzo save (default) over dd, per round: "
               + ", ".join(f"{a / b:.0%}" for a, b in zip(t[W_DD], t["independent"])))
         print("after:", _uptime())
+        med = {m: float(np.median([v[0] for v in lost[m]])) for m in lost}
+        blk = {m: float(np.median([v[2] for v in lost[m]])) for m in lost}
+        ref = float(np.median([v[1] for v in lost["none"]]))
+        how = sorted({v[3] for v in lost["async"]})
+        diff = [a[0] - b[0] for a, b in zip(lost["async"], lost["sync"])]
         print(f"\ntraining time lost per checkpoint ({steps} simulated steps of about "
-              f"{ref * 1e3:.0f} ms, checkpoint at step {at}; max over ranks):")
-        print(f"  {'':<28}{'lost [s]':>9}{'blocked in save+close [s]':>27}")
-        print(f"  {'no checkpoint (noise floor)':<28}{l_none:>9.2f}")
-        print(f"  {'synchronous':<28}{l_sync:>9.2f}{b_sync:>27.2f}")
-        print(f"  {'async_save = true':<28}{l_async:>9.2f}{b_async:>27.2f}  (chosen at the "
-              f"first save: {how}; {os.cpu_count()} cores, {size} ranks)")
+              f"{ref * 1e3:.0f} ms, checkpoint at step {at}; max over ranks; {args.repeat} "
+              "rounds, the order of the three rotated, median):")
+        print(f"  {'':<28}{'lost [s]':>9}{'blocked in save+close [s]':>27}  per round [s]")
+        for m, name in (("none", "no checkpoint (noise floor)"), ("sync", "synchronous"),
+                        ("async", "async_save = true")):
+            b = f"{blk[m]:>27.2f}" if m != "none" else " " * 27
+            print(f"  {name:<28}{med[m]:>9.2f}{b}  "
+                  + " ".join(f"{v[0]:.2f}" for v in lost[m]))
+        print(f"  async_save chose at the first save: {' / '.join(how)} ({os.cpu_count()} cores, "
+              f"{size} ranks); async - sync, paired by round: "
+              + " ".join(f"{x:+.2f}" for x in diff) + f" s, median {np.median(diff):+.2f} s "
+              "(goal <= 0)")
         print("  lost = sum over steps from the checkpoint on of (step time - median step time "
               "before it) + close; blocked = time inside save() and close()")
-
 
 if __name__ == "__main__":
     main()
