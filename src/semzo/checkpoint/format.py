@@ -174,6 +174,26 @@ def attrs_checksum(f: h5py.File, kind: str) -> str:
     return _hex(kind, digest(kind, b"|".join(parts)))
 
 
+def root_attrs(f: h5py.File, version: int, other: str) -> dict:
+    """The root attributes of a checkpoint file of format ``version``, checked: the format
+    name, the version (``other``: the rest of the message when it differs), the metadata
+    checksum (written last, so its absence means an incomplete file) and its kind. Raises
+    :class:`CheckpointError`."""
+    attrs = {k: from_attr(v) for k, v in f.attrs.items()}
+    if attrs.get("format") != FORMAT:
+        raise CheckpointError(f"not a semzo checkpoint (format {attrs.get('format')!r})")
+    if int(attrs.get("format_version", 0)) != version:
+        raise CheckpointError(f"format version {attrs.get('format_version')}{other}")
+    if "attrs_checksum" not in attrs:
+        raise CheckpointError("incomplete: no attrs_checksum (written last)")
+    kind = str(attrs.get("checksum_kind", ""))
+    if kind not in CHECKSUM_KINDS:
+        raise CheckpointError(f"unknown checksum kind {kind!r}")
+    if attrs_checksum(f, kind) != attrs["attrs_checksum"]:
+        raise CheckpointError("metadata checksum mismatch (attributes altered)")
+    return attrs
+
+
 def _canon(v) -> bytes:
     if isinstance(v, str):
         return b"s" + v.encode("utf-8")

@@ -38,19 +38,8 @@ def _agree(comm: MPI.Intracomm, err: str | None) -> str | None:
 
 def _scan(f: h5py.File) -> tuple[dict, list[_Entry], dict[str, dict]]:
     """Root attributes, datasets in canonical order, group attributes. Raises on bad format."""
-    attrs = {k: fmt.from_attr(v) for k, v in f.attrs.items()}
-    if attrs.get("format") != fmt.FORMAT:
-        raise CheckpointError(f"not a semzo checkpoint (format {attrs.get('format')!r})")
-    if int(attrs.get("format_version", 0)) != 1:
-        raise CheckpointError(f"format version {attrs.get('format_version')} without a "
-                              f"whole-file record (only format 1 has none)")
-    if "attrs_checksum" not in attrs:
-        raise CheckpointError("incomplete: no attrs_checksum (written last)")
-    kind = str(attrs.get("checksum_kind", ""))
-    if kind not in fmt.CHECKSUM_KINDS:
-        raise CheckpointError(f"unknown checksum kind {kind!r}")
-    if fmt.attrs_checksum(f, kind) != attrs["attrs_checksum"]:
-        raise CheckpointError("metadata checksum mismatch (attributes altered)")
+    attrs = fmt.root_attrs(f, 1, " without a whole-file record (only format 1 has none)")
+    kind = str(attrs["checksum_kind"])
     entries: list[_Entry] = []
     groups: dict[str, dict] = {}
 

@@ -320,14 +320,7 @@ class Checkpointer:
             else self.opts
         payload = prepare(comm, step, params, state, per_rank, extras, metrics, root,
                           opts=opts, copy=background)
-        err = None
-        if comm.Get_rank() == 0 and os.environ.get("SEMZO_CKPT_SKIP_SPACE_CHECK") != "1":
-            try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                err = check_space(self.dir, payload.nbytes)
-            except OSError as exc:
-                err = f"checkpoint dir {self.dir}: cannot write: {exc.strerror or exc}"
-        _agree_error(comm, err)
+        self._check_room(payload.nbytes)
         path = self.dir / fmt.checkpoint_name(step)
         snap = time.perf_counter() - t0
         if not background:
@@ -339,6 +332,18 @@ class Checkpointer:
             self._thread.start()
         self.last_step, self.last_path = int(step), path
         return path
+
+    def _check_room(self, nbytes: int) -> None:
+        """Rank 0 makes the folder and checks it has room for ``nbytes`` (skipped with
+        ``SEMZO_CKPT_SKIP_SPACE_CHECK=1``); its error is raised on every rank. Collective."""
+        err = None
+        if self.comm.Get_rank() == 0 and os.environ.get("SEMZO_CKPT_SKIP_SPACE_CHECK") != "1":
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                err = check_space(self.dir, nbytes)
+            except OSError as exc:
+                err = f"checkpoint dir {self.dir}: cannot write: {exc.strerror or exc}"
+        _agree_error(self.comm, err)
 
     def _root(self, metrics: dict | None) -> dict:
         created = self.comm.bcast(time.strftime("%Y-%m-%dT%H:%M:%S%z"), root=0)
@@ -360,14 +365,7 @@ class Checkpointer:
         comm = self.comm
         payload = prepare(comm, step, params, state, per_rank, extras, metrics,
                           self._root(metrics), opts=self.opts, copy=False)
-        err = None
-        if comm.Get_rank() == 0 and os.environ.get("SEMZO_CKPT_SKIP_SPACE_CHECK") != "1":
-            try:
-                self.dir.mkdir(parents=True, exist_ok=True)
-                err = check_space(self.dir, payload.nbytes)
-            except OSError as exc:
-                err = f"checkpoint dir {self.dir}: cannot write: {exc.strerror or exc}"
-        _agree_error(comm, err)
+        self._check_room(payload.nbytes)
         path = self.dir / BEST
         write_file(payload, path, comm)
         log.info("best held-out model so far (step %d) -> %s (%.2f s)", step, path,

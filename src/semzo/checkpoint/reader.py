@@ -82,19 +82,9 @@ def _agree(comm: MPI.Intracomm, err: str | None) -> str | None:
 def _scan(f: h5py.File) -> tuple[dict, list[packed.Entry], dict, dict, dict]:
     """(root attrs, index entries, packed datasets, their digests, group attributes) of a
     format-2 file. Everything is checked before use; raises on a bad format."""
-    attrs = {k: fmt.from_attr(v) for k, v in f.attrs.items()}
-    if attrs.get("format") != fmt.FORMAT:
-        raise CheckpointError(f"not a semzo checkpoint (format {attrs.get('format')!r})")
-    if int(attrs.get("format_version", 0)) != fmt.FORMAT_VERSION:
-        raise CheckpointError(f"format version {attrs.get('format_version')}: this semzo "
-                              f"reads {fmt.FORMAT_VERSION} (and 1)")
-    if "attrs_checksum" not in attrs:
-        raise CheckpointError("incomplete: no attrs_checksum (written last)")
-    kind = str(attrs.get("checksum_kind", ""))
-    if kind not in fmt.CHECKSUM_KINDS:
-        raise CheckpointError(f"unknown checksum kind {kind!r}")
-    if fmt.attrs_checksum(f, kind) != attrs["attrs_checksum"]:
-        raise CheckpointError("metadata checksum mismatch (attributes altered)")
+    attrs = fmt.root_attrs(f, fmt.FORMAT_VERSION,
+                           f": this semzo reads {fmt.FORMAT_VERSION} (and 1)")
+    kind = str(attrs["checksum_kind"])
     block = int(attrs.get("block_bytes", 0))
     packs: dict[str, packed.Packed] = {}
     digests: dict[str, np.ndarray] = {}

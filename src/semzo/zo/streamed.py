@@ -314,11 +314,10 @@ def run_branches(engine, task, batch, seed: int) -> tuple[float, float]:
     return lp, lm
 
 
-def staged_score(store, task, batch) -> tuple[float, float]:
-    """(loss, accuracy) of ``batch`` at the current parameters, every stage streamed through
-    ``store`` (an offloading store: the evaluation of ``zo.offload = "host"``). Stage 0 and
-    the last stage stay on the device until the score is read (a tied head reads stage 0's
-    embedding matrix); nothing is written back."""
+def _staged(store, task, batch, read):
+    """``read(state, batch)`` of the last stage's state, every stage streamed through
+    ``store`` (an offloading store). Stage 0 and the last stage stay on the device until the
+    result is read (a tied head reads stage 0's embedding matrix); nothing is written back."""
     n = task.stage_count()
     state = task.stage_begin(batch)
     try:
@@ -327,27 +326,21 @@ def staged_score(store, task, batch) -> tuple[float, float]:
             state = task.stage_run(k, state)
             if 0 < k < n - 1:
                 store.release(k, [], dirty=False)
-        return task.score_from_state(state, batch)
+        return read(state, batch)
     finally:
         for k in (n - 1, 0):
             store.release(k, [], dirty=False)
         store.finish()
+
+
+def staged_score(store, task, batch) -> tuple[float, float]:
+    """(loss, accuracy) of ``batch`` at the current parameters, every stage streamed through
+    ``store`` (:func:`_staged`: the evaluation of ``zo.offload = "host"``)."""
+    return _staged(store, task, batch, task.score_from_state)
 
 
 def staged_loss(store, task, batch) -> float:
     """The training loss of ``batch`` at the current parameters, every stage streamed
-    through ``store`` as :func:`staged_score` does (the forward passes of the fzoo estimator
-    under ``zo.offload = "host"``)."""
-    n = task.stage_count()
-    state = task.stage_begin(batch)
-    try:
-        for k in range(n):
-            store.acquire(k, [])
-            state = task.stage_run(k, state)
-            if 0 < k < n - 1:
-                store.release(k, [], dirty=False)
-        return float(task.loss_from_state(state, batch))
-    finally:
-        for k in (n - 1, 0):
-            store.release(k, [], dirty=False)
-        store.finish()
+    through ``store`` (:func:`_staged`: the forward passes of the fzoo estimator under
+    ``zo.offload = "host"``)."""
+    return float(_staged(store, task, batch, task.loss_from_state))
