@@ -396,5 +396,6 @@ def main() -> None:
         print("  lost = sum over steps from the checkpoint on of (step time - median step time "
               "before it) + close; blocked = time inside save() and close()")
 
+
 if __name__ == "__main__":
     main()
