@@ -24,6 +24,8 @@ BAD_DECKS = [
     ("negative float", "[cluster]\ntol = -1.0\n", [], "cluster.tol: must be >= 0.0"),
     ("exclusive min", "[place]\nbalance_tol = 0.0\n", [], "place.balance_tol: must be > 0.0"),
     ("above max", "[model]\nmax_length = 1000\n", [], "model.max_length: must be <= 512"),
+    ("bf16 matmul, float32 weights", "[model]\nmatmul = \"bfloat16\"\n", [],
+     "model.matmul: \"bfloat16\" multiplies bfloat16 weights and needs model.dtype"),
     ("bad choice", "[place]\nmode = \"semantik\"\n", [], "place.mode: 'semantik' is not one"),
     ("stage order", "[run]\nstages = [\"cluster\", \"embed\"]\n", [], "run.stages: stages must"),
     ("unknown stage", "[run]\nstages = [\"embedd\"]\n", [], "run.stages: 'embedd'"),

@@ -98,3 +98,70 @@ def test_fused_kernels_run_and_match_the_generic_cupy_chains(tmp_path, monkeypat
     valid = mask.astype(bool)
     assert np.max(np.abs(on - off)[valid]) <= 1e-5 * np.max(np.abs(off[valid]))
     assert np.max(np.abs(on_c - off_c)) <= 1e-5 * np.max(np.abs(off_c))
+
+
+def test_bf16_activation_kernel_is_to_bits_bit_for_bit():
+    """The fused float32 -> bfloat16 kernel of model.matmul = "bfloat16" against
+    storage.to_bits on the device: ties, subnormals, infinities and NaN included."""
+    from semzo.model import kernels_gpu
+    from semzo.model.storage import to_bits
+    r = np.random.default_rng(5)
+    v = r.standard_normal(100_000).astype(np.float32) * np.float32(3.0)
+    u = v.view(np.uint32)
+    u[:1000] = (u[:1000] & 0xFFFF0000) | 0x8000            # exact ties
+    u[1000:1010] = [0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 1, 0x8000,
+                    0x807F8000, 0x7F7FFFFF, 0x3F808000]
+    x = cp.asarray(v)
+    out = cp.empty(x.shape, cp.uint16)
+    assert kernels_gpu.to_bf16(x, out)
+    assert np.array_equal(out.get(), to_bits(v))
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_tensor_core_gemm_matches_the_cpu_arithmetic(transposed):
+    """cublasGemmEx on bfloat16 bits (model.matmul = "bfloat16") against the float64 product
+    of the same rounded inputs, and the CPU's emulation, within float32 summation rounding;
+    into a column slice of a wider array, the columns beside it untouched."""
+    from semzo.model.gemm import matmul_bf16, round_bf16
+    from semzo.model.storage import to_bits, to_float32
+    r = np.random.default_rng(6)
+    n, k, o = 300, 576, 200
+    x = r.standard_normal((n, k)).astype(np.float32)
+    w = to_bits(r.standard_normal((o, k) if transposed else (k, o)).astype(np.float32))
+    wf = to_float32(w).astype(np.float64)
+    ref = round_bf16(x).astype(np.float64) @ (wf.T if transposed else wf)
+    bound = 2 * k * 2.0 ** -24 * (np.abs(round_bf16(x)).astype(np.float64)
+                                  @ np.abs(wf.T if transposed else wf))
+    wide = cp.full((n, o + 7), 7.0, cp.float32)
+    got = matmul_bf16(cp.asarray(x), cp.asarray(w), wide[:, 3:3 + o], transposed)
+    assert got.shape == (n, o)
+    g = wide.get()
+    assert np.all(g[:, :3] == 7.0) and np.all(g[:, 3 + o:] == 7.0)
+    assert np.all(np.abs(g[:, 3:3 + o] - ref) <= bound)
+    cpu = matmul_bf16(x, w, np.empty((n, o), np.float32), transposed)
+    assert np.all(np.abs(cpu - ref) <= bound)
+
+
+def test_tensor_core_decoder_matches_the_cpu_emulation(tmp_path):
+    """A bfloat16 Llama with model.matmul = "bfloat16" on the device against the same model
+    on NumPy (the CPU's emulation of the arithmetic): the logits agree to bfloat16 rounding
+    (the device sums in another order, which can move an activation across a bfloat16
+    rounding boundary), and both differ from the float32-matmul forward by about that much."""
+    f = tiny_llama(tmp_path / "m")
+    ids = np.random.default_rng(7).integers(0, CFG["vocab_size"], size=(4, 24))
+    mask = np.ones_like(ids)
+    mask[2, 17:] = 0
+    cpu = load_model(f, dtype="bfloat16")
+    ref32 = cpu.logits(ids, mask)
+    cpu.set_matmul("bfloat16")
+    ref = cpu.logits(ids, mask)
+    dev = load_model(f, xp="cupy", dtype="bfloat16")
+    dev.set_matmul("bfloat16")
+    got = dev.logits(ids, mask).get()
+    valid = mask.astype(bool)
+    scale = np.abs(ref[valid]).max()
+    assert np.abs(got - ref)[valid].max() <= 2e-2 * scale
+    assert np.abs(got - ref)[valid].mean() <= 2e-3 * scale
+    assert np.abs(ref - ref32)[valid].max() > 1e-6 * scale     # the rounding did happen
+    loss = dev.next_token_loss(ids, mask)
+    assert abs(loss - cpu.next_token_loss(ids, mask)) <= 1e-2 * abs(loss)

@@ -41,6 +41,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     lib.lm_layernorm_apply.argtypes = [P, P, P, P, P, LL, I, F]
     lib.lm_add_bias.argtypes = [P, P, P, LL, I]
     lib.lm_bias_act.argtypes = [P, P, LL, I, I]
+    lib.lm_to_bf16.argtypes = [P, P, LL]
     return lib
 
 
@@ -257,3 +258,18 @@ def test_bias_act_matches_the_xp_version(lib, xp_path, act, kind):
         assert np.all(np.abs(got - ref) <= 4e-7 * scale + 1e-30)
     else:
         assert np.array_equal(got, ref)
+
+
+def test_to_bf16_is_to_bits_bit_for_bit(lib):
+    """The activations' float32 -> bfloat16 kernel of model.matmul = "bfloat16": ties to
+    even, subnormals, infinities, NaN (kept quiet) exactly as storage.to_bits."""
+    from semzo.model.storage import to_bits
+    r = np.random.default_rng(9)
+    v = (r.standard_normal(50_000) * 4).astype(np.float32)
+    u = v.view(np.uint32)
+    u[:500] = (u[:500] & 0xFFFF0000) | 0x8000
+    u[500:510] = [0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFFFFFFF, 1, 0x8000,
+                  0x807F8000, 0x7F7FFFFF, 0x3F808000]
+    out = np.empty(v.shape, np.uint16)
+    lib.lm_to_bf16(ptr(v), ptr(out), v.size)
+    assert np.array_equal(out, to_bits(v))

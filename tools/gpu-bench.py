@@ -341,13 +341,17 @@ def _sizes(args):
     return (4, 16, 3) if args.cpu else (64, 128, 20)
 
 
-def _forward_pair(args, dev, folder: Path, dtype: str, causal: bool):
+def _forward_pair(args, dev, folder: Path, dtype: str, causal: bool, matmul: str = "float32",
+                  keep_dtype: bool = False):
     """semzo's model and the transformers model of ``folder`` on one batch of :func:`_batch`:
-    (semzo's forward, torch's forward, the dtype both use, batch, length, repetitions)."""
+    (semzo's forward, torch's forward, the dtype both use, batch, length, repetitions).
+    ``matmul``: the model's :meth:`set_matmul`; bfloat16 (or ``keep_dtype``) keeps ``dtype``
+    on the CPU, where the other items compare float32."""
     from semzo.model import load_model
     b, t, reps = _sizes(args)
-    dt = "float32" if dev.cpu else dtype
+    dt = "float32" if dev.cpu and matmul == "float32" and not keep_dtype else dtype
     m = load_model(folder, xp=dev.xp, dtype=dt)
+    m.set_matmul(matmul)
     ids, mask, _ = _batch(dev, m.config.vocab_size, b, t)
     di, dm = dev.xp.asarray(ids), dev.xp.asarray(mask)
     tm = _torch_model(dev, folder, dt, causal)
@@ -369,6 +373,28 @@ def bench_forward(args, dev, folder: Path, dtype: str, causal: bool = False,
     extra = _unfused_probe(dev, ours_fn, ours, peer, reps, profile=False) if fused_probe else ""
     return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
             "note": f"batch {b}x{t}, semzo {dt} vs torch {dt}{extra}"}
+
+
+def bench_forward_tc(args, dev, folder: Path) -> dict:
+    """The decoder forward with ``model.matmul = "bfloat16"`` (bfloat16 GEMMs on the tensor
+    cores, float32 accumulation) against torch's bfloat16 forward; in the same run semzo's
+    float32-matmul forward (the default), its time and the largest difference between the
+    two (relative to the largest value)."""
+    ours_fn, peer_fn, dt, b, t, reps = _forward_pair(args, dev, folder, "bfloat16", True,
+                                                     "bfloat16")
+    f32_fn = _forward_pair(args, dev, folder, "bfloat16", True, keep_dtype=True)[0]
+    ours = dev.median(ours_fn, reps)
+    plain = dev.median(f32_fn, reps)
+    with dev.torch.inference_mode():
+        peer = dev.median(peer_fn, reps)
+    a, r = ours_fn().astype(dev.xp.float32), f32_fn().astype(dev.xp.float32)
+    rel = float(dev.xp.abs(a - r).max() / dev.xp.abs(r).max())
+    nk, busy = _kernel_profile(dev, ours_fn, "semzo forward, model.matmul = bfloat16")
+    return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
+            "note": f"batch {b}x{t}, semzo {dt} storage with bfloat16 GEMMs vs torch {dt}; "
+                    f"float32 GEMMs (default) {plain:.4g} s ({peer / plain:.3f}x torch, "
+                    f"bfloat16 GEMMs {plain / ours:.2f}x faster), max rel diff {rel:.2e}; "
+                    f"{nk:.0f} kernels, device busy {busy:.4g} s per forward"}
 
 
 def _kernel_profile(dev, fn, label: str, runs: int = 3) -> tuple[float, float]:
@@ -461,7 +487,7 @@ def _unfused_probe(dev, ours_fn, ours: float, peer: float, reps: int,
         return f"; fused-off probe failed: {type(exc).__name__}: {str(exc)[:120]}"
 
 
-def _zo_setup(args, dev, folder: Path, dtype: str, params: str):
+def _zo_setup(args, dev, folder: Path, dtype: str, params: str, matmul: str = "float32"):
     """Model, engine and task as the finetune stage builds them: an encoder with a 4-class
     head (ClassifyTask) or a decoder with the next-token loss (LMTask), the batch of
     :func:`_batch` (padding included) as the task's prepared batch."""
@@ -475,7 +501,9 @@ def _zo_setup(args, dev, folder: Path, dtype: str, params: str):
     from semzo.zo.engine import ZOEngine
     from semzo.zo.perturb import ztensors
     b, t, reps = _sizes(args)
-    m = load_model(folder, xp=dev.xp, dtype="float32" if dev.cpu else dtype)
+    m = load_model(folder, xp=dev.xp,
+                   dtype="float32" if dev.cpu and matmul == "float32" else dtype)
+    m.set_matmul(matmul)
     if m.kind == "encoder":
         m.add_classifier(4, seed=0, normalize=True)
     names = select_trainable(m, params, last_layers=1, lora_rank=8)
@@ -519,7 +547,7 @@ def bench_zo_ratio(args, dev, folder: Path, dtype: str, params: str = "all") -> 
 
 
 def bench_zo_vs_mezo(args, dev, folder: Path, dtype: str, params: str = "all",
-                     causal: bool = False) -> dict:
+                     causal: bool = False, matmul: str = "float32") -> dict:
     """semzo's ZO step (streamed, the default) against the MeZO-style torch step
     (bench/zo_step.py's mezo_step), same model, batch and loss: the classification head's
     cross-entropy for the encoder, the next-token loss for a decoder."""
@@ -527,7 +555,7 @@ def bench_zo_vs_mezo(args, dev, folder: Path, dtype: str, params: str = "all",
     import zo_step
     torch = dev.torch
     _m, eng, task, batch, (ids, mask, lab), reps, _ = _zo_setup(args, dev, folder, dtype,
-                                                                 params)
+                                                                 params, matmul)
     ours, ours3 = _steps(dev, eng, task, batch, reps)
     tm = _torch_model(dev, folder, "float32" if dev.cpu else dtype, causal)
     ti = torch.as_tensor(ids, device=dev.tdev)
@@ -556,7 +584,8 @@ def bench_zo_vs_mezo(args, dev, folder: Path, dtype: str, params: str = "all",
         zo_step.mezo_step(torch, tparams, tloss, j[0])
     peer = dev.median(peer_step, reps)
     return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
-            "note": f"{params}; streamed step (three-pass {ours3:.4g} s, {peer / ours3:.2f}x); "
+            "note": f"{params}, model.matmul = {matmul}; streamed step (three-pass "
+                    f"{ours3:.4g} s, {peer / ours3:.2f}x); "
                     f"MeZO step: torch.normal per tensor x4, same model, batch and loss"}
 
 
@@ -618,6 +647,10 @@ def cmd_run(args) -> None:
         items += [
             ("smollm2_forward_bf16",
              lambda: bench_forward(args, dev, smol, "bfloat16", causal=True), ">= 0.8"),
+            ("smollm2_forward_bf16_tc", lambda: bench_forward_tc(args, dev, smol), ">= 0.8"),
+            ("smollm2_zo_full_tc_vs_mezo",
+             lambda: bench_zo_vs_mezo(args, dev, smol, "bfloat16", "all", causal=True,
+                                      matmul="bfloat16"), None),
             ("smollm2_zo_lora_vs_mezo",
              lambda: bench_zo_vs_mezo(args, dev, smol, "bfloat16", "lora", causal=True), None),
             ("smollm2_zo_full_vs_mezo",

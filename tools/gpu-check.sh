@@ -445,9 +445,11 @@ phase zo-step 120 pytest_phase zo-step \
 phase kmeans 90 pytest_phase kmeans "" tests/test_gpu_kmeans.py
 phase fixes 60 pytest_phase fixes "not kernel" tests/test_gpu_fixes.py
 phase checkpoint 150 checkpoint_phase 90
-phase bench-forward 60 bench_phase bench-forward smollm2_forward_bf16,minilm_forward_f16,minilm_forward_f32
-phase bench-zo 120 bench_phase bench-zo \
-  minilm_zo_step_over_2fwd,minilm_zo_vs_mezo,smollm2_zo_lora_vs_mezo,smollm2_zo_full_vs_mezo
+BENCH_FORWARD=smollm2_forward_bf16,smollm2_forward_bf16_tc,minilm_forward_f16,minilm_forward_f32
+BENCH_ZO=minilm_zo_step_over_2fwd,minilm_zo_vs_mezo,smollm2_zo_lora_vs_mezo
+BENCH_ZO=$BENCH_ZO,smollm2_zo_full_vs_mezo,smollm2_zo_full_tc_vs_mezo
+phase bench-forward 90 bench_phase bench-forward "$BENCH_FORWARD"
+phase bench-zo 150 bench_phase bench-zo "$BENCH_ZO"
 phase bench-offload 150 bench_phase bench-offload offload_vs_resident,largest_model
 phase pipeline 150 pipeline_phase 60
 phase bench-extra 150 bench_phase bench-extra profile_forward,kmeans_vs_torch_floor,zo_pass_gpu,demo_llm_gpu

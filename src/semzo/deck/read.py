@@ -151,6 +151,9 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     if d.model.dtype == "float16" and d.run.device == "cpu":
         raise DeckError(f"{d.source}: model.dtype: float16 weights need run.device = \"gpu\" "
                         f"(bfloat16 runs on the CPU)")
+    if d.model.matmul == "bfloat16" and d.model.dtype != "bfloat16":
+        raise DeckError(f"{d.source}: model.matmul: \"bfloat16\" multiplies bfloat16 weights "
+                        f"and needs model.dtype = \"bfloat16\", got {d.model.dtype!r}")
     if d.zo.offload == "host" and d.zo.schedule != "streamed":
         raise DeckError(f"{d.source}: zo.offload: \"host\" streams stages and needs "
                         f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")

@@ -101,6 +101,10 @@ def run_finetune_stage(ctx) -> dict:
     offload = z.offload == "host"
     model = load_model(model_path, xp=ctx.xp, dtype=deck.model.dtype,
                        host_params=offload and deck.run.device == "gpu")
+    try:
+        model.set_matmul(deck.model.matmul)
+    except ValueError as exc:
+        raise _deck_error(f"{deck.source}: {exc}") from None
     task_kind = resolve_task(deck, model.kind)
     use_emb = task_kind == "classify" and t.head_init == "class_means"
     rows = read_shard(shards, comm, with_embeddings=task_kind == "classify")

@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from semzo.model.gemm import MODES as MATMUL_MODES
+from semzo.model.gemm import matmul_bf16
 from semzo.model.kernels import matmul_into, run_slices, run_split, scratch, split_slices
 from semzo.model.kernels_lm import token_nll
 from semzo.model.losses import (
@@ -108,6 +110,8 @@ class TransformerBase(StagedModel):
     """
 
     kind = "base"
+    #: the projections' and the LM head's arithmetic (:meth:`set_matmul`)
+    matmul = "float32"
     #: "out_in": weights are (out, in) like torch.nn.Linear; "in_out": GPT-2 Conv1D (in, out)
     layout = "out_in"
 
@@ -252,13 +256,32 @@ class TransformerBase(StagedModel):
                 xp.empty((n, h), dtype=dt), xp.empty((n, cfg.intermediate_size), dtype=dt),
                 1.0 / math.sqrt(d), scores.reshape(bsz, nh, t, t))
 
+    def set_matmul(self, mode: str) -> None:
+        """The arithmetic of the projections and the LM head (deck ``model.matmul``):
+        "float32" (the default: every product in float32, the same bits on CPU and GPU) or
+        "bfloat16" (inputs rounded to bfloat16, float32 accumulation: the GPU's tensor cores,
+        :mod:`semzo.model.gemm`); "bfloat16" needs a decoder with bfloat16 storage.
+        ValueError otherwise."""
+        if mode not in MATMUL_MODES:
+            raise ValueError(f"model.matmul = {mode!r}: choose one of {', '.join(MATMUL_MODES)}")
+        if mode == "bfloat16" and (self.kind != "decoder" or self.storage != "bfloat16"):
+            raise ValueError(f"model.matmul = 'bfloat16' needs a decoder stored as bfloat16 "
+                             f"(model.dtype = 'bfloat16'); this model: {self.kind}, stored "
+                             f"as {self.storage}")
+        self.matmul = mode
+
     def _proj(self, x, module: str, out):
         """``out = x @ W.T`` (or ``x @ W`` for Conv1D) plus the LoRA delta; bias not added.
 
-        x: (N, in) of the model dtype; out: (N, out), written in full.
+        x: (N, in) of the model dtype; out: (N, out), written in full. With
+        ``matmul == "bfloat16"`` the product is :func:`semzo.model.gemm.matmul_bf16` of the
+        stored bits (the LoRA delta stays float32).
         """
-        w = self.fparam(module + ".weight")
-        matmul_into(x, w.T if self.layout == "out_in" else w, out)
+        if self.matmul == "bfloat16":
+            matmul_bf16(x, self.params[module + ".weight"], out, self.layout == "out_in")
+        else:
+            w = self.fparam(module + ".weight")
+            matmul_into(x, w.T if self.layout == "out_in" else w, out)
         spec = self.lora.get(module)
         if spec is not None:
             self._lora_add(x, spec, out)

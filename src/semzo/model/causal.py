@@ -25,6 +25,7 @@ import numpy as np
 
 from semzo.model import variants as vx
 from semzo.model.base import TransformerBase
+from semzo.model.gemm import matmul_bf16
 from semzo.model.kernels import (
     OutputCache,
     bias_act,
@@ -45,7 +46,7 @@ from semzo.model.kernels_lm import (
     rope_split,
 )
 from semzo.model.spec import expected_tensors
-from semzo.model.storage import to_float32
+from semzo.model.storage import BF16, to_float32
 
 __all__ = ["CausalLM", "DecoderState", "KVCache", "expected_tensors"]
 
@@ -455,6 +456,10 @@ class CausalLM(TransformerBase):
         return self.prefix + s.names.embed if s.tied else s.names.lm_head
 
     def _head_weight(self):
+        """The LM head matrix as :meth:`_head` takes it: float32 (bfloat16 storage: upcast),
+        or with ``matmul == "bfloat16"`` the stored bfloat16 bits."""
+        if self.matmul == "bfloat16":
+            return self.params[self.head_weight_name()]
         return self.fparam(self.head_weight_name())
 
     _head_w = _head_weight
@@ -463,7 +468,10 @@ class CausalLM(TransformerBase):
         """float32 logits (N, V) of final hidden states (N, E); ``out``: a C-contiguous
         float32 (N, V) to write them into (the same sgemm, so the same bits)."""
         w = self._head_weight() if w is None else w
-        if out is not None and hs2.dtype == np.float32 and w.dtype == np.float32:
+        if w.dtype == BF16:                         # model.matmul = "bfloat16"
+            z = matmul_bf16(hs2, w, out if out is not None else
+                            self.xp.empty((hs2.shape[0], w.shape[0]), self.xp.float32))
+        elif out is not None and hs2.dtype == np.float32 and w.dtype == np.float32:
             z = np.matmul(hs2, w.T, out=out)
         else:
             z = (hs2 @ w.T).astype(self.xp.float32, copy=False)

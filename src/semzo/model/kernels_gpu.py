@@ -37,7 +37,7 @@ from semzo.model.storage import to_float32
 THREADS_PER_BLOCK = 256
 KERNELS = ("lm_rmsnorm_apply", "lm_gated", "lm_rope_split", "lm_softmax_scale",
            "lm_softmax_exp", "lm_softmax_div", "lm_center", "lm_layernorm_apply",
-           "lm_add_bias", "lm_bias_act")
+           "lm_add_bias", "lm_bias_act", "lm_to_bf16")
 MAX_BLOCKS = 65535
 
 _SOURCE = r"""
@@ -49,10 +49,30 @@ _SOURCE = r"""
                           i < (n); i += (long long)blockDim.x * gridDim.x)
 #else
 #include <math.h>
+#include <string.h>
 #define LM_GLOBAL void
 #define LM_DEV inline
 #define LM_FOR(i, n) for (long long i = 0; i < (n); ++i)
 #endif
+
+#ifdef __CUDACC__
+LM_DEV unsigned int lm_f2u(float x) { return __float_as_uint(x); }
+#else
+LM_DEV unsigned int lm_f2u(float x) { unsigned int u; memcpy(&u, &x, sizeof u); return u; }
+#endif
+
+// out[i] = the bfloat16 bits of x[i], rounded to nearest even; a NaN stays a quiet NaN
+// (semzo.model.storage.to_bits): the activations of model.matmul = "bfloat16"
+LM_GLOBAL lm_to_bf16(const float* x, unsigned short* out, long long n) {
+  LM_FOR(i, n) {
+    unsigned int u = lm_f2u(x[i]);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+      out[i] = (unsigned short)((u >> 16) | 0x40u);
+    } else {
+      out[i] = (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+}
 
 // out[r, j] = g[j] * (x[r, j] * (1 / sqrt(ss[r] / h + eps))); x, out (rows, h)
 LM_GLOBAL lm_rmsnorm_apply(const float* x, const float* ss, const float* g, float* out,
@@ -443,4 +463,15 @@ def bias_act(x, bias, kind: int) -> bool:
     rows, f = x.shape
     _launch(k[0].get_function("lm_bias_act"), rows * f,
             (x, cupy.ascontiguousarray(bias), np.int64(rows), np.int32(f), np.int32(kind)))
+    return True
+
+
+def to_bf16(x, out) -> bool:
+    """``out[...] = storage.to_bits(x)`` in one kernel: x float32, out uint16, both
+    C-contiguous of one shape."""
+    k = _kernels()
+    if k is None or not _f32c(x) or out.dtype != np.uint16 or not out.flags.c_contiguous or \
+            out.shape != x.shape:
+        return False
+    _launch(k[0].get_function("lm_to_bf16"), x.size, (x, out, np.int64(x.size)))
     return True

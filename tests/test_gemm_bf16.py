@@ -1,0 +1,147 @@
+"""model.matmul = "bfloat16" on the CPU: the cuBLAS argument mapping of semzo.model.gemm
+(checked by a column-major GEMM written out in NumPy on the raw buffers, as cuBLAS reads
+them), the CPU's arithmetic (bfloat16-rounded inputs, float32 products and sums), the model's
+projections and LM head taking it, the deck key and its refusals. The GPU side:
+tests/test_decoder_gpu.py (cublasGemmEx and the conversion kernel on a device)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+from zo_common import make_model
+
+from semzo.model import load_model
+from semzo.model.gemm import CUBLAS_OP_N, CUBLAS_OP_T, gemm_args, matmul_bf16, round_bf16
+from semzo.model.storage import to_bits, to_float32
+
+
+def colmajor_gemm(ta, tb, m, n, k, a, lda, b, ldb, c, ldc):
+    """C (m x n, column-major, leading dimension ldc) = op(A) @ op(B), as cuBLAS reads the
+    flat buffers a, b, c (column-major with leading dimensions lda, ldb)."""
+    def mat(buf, rows, cols, ld):
+        return np.lib.stride_tricks.as_strided(buf, (rows, cols),
+                                               (buf.itemsize, ld * buf.itemsize))
+    opa = mat(a, k, m, lda).T if ta == CUBLAS_OP_T else mat(a, m, k, lda)
+    opb = mat(b, n, k, ldb).T if tb == CUBLAS_OP_T else mat(b, k, n, ldb)
+    cm = np.lib.stride_tricks.as_strided(c, (m, n), (c.itemsize, ldc * c.itemsize),
+                                         writeable=True)
+    cm[...] = opa.astype(np.float64) @ opb
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+@pytest.mark.parametrize("pad", [0, 5])
+def test_cublas_arguments_compute_the_row_major_product(transposed, pad):
+    r = np.random.default_rng(0)
+    n, k, o = 7, 5, 3
+    x = r.standard_normal((n, k))
+    w = r.standard_normal((o, k) if transposed else (k, o))
+    wide = np.full((n, o + pad), -9.0)
+    out = wide[:, :o]
+    ta, tb, m, nn, kk, lda, ldb, ldc = gemm_args(x.shape, w.shape, out.shape,
+                                                 wide.strides[0] // 8, transposed)
+    flat = wide.reshape(-1)
+    colmajor_gemm(ta, tb, m, nn, kk, w.reshape(-1), lda, x.reshape(-1), ldb, flat, ldc)
+    assert np.allclose(out, x @ (w.T if transposed else w), rtol=1e-12, atol=1e-12)
+    assert np.all(wide[:, o:] == -9.0)
+
+
+def test_gemm_arguments_refuse_shapes_that_do_not_agree():
+    with pytest.raises(ValueError, match="do not agree"):
+        gemm_args((4, 5), (3, 6), (4, 3), 3, True)
+    with pytest.raises(ValueError, match="do not agree"):
+        gemm_args((4, 5), (3, 5), (4, 3), 2, True)
+    assert gemm_args((4, 5), (5, 3), (4, 3), 3, False)[0] == CUBLAS_OP_N
+
+
+def test_round_bf16_is_nearest_bfloat16():
+    r = np.random.default_rng(1)
+    x = (r.standard_normal(10_000) * 10).astype(np.float32)
+    y = round_bf16(x)
+    assert np.all(y.view(np.uint32) & 0xFFFF == 0)
+    up = (y.view(np.uint32) + (1 << 16)).view(np.float32)
+    dn = (y.view(np.uint32) - (1 << 16)).view(np.float32)
+    d = np.abs(x.astype(np.float64) - y)
+    assert np.all(d <= np.abs(x.astype(np.float64) - up))
+    assert np.all(d <= np.abs(x.astype(np.float64) - dn))
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_cpu_arithmetic_is_rounded_inputs_float32_sums(transposed):
+    r = np.random.default_rng(2)
+    x = r.standard_normal((40, 64)).astype(np.float32)
+    w = to_bits(r.standard_normal((24, 64) if transposed else (64, 24)).astype(np.float32))
+    wf = to_float32(w).astype(np.float64)
+    ref = round_bf16(x).astype(np.float64) @ (wf.T if transposed else wf)
+    out = np.empty((40, 24), np.float32)
+    assert matmul_bf16(x, w, out, transposed) is out
+    assert np.abs(out - ref).max() <= 64 * 2.0 ** -24 * np.abs(ref).max()
+    plain = x.astype(np.float64) @ (wf.T if transposed else wf)
+    assert np.abs(out - plain).max() > 1e-4 * np.abs(plain).max()      # inputs were rounded
+
+
+def test_matmul_bf16_refuses_float_weights_and_strided_rows():
+    x = np.ones((3, 4), np.float32)
+    with pytest.raises(ValueError, match="bfloat16 bits"):
+        matmul_bf16(x, np.ones((2, 4), np.float32), np.empty((3, 2), np.float32))
+    with pytest.raises(ValueError, match="contiguous rows"):
+        matmul_bf16(x, to_bits(np.ones((2, 4), np.float32)),
+                    np.empty((3, 4), np.float32)[:, ::2])
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gemm")
+    return {k: make_model(d / k, kind=k, layers=2, hidden=32, heads=2)
+            for k in ("llama", "llama_tied", "gpt2", "bert")}
+
+
+def test_set_matmul_refuses_what_it_cannot_do(folders):
+    with pytest.raises(ValueError, match="needs a decoder stored as bfloat16.*decoder, stored "
+                                         "as float32"):
+        load_model(folders["llama"]).set_matmul("bfloat16")
+    with pytest.raises(ValueError, match="encoder, stored as bfloat16"):
+        load_model(folders["bert"], dtype="bfloat16").set_matmul("bfloat16")
+    with pytest.raises(ValueError, match="choose one of float32, bfloat16"):
+        load_model(folders["llama"], dtype="bfloat16").set_matmul("float16")
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama_tied", "gpt2"])
+def test_decoder_projections_and_head_take_the_bf16_product(folders, monkeypatch, kind):
+    """Every projection and the LM head go through matmul_bf16 (GPT-2's Conv1D weights as
+    (in, out)); the logits move from the float32-matmul ones by bfloat16 rounding only; the
+    next-token loss (the chunked head of the CPU) agrees with the logits' own."""
+    from semzo.model import base, causal
+    m = load_model(folders[kind], dtype="bfloat16")
+    ids = np.random.default_rng(3).integers(2, m.config.vocab_size, size=(3, 10))
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0
+    ref = m.logits(ids, mask).copy()
+    m.set_matmul("bfloat16")
+    seen = []
+
+    def counted(x, w, out, transposed=True):
+        seen.append((w.shape, transposed))
+        return matmul_bf16(x, w, out, transposed)
+    monkeypatch.setattr(base, "matmul_bf16", counted)
+    monkeypatch.setattr(causal, "matmul_bf16", counted)
+    got = m.logits(ids, mask)
+    mats = [n for n, a in m.params.items() if a.ndim == 2 and "embed" not in n and "wte" not in
+            n and "wpe" not in n and "lm_head" not in n]
+    assert len(seen) == len(mats) + 1                  # each projection once, then the head
+    assert seen[-1][0] == (m.config.vocab_size, m.config.hidden_size)
+    assert all(t == (kind != "gpt2") for _, t in seen[:-1])
+    valid = mask.astype(bool)
+    d = np.abs(got - ref)[valid]
+    scale = np.abs(ref[valid]).max()
+    assert 1e-6 * scale < d.max() < 5e-2 * scale
+    lp = got - got.max(-1, keepdims=True)
+    lp = lp - np.log(np.exp(lp).sum(-1, keepdims=True))
+    tgt = ids[:, 1:]
+    w = mask[:, 1:].astype(bool)
+    want = -np.take_along_axis(lp[:, :-1], tgt[..., None], -1)[..., 0][w].mean()
+    assert abs(m.next_token_loss(ids, mask) - want) < 1e-5 * abs(want)
