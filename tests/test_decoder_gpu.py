@@ -165,3 +165,23 @@ def test_tensor_core_decoder_matches_the_cpu_emulation(tmp_path):
     assert np.abs(ref - ref32)[valid].max() > 1e-6 * scale     # the rounding did happen
     loss = dev.next_token_loss(ids, mask)
     assert abs(loss - cpu.next_token_loss(ids, mask)) <= 1e-2 * abs(loss)
+
+
+def test_strided_batched_attention_gemms_match_numpy():
+    """The decoder's attention products on the device (one cublasSgemmStridedBatched each:
+    scores against a transposed cache view, context against a cache slice) against NumPy."""
+    from semzo.model.gemm import batched_matmul_f32
+    r = np.random.default_rng(8)
+    b, nkv, gt, d, cap, tk = 3, 2, 10, 16, 40, 29
+    q = r.standard_normal((b, nkv, gt, d)).astype(np.float32)
+    kc = r.standard_normal((b, nkv, cap, d)).astype(np.float32)
+    p = r.standard_normal((b, nkv, gt, tk)).astype(np.float32)
+    dk = cp.asarray(kc)
+    s = cp.empty((b, nkv, gt, tk), cp.float32)
+    batched_matmul_f32(cp.asarray(q), dk[:, :, :tk].transpose(0, 1, 3, 2), s)
+    want = q.astype(np.float64) @ kc[:, :, :tk].transpose(0, 1, 3, 2)
+    assert np.abs(s.get() - want).max() <= 1e-5 * np.abs(want).max()
+    c = cp.empty((b, nkv, gt, d), cp.float32)
+    batched_matmul_f32(cp.asarray(p), dk[:, :, :tk], c)
+    want = p.astype(np.float64) @ kc[:, :, :tk]
+    assert np.abs(c.get() - want).max() <= 1e-5 * np.abs(want).max()

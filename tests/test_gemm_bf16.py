@@ -86,6 +86,9 @@ def test_cpu_arithmetic_is_rounded_inputs_float32_sums(transposed):
 
 def test_matmul_bf16_refuses_float_weights_and_strided_rows():
     x = np.ones((3, 4), np.float32)
+    with pytest.raises(ValueError, match="not the bits of x"):
+        matmul_bf16(x, to_bits(np.ones((2, 4), np.float32)), np.empty((3, 2), np.float32),
+                    xb=to_bits(np.ones((3, 5), np.float32)))
     with pytest.raises(ValueError, match="bfloat16 bits"):
         matmul_bf16(x, np.ones((2, 4), np.float32), np.empty((3, 2), np.float32))
     with pytest.raises(ValueError, match="contiguous rows"):
@@ -124,9 +127,9 @@ def test_decoder_projections_and_head_take_the_bf16_product(folders, monkeypatch
     m.set_matmul("bfloat16")
     seen = []
 
-    def counted(x, w, out, transposed=True):
+    def counted(x, w, out, transposed=True, xb=None):
         seen.append((w.shape, transposed))
-        return matmul_bf16(x, w, out, transposed)
+        return matmul_bf16(x, w, out, transposed, xb)
     monkeypatch.setattr(base, "matmul_bf16", counted)
     monkeypatch.setattr(causal, "matmul_bf16", counted)
     got = m.logits(ids, mask)
@@ -145,3 +148,40 @@ def test_decoder_projections_and_head_take_the_bf16_product(folders, monkeypatch
     w = mask[:, 1:].astype(bool)
     want = -np.take_along_axis(lp[:, :-1], tgt[..., None], -1)[..., 0][w].mean()
     assert abs(m.next_token_loss(ids, mask) - want) < 1e-5 * abs(want)
+
+
+def test_strided_batched_arguments_compute_attention_products():
+    """batched_args on the attention layouts of the decoder (scores: q @ k-cache.T over the
+    merged (batch, kv head) dimensions; context: probabilities @ v-cache), read back by a
+    column-major strided-batched GEMM written out in NumPy on the raw buffers."""
+    from semzo.model.gemm import batched_args
+    r = np.random.default_rng(4)
+    b, nkv, gt, d, cap, tk = 3, 2, 6, 4, 9, 7
+    q = r.standard_normal((b, nkv, gt, d))
+    kc = r.standard_normal((b, nkv, cap, d))
+    cases = [(q, kc[:, :, :tk].transpose(0, 1, 3, 2), np.zeros((b, nkv, gt, tk))),
+             (r.standard_normal((b, nkv, gt, tk)), kc[:, :, :tk], np.zeros((b, nkv, gt, d)))]
+    for a, bb, c in cases:
+        ta, tb, m, n, k, ld_b, st_b, ld_a, st_a, ldc, st_c, batch = batched_args(a, bb, c)
+        assert batch == b * nkv
+        base_a = a.reshape(-1) if a.flags.c_contiguous else kc.reshape(-1)
+        base_b = kc.reshape(-1)
+        flat_c = c.reshape(-1)
+        off_b = (bb.__array_interface__["data"][0] - kc.__array_interface__["data"][0]) // 8
+        for i in range(batch):
+            colmajor_gemm(ta, tb, m, n, k, base_b[off_b + i * st_b:], ld_b,
+                          base_a[i * st_a:], ld_a, flat_c[i * st_c:], ldc)
+        assert np.allclose(c, a @ bb, rtol=1e-12, atol=1e-12)
+
+
+def test_batched_args_refuse_what_does_not_merge():
+    from semzo.model.gemm import batched_args, merged_batch
+    x = np.zeros((3, 4, 5, 6))[:, ::2]
+    assert merged_batch(np.zeros((3, 4, 5, 6))) == (12, 30)
+    with pytest.raises(ValueError, match="do not merge"):
+        merged_batch(np.zeros((3, 4, 5, 6)).transpose(1, 0, 2, 3))
+    with pytest.raises(ValueError, match="do not agree"):
+        batched_args(x, np.zeros((3, 2, 7, 2)), np.zeros((3, 2, 5, 2)))
+    with pytest.raises(ValueError, match="neither its rows nor its columns"):
+        batched_args(np.zeros((2, 4, 4))[:, ::2, ::2], np.zeros((2, 2, 3)),
+                     np.zeros((2, 2, 3)))

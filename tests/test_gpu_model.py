@@ -156,7 +156,7 @@ def test_gpu_fused_kernels_match_the_generic_chains(folders, monkeypatch, family
     from semzo.model import kernels_gpu as fused
     cp = cupy_or_none()
     dev = load_model(folders[family], xp="cupy", dtype="float32")
-    ids = np.random.default_rng(3).integers(1, 90, size=(3, 12))
+    ids = np.random.default_rng(3).integers(1, dev.config.vocab_size, size=(3, 12))
     mask = np.ones_like(ids)
     mask[1, 8:] = 0
     launched = count_fused_launches(monkeypatch)

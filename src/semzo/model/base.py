@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from semzo.model.gemm import MODES as MATMUL_MODES
-from semzo.model.gemm import matmul_bf16
+from semzo.model.gemm import bf16_input, matmul_bf16
 from semzo.model.kernels import matmul_into, run_slices, run_split, scratch, split_slices
 from semzo.model.kernels_lm import token_nll
 from semzo.model.losses import (
@@ -270,15 +270,20 @@ class TransformerBase(StagedModel):
                              f"as {self.storage}")
         self.matmul = mode
 
-    def _proj(self, x, module: str, out):
+    def gemm_input(self, x):
+        """What :meth:`_proj` takes as ``xb`` for several projections of one input x: its
+        bfloat16 bits with ``matmul == "bfloat16"`` (converted once), else None."""
+        return bf16_input(x) if self.matmul == "bfloat16" else None
+
+    def _proj(self, x, module: str, out, xb=None):
         """``out = x @ W.T`` (or ``x @ W`` for Conv1D) plus the LoRA delta; bias not added.
 
         x: (N, in) of the model dtype; out: (N, out), written in full. With
         ``matmul == "bfloat16"`` the product is :func:`semzo.model.gemm.matmul_bf16` of the
-        stored bits (the LoRA delta stays float32).
+        stored bits (``xb``: :meth:`gemm_input` of x, or None; the LoRA delta stays float32).
         """
         if self.matmul == "bfloat16":
-            matmul_bf16(x, self.params[module + ".weight"], out, self.layout == "out_in")
+            matmul_bf16(x, self.params[module + ".weight"], out, self.layout == "out_in", xb)
         else:
             w = self.fparam(module + ".weight")
             matmul_into(x, w.T if self.layout == "out_in" else w, out)

@@ -25,7 +25,7 @@ import numpy as np
 
 from semzo.model import variants as vx
 from semzo.model.base import TransformerBase
-from semzo.model.gemm import matmul_bf16
+from semzo.model.gemm import batched_matmul_f32, matmul_bf16
 from semzo.model.kernels import (
     OutputCache,
     bias_act,
@@ -411,14 +411,19 @@ class CausalLM(TransformerBase):
         rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, kc, vc, past)
         tk = past + t
         sc = scratch(xp, "scores", (b, nkv, g * t, tk), dt)
-        matmul_into(q.reshape(b, nkv, g * t, d), kc[:, :, :tk].transpose(0, 1, 3, 2), sc)
+        self._bmm(q.reshape(b, nkv, g * t, d), kc[:, :, :tk].transpose(0, 1, 3, 2), sc)
         scale = self.scale / (i + 1) if s.scale_by_layer else self.scale   # GPT-2's option
         if s.attn_softcap:                          # c * tanh(scale * s / c), then softmax
             scale = vx.softcap(sc, s.attn_softcap, scale)
         attn_softmax(sc.reshape(b * nkv, g, t, tk), maskf, scale, nkv, past, s.window(i))
         ctx = scratch(xp, "ctx", (b, t, nh, d), dt)
-        matmul_into(sc.reshape(b, nkv, g, t, tk), vc[:, :, None, :tk],
-                    ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4))
+        view = ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)
+        if xp is np or dt != np.float32:
+            matmul_into(sc.reshape(b, nkv, g, t, tk), vc[:, :, None, :tk], view)
+        else:                   # one strided-batched GEMM into (b, nkv, g*t, d), one copy
+            tmp = xp.empty((b, nkv, g * t, d), dt)
+            batched_matmul_f32(sc, vc[:, :, :tk], tmp)
+            view[...] = tmp.reshape(b, nkv, g, t, d)
         ctx = ctx.reshape(n, nq)
         if rows is not None:
             ctx = ctx[rows]
@@ -448,6 +453,15 @@ class CausalLM(TransformerBase):
             residual_add(down, db, x)
         else:
             self._residual_norm(down, db, x, m["norm2"], x)
+
+    def _bmm(self, a, b, out) -> None:
+        """``out[...] = a @ b`` over batch dimensions: on the GPU in float32 one
+        strided-batched cuBLAS call (:func:`semzo.model.gemm.batched_matmul_f32`), else
+        :func:`matmul_into`."""
+        if self.xp is not np and out.dtype == np.float32 and out.flags.c_contiguous:
+            batched_matmul_f32(a, b, out)
+        else:
+            matmul_into(a, b, out)
 
     # ------------------------------------------------------------------ heads
     def head_weight_name(self) -> str:

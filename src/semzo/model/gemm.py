@@ -72,21 +72,38 @@ def _check(x, w, out) -> int:
     return out.strides[0] // out.itemsize
 
 
-def matmul_bf16(x, w, out, transposed: bool = True):
+def bf16_input(x):
+    """The bfloat16 bits (C-contiguous uint16) of float32 activations ``x``, rounded to
+    nearest even: on the GPU one fused kernel (:func:`semzo.model.kernels_gpu.to_bf16`),
+    else :func:`semzo.model.storage.to_bits`. Computed once for the projections that share
+    an input (q, k, v; gate, up)."""
+    xp = array_module(x)
+    if xp is not np:
+        from semzo.model import kernels_gpu
+        xc = xp.ascontiguousarray(x)
+        xb = xp.empty(x.shape, xp.uint16)
+        if kernels_gpu.to_bf16(xc, xb):
+            return xb
+        return to_bits(xc)
+    return to_bits(x)
+
+
+def matmul_bf16(x, w, out, transposed: bool = True, xb=None):
     """``out[...] = bf16(x) @ W.T`` (``transposed``; W (O, I)) or ``bf16(x) @ W`` (W (I, O)),
     W given as bfloat16 bits, products accumulated in float32; ``out`` float32 (N, O), may be
-    a column slice. NumPy or CuPy (the module of x). Returns out."""
+    a column slice. ``xb``: :func:`bf16_input` of x when the caller has it (x is then read
+    for its shape only). NumPy or CuPy (the module of x). Returns out."""
     ld = _check(x, w, out)
     args = gemm_args(x.shape, w.shape, out.shape, ld, transposed)
+    if xb is None:
+        xb = bf16_input(x)
+    elif xb.shape != x.shape or xb.dtype != BF16:
+        raise ValueError(f"bfloat16 GEMM: xb {xb.dtype} {xb.shape} is not the bits of x "
+                         f"{x.shape}")
     xp = array_module(x)
     if xp is np:
         wf = to_float32(w)
-        return np.matmul(round_bf16(x), wf.T if transposed else wf, out=out)
-    xb = xp.empty(x.shape, xp.uint16)
-    from semzo.model import kernels_gpu
-    xc = xp.ascontiguousarray(x)
-    if not kernels_gpu.to_bf16(xc, xb):
-        xb = to_bits(xc)
+        return np.matmul(to_float32(xb), wf.T if transposed else wf, out=out)
     _gemm_ex(xp, w, xb, out, args)
     return out
 
@@ -101,3 +118,69 @@ def _gemm_ex(xp, w, xb, out, args) -> None:
     cublas.gemmEx(device.get_cublas_handle(), ta, tb, m, n, k, one.ctypes.data, w.data.ptr,
                   CUDA_R_16BF, lda, xb.data.ptr, CUDA_R_16BF, ldb, zero.ctypes.data,
                   out.data.ptr, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+
+
+# ------------------------------------------------------------------ batched float32 GEMMs
+def merged_batch(a) -> tuple[int, int]:
+    """(count, stride in elements) of the leading dimensions of ``a`` (..., r, c) as one
+    batch dimension of uniform stride; ValueError when they cannot be merged (a stride that
+    is not the next one's times its extent)."""
+    lead, st = a.shape[:-2], [s // a.itemsize for s in a.strides[:-2]]
+    count = int(np.prod(lead)) if lead else 1
+    if not lead:
+        return 1, 0
+    stride = st[-1]
+    for i in range(len(lead) - 1):
+        if lead[i] > 1 and st[i] != st[i + 1] * lead[i + 1]:
+            raise ValueError(f"batch dimensions {tuple(lead)} with strides {tuple(st)} do not "
+                             f"merge into one")
+    return count, stride
+
+
+def _operand(a) -> tuple[int, int]:
+    """(transposed?, leading dimension) of the last two dimensions of ``a`` read column-major
+    by cuBLAS: a row-major (r, c) block is the column-major (c, r) one."""
+    sr, sc = (s // a.itemsize for s in a.strides[-2:])
+    if sc == 1 or a.shape[-1] == 1:
+        return 0, max(sr, a.shape[-1])
+    if sr == 1 or a.shape[-2] == 1:
+        return 1, max(sc, a.shape[-2])
+    raise ValueError(f"operand {a.shape} with strides {a.strides}: neither its rows nor its "
+                     f"columns are contiguous")
+
+
+def batched_args(a, b, c) -> tuple:
+    """The column-major ``cublas?gemmStridedBatched`` arguments ``(transa, transb, m, n, k,
+    A is b, lda, strideA, B is a, ldb, strideB, ldc, strideC, batch)`` of the row-major
+    ``c[i] = a[i] @ b[i]`` over the merged leading dimensions of views a (..., M, K),
+    b (..., K, N), c (..., M, N) (c's rows contiguous). cuBLAS computes c.T = b.T @ a.T, so
+    its A is b and its B is a. ValueError when shapes or layouts do not fit."""
+    m_, k_ = a.shape[-2:]
+    k2, n_ = b.shape[-2:]
+    if k2 != k_ or c.shape[-2:] != (m_, n_) or not (a.shape[:-2] == b.shape[:-2] ==
+                                                    c.shape[:-2]):
+        raise ValueError(f"batched GEMM: {a.shape} @ {b.shape} -> {c.shape} do not agree")
+    (_, sa), (_, sb), (nc, sc) = merged_batch(a), merged_batch(b), merged_batch(c)
+    tb, ldb_ = _operand(b)
+    ta, lda_ = _operand(a)
+    tc, ldc = _operand(c)
+    if tc:
+        raise ValueError(f"batched GEMM: the output's rows must be contiguous, {c.strides}")
+    ops = (CUBLAS_OP_T if tb else CUBLAS_OP_N, CUBLAS_OP_T if ta else CUBLAS_OP_N)
+    return (*ops, n_, m_, k_, ldb_, sb, lda_, sa, ldc, sc, nc)
+
+
+def batched_matmul_f32(a, b, c) -> None:
+    """``c[...] = a @ b`` for float32 CuPy views of one batch shape (attention's scores and
+    context on the GPU): one ``cublasSgemmStridedBatched`` call, where CuPy's matmul of
+    4- and 5-D views launches a pointer-array kernel per operand and copies
+    non-contiguous outputs. The arithmetic is a float32 GEMM, as CuPy's."""
+    from cupy.cuda import device  # GPU only
+    from cupy_backends.cuda.libs import cublas  # GPU only
+    if a.dtype != np.float32 or b.dtype != np.float32 or c.dtype != np.float32:
+        raise ValueError(f"batched GEMM: float32 only, got {a.dtype}, {b.dtype}, {c.dtype}")
+    ta, tb, m, n, k, ld_b, st_b, ld_a, st_a, ldc, st_c, batch = batched_args(a, b, c)
+    one, zero = np.ones((), np.float32), np.zeros((), np.float32)
+    cublas.sgemmStridedBatched(device.get_cublas_handle(), ta, tb, m, n, k, one.ctypes.data,
+                               b.data.ptr, ld_b, st_b, a.data.ptr, ld_a, st_a,
+                               zero.ctypes.data, c.data.ptr, ldc, st_c, batch)

@@ -35,9 +35,10 @@ def project_qkv(model, a, m: dict, qkv, nh: int, nkv: int, d: int):
         biases = tuple(xp.split(model.fparam(m["qkv"] + ".bias"), [nq, nq + nk])) \
             if s.qkv_bias else None
     else:
-        model._proj(a, m["q"], qkv[:, :nq])
-        model._proj(a, m["k"], qkv[:, nq:nq + nk])
-        model._proj(a, m["v"], qkv[:, nq + nk:])
+        ab = model.gemm_input(a)                    # bfloat16 GEMMs: a converted once
+        model._proj(a, m["q"], qkv[:, :nq], ab)
+        model._proj(a, m["k"], qkv[:, nq:nq + nk], ab)
+        model._proj(a, m["v"], qkv[:, nq + nk:], ab)
         biases = tuple(model.fparam(m[r] + ".bias") for r in "qkv") if s.qkv_bias else None
     if not s.qk_norm:
         return biases
@@ -59,8 +60,9 @@ def project_gate_up(model, a, m: dict, gu):
         if not s.mlp_bias:
             return None, None
         return tuple(xp.split(model.fparam(m["gate_up"] + ".bias"), 2))
-    model._proj(a, m["gate"], gu[:, :i_])
-    model._proj(a, m["up"], gu[:, i_:])
+    ab = model.gemm_input(a)
+    model._proj(a, m["gate"], gu[:, :i_], ab)
+    model._proj(a, m["up"], gu[:, i_:], ab)
     if not s.mlp_bias:
         return None, None
     return model.fparam(m["gate"] + ".bias"), model.fparam(m["up"] + ".bias")
