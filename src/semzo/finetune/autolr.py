@@ -66,6 +66,11 @@ SAFETY = 0.25             # the line searches' minimizer times this
 MAX_CANDIDATES = 12       # per direction: the first
 LATER_CANDIDATES = 6      # the others (they start near the first's minimizer)
 MAX_DIRECTIONS = 8
+#: relative spacing of a storage format's grid: a step that changes the weights by less than
+#: this (relative) is mostly rounded away, and what is left is the rounding of the few weights
+#: near zero, whose loss change is noise (bfloat16: 8 significant bits; float16: 11). The line
+#: searches never try a smaller step, and the first tries at least this.
+GRID = {np.dtype(np.uint16): 2.0 ** -8, np.dtype(np.float16): 2.0 ** -11}
 # True: the line searches on a batch apart from the directions' (measured: the same minimizers
 # on SmolLM2 at 4 ranks; on the tiny test task the lr fell 10^4-fold, the direction's signal
 # lost in the other batch's noise)
@@ -97,6 +102,11 @@ def _weighted_median_log(xs: list[float], ws: list[float]) -> float:
     order = np.argsort(x, kind="stable")
     c = np.cumsum(w[order])
     return float(x[order][int(np.searchsorted(c, 0.5 * c[-1]))])
+
+
+def storage_grid(tensors: list[ZTensor]) -> float:
+    """The coarsest :data:`GRID` of the trainable tensors' storage (0.0: all float32)."""
+    return max((GRID.get(np.dtype(z.array.dtype), 0.0) for z in tensors), default=0.0)
 
 
 def _norm(tensors: list[ZTensor]) -> float:
@@ -169,6 +179,7 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         theta = 1e-2 * math.sqrt(engine.n_trainable)
     picks: list[float] = []
     weights: list[float] = []                       # loss decrease per unit lr of each pick
+    grid = storage_grid(engine.tensors)
     for r in range(MAX_DIRECTIONS if n_dirs else 1):
         if r and used + per + LATER_CANDIDATES > budget:
             break                     # the next direction's worst case does not fit
@@ -184,7 +195,8 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         unit = math.sqrt(engine.n_trainable * float(np.dot(w, w)))
         if unit <= 0.0 or not math.isfinite(unit):
             continue
-        lr0 = RHO * theta / unit
+        lr0 = max(RHO, grid) * theta / unit
+        lr_min = grid * theta / unit                # bfloat16 / float16: below, rounding noise
         if n_dirs == 0:
             picks.append(lr0)
             weights.append(1.0)
@@ -202,7 +214,7 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
             tried[lr] = v
             return v
 
-        start = lr0 if not picks else _median_log(picks) / FACTOR ** 2
+        start = lr0 if not picks else max(_median_log(picks) / FACTOR ** 2, lr_min)
         lr, best = start, at(start)
         if best < base:                              # up while the loss keeps falling
             while len(tried) < cap:
@@ -211,7 +223,7 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
                     break
                 lr, best = lr * FACTOR, v
         else:                                        # down until one improves on the start
-            while len(tried) < cap and not best < base:
+            while len(tried) < cap and not best < base and lr / FACTOR >= lr_min:
                 lr /= FACTOR
                 best = at(lr)
         if best < base:
