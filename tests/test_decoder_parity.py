@@ -264,10 +264,10 @@ def test_padding_is_skipped_and_the_bits_do_not_depend_on_threads(name, tmp_path
     seen = []
     proj = CausalLM._proj
 
-    def spy(self, x, module, out):
+    def spy(self, x, module, out, xb=None):
         if module.endswith("q_proj"):
             seen.append(x.shape[0])
-        return proj(self, x, module, out)
+        return proj(self, x, module, out, xb)
     monkeypatch.setattr(CausalLM, "_proj", spy)
     model.hidden_states(ids, mask)
     want = [int(mask[g[0]].sum()) for g in groups]

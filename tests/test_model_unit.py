@@ -649,8 +649,9 @@ def test_gpt2_decoder_skips_padding(tmp_path, monkeypatch):
     mask[3, 2:] = 0
     seen = []
     proj = model._proj
-    monkeypatch.setattr(model, "_proj", lambda x, mod, out: (
-        seen.append(x.shape[0]) if mod.endswith("attn.c_attn") else None, proj(x, mod, out))[1])
+    monkeypatch.setattr(model, "_proj", lambda x, mod, out, xb=None: (
+        seen.append(x.shape[0]) if mod.endswith("attn.c_attn") else None,
+        proj(x, mod, out, xb))[1])
     packed = model.hidden_states(ids, mask)
     assert seen == [int(mask.sum())] * model.config.num_layers
     loss = model.next_token_loss(ids, mask)
