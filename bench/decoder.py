@@ -87,6 +87,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--matmul", choices=("float32", "bfloat16"), default="float32",
+                    help="semzo's model.matmul (bfloat16 needs --dtype bfloat16: the GPU's "
+                         "tensor-core arithmetic, emulated on the CPU)")
     ap.add_argument("--profile", action="store_true", help="cProfile one semzo forward")
     ap.add_argument("--padded", action="store_true",
                     help="rows of random lengths (seq/4 .. seq), right-padded")
@@ -104,6 +107,7 @@ def main() -> None:
 
     t0 = time.perf_counter()
     ours = load_model(folder, dtype=args.dtype)
+    ours.set_matmul(args.matmul)
     t_ours = time.perf_counter() - t0
     t0 = time.perf_counter()
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, args.dtype)).eval()
@@ -198,7 +202,8 @@ def main() -> None:
           f"{ours.config.num_layers} layers; batch {args.batch} x {args.seq} "
           f"({1 - valid.mean():.0%} padding), "
           f"{args.threads} threads; weights {args.dtype} (semzo "
-          f"{sum(a.nbytes for a in ours.params.values()) / 2**20:.0f} MiB)")
+          f"{sum(a.nbytes for a in ours.params.values()) / 2**20:.0f} MiB), semzo "
+          f"model.matmul {args.matmul}")
     print(f"CPU: {cpu_model()}; load average {os.getloadavg()[0]:.1f}")
     print(f"load: semzo {t_ours:.2f} s, transformers {t_ref:.2f} s")
     for k in ("semzo", "torch"):
