@@ -31,7 +31,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     subprocess.run([cc, "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-shared", "-fPIC",
                     "-x", "c", str(src), "-o", str(so), "-lm"], check=True)
     lib = ctypes.CDLL(str(so))
-    lib.lm_rmsnorm_apply.argtypes = [P, P, P, P, LL, I, F]
+    lib.lm_rmsnorm_apply2.argtypes = [P, P, I, P, P, P, I, P, P, I, LL, I, F]
     lib.lm_gated.argtypes = [P, P, LL, I, I]
     lib.lm_rope_split.argtypes = [P, P, I, P, P, P, I, P, LL, I, I, I, I, I, LL, LL]
     lib.lm_softmax_scale.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
@@ -62,7 +62,21 @@ def test_source_compiles_as_c_with_every_kernel(lib):
         assert hasattr(lib, name)
 
 
+def _rms2(lib, x, ss, g, out, resid=None, bits=None):
+    """lm_rmsnorm_apply2 with g float32 or bfloat16 bits, an optional residual and bits."""
+    gb = g.dtype == np.uint16
+    spare = np.zeros(1, np.uint16)
+    lib.lm_rmsnorm_apply2(ptr(x), ptr(x if resid is None else resid), int(resid is not None),
+                          ptr(ss), ptr(out if gb else g), ptr(g if gb else spare), int(gb),
+                          ptr(out), ptr(spare if bits is None else bits), int(bits is not None),
+                          x.shape[0], x.shape[1], 1e-6)
+
+
 def test_rmsnorm_matches_the_xp_version(lib, xp_path):
+    """lm_rmsnorm_apply2: the xp version's norm; in place; gamma read as bfloat16 bits the
+    same as upcast; the residual folded in (resid written first, out may be resid); the
+    bfloat16 bits of out bit for bit as storage.to_bits."""
+    from semzo.model.storage import to_bits, to_float32
     rng = np.random.default_rng(0)
     n, h, eps = 37, 96, 1e-6
     x = rng.standard_normal((n, h)).astype(np.float32) * 3
@@ -70,12 +84,31 @@ def test_rmsnorm_matches_the_xp_version(lib, xp_path):
     ref = kernels_lm.rmsnorm(x, g, eps, np.empty_like(x))
     ss = (x * x).sum(axis=1, dtype=np.float32)
     out = np.full_like(x, np.nan)
-    lib.lm_rmsnorm_apply(ptr(x), ptr(ss), ptr(g), ptr(out), n, h, eps)
+    _rms2(lib, x, ss, g, out)
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-7)
-    # in place (out is x), as the decoder's residual norm may call it
-    y = x.copy()
-    lib.lm_rmsnorm_apply(ptr(y), ptr(ss), ptr(g), ptr(y), n, h, eps)
+    y = x.copy()                                    # in place (out is x)
+    _rms2(lib, y, ss, g, y)
     assert np.array_equal(y, out)
+    gbits = to_bits(g)                              # gamma as bits = its upcast as float32
+    a, b = np.empty_like(x), np.empty_like(x)
+    _rms2(lib, x, ss, gbits, a)
+    _rms2(lib, x, ss, to_float32(gbits), b)
+    assert np.array_equal(a, b)
+    bits = np.zeros((n, h), np.uint16)              # the projections' input, in the same pass
+    _rms2(lib, x, ss, g, a, bits=bits)
+    assert np.array_equal(bits, to_bits(a))
+    r0 = rng.standard_normal((n, h)).astype(np.float32)
+    resid, o = r0.copy(), np.empty_like(x)          # residual folded in
+    want_r = r0 + x
+    ss2 = (want_r * want_r).sum(axis=1, dtype=np.float32)
+    _rms2(lib, x, ss2, g, o, resid=resid, bits=bits)
+    assert np.array_equal(resid, want_r)
+    np.testing.assert_allclose(o, kernels_lm.rmsnorm(want_r, g, eps, np.empty_like(x)),
+                               rtol=2e-6, atol=1e-7)
+    assert np.array_equal(bits, to_bits(o))
+    resid = r0.copy()                               # out is resid (the post-norm layout)
+    _rms2(lib, x, ss2, g, resid, resid=resid)
+    assert np.array_equal(resid, o)
 
 
 @pytest.mark.parametrize("act,kind", [("silu", 0), ("gelu_pytorch_tanh", 2), ("relu", 3)])

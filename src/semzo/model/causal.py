@@ -44,6 +44,7 @@ from semzo.model.kernels_lm import (
     residual_rmsnorm,
     rmsnorm,
     rope_split,
+    with_bf16_bits,
 )
 from semzo.model.spec import expected_tensors
 from semzo.model.storage import BF16, to_float32
@@ -349,24 +350,37 @@ class CausalLM(TransformerBase):
 
     def _nw(self, mod: str):
         s = self.config
-        g = self.fparam(mod + ".weight") if s.norm_affine else self._ones
+        if s.norm_affine and self.xp is not np and s.norm == "rmsnorm" and \
+                not s.norm_plus_one and self.storage == "bfloat16":
+            g = self.params[mod + ".weight"]        # bits: the GPU's RMSNorm reads them
+        else:
+            g = self.fparam(mod + ".weight") if s.norm_affine else self._ones
         if s.norm_plus_one:
             g = vx.plus_one(g)
         return g, (self.fparam(mod + ".bias") if s.norm_bias else self._zeros)
 
-    def _norm(self, x, mod: str, out):
+    def _norm(self, x, mod: str, out, bits=None):
+        """``out = norm(x)``; ``bits``: a uint16 array of out's shape that also receives the
+        bfloat16 bits of out (the projections' input of model.matmul = "bfloat16")."""
         g, bta = self._nw(mod)
         if self.config.norm == "rmsnorm":
-            return rmsnorm(x, g, self.config.norm_eps, out)
-        return layernorm(x, g, bta, self.config.norm_eps, out=out)
+            return rmsnorm(x, g, self.config.norm_eps, out, bits)
+        return with_bf16_bits(layernorm(x, g, bta, self.config.norm_eps, out=out), bits)
 
-    def _residual_norm(self, x, bias, resid, mod: str, out):
-        """``resid += x (+ bias)``; ``out = norm(resid)`` (out may be resid)."""
+    def _residual_norm(self, x, bias, resid, mod: str, out, bits=None):
+        """``resid += x (+ bias)``; ``out = norm(resid)`` (out may be resid); ``bits``: as
+        :meth:`_norm`."""
         g, bta = self._nw(mod)
         if self.config.norm == "rmsnorm":
-            return residual_rmsnorm(x, bias, resid, g, self.config.norm_eps, out)
-        return bias_residual_layernorm(x, self._zeros if bias is None else bias, resid, g, bta,
-                                       self.config.norm_eps, out)
+            return residual_rmsnorm(x, bias, resid, g, self.config.norm_eps, out, bits)
+        return with_bf16_bits(bias_residual_layernorm(x, self._zeros if bias is None else bias,
+                                                  resid, g, bta, self.config.norm_eps, out),
+                          bits)
+
+    def _norm_bits(self, shape):
+        """A uint16 array for :meth:`_norm`'s ``bits`` with model.matmul = "bfloat16", else
+        None."""
+        return self.xp.empty(shape, self.xp.uint16) if self.matmul == "bfloat16" else None
 
     def _bias(self, mod: str, flag: bool):
         return self.fparam(mod + ".bias") if flag else None
@@ -392,9 +406,11 @@ class CausalLM(TransformerBase):
         n, h, nh, nkv, d = b * t, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim
         g, nq, nk = nh // nkv, nh * d, nkv * d
         nr = x.shape[0]                             # rows computed (n, or fewer packed)
-        a = self._norm(x, m["norm1"], scratch(xp, "a", x.shape, x.dtype)) if s.pre_norm else x
+        ab = self._norm_bits(x.shape) if s.pre_norm else None
+        a = self._norm(x, m["norm1"], scratch(xp, "a", x.shape, x.dtype), ab) if s.pre_norm \
+            else x
         qkv = scratch(xp, "qkv", (nr, nq + 2 * nk), dt)
-        biases = vx.project_qkv(self, a, m, qkv, nh, nkv, d)
+        biases = vx.project_qkv(self, a, m, qkv, nh, nkv, d, ab)
         if rows is not None:                        # the padded layout attention reads
             full = scratch(xp, "full", (n, nq + 2 * nk), dt)
             full.fill(0)
@@ -432,16 +448,17 @@ class CausalLM(TransformerBase):
         ob = self._bias(m["o"], s.o_bias)
         if s.sandwich:                              # Gemma: norm the output, then add
             ob = vx.post_norm(self, o, ob, m["norm_pa"])
+        ab = self._norm_bits(x.shape)
         if s.pre_norm:
-            a = self._residual_norm(o, ob, x, m["norm2"], a)
+            a = self._residual_norm(o, ob, x, m["norm2"], a, ab)
         else:
-            a = self._residual_norm(o, ob, x, m["norm1"], x)
+            a = self._residual_norm(o, ob, x, m["norm1"], x, ab)
         inter = scratch(xp, "inter", (nr, s.intermediate_size), dt)
         if s.gated:
             gu = scratch(xp, "gate_up", (nr, 2 * s.intermediate_size), dt)
-            gated_act(gu, *vx.project_gate_up(self, a, m, gu), s.act, inter)
+            gated_act(gu, *vx.project_gate_up(self, a, m, gu, ab), s.act, inter)
         else:
-            self._proj(a, m["up"], inter)
+            self._proj(a, m["up"], inter, ab)
             ub = self._bias(m["up"], s.mlp_bias)
             bias_act(inter, ub if ub is not None else xp.zeros(inter.shape[1], dt), s.act)
         down = scratch(xp, "down", (nr, h), dt)

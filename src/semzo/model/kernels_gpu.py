@@ -35,7 +35,7 @@ from semzo.model.erf import ERF_A, ERF_B
 from semzo.model.storage import to_float32
 
 THREADS_PER_BLOCK = 256
-KERNELS = ("lm_rmsnorm_apply", "lm_gated", "lm_rope_split", "lm_softmax_scale",
+KERNELS = ("lm_rmsnorm_apply2", "lm_gated", "lm_rope_split", "lm_softmax_scale",
            "lm_softmax_exp", "lm_softmax_div", "lm_center", "lm_layernorm_apply",
            "lm_add_bias", "lm_bias_act", "lm_to_bf16")
 MAX_BLOCKS = 65535
@@ -57,31 +57,51 @@ _SOURCE = r"""
 
 #ifdef __CUDACC__
 LM_DEV unsigned int lm_f2u(float x) { return __float_as_uint(x); }
+LM_DEV float lm_u2f(unsigned int u) { return __uint_as_float(u); }
 #else
 LM_DEV unsigned int lm_f2u(float x) { unsigned int u; memcpy(&u, &x, sizeof u); return u; }
+LM_DEV float lm_u2f(unsigned int u) { float x; memcpy(&x, &u, sizeof x); return x; }
 #endif
 
-// out[i] = the bfloat16 bits of x[i], rounded to nearest even; a NaN stays a quiet NaN
-// (semzo.model.storage.to_bits): the activations of model.matmul = "bfloat16"
+// the bfloat16 bits of v, rounded to nearest even; a NaN stays a quiet NaN
+// (semzo.model.storage.to_bits)
+LM_DEV unsigned short lm_bf16(float v) {
+  unsigned int u = lm_f2u(v);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
+    return (unsigned short)((u >> 16) | 0x40u);
+  }
+  return (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+// out[i] = the bfloat16 bits of x[i]: the activations of model.matmul = "bfloat16"
 LM_GLOBAL lm_to_bf16(const float* x, unsigned short* out, long long n) {
   LM_FOR(i, n) {
-    unsigned int u = lm_f2u(x[i]);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) {
-      out[i] = (unsigned short)((u >> 16) | 0x40u);
-    } else {
-      out[i] = (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    }
+    out[i] = lm_bf16(x[i]);
   }
 }
 
-// out[r, j] = g[j] * (x[r, j] * (1 / sqrt(ss[r] / h + eps))); x, out (rows, h)
-LM_GLOBAL lm_rmsnorm_apply(const float* x, const float* ss, const float* g, float* out,
-                           long long rows, int h, float eps) {
+// y[r, j] = x[r, j], or with res: y = resid[r, j] + x[r, j], written back to resid;
+// out[r, j] = g[j] * (y * (1 / sqrt(ss[r] / h + eps))) with g float32 (gf) or bfloat16 bits
+// (gb, when gbits); with bits also ob[r, j] = the bfloat16 bits of out[r, j] (the input of
+// model.matmul = "bfloat16"'s projections). x, resid, out, ob (rows, h); out may be x or resid.
+LM_GLOBAL lm_rmsnorm_apply2(const float* x, float* resid, int res, const float* ss,
+                            const float* gf, const unsigned short* gb, int gbits, float* out,
+                            unsigned short* ob, int bits, long long rows, int h, float eps) {
   LM_FOR(i, rows * (long long)h) {
     long long r = i / h;
     int j = (int)(i - r * h);
+    float y = x[i];
+    if (res) {
+      y = resid[i] + y;
+      resid[i] = y;
+    }
     float inv = 1.0f / sqrtf(ss[r] / (float)h + eps);
-    out[i] = g[j] * (x[i] * inv);
+    float g = gbits ? lm_u2f(((unsigned int)gb[j]) << 16) : gf[j];
+    float v = g * (y * inv);
+    out[i] = v;
+    if (bits) {
+      ob[i] = lm_bf16(v);
+    }
   }
 }
 
@@ -278,7 +298,11 @@ def _module(device_id: int):
         mod.get_function(name)          # compile now: a failure falls back before any launch
     sumsq = cupy.ReductionKernel("float32 x", "float32 y", "x * x", "a + b", "y = a", "0",
                                  "semzo_sumsq")
-    return mod, sumsq
+    # the sum of squares of resid + x, the sum the residual norm takes before it writes
+    # resid: the same float32 addition as the kernel's
+    sumsq2 = cupy.ReductionKernel("float32 r, float32 x", "float32 y", "(r + x) * (r + x)",
+                                  "a + b", "y = a", "0", "semzo_sumsq_res")
+    return mod, sumsq, sumsq2
 
 
 def _kernels():
@@ -312,20 +336,34 @@ def _f32c(a) -> bool:
 # ------------------------------------------------------------------------------ entry points
 # Each returns True when it did the work, False when the caller's xp version must.
 
-def rmsnorm(x, gamma, eps: float, out) -> bool:
-    """``out = gamma * x / sqrt(mean(x**2) + eps)``; x, out (N, H) float32; gamma (H,)."""
+def rmsnorm(x, gamma, eps: float, out, bits=None, resid=None) -> bool:
+    """``out = gamma * y / sqrt(mean(y**2) + eps)`` with y = x, or with ``resid`` y =
+    ``resid + x`` written to resid first (one reduction, one kernel: the residual add of the
+    block folded in); x, resid, out (N, H) float32 (out may be x or resid); gamma (H,) float32
+    or bfloat16 bits (read as such: no upcast launched); ``bits``: a C-contiguous uint16 (N, H)
+    to receive the bfloat16 bits of out as well (model.matmul = "bfloat16")."""
     k = _kernels()
     if k is None or x.ndim != 2 or not (_f32c(x) and _f32c(out)) or out.shape != x.shape:
         return False
-    import cupy  # GPU only
-    mod, sumsq = k[0], k[1]
     rows, h = x.shape
-    if gamma.dtype != np.float32 or gamma.shape != (h,):
+    if gamma.dtype not in (np.float32, np.uint16) or gamma.shape != (h,):
         return False
+    if resid is not None and (not _f32c(resid) or resid.shape != x.shape):
+        return False
+    if bits is not None and (bits.dtype != np.uint16 or not bits.flags.c_contiguous or
+                             bits.shape != x.shape):
+        return False
+    import cupy  # GPU only
+    mod, sumsq, sumsq2 = k
     g = cupy.ascontiguousarray(gamma)
-    ss = sumsq(x, axis=1)
-    _launch(mod.get_function("lm_rmsnorm_apply"), rows * h,
-            (x, ss, g, out, np.int64(rows), np.int32(h), np.float32(eps)))
+    gb = g.dtype == np.uint16
+    ss = sumsq(x, axis=1) if resid is None else sumsq2(resid, x, axis=1)
+    unused = out.view(np.uint16)            # a valid pointer the kernel does not read
+    _launch(mod.get_function("lm_rmsnorm_apply2"), rows * h,
+            (x, x if resid is None else resid, np.int32(resid is not None), ss,
+             out if gb else g, g if gb else unused, np.int32(gb), out,
+             bits if bits is not None else unused, np.int32(bits is not None),
+             np.int64(rows), np.int32(h), np.float32(eps)))
     return True
 
 
@@ -428,7 +466,7 @@ def layernorm(x, gamma, beta, eps: float, out) -> bool:
             beta.shape != (h,):
         return False
     import cupy  # GPU only
-    mod, sumsq = k
+    mod, sumsq = k[0], k[1]
     mean = x.mean(axis=1)
     n = np.int64(rows)
     _launch(mod.get_function("lm_center"), rows * h, (x, mean, out, n, np.int32(h)))

@@ -16,12 +16,12 @@ import numpy as np
 from numba import njit
 
 from semzo.backend import array_module
+from semzo.model.gemm import bf16_input
 from semzo.model.kernels import (
     _KEY_MIN,
     SAFE_FAST,
     _dexp,
     _f32,
-    _f32v,
     _ferf,
     _fexp,
     _ftanh,
@@ -191,27 +191,41 @@ def _empty_like_bias(x, bias):
     return bias if bias is not None else np.empty(0, F32)
 
 
-def rmsnorm(x, gamma, eps: float, out):
-    """``out = gamma * x / sqrt(mean(x**2) + eps)`` over the last axis of x (N, H)."""
+def rmsnorm(x, gamma, eps: float, out, bits=None):
+    """``out = gamma * x / sqrt(mean(x**2) + eps)`` over the last axis of x (N, H); gamma
+    float32 or bfloat16 bits. ``bits``: a uint16 (N, H) that also receives the bfloat16 bits
+    of out (:func:`semzo.model.gemm.bf16_input`'s, the projections' input of
+    model.matmul = "bfloat16"; on the GPU written by the same kernel)."""
     if _is_cpu32(x, gamma, out):
         _nb_rmsnorm(x, gamma, F32(eps), out)
-        return out
+        return with_bf16_bits(out, bits)
     xp = array_module(x)
-    if xp is not np and _fused().rmsnorm(x, _f32v(xp, gamma), eps, out):
+    if xp is not np and _fused().rmsnorm(x, gamma, eps, out, bits):
         return out
     t = x.astype(xp.float32)
     t *= 1.0 / xp.sqrt((t * t).mean(axis=-1, keepdims=True) + xp.float32(eps))
     out[...] = (_f32(xp, gamma) * t).astype(out.dtype, copy=False)
-    return out
+    return with_bf16_bits(out, bits)
 
 
-def residual_rmsnorm(x, bias, resid, gamma, eps: float, out):
-    """``resid += x (+ bias)`` in place, then ``out = rmsnorm(resid)``."""
+def residual_rmsnorm(x, bias, resid, gamma, eps: float, out, bits=None):
+    """``resid += x (+ bias)`` in place, then ``out = rmsnorm(resid)`` (``bits``: as
+    :func:`rmsnorm`); on the GPU without a bias one reduction and one kernel in all."""
     if _is_cpu32(x, resid, gamma, out) and (bias is None or _is_cpu32(bias)):
         _nb_residual_rmsnorm(x, _empty_like_bias(x, bias), resid, gamma, F32(eps), out)
+        return with_bf16_bits(out, bits)
+    if bias is None and array_module(x) is not np and \
+            _fused().rmsnorm(x, gamma, eps, out, bits, resid=resid):
         return out
     residual_add(x, bias, resid)
-    return rmsnorm(resid, gamma, eps, out)
+    return rmsnorm(resid, gamma, eps, out, bits)
+
+
+def with_bf16_bits(out, bits):
+    """``bits[...] = bf16_input(out)`` when bits is given; returns out."""
+    if bits is not None:
+        bits[...] = bf16_input(out)
+    return out
 
 
 def residual_add(x, bias, resid):

@@ -25,17 +25,19 @@ from semzo.backend import array_module
 from semzo.model.storage import STORAGE, to_float32, to_storage
 
 
-def project_qkv(model, a, m: dict, qkv, nh: int, nkv: int, d: int):
+def project_qkv(model, a, m: dict, qkv, nh: int, nkv: int, d: int, ab=None):
     """Write the q, k, v projections of ``a`` (N, H) into ``qkv`` (N, (nh + 2 nkv) d); return
-    the biases (bq, bk, bv) still to add, or None (none, or already added: ``qk_norm``)."""
+    the biases (bq, bk, bv) still to add, or None (none, or already added: ``qk_norm``).
+    ``ab``: the bfloat16 bits of a when the norm wrote them (model.matmul = "bfloat16")."""
     s, xp = model.config, model.xp
     nq, nk = nh * d, nkv * d
     if "qkv" in m:
-        model._proj(a, m["qkv"], qkv)
+        model._proj(a, m["qkv"], qkv, ab)
         biases = tuple(xp.split(model.fparam(m["qkv"] + ".bias"), [nq, nq + nk])) \
             if s.qkv_bias else None
     else:
-        ab = model.gemm_input(a)                    # bfloat16 GEMMs: a converted once
+        if ab is None:
+            ab = model.gemm_input(a)                # bfloat16 GEMMs: a converted once
         model._proj(a, m["q"], qkv[:, :nq], ab)
         model._proj(a, m["k"], qkv[:, nq:nq + nk], ab)
         model._proj(a, m["v"], qkv[:, nq + nk:], ab)
@@ -51,16 +53,17 @@ def project_qkv(model, a, m: dict, qkv, nh: int, nkv: int, d: int):
     return None
 
 
-def project_gate_up(model, a, m: dict, gu):
+def project_gate_up(model, a, m: dict, gu, ab=None):
     """Write gate and up projections of ``a`` into ``gu`` (N, 2I) = [gate | up]; return their
-    biases (bg, bu) (None, None without)."""
+    biases (bg, bu) (None, None without); ``ab``: as :func:`project_qkv`."""
     s, xp, i_ = model.config, model.xp, model.config.intermediate_size
     if "gate_up" in m:
-        model._proj(a, m["gate_up"], gu)
+        model._proj(a, m["gate_up"], gu, ab)
         if not s.mlp_bias:
             return None, None
         return tuple(xp.split(model.fparam(m["gate_up"] + ".bias"), 2))
-    ab = model.gemm_input(a)
+    if ab is None:
+        ab = model.gemm_input(a)
     model._proj(a, m["gate"], gu[:, :i_], ab)
     model._proj(a, m["up"], gu[:, i_:], ab)
     if not s.mlp_bias:
