@@ -390,11 +390,33 @@ def bench_forward_tc(args, dev, folder: Path) -> dict:
     a, r = ours_fn().astype(dev.xp.float32), f32_fn().astype(dev.xp.float32)
     rel = float(dev.xp.abs(a - r).max() / dev.xp.abs(r).max())
     nk, busy = _kernel_profile(dev, ours_fn, "semzo forward, model.matmul = bfloat16")
+    _host_profile(dev, ours_fn, "semzo forward, model.matmul = bfloat16")
     return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
             "note": f"batch {b}x{t}, semzo {dt} storage with bfloat16 GEMMs vs torch {dt}; "
                     f"float32 GEMMs (default) {plain:.4g} s ({peer / plain:.3f}x torch, "
                     f"bfloat16 GEMMs {plain / ours:.2f}x faster), max rel diff {rel:.2e}; "
                     f"{nk:.0f} kernels, device busy {busy:.4g} s per forward"}
+
+
+def _host_profile(dev, fn, label: str, runs: int = 3) -> None:
+    """Where the host's time goes in ``runs`` calls of ``fn`` (cProfile, the functions with
+    the most time of their own) into bench.log: the forward is bound by the host once its
+    device time is short."""
+    import cProfile
+    import io
+    import pstats
+    fn()
+    dev.sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(runs):
+        fn()
+    dev.sync()
+    prof.disable()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    print(f"--- host profile: {label}, {runs} calls", flush=True)
+    print(buf.getvalue()[-6000:], flush=True)
 
 
 def _kernel_profile(dev, fn, label: str, runs: int = 3) -> tuple[float, float]:
