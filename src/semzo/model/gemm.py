@@ -32,6 +32,8 @@ CUBLAS_COMPUTE_32F = 68
 CUBLAS_GEMM_DEFAULT = -1
 
 MODES = ("float32", "bfloat16")
+#: alpha and beta of every cuBLAS call here (host pointer mode: read during the call)
+_ONE, _ZERO = np.ones((), np.float32), np.zeros((), np.float32)
 
 
 def gemm_args(x_shape, w_shape, out_shape, out_row_stride: int, transposed: bool) -> tuple:
@@ -114,9 +116,8 @@ def _gemm_ex(xp, w, xb, out, args) -> None:
     from cupy.cuda import device  # GPU only
     from cupy_backends.cuda.libs import cublas  # GPU only
     ta, tb, m, n, k, lda, ldb, ldc = args
-    one, zero = np.ones((), np.float32), np.zeros((), np.float32)
-    cublas.gemmEx(device.get_cublas_handle(), ta, tb, m, n, k, one.ctypes.data, w.data.ptr,
-                  CUDA_R_16BF, lda, xb.data.ptr, CUDA_R_16BF, ldb, zero.ctypes.data,
+    cublas.gemmEx(device.get_cublas_handle(), ta, tb, m, n, k, _ONE.ctypes.data, w.data.ptr,
+                  CUDA_R_16BF, lda, xb.data.ptr, CUDA_R_16BF, ldb, _ZERO.ctypes.data,
                   out.data.ptr, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
 
 
@@ -180,7 +181,6 @@ def batched_matmul_f32(a, b, c) -> None:
     if a.dtype != np.float32 or b.dtype != np.float32 or c.dtype != np.float32:
         raise ValueError(f"batched GEMM: float32 only, got {a.dtype}, {b.dtype}, {c.dtype}")
     ta, tb, m, n, k, ld_b, st_b, ld_a, st_a, ldc, st_c, batch = batched_args(a, b, c)
-    one, zero = np.ones((), np.float32), np.zeros((), np.float32)
-    cublas.sgemmStridedBatched(device.get_cublas_handle(), ta, tb, m, n, k, one.ctypes.data,
+    cublas.sgemmStridedBatched(device.get_cublas_handle(), ta, tb, m, n, k, _ONE.ctypes.data,
                                b.data.ptr, ld_b, st_b, a.data.ptr, ld_a, st_a,
-                               zero.ctypes.data, c.data.ptr, ldc, st_c, batch)
+                               _ZERO.ctypes.data, c.data.ptr, ldc, st_c, batch)
