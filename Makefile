@@ -14,6 +14,10 @@ RESULTS ?= docs/results
 TIMEOUT ?= 1800
 # mpirun's rank-count flag; srun uses -n too
 NPFLAG  ?= -n
+# pytest-xdist workers for `make test`, whole files to a worker (their module fixtures built
+# once); 0 runs the suite in one process. Most tests wait on a started process (mpirun, the
+# command line), so 2 workers keep a 2-core machine busy (docs/guide.md)
+TEST_WORKERS ?= 2
 
 # What Open MPI needs to run as root and oversubscribed (4 ranks on 2 cores) in a container.
 export OMPI_ALLOW_RUN_AS_ROOT := 1
@@ -127,7 +131,7 @@ experiment-llm: setup data/fortunes.jsonl data/debian-sft.jsonl
 # the Gemma 3 270M checks (tests marked gemma3) run in `make test-gemma3`: minutes of CPU and
 # 1.3 GB of converted weights that CI's 20-minute suite budget leaves out (README says so)
 test: setup-test data/fortunes.jsonl
-	$(PY) -m pytest -q -m "not gemma3" --durations=25 tests
+	$(PY) -m pytest -q -m "not gemma3" -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 test-gemma3: setup-gemma3 setup-test data/fortunes.jsonl
 	$(PY) -m pytest -q -m gemma3 tests

@@ -18,7 +18,9 @@ built once; every run starts from the same LoRA initialization and differs by it
 
 Configurations (``--configs``):
 
-* ``mezo-fixed``: ``estimator = "mezo"``, Gaussian z, lr 2e-2 (the demo's), 2 passes per step;
+* ``mezo-fixed``: ``estimator = "mezo"``, Gaussian z, lr 2e-2 (the demo's), 2 passes per step,
+  A and B of the adapters trained (MeZO's LoRA; ``lora_a=frozen`` in a configuration of
+  keys: A kept at its start, ``train.lora_a = "frozen"``);
 * ``auto-fzoo``: the deck defaults: lr auto (its scan counted in the budget), cosine
   decay, the loss guard, fzoo with
   4 directions, Rademacher z, 5 passes per step, the held-out guard (zo.lr_rollback 0.1);
@@ -67,7 +69,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "tests" / "mpi"))
 
 CONFIGS = {
-    "mezo-fixed": {"estimator": "mezo", "dist": "gaussian", "lr": 2e-2},
+    "mezo-fixed": {"estimator": "mezo", "dist": "gaussian", "lr": 2e-2, "lora_a": "train"},
     "auto-fzoo": {"estimator": "fzoo", "dist": "rademacher", "lr": "auto", "guard": "auto",
                   "schedule": "cosine", "rollback": "auto"},
     "mezo-auto": {"estimator": "mezo", "dist": "gaussian", "lr": "auto"},
@@ -99,7 +101,8 @@ def build(max_texts: int = 0, labels: list[str] | None = None, template: str = "
     m = load_model(str(folder))
     t = deck.train
     names = select_trainable(m, t.params, t.last_layers, t.lora_rank, t.lora_alpha, 0,
-                             targets=t.lora_targets, lora_layers=t.lora_layers)
+                             targets=t.lora_targets, lora_layers=t.lora_layers,
+                             lora_a="train")   # all adapter tensors; configurations pick
     tok = Tokenizer.from_folder(str(folder), max_length=None)
     tok.tk.no_truncation()
     pr = deck.prompt
@@ -149,7 +152,8 @@ def build_records(kind: str, max_texts: int = 0, corpus: str = ""):
     m = load_model(str(folder))
     t = deck.train
     names = select_trainable(m, t.params, t.last_layers, t.lora_rank, t.lora_alpha, 0,
-                             targets=t.lora_targets, lora_layers=t.lora_layers)
+                             targets=t.lora_targets, lora_layers=t.lora_layers,
+                             lora_a="train")   # all adapter tensors; configurations pick
     itok = InstructTokenizer.from_folder(str(folder))
     encode = itok.sft if kind == "sft" else itok.choice
     got = [encode(r, t.max_length) for r in recs]
@@ -185,7 +189,8 @@ SAFETY, APART = _defaults()          # the shipped values, before any configurat
 
 def parse_config(name: str) -> dict:
     """A named configuration of :data:`CONFIGS`, or ``key=value`` pairs joined by ``:``
-    (keys estimator, dist, lr, schedule, min_lr_ratio, eps, directions, guard: the loss
+    (keys estimator, dist, lr, schedule, min_lr_ratio, eps, directions, lora_a (train: the
+    deck's default, or frozen), guard: the loss
     guard's window, or auto, the default with lr auto; rollback: the held-out guard's
     tolerance, zo.lr_rollback, auto = 0.1 with lr auto as in a run), e.g.
     ``estimator=fzoo:dist=rademacher:lr=auto:schedule=cosine``. Keys left out (lr: 2e-2) or
@@ -197,7 +202,8 @@ def parse_config(name: str) -> dict:
         cfg = {"lr": 2e-2}
         for kv in name.split(":"):
             k, v = kv.split("=", 1)
-            cfg[k] = v if k in ("estimator", "dist", "schedule") or v == "auto" else float(v)
+            cfg[k] = v if k in ("estimator", "dist", "schedule", "lora_a") or v == "auto" \
+                else float(v)
     # what a deck resolves from zo.lr when a key is left out or "auto" (deck/sections.py's
     # estimator_name, dist_name, lr_guard_name; loop.schedule_name)
     auto = cfg["lr"] == "auto"
@@ -209,6 +215,7 @@ def parse_config(name: str) -> dict:
         cfg["schedule"] = "cosine" if auto else "constant"
     # (safety: autolr.SAFETY; apart=1: the line searches on a batch apart from the direction's)
     cfg.setdefault("guard", "auto" if auto else 0)
+    cfg.setdefault("lora_a", "train")          # the deck's default: A and B train
     cfg.setdefault("rollback", "auto")
     return cfg
 
@@ -225,8 +232,10 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
     from semzo.zo.perturb import ztensors
     autolr.SAFETY = float(cfg.get("safety", SAFETY))
     autolr.APART = bool(cfg.get("apart", APART))
-    for n in names:
+    for n in names:                      # every adapter tensor back to its start, A included
         np.copyto(m.params[n], init[n])
+    if cfg.get("lora_a") == "frozen":    # train.lora_a = "frozen": A stays at its start
+        names = [n for n in names if not n.endswith(".lora_A.weight")]
     topo = SoloTopo()
     eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), topo, eps=float(cfg.get("eps", deck.zo.eps)),
                    run_seed=seed, estimator=cfg["estimator"], dist=cfg["dist"],

@@ -11,6 +11,7 @@ superblock does not match their size.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -28,6 +29,9 @@ from ckpt_common import BLOCK_KIB, extras, flip, metrics, params, per_rank, same
 from semzo.checkpoint import Checkpointer, CheckpointError, filesum, load, verify
 from semzo.checkpoint.xxh64 import xxh64
 from semzo.deck import CheckpointSection
+
+# the node-buffer files of this process (named by its pid): other tests may run beside this one
+_MINE = f"semzo-ckpt-{os.getpid()}-*"
 
 COMM = MPI.COMM_SELF
 LEGACY = ROOT / "tests" / "data" / "checkpoint" / "format1-ckpt-000000003.h5"
@@ -223,14 +227,14 @@ def test_load_through_the_node_buffer_is_bit_identical_and_private(tmp_path, mon
     comm = MPI.COMM_WORLD
     with Checkpointer(comm, CheckpointSection(dir=str(tmp_path), block_kib=4)) as ck:
         p = ck.save(1, params)
-    before = len(list(Path(filesum.SHM_DIR).glob("semzo-ckpt-*")))
+    before = len(list(Path(filesum.SHM_DIR).glob(_MINE)))
     used = []
     real = filesum._NodeBuffer.private
     monkeypatch.setattr(filesum._NodeBuffer, "private",
                         lambda self: used.append(1) or real(self))
     a = load(p, comm, distribute="read")
     assert used == ([1] if shared else [])
-    assert len(list(Path(filesum.SHM_DIR).glob("semzo-ckpt-*"))) == before   # unlinked
+    assert len(list(Path(filesum.SHM_DIR).glob(_MINE))) == before   # unlinked
     for k, v in params.items():
         assert a.params[k].dtype == v.dtype and a.params[k].tobytes() == v.tobytes()
     a.params["w"][:] = 7
@@ -253,7 +257,7 @@ def test_full_dev_shm_falls_back_to_private_buffers(tmp_path, monkeypatch):
     comm = MPI.COMM_WORLD
     with Checkpointer(comm, CheckpointSection(dir=str(tmp_path), block_kib=4)) as ck:
         p = ck.save(1, params)
-    before = len(list(Path(filesum.SHM_DIR).glob("semzo-ckpt-*")))
+    before = len(list(Path(filesum.SHM_DIR).glob(_MINE)))
     calls = []
 
     def full(fd, data, off):
@@ -266,7 +270,7 @@ def test_full_dev_shm_falls_back_to_private_buffers(tmp_path, monkeypatch):
                         lambda self: private.append(1) or real(self))
     a = load(p, comm, distribute="read")
     assert calls and private == []                         # failed, never mapped
-    assert len(list(Path(filesum.SHM_DIR).glob("semzo-ckpt-*"))) == before
+    assert len(list(Path(filesum.SHM_DIR).glob(_MINE))) == before
     assert a.params["w"].tobytes() == params["w"].tobytes()
 
 

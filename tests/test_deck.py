@@ -26,6 +26,8 @@ BAD_DECKS = [
     ("above max", "[model]\nmax_length = 1000\n", [], "model.max_length: must be <= 512"),
     ("bf16 matmul, float32 weights", "[model]\nmatmul = \"bfloat16\"\n", [],
      "model.matmul: \"bfloat16\" multiplies bfloat16 weights and needs model.dtype"),
+    ("frozen A without LoRA", "[train]\nlora_a = \"frozen\"\n", [],
+     "train.lora_a: \"frozen\" freezes the A matrices of LoRA adapters; train.params is"),
     ("bad choice", "[place]\nmode = \"semantik\"\n", [], "place.mode: 'semantik' is not one"),
     ("stage order", "[run]\nstages = [\"cluster\", \"embed\"]\n", [], "run.stages: stages must"),
     ("unknown stage", "[run]\nstages = [\"embedd\"]\n", [], "run.stages: 'embedd'"),

@@ -141,6 +141,42 @@ def test_finetune_stage_lm_decoder(run):
         assert f.attrs["task"] == "lm"
 
 
+def test_finetune_stage_lora_frozen_a_is_stored_and_resumed(run):
+    """train.lora_a = "frozen" at 2 ranks: only B trains, and the frozen A matrices are stored
+    beside B in every checkpoint and model.h5 (export and generate rebuild the adapters from
+    them); a resume puts the stored A back and goes on: A the same bits at the end, B moved."""
+    tmp = run[0]
+    gpt = make_model(tmp / "gpt2_fa", kind="gpt2")
+    sets = ["train.task=lm", "train.params=lora", "train.lora_rank=2", "train.lora_a=frozen",
+            "train.eval_every=0", "zo.lr=1e-3", "checkpoint.every_steps=3"]
+    out, _ = _finetune_only(run, "out_fa", gpt, *sets, "train.steps=6")
+    from mpi4py import MPI
+
+    from semzo.checkpoint import load
+    with h5py.File(out / "model.h5") as f:
+        trained = json.loads(f.attrs["trainable"])
+        stored = {n: f[n][...] for n in f if ".lora_" in n}
+    assert trained and all(n.endswith(".lora_B.weight") for n in trained), trained
+    a_names = sorted(n for n in stored if n.endswith(".lora_A.weight"))
+    assert len(a_names) == len(trained) == 2                     # GPT-2's c_attn, 2 blocks
+    ck6 = load(out / "checkpoints" / "ckpt-000000006.h5", MPI.COMM_SELF).params
+    assert sorted(ck6) == sorted([*trained, *a_names])
+    assert all(np.array_equal(ck6[n], stored[n]) for n in ck6)
+    args = ["-m", "semzo", "run", "inputs/demo.toml", "--set", f"run.output_dir={out}",
+            "--set", 'run.stages=["finetune"]', "--set", f"corpus.path={tmp / 'corpus.jsonl'}",
+            "--set", f"model.path={gpt}", "--resume"]
+    for kv in [*sets, "train.steps=9"]:
+        args += ["--set", kv]
+    proc = check(mpirun(2, [*args, *COMMON], timeout=180, env=ENV))
+    assert "resumed from ckpt-000000006.h5 (step 6" in proc.stderr, proc.stderr[-2000:]
+    ck9 = load(out / "checkpoints" / "ckpt-000000009.h5", MPI.COMM_SELF).params
+    assert all(np.array_equal(ck9[n], ck6[n]) for n in a_names)
+    assert not all(np.array_equal(ck9[n], ck6[n]) for n in trained)
+    bad = mpirun(2, [*args, "--set", "train.lora_a=train", *COMMON], timeout=120, env=ENV)
+    assert bad.returncode == 2 and "train.lora_a = 'frozen' in the checkpoint, 'train' in " \
+        "this deck" in bad.stderr, bad.stderr[-2000:]
+
+
 def test_finetune_stage_head_only_uses_cached_features(run):
     _, out, _ = run
     proc = check(mpirun(2, ["-m", "semzo", "run", "inputs/demo.toml",

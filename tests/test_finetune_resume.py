@@ -258,6 +258,36 @@ def test_task_keys_compare_the_prompt_and_lora():
         assert str(exc.value).startswith("ck.h5: ") and expect in str(exc.value), exc.value
 
 
+def test_task_keys_compare_lora_a_also_for_checkpoints_older_than_the_key():
+    """train.lora_a (frozen A or trained A) is a task key; a checkpoint written before the key
+    existed trained A (with params = "lora"): resumed under "frozen" it is refused by name,
+    under "train" (the default) it resumes; without LoRA the key is not compared."""
+    from types import SimpleNamespace
+
+    from semzo import deck as deckmod
+    from semzo.finetune.resume import check_same_task
+    from semzo.runtime import SemzoError
+
+    lora = ['train.params="lora"']
+    frozen = deckmod.load(None, [*lora, 'train.lora_a="frozen"'], check_inputs=False)
+    trained = deckmod.load(None, lora, check_inputs=False)
+    assert trained.train.lora_a == "train"
+    ck = SimpleNamespace(path=Path("ck.h5"), deck_toml=trained.to_toml())
+    check_same_task(ck, trained)
+    with pytest.raises(SemzoError, match="ck.h5: train.lora_a = 'train' in the checkpoint, "
+                                         "'frozen' in this deck"):
+        check_same_task(ck, frozen)
+    old = "\n".join(ln for ln in trained.to_toml().splitlines() if not ln.startswith("lora_a"))
+    assert "lora_a" not in old and 'params = "lora"' in old
+    ck_old = SimpleNamespace(path=Path("old.h5"), deck_toml=old)
+    with pytest.raises(SemzoError, match="old.h5: train.lora_a = 'train' in the checkpoint"):
+        check_same_task(ck_old, frozen)
+    check_same_task(ck_old, trained)
+    head = deckmod.load(None, [], check_inputs=False)
+    no_key = "\n".join(ln for ln in head.to_toml().splitlines() if not ln.startswith("lora_a"))
+    check_same_task(SimpleNamespace(path=Path("h.h5"), deck_toml=no_key), head)
+
+
 def test_resume_with_another_seed_or_split_is_refused(base):
     """run.seed sets the z stream, the data order and (train.split_seed = -1) the held-out
     split; train.split_seed and train.heldout_fraction set the split too: a resume under

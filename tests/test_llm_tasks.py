@@ -220,6 +220,34 @@ def test_lora_q_v_and_merged_export_loads_in_transformers(llama, tmp_path):
         select_trainable(load_model(llama), "lora", targets=("c_attn",))
 
 
+def test_lora_a_frozen_trains_b_only(llama):
+    """train.lora_a = "frozen" (LoRA-FA): the same adapters, A at its random initialization and
+    frozen, only B trainable; ZO steps leave A bit for bit and move B."""
+    from semzo.zo.engine import ZOEngine
+    from semzo.zo.perturb import ztensors
+
+    both, fa = load_model(llama), load_model(llama)
+    n_both = select_trainable(both, "lora", lora_rank=4, lora_alpha=8, seed=3)
+    n_fa = select_trainable(fa, "lora", lora_rank=4, lora_alpha=8, seed=3, lora_a="frozen")
+    assert sorted(fa.lora) == sorted(both.lora)
+    assert n_fa == [n for n in n_both if n.endswith(".lora_B.weight")] and len(n_fa) == 4
+    for sp in fa.lora.values():
+        assert sp.a in fa.frozen and sp.b not in fa.frozen
+        assert np.array_equal(fa.params[sp.a], both.params[sp.a])     # the same random A
+        assert np.abs(fa.params[sp.a]).max() > 0
+    a0 = {sp.a: fa.params[sp.a].copy() for sp in fa.lora.values()}
+    eng = ZOEngine(ztensors([(n, fa.params[n]) for n in n_fa]), SoloTopo(), eps=1e-2,
+                   run_seed=1)
+    ids = np.array([[5, 9, 30, 7, 2]])
+    for k in range(3):
+        eng.step(lambda: float(fa.logits(ids, None)[0, -1].std()), k, 1e-2, 1)
+    eng.flush()
+    assert all(np.array_equal(fa.params[n], a) for n, a in a0.items())
+    assert all(np.abs(fa.params[n]).max() > 0 for n in n_fa)          # B moved off zero
+    with pytest.raises(ValueError, match="lora_a"):
+        select_trainable(load_model(llama), "lora", lora_a="both")
+
+
 def test_head_last_on_decoders_trains_block_and_final_norm(llama):
     m = load_model(llama)
     names = select_trainable(m, "head+last", last_layers=1)

@@ -157,6 +157,10 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     if d.zo.offload == "host" and d.zo.schedule != "streamed":
         raise DeckError(f"{d.source}: zo.offload: \"host\" streams stages and needs "
                         f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")
+    if d.train.lora_a != "train" and d.train.params != "lora":
+        raise DeckError(f"{d.source}: train.lora_a: \"{d.train.lora_a}\" freezes the A "
+                        f"matrices of LoRA adapters; train.params is \"{d.train.params}\" "
+                        f"(set train.params = \"lora\" or remove train.lora_a)")
     if d.train.val_fraction > 0:
         if d.train.eval_every <= 0:
             raise DeckError(f"{d.source}: train.val_fraction: a validation split is read by "

@@ -297,6 +297,14 @@ class TrainSection:
                               "empty = the model's default: q and v for Llama/Qwen/Mistral/"
                               "Gemma/OPT decoders (MeZO's choice), `c_attn` for GPT-2, "
                               "`qkv_proj` for Phi-3, every attention projection for encoders.")
+    lora_a: str = key("train", "`lora`: `train` (default): A and B both train (LoRA as MeZO "
+                      "runs it). `frozen`: each adapter's A matrix keeps its random "
+                      "initialization and only B trains (LoRA-FA): at B = 0 the loss does not "
+                      "depend on A to first order, so a ZO perturbation of A adds noise to "
+                      "the estimates; without A the steps perturb 40 % of the adapter "
+                      "parameters (q and v of a decoder). The frozen A matrices are stored "
+                      "in checkpoints and model.h5 beside B. A resume under the other value "
+                      "is refused.", choices=("train", "frozen"))
     steps: int = key(200, "ZO steps (each: two forward passes per rank with mezo, 1 + "
                      "zo.directions with fzoo in data mode). `semzo experiment`: the data "
                      "mode's steps; fzoo's other modes run the steps of the same forward "

@@ -31,9 +31,13 @@ TASK_KEYS = (
     ("model", "path"), ("model", "dtype"), ("model", "max_length"),
     ("train", "task"), ("train", "params"), ("train", "last_layers"), ("train", "lora_rank"),
     ("train", "lora_alpha"), ("train", "lora_targets"), ("train", "lora_layers"),
+    ("train", "lora_a"),
     ("train", "max_length"), ("train", "head_init"), ("train", "head_scale"),
     ("prompt", "template"), ("prompt", "label_words"),
 )
+#: what a task key meant in checkpoints written before it existed, where it mattered (when
+#: the same section's key had the value given): (that key, its value, the key's meaning)
+BEFORE_KEY = {("train", "lora_a"): ("params", "lora", "train")}
 
 
 def _deck_error(msg: str) -> SemzoError:
@@ -165,13 +169,17 @@ def check_same_task(loaded, deck) -> None:
     """Refuse (one line naming the key with both values, exit 2) a checkpoint whose deck gave
     a task-defining key (:data:`TASK_KEYS`: the task, the model, the trainable set, LoRA, the
     prompt template and label words, the lengths) another value than this deck. Keys absent
-    from the checkpoint's deck (older versions) are not compared."""
+    from the checkpoint's deck (older versions) are not compared, except those whose value
+    before they existed is known (:data:`BEFORE_KEY`)."""
     saved = _saved_deck(loaded)
     now = deck.to_dict()
     for section, key in TASK_KEYS:
         old = _section(saved, section)
         if key not in old:
-            continue
+            when, value, meant = BEFORE_KEY.get((section, key), (None, None, None))
+            if when is None or old.get(when) != value:
+                continue
+            old = {key: meant}
         new = _plain(now.get(section, {}).get(key))
         if _plain(old[key]) != new:
             raise _deck_error(f"{loaded.path}: {section}.{key} = {old[key]!r} in the checkpoint, "

@@ -121,7 +121,10 @@ def run_finetune_stage(ctx) -> dict:
                              seed=deck.run.seed, normalize=True)
     names = select_trainable(model, t.params, t.last_layers, t.lora_rank, t.lora_alpha,
                              deck.run.seed, targets=t.lora_targets, src=deck.source,
-                             lora_layers=t.lora_layers)
+                             lora_layers=t.lora_layers, lora_a=t.lora_a)
+    # train.lora_a = "frozen": the A matrices do not train but define the model with B, so
+    # checkpoints, best.h5 and model.h5 keep them too (a resume puts them back as stored)
+    fixed = [sp.a for sp in model.lora.values() if sp.a in model.frozen]
     if task_kind == "classify" and use_emb:
         train_rows = ~held & ~val
         init_head_class_means(model, rows.embeddings[train_rows], rows.labels[train_rows],
@@ -191,7 +194,7 @@ def run_finetune_stage(ctx) -> dict:
         per_epoch = n_train / (topo.size * t.batch_size)
         steps = min(steps, max(1, math.ceil(t.max_epochs * per_epoch)))
     ck, state, resumed_from, before = _open_checkpoints(ctx, model, names, task_kind, n_classes,
-                                                train_idx.size, rows.label_names)
+                                                train_idx.size, rows.label_names, fixed)
     engine = ZOEngine(ztensors([(n, model.params[n]) for n in names]), topo, mode=z.mode,
                       eps=z.eps, weight_decay=z.weight_decay,
                       dist=z.dist_name, restore=z.restore, run_seed=deck.run.seed,
@@ -251,7 +254,7 @@ def run_finetune_stage(ctx) -> dict:
     t0, first_step = time.perf_counter(), state.step
     cfg = LoopConfig.from_deck(deck, steps)
     saver = _StepSaver(ck, model, names, train_idx.size, centroids=_centroids(ctx), topo=topo,
-                       flush=engine.flush, before=before, rows=metrics,
+                       fixed=fixed, flush=engine.flush, before=before, rows=metrics,
                        keep_best=t.eval_every > 0, by="loss" if task_kind == "lm" else "acc",
                        sync=engine.verify if engine.fused_groups else None)
     if state.step == 0:                          # the model before training is a candidate
@@ -288,7 +291,7 @@ def run_finetune_stage(ctx) -> dict:
     saver.close()
     if t.save != "none":
         save_model(ctx, model, names, t.save, task_kind, rows.label_names, state, before, after,
-                   meta=ck.model_meta)
+                   meta=ck.model_meta, fixed=fixed)
     metrics.finish(f"({task_kind}, {z.mode}, {topo.size} ranks)")   # renamed once it all worked
     gen_after = _log_generations(task, topo, "after fine-tuning")
     what = {"lm": "next-token accuracy", "sft": "completion-token accuracy"}.get(task_kind,
@@ -452,10 +455,11 @@ def cursor_error(path, rank: int, cur: np.ndarray, n_local: int) -> str | None:
 
 
 def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: int,
-                      n_train_local: int, label_names: list[str] = ()):
+                      n_train_local: int, label_names: list[str] = (), fixed: list[str] = ()):
     """The run's :class:`~semzo.checkpoint.Checkpointer` and the starting
     :class:`TrainState`: fresh, or from the newest valid checkpoint (``checkpoint.resume =
-    "auto"``), whose trainable tensors are then copied into the model in place. Collective.
+    "auto"``), whose trainable tensors (and the ``fixed`` ones stored beside them: frozen
+    LoRA A matrices) are then copied into the model in place. Collective.
     Returns ``(ck, state, resumed step or None, the held-out (loss, accuracy, count) before
     fine-tuning that the checkpoint recorded, or None)``."""
 
@@ -495,9 +499,10 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
     check_same_task(loaded, deck)
     check_same_estimator(loaded, deck.zo.estimator_name, deck.zo.directions)
     check_same_seeds(loaded, deck.run.seed, split_seed, t.heldout_fraction, t.val_fraction)
-    missing = sorted(set(names) - set(loaded.params))
-    extra = sorted(set(loaded.params) - set(names))
-    bad = [n for n in names if n in loaded.params and
+    kept = list(names) + list(fixed)
+    missing = sorted(set(kept) - set(loaded.params))
+    extra = sorted(set(loaded.params) - set(kept))
+    bad = [n for n in kept if n in loaded.params and
            tuple(loaded.params[n].shape) != tuple(model.params[n].shape)]
     if missing or extra or bad:
         raise _deck_error(f"{loaded.path}: its tensors do not match this run's trainable set "
@@ -505,13 +510,13 @@ def _open_checkpoints(ctx, model, names: list[str], task_kind: str, n_classes: i
                           f"{bad[:3]}); resume with the deck it was written with "
                           f"(`semzo inspect` prints it) or set checkpoint.resume = \"never\"")
     xp = model.xp
-    half = [n for n in names if (loaded.params[n].dtype == BF16) != (model.params[n].dtype == BF16)]
+    half = [n for n in kept if (loaded.params[n].dtype == BF16) != (model.params[n].dtype == BF16)]
     if half:
         raise _deck_error(f"{loaded.path}: {half[0]} is stored as "
                           f"{storage_name(loaded.params[half[0]].dtype)}, this run's model.dtype "
                           f"is {deck.model.dtype}; resume with the deck it was written with or "
                           f"set checkpoint.resume = \"never\"")
-    for n in names:
+    for n in kept:
         dst = model.params[n]
         mod = xp if isinstance(dst, xp.ndarray) else np      # host_params: NumPy arrays
         mod.copyto(dst, mod.asarray(loaded.params[n]).astype(dst.dtype, copy=False))
@@ -565,7 +570,7 @@ class _StepSaver:
     that step, ``SEMZO_TEST_SIGNAL`` = ``"rank:step:SIGNAME"`` sends it that signal (fault
     tests only)."""
 
-    def __init__(self, ck, model, names, n_local, *, centroids, topo, flush=None,
+    def __init__(self, ck, model, names, n_local, *, centroids, topo, fixed=(), flush=None,
                  before=None, rows=None, keep_best: bool = False, by: str = "acc",
                  sync=None) -> None:
         self.before = before                     # held-out figures before fine-tuning
@@ -577,6 +582,7 @@ class _StepSaver:
         # holds one model and a resumed run starts where the uninterrupted one went on
         self.sync = sync
         self.ck, self.model, self.names, self.n_local = ck, model, names, int(n_local)
+        self.stored = list(names) + list(fixed)  # what a checkpoint holds: + frozen LoRA A
         self.extras, self.topo = centroids, topo
         self.keep_best, self.by = keep_best, by
         self.last: dict = {}
@@ -612,7 +618,7 @@ class _StepSaver:
             metrics.update(heldout_loss_before=float(self.before[0]),
                            heldout_acc_before=float(self.before[1]),
                            heldout_n_before=int(self.before[2]))
-        params = {n: self.model.params[n] for n in self.names}
+        params = {n: self.model.params[n] for n in self.stored}
         return params, d, per_rank, metrics
 
     def __call__(self, state: TrainState) -> None:
@@ -695,13 +701,14 @@ class _StepSaver:
 
 def save_model(ctx, model, names: list[str], which: str, task_kind: str,
                label_names: list[str], state: TrainState, before, after,
-               meta: dict | None = None) -> None:
+               meta: dict | None = None, fixed: list[str] = ()) -> None:
     """Write model.h5: every rank writes a block of rows of each tensor (replicas are
-    identical). ``meta``: the checkpoints' ``model_meta`` (head, LoRA, model folder and its
+    identical); ``which = "trainable"``: the trained tensors and the ``fixed`` ones (frozen
+    LoRA A matrices). ``meta``: the checkpoints' ``model_meta`` (head, LoRA, model folder and its
     checksum), stored alike so that `semzo generate/export/inspect` read model.h5 as they read
     a checkpoint (:mod:`semzo.checkpoint.modelfile`). Collective over the world."""
     comm = ctx.topo.world
-    saved = names if which == "trainable" else list(model.params)
+    saved = list(names) + list(fixed) if which == "trainable" else list(model.params)
     lora = {m: {"a": s.a, "b": s.b, "scale": s.scale} for m, s in model.lora.items()}
     attrs = {"model_source": str(model.source or ""), "task": task_kind,
              "trainable": json.dumps(names), "lora": json.dumps(lora),

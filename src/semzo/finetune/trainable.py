@@ -37,14 +37,16 @@ def _final_norm_names(model) -> set[str]:
 
 def select_trainable(model, params: str, last_layers: int = 1, lora_rank: int = 8,
                      lora_alpha: float = 16.0, seed: int = 0, targets: tuple = (),
-                     src: str = "<deck>", lora_layers: int = 0) -> list[str]:
+                     src: str = "<deck>", lora_layers: int = 0,
+                     lora_a: str = "train") -> list[str]:
     """Freeze everything but the chosen subset; return the trainable names (model order).
 
     ``all``: every tensor the forward pass uses (and the head); ``head+last``: the head
     (``classifier.*``) plus blocks ``L - last_layers .. L - 1`` (and a decoder's final norm);
     ``lora``: LoRA adapters of rank ``lora_rank`` on the projections named by ``targets``
     (suffixes; empty = :func:`default_lora_targets`) in the last ``lora_layers`` blocks (0 =
-    all) plus the head.
+    all) plus the head; ``lora_a = "frozen"``: the adapters' A matrices keep their random
+    initialization and only B trains (LoRA-FA, Zhang et al. 2023).
     """
     if params == "lora":
         tg = tuple(targets) or default_lora_targets(model)
@@ -54,12 +56,16 @@ def select_trainable(model, params: str, last_layers: int = 1, lora_rank: int = 
                        if (tg is None or m.endswith(tg)) and
                        (b := BLOCK.search(m + ".")) and int(b.group(1)) >= first)
         try:
-            model.add_lora(rank=lora_rank, alpha=lora_alpha, seed=seed, targets=tg)
+            new = model.add_lora(rank=lora_rank, alpha=lora_alpha, seed=seed, targets=tg)
         except ValueError:
             have = sorted({m.rsplit(".", 1)[-1] for m in model.lora_modules()})
             raise AllRanksError(f"{src}: train.lora_targets: no projection of this model ends "
                               f"with {', '.join(tg or ())} (its projections end with "
                               f"{', '.join(have)})") from None
+        if lora_a == "frozen":
+            model.frozen |= {sp.a for sp in model.lora.values() if sp.a in new}
+        elif lora_a != "train":
+            raise ValueError(f"unknown lora_a {lora_a!r}")
     elif params == "head+last":
         n_layers = model.config.num_layers
         first = n_layers - min(last_layers, n_layers)
