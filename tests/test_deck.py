@@ -27,7 +27,15 @@ BAD_DECKS = [
     ("bf16 matmul, float32 weights", "[model]\nmatmul = \"bfloat16\"\n", [],
      "model.matmul: \"bfloat16\" multiplies bfloat16 weights and needs model.dtype"),
     ("frozen A without LoRA", "[train]\nlora_a = \"frozen\"\n", [],
-     "train.lora_a: \"frozen\" freezes the A matrices of LoRA adapters; train.params is"),
+     "train.lora_a: read only with train.params = \"lora\"; train.params is \"head+last\""),
+    ("LoRA rank without LoRA", "[train]\nparams = \"all\"\nlora_rank = 4\n", [],
+     ("train.lora_rank: read only with train.params = \"lora\"; train.params is \"all\" "
+     "(set train.params = \"lora\" or remove train.lora_rank)")),
+    ("set LoRA layers without LoRA", "", ["train.lora_layers=2"],
+     "--set train.lora_layers: read only with train.params = \"lora\""),
+    ("last_layers with LoRA", "[train]\nparams = \"lora\"\nlast_layers = 2\n", [],
+     ("train.last_layers: read only with train.params = \"head+last\"; train.params is "
+     "\"lora\"")),
     ("bad choice", "[place]\nmode = \"semantik\"\n", [], "place.mode: 'semantik' is not one"),
     ("stage order", "[run]\nstages = [\"cluster\", \"embed\"]\n", [], "run.stages: stages must"),
     ("unknown stage", "[run]\nstages = [\"embedd\"]\n", [], "run.stages: 'embedd'"),

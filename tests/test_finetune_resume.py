@@ -240,8 +240,8 @@ def test_task_keys_compare_the_prompt_and_lora():
     from semzo.finetune.resume import check_same_task
     from semzo.runtime import SemzoError
 
-    d = deckmod.load(None, ['prompt.template="{text} It was"', "train.lora_rank=8"],
-                     check_inputs=False)
+    d = deckmod.load(None, ['prompt.template="{text} It was"', "train.params=lora",
+                            "train.lora_rank=8"], check_inputs=False)
     ck = SimpleNamespace(path=Path("ck.h5"), deck_toml=d.to_toml())
     check_same_task(ck, d)                                        # the same deck resumes
     for setting, expect in [('prompt.template="Review: {text} It was"',
@@ -251,8 +251,8 @@ def test_task_keys_compare_the_prompt_and_lora():
                              "prompt.label_words = [] in the checkpoint, [' bad', ' good']"),
                             ("train.lora_rank=4",
                              "train.lora_rank = 8 in the checkpoint, 4 in this deck")]:
-        other = deckmod.load(None, ['prompt.template="{text} It was"', "train.lora_rank=8",
-                                    setting], check_inputs=False)
+        other = deckmod.load(None, ['prompt.template="{text} It was"', "train.params=lora",
+                                    "train.lora_rank=8", setting], check_inputs=False)
         with pytest.raises(SemzoError) as exc:
             check_same_task(ck, other)
         assert str(exc.value).startswith("ck.h5: ") and expect in str(exc.value), exc.value

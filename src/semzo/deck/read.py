@@ -142,8 +142,26 @@ def build(raw: dict[str, Any], src: str, overrides: list[str] = (), *,
         values = {k: _check_value(src, where[k], fields[k], v) for k, v in table.items()}
         sections[name] = cls(**values)
     deck = Deck(source=src, **sections)
+    _check_params_keys(deck, raw.get("train", {}), from_set)
     _check_consistency(deck, check_inputs)
     return deck
+
+
+#: [train] keys that only the named train.params values read
+PARAMS_KEYS = {"last_layers": ("head+last",), "lora_rank": ("lora",), "lora_alpha": ("lora",),
+               "lora_layers": ("lora",), "lora_targets": ("lora",), "lora_a": ("lora",)}
+
+
+def _check_params_keys(d: Deck, train: dict, from_set: set) -> None:
+    """A key of the trainable set that the deck sets while train.params would not read it is
+    refused by name, never ignored (e.g. ``lora_rank`` with ``params = "all"``)."""
+    for k, applies in PARAMS_KEYS.items():
+        if k in train and d.train.params not in applies:
+            where = f"--set train.{k}" if ("train", k) in from_set else f"train.{k}"
+            want = " or ".join(f'"{a}"' for a in applies)
+            raise DeckError(f"{d.source}: {where}: read only with train.params = {want}; "
+                            f"train.params is \"{d.train.params}\" (set train.params = {want} "
+                            f"or remove train.{k})")
 
 
 def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
@@ -157,10 +175,6 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     if d.zo.offload == "host" and d.zo.schedule != "streamed":
         raise DeckError(f"{d.source}: zo.offload: \"host\" streams stages and needs "
                         f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")
-    if d.train.lora_a != "train" and d.train.params != "lora":
-        raise DeckError(f"{d.source}: train.lora_a: \"{d.train.lora_a}\" freezes the A "
-                        f"matrices of LoRA adapters; train.params is \"{d.train.params}\" "
-                        f"(set train.params = \"lora\" or remove train.lora_a)")
     if d.train.val_fraction > 0:
         if d.train.eval_every <= 0:
             raise DeckError(f"{d.source}: train.val_fraction: a validation split is read by "
