@@ -27,15 +27,7 @@ BAD_DECKS = [
     ("bf16 matmul, float32 weights", "[model]\nmatmul = \"bfloat16\"\n", [],
      "model.matmul: \"bfloat16\" multiplies bfloat16 weights and needs model.dtype"),
     ("frozen A without LoRA", "[train]\nlora_a = \"frozen\"\n", [],
-     "train.lora_a: read only with train.params = \"lora\"; train.params is \"head+last\""),
-    ("LoRA rank without LoRA", "[train]\nparams = \"all\"\nlora_rank = 4\n", [],
-     ("train.lora_rank: read only with train.params = \"lora\"; train.params is \"all\" "
-     "(set train.params = \"lora\" or remove train.lora_rank)")),
-    ("set LoRA layers without LoRA", "", ["train.lora_layers=2"],
-     "--set train.lora_layers: read only with train.params = \"lora\""),
-    ("last_layers with LoRA", "[train]\nparams = \"lora\"\nlast_layers = 2\n", [],
-     ("train.last_layers: read only with train.params = \"head+last\"; train.params is "
-     "\"lora\"")),
+     "train.lora_a: \"frozen\" freezes the A matrices of LoRA adapters; train.params is"),
     ("bad choice", "[place]\nmode = \"semantik\"\n", [], "place.mode: 'semantik' is not one"),
     ("stage order", "[run]\nstages = [\"cluster\", \"embed\"]\n", [], "run.stages: stages must"),
     ("unknown stage", "[run]\nstages = [\"embedd\"]\n", [], "run.stages: 'embedd'"),
@@ -198,3 +190,24 @@ def test_model_config_is_read_when_the_deck_is_checked(corpus, tmp_path, config,
                                              [f"model.path={folder}",
                                               f"run.stages={stages}"]))
     assert want in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_keys_the_trainable_set_does_not_read_are_named():
+    """A deck file's trainable-set key that the --set train.params on top of it does not read
+    (demo.toml's last_layers = 0 under params = lora) is named, for the finetune stage's log,
+    not refused (deck and overrides are layered) and not ignored silently; defaults are not."""
+    from semzo.deck.read import unread_keys
+
+    demo = str(ROOT / "inputs" / "demo.toml")
+    d = deckmod.load(demo, ["train.params=lora"], check_inputs=False)
+    assert unread_keys(d) == [(f"{demo}: train.last_layers = 0 is not read: it "
+                              "applies to train.params = \"head+last\", and train.params is "
+                              "\"lora\"")]
+    d = deckmod.load(None, ["train.params=all", "train.lora_rank=4", "train.lora_layers=2"],
+                     check_inputs=False)
+    assert [m.split(" = ")[0] for m in unread_keys(d)] == ["<defaults>: train.lora_rank",
+                                                           "<defaults>: train.lora_layers"]
+    assert unread_keys(deckmod.load(None, ["train.lora_rank=8"], check_inputs=False)) == []
+    for name in ("demo", "llm", "sft", "choice"):
+        assert unread_keys(deckmod.load(ROOT / "inputs" / f"{name}.toml", [],
+                                        check_inputs=False)) == [], name

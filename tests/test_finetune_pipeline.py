@@ -132,6 +132,9 @@ def test_finetune_stage_lm_decoder(run):
                             "--set", "zo.mode=perturbation", "--set", "zo.lr=1e-3", *COMMON],
                         timeout=180, env=ENV))
     assert "HELD-OUT NEXT-TOKEN ACCURACY before" in proc.stderr
+    # demo.toml's last_layers = 0 is not read under params = lora: said once (rank 0)
+    assert proc.stderr.count("train.last_layers = 0 is not read: it applies to train.params "
+                             "= \"head+last\", and train.params is \"lora\"") == 1
     rows = _metrics(out / "metrics.csv")
     assert len([r for r in rows if r["kind"] == "train"]) == 6
     assert all(math.isfinite(float(r["loss"])) for r in rows if r["kind"] == "train")

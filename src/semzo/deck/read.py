@@ -142,7 +142,6 @@ def build(raw: dict[str, Any], src: str, overrides: list[str] = (), *,
         values = {k: _check_value(src, where[k], fields[k], v) for k, v in table.items()}
         sections[name] = cls(**values)
     deck = Deck(source=src, **sections)
-    _check_params_keys(deck, raw.get("train", {}), from_set)
     _check_consistency(deck, check_inputs)
     return deck
 
@@ -152,16 +151,23 @@ PARAMS_KEYS = {"last_layers": ("head+last",), "lora_rank": ("lora",), "lora_alph
                "lora_layers": ("lora",), "lora_targets": ("lora",), "lora_a": ("lora",)}
 
 
-def _check_params_keys(d: Deck, train: dict, from_set: set) -> None:
-    """A key of the trainable set that the deck sets while train.params would not read it is
-    refused by name, never ignored (e.g. ``lora_rank`` with ``params = "all"``)."""
+def unread_keys(d: Deck) -> list[str]:
+    """The [train] keys of the trainable set that hold a value other than their default while
+    train.params does not read them (``inputs/demo.toml``'s ``last_layers = 0`` under
+    ``--set train.params=lora``): one message each, for the finetune stage to log. Not an
+    error, since a deck file and the ``--set`` options on top of it are layered, but never
+    ignored silently."""
+    defaults = {f.name: (f.default if f.default is not dataclasses.MISSING
+                         else f.default_factory())
+                for f in dataclasses.fields(type(d.train))}
+    out = []
     for k, applies in PARAMS_KEYS.items():
-        if k in train and d.train.params not in applies:
-            where = f"--set train.{k}" if ("train", k) in from_set else f"train.{k}"
+        v = getattr(d.train, k)
+        if d.train.params not in applies and v != defaults[k]:
             want = " or ".join(f'"{a}"' for a in applies)
-            raise DeckError(f"{d.source}: {where}: read only with train.params = {want}; "
-                            f"train.params is \"{d.train.params}\" (set train.params = {want} "
-                            f"or remove train.{k})")
+            out.append(f"{d.source}: train.{k} = {v!r} is not read: it applies to "
+                       f"train.params = {want}, and train.params is \"{d.train.params}\"")
+    return out
 
 
 def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
@@ -172,6 +178,10 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     if d.model.matmul == "bfloat16" and d.model.dtype != "bfloat16":
         raise DeckError(f"{d.source}: model.matmul: \"bfloat16\" multiplies bfloat16 weights "
                         f"and needs model.dtype = \"bfloat16\", got {d.model.dtype!r}")
+    if d.train.lora_a != "train" and d.train.params != "lora":
+        raise DeckError(f"{d.source}: train.lora_a: \"{d.train.lora_a}\" freezes the A "
+                        f"matrices of LoRA adapters; train.params is \"{d.train.params}\" "
+                        f"(set train.params = \"lora\" or remove train.lora_a)")
     if d.zo.offload == "host" and d.zo.schedule != "streamed":
         raise DeckError(f"{d.source}: zo.offload: \"host\" streams stages and needs "
                         f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")

@@ -20,8 +20,7 @@ it compares is allreduced first):
    probes, so a direction after the first costs a step at lr 0 and about 4 probes.
 4. The run's lr is the weighted median (in log) of the R minimizers times :data:`SAFETY`, each
    minimizer weighted by the loss decrease it reached per unit lr (``(L0 - L(lr)) / lr``,
-   about half the squared slope ``a`` below: the signal its line search had; capped at the
-   median weight, so that no single steep search outvotes the others): a direction
+   about half the squared slope ``a`` below: the signal its line search had): a direction
    nearly orthogonal to the gradient lowers the loss by little more than the float32 noise of
    the loss, so its search stops early on a small lr that says nothing of the curvature
    (measured on SmolLM2, law/education/drugs seed 0: minimizers 1.9e-5 and 3.8e-5 with
@@ -94,20 +93,12 @@ def _median_log(xs: list[float]) -> float:
     return float(np.exp(np.median(np.log(np.asarray(xs, np.float64)))))
 
 
-def _weighted_median_log(xs: list[float], ws: list[float], cap: bool = False) -> float:
+def _weighted_median_log(xs: list[float], ws: list[float]) -> float:
     """The weighted median of positive numbers ``xs`` (weights ``ws`` >= 0, not all 0): the
     smallest x whose cumulative weight, in increasing order of x, reaches half the total;
-    equal weights give the lower middle one (the plain median of an odd count).
-
-    ``cap``: every weight above the median weight counts as the median weight first. The
-    weights are there to silence flat searches (low weights keep their share), not to let one
-    steep search outvote the rest: on SmolLM2 (law/education/drugs seed 2, LoRA with a frozen
-    A) the one search that stopped at its first candidate had 14.3 against 0.6-5.0 for the
-    seven others and alone set the lr, a quarter to a sixth of the other seeds'."""
+    equal weights give the lower middle one (the plain median of an odd count)."""
     x = np.asarray(xs, np.float64)
     w = np.asarray(ws, np.float64)
-    if cap:
-        w = np.minimum(w, np.median(w))
     order = np.argsort(x, kind="stable")
     c = np.cumsum(w[order])
     return float(x[order][int(np.searchsorted(c, 0.5 * c[-1]))])
@@ -273,17 +264,17 @@ def scan_lr(engine: ZOEngine, task, batcher, steps_left: int, frac: float, step_
         log.warning("zo.lr = \"auto\": no step along the scanned directions lowered the loss; "
                     "lr %.3g", lr)
         return lr, used
-    best_lr = _weighted_median_log(picks, weights, cap=True)
+    best_lr = _weighted_median_log(picks, weights)
     chosen = best_lr * (SAFETY if n_dirs else 1.0)
     if n_dirs == 0:
         log.warning("zo.lr = \"auto\": the line search does not fit zo.lr_scan_fraction of "
                     "this run's forward passes; lr %.3g from the size of one step", chosen)
     else:
         log.info("zo.lr = \"auto\": lr %.3e (the line searches' minimizers %s, their "
-                 "median weighted by the decrease per unit lr %s capped at their median "
-                 "%.3g, x %.2g; %d forward passes per rank, %.1f%% of the run's)", chosen,
+                 "median weighted by the decrease per unit lr %s, x %.2g; %d forward passes "
+                 "per rank, %.1f%% of the run's)", chosen,
                  ", ".join(f"{x:.2e}" for x in picks), ", ".join(f"{x:.3g}" for x in weights),
-                 float(np.median(weights)), SAFETY, used,
+                 SAFETY, used,
                  100.0 * used / max(steps_left * per, 1))
     return chosen, used
 

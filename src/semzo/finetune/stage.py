@@ -26,6 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checkpoint import Checkpointer, CheckpointError, list_checkpoints
+from ..deck.read import unread_keys
 from ..energy import summary as energy_summary
 from ..h5check import SHARD_KEYS, agree, deck_drift
 from ..h5io import create_collective, row_range, string_array, write_slab
@@ -220,6 +221,8 @@ def run_finetune_stage(ctx) -> dict:
              z.lr if z.lr == "auto" else f"{z.lr:.2e}", schedule_name(deck), z.eps, z.dist_name,
              z.estimator_name if z.estimator_name == "mezo" else
              f"fzoo ({engine.n_directions} directions per step)")
+    for msg in unread_keys(deck) if topo.rank == 0 else ():
+        log.warning("finetune: %s", msg)
 
     # a resumed run keeps the rows of metrics.csv up to its checkpoint and the held-out
     # figures from before fine-tuning that the checkpoint recorded (not those at the resume)
