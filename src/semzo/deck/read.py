@@ -178,13 +178,13 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
     if d.model.matmul == "bfloat16" and d.model.dtype != "bfloat16":
         raise DeckError(f"{d.source}: model.matmul: \"bfloat16\" multiplies bfloat16 weights "
                         f"and needs model.dtype = \"bfloat16\", got {d.model.dtype!r}")
+    if d.zo.offload == "host" and d.zo.schedule != "streamed":
+        raise DeckError(f"{d.source}: zo.offload: \"host\" streams stages and needs "
+                        f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")
     if d.train.lora_a != "train" and d.train.params != "lora":
         raise DeckError(f"{d.source}: train.lora_a: \"{d.train.lora_a}\" freezes the A "
                         f"matrices of LoRA adapters; train.params is \"{d.train.params}\" "
                         f"(set train.params = \"lora\" or remove train.lora_a)")
-    if d.zo.offload == "host" and d.zo.schedule != "streamed":
-        raise DeckError(f"{d.source}: zo.offload: \"host\" streams stages and needs "
-                        f"zo.schedule = \"streamed\", got {d.zo.schedule!r}")
     if d.train.val_fraction > 0:
         if d.train.eval_every <= 0:
             raise DeckError(f"{d.source}: train.val_fraction: a validation split is read by "
