@@ -31,14 +31,11 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     subprocess.run([cc, "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-shared", "-fPIC",
                     "-x", "c", str(src), "-o", str(so), "-lm"], check=True)
     lib = ctypes.CDLL(str(so))
-    lib.lm_rmsnorm_apply2.argtypes = [P, P, I, P, P, P, I, P, P, I, LL, I, F]
+    lib.lm_rmsnorm_row.argtypes = [P, P, I, P, P, I, P, P, I, LL, I, F]
     lib.lm_gated.argtypes = [P, P, LL, I, I]
     lib.lm_rope_split.argtypes = [P, P, I, P, P, P, I, P, LL, I, I, I, I, I, LL, LL]
-    lib.lm_softmax_scale.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
-    lib.lm_softmax_exp.argtypes = [P, P, P, LL, I, I, LL, LL, I, I]
-    lib.lm_softmax_div.argtypes = [P, P, LL, I]
-    lib.lm_center.argtypes = [P, P, P, LL, I]
-    lib.lm_layernorm_apply.argtypes = [P, P, P, P, P, LL, I, F]
+    lib.lm_softmax_row.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
+    lib.lm_layernorm_row.argtypes = [P, P, P, P, LL, I, F]
     lib.lm_add_bias.argtypes = [P, P, P, LL, I]
     lib.lm_bias_act.argtypes = [P, P, LL, I, I]
     lib.lm_to_bf16.argtypes = [P, P, LL]
@@ -62,18 +59,18 @@ def test_source_compiles_as_c_with_every_kernel(lib):
         assert hasattr(lib, name)
 
 
-def _rms2(lib, x, ss, g, out, resid=None, bits=None):
-    """lm_rmsnorm_apply2 with g float32 or bfloat16 bits, an optional residual and bits."""
+def _rms2(lib, x, g, out, resid=None, bits=None):
+    """lm_rmsnorm_row with g float32 or bfloat16 bits, an optional residual and bits."""
     gb = g.dtype == np.uint16
     spare = np.zeros(1, np.uint16)
-    lib.lm_rmsnorm_apply2(ptr(x), ptr(x if resid is None else resid), int(resid is not None),
-                          ptr(ss), ptr(out if gb else g), ptr(g if gb else spare), int(gb),
-                          ptr(out), ptr(spare if bits is None else bits), int(bits is not None),
-                          x.shape[0], x.shape[1], 1e-6)
+    lib.lm_rmsnorm_row(ptr(x), ptr(x if resid is None else resid), int(resid is not None),
+                       ptr(out if gb else g), ptr(g if gb else spare), int(gb),
+                       ptr(out), ptr(spare if bits is None else bits), int(bits is not None),
+                       x.shape[0], x.shape[1], 1e-6)
 
 
 def test_rmsnorm_matches_the_xp_version(lib, xp_path):
-    """lm_rmsnorm_apply2: the xp version's norm; in place; gamma read as bfloat16 bits the
+    """lm_rmsnorm_row: the xp version's norm; in place; gamma read as bfloat16 bits the
     same as upcast; the residual folded in (resid written first, out may be resid); the
     bfloat16 bits of out bit for bit as storage.to_bits."""
     from semzo.model.storage import to_bits, to_float32
@@ -82,32 +79,30 @@ def test_rmsnorm_matches_the_xp_version(lib, xp_path):
     x = rng.standard_normal((n, h)).astype(np.float32) * 3
     g = rng.standard_normal(h).astype(np.float32)
     ref = kernels_lm.rmsnorm(x, g, eps, np.empty_like(x))
-    ss = (x * x).sum(axis=1, dtype=np.float32)
     out = np.full_like(x, np.nan)
-    _rms2(lib, x, ss, g, out)
+    _rms2(lib, x, g, out)
     np.testing.assert_allclose(out, ref, rtol=2e-6, atol=1e-7)
     y = x.copy()                                    # in place (out is x)
-    _rms2(lib, y, ss, g, y)
+    _rms2(lib, y, g, y)
     assert np.array_equal(y, out)
     gbits = to_bits(g)                              # gamma as bits = its upcast as float32
     a, b = np.empty_like(x), np.empty_like(x)
-    _rms2(lib, x, ss, gbits, a)
-    _rms2(lib, x, ss, to_float32(gbits), b)
+    _rms2(lib, x, gbits, a)
+    _rms2(lib, x, to_float32(gbits), b)
     assert np.array_equal(a, b)
     bits = np.zeros((n, h), np.uint16)              # the projections' input, in the same pass
-    _rms2(lib, x, ss, g, a, bits=bits)
+    _rms2(lib, x, g, a, bits=bits)
     assert np.array_equal(bits, to_bits(a))
     r0 = rng.standard_normal((n, h)).astype(np.float32)
     resid, o = r0.copy(), np.empty_like(x)          # residual folded in
     want_r = r0 + x
-    ss2 = (want_r * want_r).sum(axis=1, dtype=np.float32)
-    _rms2(lib, x, ss2, g, o, resid=resid, bits=bits)
+    _rms2(lib, x, g, o, resid=resid, bits=bits)
     assert np.array_equal(resid, want_r)
     np.testing.assert_allclose(o, kernels_lm.rmsnorm(want_r, g, eps, np.empty_like(x)),
                                rtol=2e-6, atol=1e-7)
     assert np.array_equal(bits, to_bits(o))
     resid = r0.copy()                               # out is resid (the post-norm layout)
-    _rms2(lib, x, ss2, g, resid, resid=resid)
+    _rms2(lib, x, g, resid, resid=resid)
     assert np.array_equal(resid, o)
 
 
@@ -166,15 +161,8 @@ def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, 
 
 
 def _softmax_c(lib, s, maskf, scale, rows, tq, tk, bdiv, past, window, causal):
-    """The three kernels around NumPy's max and sum (CuPy's reductions on the GPU)."""
-    flat = s.reshape(rows, tk)
-    lib.lm_softmax_scale(ptr(flat), ptr(maskf), rows, tq, tk, bdiv, past, window, causal,
-                         scale)
-    mx = np.ascontiguousarray(flat.max(axis=1))
-    lib.lm_softmax_exp(ptr(flat), ptr(mx), ptr(maskf), rows, tq, tk, bdiv, past, window,
-                       causal)
-    tot = np.ascontiguousarray(flat.sum(axis=1, dtype=np.float32))
-    lib.lm_softmax_div(ptr(flat), ptr(tot), rows, tk)
+    """lm_softmax_row: mask and scale, max, exp, sum and divide, one row at a time."""
+    lib.lm_softmax_row(ptr(s), ptr(maskf), rows, tq, tk, bdiv, past, window, causal, scale)
 
 
 @pytest.mark.parametrize("past,window", [(0, 0), (3, 0), (2, 4)])
@@ -250,13 +238,12 @@ def test_layernorm_matches_the_xp_version(lib, xp_path):
     g = rng.standard_normal(h).astype(np.float32)
     bt = rng.standard_normal(h).astype(np.float32)
     ref = kernels.layernorm(x, g, bt, eps, out=np.empty_like(x))
-    mean = np.ascontiguousarray(x.mean(axis=1, dtype=np.float32))
     out = np.full_like(x, np.nan)
-    lib.lm_center(ptr(x), ptr(mean), ptr(out), n, h)         # into out, as on the GPU
-    assert np.array_equal(out, x - mean[:, None])
-    ss = np.ascontiguousarray((out * out).sum(axis=1, dtype=np.float32))
-    lib.lm_layernorm_apply(ptr(out), ptr(ss), ptr(g), ptr(bt), ptr(out), n, h, eps)
+    lib.lm_layernorm_row(ptr(x), ptr(g), ptr(bt), ptr(out), n, h, eps)
     np.testing.assert_allclose(out, ref, rtol=2e-5, atol=2e-6)
+    y = x.copy()                                              # in place (out is x)
+    lib.lm_layernorm_row(ptr(y), ptr(g), ptr(bt), ptr(y), n, h, eps)
+    assert np.array_equal(y, out)
 
 
 def test_add_bias_is_the_xp_version_bit_for_bit(lib, xp_path):

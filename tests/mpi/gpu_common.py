@@ -79,16 +79,23 @@ def mpi_cuda_aware() -> tuple[bool, str]:
 
 
 def count_fused_launches(monkeypatch) -> list:
-    """Record every launch of the fused forward kernels (semzo.model.kernels_gpu) in the
-    returned list (one entry, the element count, per launch); SEMZO_GPU_FUSED set on."""
+    """Record every launch of the fused forward kernels (semzo.model.kernels_gpu), the
+    elementwise ones and the row kernels, in the returned list (one entry, the kernel's
+    name, per launch); SEMZO_GPU_FUSED set on."""
     from semzo.model import kernels_gpu
     launched: list = []
-    real = kernels_gpu._launch
 
-    def counted(fn, n, args):
-        launched.append(n)
-        return real(fn, n, args)
+    def name_of(fn) -> str:
+        k = kernels_gpu._kernels()
+        return next((n for n, f in (k[1].items() if k else ()) if f is fn), "?")
 
-    monkeypatch.setattr(kernels_gpu, "_launch", counted)
+    for attr in ("_launch", "_launch_rows"):
+        real = getattr(kernels_gpu, attr)
+
+        def counted(fn, *rest, _real=real):
+            launched.append(name_of(fn))
+            return _real(fn, *rest)
+
+        monkeypatch.setattr(kernels_gpu, attr, counted)
     monkeypatch.setenv("SEMZO_GPU_FUSED", "1")
     return launched

@@ -5,13 +5,18 @@ operations: the first GPU profile (SmolLM2 64 x 128, bfloat16 storage, an H200, 
 counted 3499 kernels per three forwards, 16 % of the device time in float32 copies and a
 third in short elementwise kernels. Here each chain is one kernel: the rotary split into
 q / k / v (one launch per destination instead of about fifteen), the gated activation (one
-instead of six, reading gate and up in place), RMSNorm (a sum-of-squares reduction, then one
-kernel) and the attention softmax (mask-and-scale, exp, divide around CuPy's own max and sum
-reductions, instead of about twelve with a boolean mask the size of the scores).
+instead of six, reading gate and up in place), and three row kernels, one block per row with
+block-wide reductions: RMSNorm (the residual add before it folded in), the encoder's
+LayerNorm (mean and sum of squares), and the attention softmax (mask-and-scale, max, exp,
+sum and divide in one launch, instead of about twelve with a boolean mask the size of the
+scores; in the first fused version, three kernels around CuPy's max and sum, whose host
+dispatch cost 50-90 us each).
 
 The arithmetic is the ``xp`` version's, operation for operation and in the same order, and
 the source is compiled with ``--fmad=false`` (no multiply-add contracted), so an elementwise
-kernel gives the bits the chain of CuPy kernels gives; the reductions are CuPy's. The same
+kernel gives the bits the chain of CuPy kernels gives. The row kernels' sums are taken in
+their own order (each thread's strided partial sum, then a warp-shuffle tree): the same
+float32 sums up to rounding, the same bits on every run of one block size. The same
 source compiles as plain C (the ``LM_*`` macros turn each grid-stride loop into a serial
 loop): ``tests/test_kernels_gpu.py`` builds it with gcc and checks every kernel against the
 ``xp`` version on the CPU.
@@ -35,10 +40,11 @@ from semzo.model.erf import ERF_A, ERF_B
 from semzo.model.storage import to_float32
 
 THREADS_PER_BLOCK = 256
-KERNELS = ("lm_rmsnorm_apply2", "lm_gated", "lm_rope_split", "lm_softmax_scale",
-           "lm_softmax_exp", "lm_softmax_div", "lm_center", "lm_layernorm_apply",
-           "lm_add_bias", "lm_bias_act", "lm_to_bf16")
+KERNELS = ("lm_rmsnorm_row", "lm_gated", "lm_rope_split", "lm_softmax_row",
+           "lm_layernorm_row", "lm_add_bias", "lm_bias_act", "lm_to_bf16")
+ROW_KERNELS = frozenset(("lm_rmsnorm_row", "lm_softmax_row", "lm_layernorm_row"))
 MAX_BLOCKS = 65535
+MAX_ROW_BLOCKS = 2 ** 31 - 1
 
 _SOURCE = r"""
 // semzo decoder kernels (generated from semzo/model/kernels_gpu.py)
@@ -54,6 +60,43 @@ _SOURCE = r"""
 #define LM_DEV inline
 #define LM_FOR(i, n) for (long long i = 0; i < (n); ++i)
 #endif
+
+// Row kernels: one block per row (rows strided over the grid), the block's threads strided
+// over the row's columns, block-wide reductions. In C, one "thread" takes every column and
+// a block reduction is the identity.
+#ifdef __CUDACC__
+#define LM_ROWS(r, n) for (long long r = blockIdx.x; r < (n); r += gridDim.x)
+#define LM_COLS(j, n) for (int j = threadIdx.x; j < (n); j += blockDim.x)
+// the sum (op 0) or the NaN-propagating max (op 1) of v over the block, returned to every
+// thread; the order is fixed by the block size (deterministic); the leading barrier lets a
+// second call reuse the shared slots
+LM_DEV float lm_block_reduce(float v, int op) {
+  __shared__ float sh[32];
+  for (int o = 16; o > 0; o >>= 1) {
+    float u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = op ? ((u > v || u != u) ? u : v) : v + u;
+  }
+  int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
+  __syncthreads();
+  if (lane == 0) sh[wid] = v;
+  __syncthreads();
+  if (wid == 0) {
+    v = lane < nw ? sh[lane] : (op ? __int_as_float(0xff800000) : 0.0f);
+    for (int o = 16; o > 0; o >>= 1) {
+      float u = __shfl_xor_sync(0xffffffffu, v, o);
+      v = op ? ((u > v || u != u) ? u : v) : v + u;
+    }
+    if (lane == 0) sh[0] = v;
+  }
+  __syncthreads();
+  return sh[0];
+}
+#else
+#define LM_ROWS(r, n) for (long long r = 0; r < (n); ++r)
+#define LM_COLS(j, n) for (int j = 0; j < (n); ++j)
+LM_DEV float lm_block_reduce(float v, int op) { (void)op; return v; }
+#endif
+#define LM_MAX(a, b) (((b) > (a) || (b) != (b)) ? (b) : (a))
 
 #ifdef __CUDACC__
 LM_DEV unsigned int lm_f2u(float x) { return __float_as_uint(x); }
@@ -80,27 +123,35 @@ LM_GLOBAL lm_to_bf16(const float* x, unsigned short* out, long long n) {
   }
 }
 
-// y[r, j] = x[r, j], or with res: y = resid[r, j] + x[r, j], written back to resid;
-// out[r, j] = g[j] * (y * (1 / sqrt(ss[r] / h + eps))) with g float32 (gf) or bfloat16 bits
+// per row r: y[j] = x[r, j], or with res: y = resid[r, j] + x[r, j], written back to resid;
+// ss = sum of y * y over the row (a block reduction);
+// out[r, j] = g[j] * (y * (1 / sqrt(ss / h + eps))) with g float32 (gf) or bfloat16 bits
 // (gb, when gbits); with bits also ob[r, j] = the bfloat16 bits of out[r, j] (the input of
 // model.matmul = "bfloat16"'s projections). x, resid, out, ob (rows, h); out may be x or resid.
-LM_GLOBAL lm_rmsnorm_apply2(const float* x, float* resid, int res, const float* ss,
-                            const float* gf, const unsigned short* gb, int gbits, float* out,
-                            unsigned short* ob, int bits, long long rows, int h, float eps) {
-  LM_FOR(i, rows * (long long)h) {
-    long long r = i / h;
-    int j = (int)(i - r * h);
-    float y = x[i];
-    if (res) {
-      y = resid[i] + y;
-      resid[i] = y;
+LM_GLOBAL lm_rmsnorm_row(const float* x, float* resid, int res, const float* gf,
+                         const unsigned short* gb, int gbits, float* out,
+                         unsigned short* ob, int bits, long long rows, int h, float eps) {
+  LM_ROWS(r, rows) {
+    long long o = r * (long long)h;
+    float acc = 0.0f;
+    LM_COLS(j, h) {
+      float y = x[o + j];
+      if (res) {
+        y = resid[o + j] + y;
+        resid[o + j] = y;
+      }
+      acc = acc + y * y;
     }
-    float inv = 1.0f / sqrtf(ss[r] / (float)h + eps);
-    float g = gbits ? lm_u2f(((unsigned int)gb[j]) << 16) : gf[j];
-    float v = g * (y * inv);
-    out[i] = v;
-    if (bits) {
-      ob[i] = lm_bf16(v);
+    float ss = lm_block_reduce(acc, 0);
+    float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    LM_COLS(j, h) {
+      float y = res ? resid[o + j] : x[o + j];
+      float g = gbits ? lm_u2f(((unsigned int)gb[j]) << 16) : gf[j];
+      float v = g * (y * inv);
+      out[o + j] = v;
+      if (bits) {
+        ob[o + j] = lm_bf16(v);
+      }
     }
   }
 }
@@ -173,49 +224,65 @@ LM_GLOBAL lm_rope_split(const float* qkv, const float* bias, int has_bias,
   int keep = (!causal || (j <= qi && (w <= 0 || j > qi - w))) &&             \
              maskf[bb * tk + j] > 0.0f;
 
-// s = keep ? s * scale : -3e38 (in place); bdiv = grp * nkv
-LM_GLOBAL lm_softmax_scale(float* s, const float* maskf, long long rows, int tq, int tk,
-                           long long bdiv, long long past, int w, int causal, float scale) {
-  LM_FOR(i, rows * (long long)tk) {
-    LM_KEEP(i)
-    s[i] = keep ? s[i] * scale : -3.0e38f;
-  }
-}
-
-// s = keep ? exp(s - mx[r]) : 0 (in place)
-LM_GLOBAL lm_softmax_exp(float* s, const float* mx, const float* maskf, long long rows,
-                         int tq, int tk, long long bdiv, long long past, int w, int causal) {
-  LM_FOR(i, rows * (long long)tk) {
-    LM_KEEP(i)
-    s[i] = keep ? expf(s[i] - mx[r]) : 0.0f;
-  }
-}
-
-// s /= (tot[r] > 0 ? tot[r] : 1) (in place)
-LM_GLOBAL lm_softmax_div(float* s, const float* tot, long long rows, int tk) {
-  LM_FOR(i, rows * (long long)tk) {
-    long long r = i / tk;
-    float t = tot[r];
-    s[i] = s[i] / (t > 0.0f ? t : 1.0f);
+// per row r of s (rows, tk), in place: v = keep ? s * scale : -3e38; mx = max of the row;
+// e = keep ? exp(v - mx) : 0; s = e / (tot > 0 ? tot : 1), tot = the row's sum of e
+// (bdiv = grp * nkv; LM_KEEP above)
+LM_GLOBAL lm_softmax_row(float* s, const float* maskf, long long rows, int tq, int tk,
+                         long long bdiv, long long past, int w, int causal, float scale) {
+  LM_ROWS(r, rows) {
+    long long o = r * (long long)tk;
+    long long qi = r % tq + past;
+    long long bb = r / ((long long)tq * bdiv);
+    float mx = -3.0e38f;
+    int any = 0;
+    LM_COLS(j, tk) {
+      int keep = (!causal || (j <= qi && (w <= 0 || j > qi - w))) &&
+                 maskf[bb * tk + j] > 0.0f;
+      float v = keep ? s[o + j] * scale : -3.0e38f;
+      s[o + j] = v;
+      mx = any ? LM_MAX(mx, v) : v;
+      any = 1;
+    }
+    mx = lm_block_reduce(any ? mx : -3.0e38f, 1);
+    float acc = 0.0f;
+    LM_COLS(j, tk) {
+      int keep = (!causal || (j <= qi && (w <= 0 || j > qi - w))) &&
+                 maskf[bb * tk + j] > 0.0f;
+      float e = keep ? expf(s[o + j] - mx) : 0.0f;
+      s[o + j] = e;
+      acc = acc + e;
+    }
+    float tot = lm_block_reduce(acc, 0);
+    float d = tot > 0.0f ? tot : 1.0f;
+    LM_COLS(j, tk) {
+      s[o + j] = s[o + j] / d;
+    }
   }
 }
 
 // ---- the encoder's (and GPT-2's) LayerNorm, bias + residual, bias + activation
-// d[r, j] = x[r, j] - mean[r] (d may be x)
-LM_GLOBAL lm_center(const float* x, const float* mean, float* d, long long rows, int h) {
-  LM_FOR(i, rows * (long long)h) {
-    d[i] = x[i] - mean[i / h];
-  }
-}
-
-// out[r, j] = (d[r, j] * (1 / sqrt(ss[r] / h + eps))) * g[j] + b[j] (out may be d)
-LM_GLOBAL lm_layernorm_apply(const float* d, const float* ss, const float* g, const float* b,
-                             float* out, long long rows, int h, float eps) {
-  LM_FOR(i, rows * (long long)h) {
-    long long r = i / h;
-    int j = (int)(i - r * h);
-    float inv = 1.0f / sqrtf(ss[r] / (float)h + eps);
-    out[i] = (d[i] * inv) * g[j] + b[j];
+// per row r: mean = (sum of x[r, :]) / h; d = x - mean (written to out: out may be x);
+// ss = sum of d * d; out[r, j] = (d * (1 / sqrt(ss / h + eps))) * g[j] + b[j]
+LM_GLOBAL lm_layernorm_row(const float* x, const float* g, const float* b, float* out,
+                           long long rows, int h, float eps) {
+  LM_ROWS(r, rows) {
+    long long o = r * (long long)h;
+    float acc = 0.0f;
+    LM_COLS(j, h) {
+      acc = acc + x[o + j];
+    }
+    float mean = lm_block_reduce(acc, 0) / (float)h;
+    acc = 0.0f;
+    LM_COLS(j, h) {
+      float d = x[o + j] - mean;
+      out[o + j] = d;
+      acc = acc + d * d;
+    }
+    float ss = lm_block_reduce(acc, 0);
+    float inv = 1.0f / sqrtf(ss / (float)h + eps);
+    LM_COLS(j, h) {
+      out[o + j] = (out[o + j] * inv) * g[j] + b[j];
+    }
   }
 }
 
@@ -294,20 +361,14 @@ _FAILED: dict = {}
 def _module(device_id: int):
     import cupy  # GPU only
     mod = cupy.RawModule(code=cuda_source(), options=("--fmad=false",))
-    for name in KERNELS:
-        mod.get_function(name)          # compile now: a failure falls back before any launch
-    sumsq = cupy.ReductionKernel("float32 x", "float32 y", "x * x", "a + b", "y = a", "0",
-                                 "semzo_sumsq")
-    # the sum of squares of resid + x, the sum the residual norm takes before it writes
-    # resid: the same float32 addition as the kernel's
-    sumsq2 = cupy.ReductionKernel("float32 r, float32 x", "float32 y", "(r + x) * (r + x)",
-                                  "a + b", "y = a", "0", "semzo_sumsq_res")
-    return mod, sumsq, sumsq2
+    # compiled now (a failure falls back before any launch) and kept: RawModule.get_function
+    # costs about 10 us of host time per call, and the forward is bound by the host
+    return mod, {name: mod.get_function(name) for name in KERNELS}
 
 
 def _kernels():
-    """(RawModule, sum-of-squares reduction) of the current device, or None when turned off
-    or when they do not compile here (warned once)."""
+    """(RawModule, {kernel name: its compiled function}) of the current device, or None when
+    turned off or when they do not compile here (warned once)."""
     if not enabled():
         return None
     import cupy  # GPU only
@@ -327,6 +388,14 @@ def _kernels():
 def _launch(fn, n: int, args: tuple) -> None:
     blocks = max(1, min(MAX_BLOCKS, -(-int(n) // THREADS_PER_BLOCK)))
     fn((blocks,), (THREADS_PER_BLOCK,), args)
+
+
+def _launch_rows(fn, rows: int, cols: int, args: tuple) -> None:
+    """A row kernel: one block per row (up to MAX_ROW_BLOCKS; the kernel strides over the
+    rest), the row's columns over the block's threads (a multiple of the warp, at most
+    THREADS_PER_BLOCK)."""
+    threads = min(THREADS_PER_BLOCK, max(32, -(-int(cols) // 32) * 32))
+    fn((max(1, min(MAX_ROW_BLOCKS, int(rows))),), (threads,), args)
 
 
 def _f32c(a) -> bool:
@@ -354,16 +423,14 @@ def rmsnorm(x, gamma, eps: float, out, bits=None, resid=None) -> bool:
                              bits.shape != x.shape):
         return False
     import cupy  # GPU only
-    mod, sumsq, sumsq2 = k
     g = cupy.ascontiguousarray(gamma)
     gb = g.dtype == np.uint16
-    ss = sumsq(x, axis=1) if resid is None else sumsq2(resid, x, axis=1)
     unused = out.view(np.uint16)            # a valid pointer the kernel does not read
-    _launch(mod.get_function("lm_rmsnorm_apply2"), rows * h,
-            (x, x if resid is None else resid, np.int32(resid is not None), ss,
-             out if gb else g, g if gb else unused, np.int32(gb), out,
-             bits if bits is not None else unused, np.int32(bits is not None),
-             np.int64(rows), np.int32(h), np.float32(eps)))
+    _launch_rows(k[1]["lm_rmsnorm_row"], rows, h,
+                 (x, x if resid is None else resid, np.int32(resid is not None),
+                  out if gb else g, g if gb else unused, np.int32(gb), out,
+                  bits if bits is not None else unused, np.int32(bits is not None),
+                  np.int64(rows), np.int32(h), np.float32(eps)))
     return True
 
 
@@ -379,7 +446,7 @@ def gated(gu, kind: int, out) -> bool:
     m = m2 // 2
     if out.shape != (rows, m):
         return False
-    _launch(k[0].get_function("lm_gated"), rows * m,
+    _launch(k[1]["lm_gated"], rows * m,
             (gu, out, np.int64(rows), np.int32(m), np.int32(kind)))
     return True
 
@@ -415,7 +482,7 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
         if bias.dtype != np.float32 or bias.size != w:
             return False
     bias_arr = cupy.zeros(1, cupy.float32) if bias is None else cupy.ascontiguousarray(bias)
-    fn = k[0].get_function("lm_rope_split")
+    fn = k[1]["lm_rope_split"]
     for dst, heads, off, rot in ((q, nh, 0, h2), (kc, nkv, nh, h2), (vc, nkv, nh + nkv, 0)):
         dlen = t if dst is q else dst.shape[2]
         at = 0 if dst is q else past
@@ -440,24 +507,17 @@ def attn_softmax(s, maskf, scale: float, nkv: int, past: int, w: int,
     if maskf.dtype != np.float32 or maskf.shape != (b, tk) or b * nkv != bn:
         return False
     m = cupy.ascontiguousarray(maskf)
-    mod = k[0]
     rows = bn * grp * tq
-    flat = s.reshape(rows, tk)
-    n = rows * tk
-    idx = (np.int64(rows), np.int32(tq), np.int32(tk), np.int64(grp * nkv), np.int64(past),
-           np.int32(w), np.int32(bool(causal)))
-    _launch(mod.get_function("lm_softmax_scale"), n, (flat, m, *idx, np.float32(scale)))
-    mx = flat.max(axis=1)
-    _launch(mod.get_function("lm_softmax_exp"), n, (flat, mx, m, *idx))
-    tot = flat.sum(axis=1)
-    _launch(mod.get_function("lm_softmax_div"), n, (flat, tot, np.int64(rows), np.int32(tk)))
+    _launch_rows(k[1]["lm_softmax_row"], rows, tk,
+                 (s, m, np.int64(rows), np.int32(tq), np.int32(tk), np.int64(grp * nkv),
+                  np.int64(past), np.int32(w), np.int32(bool(causal)), np.float32(scale)))
     return True
 
 
 def layernorm(x, gamma, beta, eps: float, out) -> bool:
     """:func:`semzo.model.kernels.layernorm` for float32 x, out (N, H) (out may be x) and
-    float32 gamma, beta (H,): CuPy's mean, the centred rows written to ``out``, their sum of
-    squares (the RMSNorm reduction), one kernel for the rest."""
+    float32 gamma, beta (H,): one row kernel (the mean and the centred rows' sum of squares
+    as two block reductions)."""
     k = _kernels()
     if k is None or x.ndim != 2 or not (_f32c(x) and _f32c(out)) or out.shape != x.shape:
         return False
@@ -466,14 +526,9 @@ def layernorm(x, gamma, beta, eps: float, out) -> bool:
             beta.shape != (h,):
         return False
     import cupy  # GPU only
-    mod, sumsq = k[0], k[1]
-    mean = x.mean(axis=1)
-    n = np.int64(rows)
-    _launch(mod.get_function("lm_center"), rows * h, (x, mean, out, n, np.int32(h)))
-    ss = sumsq(out, axis=1)
-    _launch(mod.get_function("lm_layernorm_apply"), rows * h,
-            (out, ss, cupy.ascontiguousarray(gamma), cupy.ascontiguousarray(beta), out, n,
-             np.int32(h), np.float32(eps)))
+    _launch_rows(k[1]["lm_layernorm_row"], rows, h,
+                 (x, cupy.ascontiguousarray(gamma), cupy.ascontiguousarray(beta), out,
+                  np.int64(rows), np.int32(h), np.float32(eps)))
     return True
 
 
@@ -485,7 +540,7 @@ def add_bias(resid, x, bias) -> bool:
         return False
     import cupy  # GPU only
     rows, h = resid.shape
-    _launch(k[0].get_function("lm_add_bias"), rows * h,
+    _launch(k[1]["lm_add_bias"], rows * h,
             (resid, x, cupy.ascontiguousarray(bias), np.int64(rows), np.int32(h)))
     return True
 
@@ -499,7 +554,7 @@ def bias_act(x, bias, kind: int) -> bool:
         return False
     import cupy  # GPU only
     rows, f = x.shape
-    _launch(k[0].get_function("lm_bias_act"), rows * f,
+    _launch(k[1]["lm_bias_act"], rows * f,
             (x, cupy.ascontiguousarray(bias), np.int64(rows), np.int32(f), np.int32(kind)))
     return True
 
@@ -511,5 +566,5 @@ def to_bf16(x, out) -> bool:
     if k is None or not _f32c(x) or out.dtype != np.uint16 or not out.flags.c_contiguous or \
             out.shape != x.shape:
         return False
-    _launch(k[0].get_function("lm_to_bf16"), x.size, (x, out, np.int64(x.size)))
+    _launch(k[1]["lm_to_bf16"], x.size, (x, out, np.int64(x.size)))
     return True
