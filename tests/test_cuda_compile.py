@@ -1,0 +1,90 @@
+"""The CUDA C of the GPU kernels compiled on a CPU machine: NVRTC (NVIDIA's runtime compiler,
+the library CuPy's RawModule calls on a GPU machine; the `nvidia-cuda-nvrtc` wheel of the test
+extra) needs no GPU and no driver. Both sources (the forward's fused kernels,
+semzo.model.kernels_gpu; the ZO kernels, semzo.zo.kernels_cuda) must compile with the options
+CuPy is given (``--fmad=false``) for the oldest and the newest architecture CUDA 13 supports,
+and every kernel the Python side launches must be an entry point of the result.
+
+Why: on a GPU a source that does not compile is met only at the first launch (the fused
+forward then warns and falls back to the generic CuPy chains), and a GPU is lent to few
+sessions; the C builds of the same sources (tests/test_kernels_gpu.py, test_zo_kernels.py)
+check the arithmetic but not CUDA's own constructs (shuffles, shared memory, intrinsics)."""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import re
+
+import pytest
+
+from semzo.model import kernels_gpu as model_gpu
+from semzo.zo import kernels_gpu as zo_gpu
+from semzo.zo.kernels_cuda import cuda_source as zo_source
+
+ARCHS = ("compute_75", "compute_90")
+
+
+@pytest.fixture(scope="module")
+def nvrtc() -> ctypes.CDLL:
+    import nvidia  # the nvidia-cuda-nvrtc wheel (test extra): a namespace package
+    libs = sorted(p for d in nvidia.__path__
+                  for p in glob.glob(os.path.join(d, "*", "lib", "libnvrtc.so*"))
+                  if "builtins" not in p)
+    assert libs, f"no libnvrtc.so under {list(nvidia.__path__)} (pip install nvidia-cuda-nvrtc)"
+    return ctypes.CDLL(libs[0])
+
+
+def compile_ptx(nv: ctypes.CDLL, source: str, name: str, arch: str) -> tuple[int, str, str]:
+    """(NVRTC's status, its log, the PTX) of ``source`` compiled as CuPy compiles it."""
+    prog = ctypes.c_void_p()
+    rc = nv.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None,
+                               None)
+    assert rc == 0, f"nvrtcCreateProgram: {rc}"
+    try:
+        opts = [b"--fmad=false", f"--gpu-architecture={arch}".encode()]
+        rc = nv.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        n = ctypes.c_size_t()
+        nv.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+        log = ctypes.create_string_buffer(n.value + 1)
+        nv.nvrtcGetProgramLog(prog, log)
+        ptx = ""
+        if rc == 0:
+            nv.nvrtcGetPTXSize(prog, ctypes.byref(n))
+            buf = ctypes.create_string_buffer(n.value + 1)
+            nv.nvrtcGetPTX(prog, buf)
+            ptx = buf.value.decode()
+        return rc, log.value.decode(errors="replace"), ptx
+    finally:
+        nv.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def entries(ptx: str) -> set[str]:
+    return set(re.findall(r"\.entry\s+(\w+)", ptx))
+
+
+def test_the_harness_sees_a_compile_error(nvrtc):
+    """A source with an error fails, and the log names the undefined identifier."""
+    rc, log, ptx = compile_ptx(nvrtc, 'extern "C" __global__ void k(float* x) '
+                                      '{ x[0] = not_defined_here; }', "bad.cu", ARCHS[0])
+    assert rc != 0 and ptx == ""
+    assert "not_defined_here" in log
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_forward_kernels_compile_with_every_entry_point(nvrtc, arch):
+    rc, log, ptx = compile_ptx(nvrtc, model_gpu.cuda_source(), "semzo_model.cu", arch)
+    assert rc == 0, log
+    assert set(model_gpu.KERNELS) <= entries(ptx), set(model_gpu.KERNELS) - entries(ptx)
+    assert model_gpu.ROW_KERNELS <= set(model_gpu.KERNELS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zo_kernels_compile_with_every_entry_point(nvrtc, arch):
+    rc, log, ptx = compile_ptx(nvrtc, zo_source(), "semzo_zo.cu", arch)
+    assert rc == 0, log
+    want = {"zo_zvec"} | {f"zo_{k}_{sfx}" for k in ("perturb", "restore_update",
+                                                     "multi_update", "stream")
+                          for sfx in zo_gpu.SUFFIX.values()}
+    assert want <= entries(ptx), want - entries(ptx)
