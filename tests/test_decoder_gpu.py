@@ -86,10 +86,10 @@ def test_fused_kernels_run_and_match_the_generic_cupy_chains(tmp_path, monkeypat
     gpu.forward_cached(ids[:, :12], cache)
     on_c = cp.asnumpy(gpu.forward_cached(ids[:, 12:16], cache))
     assert not fused._FAILED, fused._FAILED
-    # per layer and forward (three forwards): rope x 3, softmax, gated, rmsnorm x 2 (+ the
-    # final norm)
+    # per layer and forward (three forwards): rope x 3, softmax (at most 20 keys: a warp a
+    # row), gated, rmsnorm x 2 (+ the final norm)
     layers = CFG["num_hidden_layers"]
-    for name, per in (("lm_rope_split", 3), ("lm_softmax_row", 1), ("lm_gated", 1),
+    for name, per in (("lm_rope_split", 3), ("lm_softmax_warp", 1), ("lm_gated", 1),
                       ("lm_rmsnorm_row", 2)):
         assert launched.count(name) >= 3 * per * layers, (name, launched)
     n = len(launched)
@@ -189,3 +189,32 @@ def test_strided_batched_attention_gemms_match_numpy():
     batched_matmul_f32(cp.asarray(p), dk[:, :, :tk], c)
     want = p.astype(np.float64) @ kc[:, :, :tk]
     assert np.abs(c.get() - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("tk", [7, 256, 300])
+def test_gpu_softmax_kernels_match_the_generic_chain(monkeypatch, tk):
+    """attn_softmax on the device: the warp kernel (up to 32 x WARP_COLS keys) and the block
+    kernel (longer rows) against the generic CuPy chain (SEMZO_GPU_FUSED=0): causal with an
+    offset, padded keys, a row with no key, a sliding window."""
+    from semzo.model import kernels_gpu as fused
+    from semzo.model import kernels_lm
+    rng = np.random.default_rng(tk)
+    b, nkv, grp, tq = 3, 2, 3, 5
+    past = tk - tq
+    s0 = cp.asarray((rng.standard_normal((b * nkv, grp, tq, tk)) * 4).astype(np.float32))
+    maskf = np.ones((b, tk), np.float32)
+    maskf[1, :3] = 0.0
+    maskf[2, :] = 0.0
+    maskf = cp.asarray(maskf)
+    for window in (None, 4):
+        launched = count_fused_launches(monkeypatch)
+        on = kernels_lm.attn_softmax(s0.copy(), maskf, 0.3, nkv, past, window)
+        assert not fused._FAILED, fused._FAILED
+        want = "lm_softmax_warp" if tk <= 32 * fused.WARP_COLS else "lm_softmax_row"
+        assert launched == [want]
+        monkeypatch.setenv("SEMZO_GPU_FUSED", "0")
+        off = kernels_lm.attn_softmax(s0.copy(), maskf, 0.3, nkv, past, window)
+        assert launched == [want]
+        assert bool(cp.all((on == 0) == (off == 0)))
+        assert float(cp.max(cp.abs(on - off))) <= 2e-6
+        assert bool(cp.all(on[2 * nkv:] == 0))

@@ -163,9 +163,9 @@ def test_gpu_fused_kernels_match_the_generic_chains(folders, monkeypatch, family
     on = host(dev.hidden_states(ids, mask)).copy()
     assert not fused._FAILED, fused._FAILED
     layers = dev.config.num_layers          # per layer: two LayerNorms (GPT-2: with the final
-    for name, per in (("lm_softmax_row", 1), ("lm_bias_act", 1),           # one), a softmax,
-                      ("lm_layernorm_row", 2)):                            # the MLP's GELU
-        assert launched.count(name) >= per * layers, (name, launched)
+    for name, per in (("lm_softmax_warp", 1), ("lm_bias_act", 1),          # one), a softmax
+                      ("lm_layernorm_row", 2)):                            # (12 keys: a warp
+        assert launched.count(name) >= per * layers, (name, launched)      # a row), the GELU
     n = len(launched)
     monkeypatch.setenv("SEMZO_GPU_FUSED", "0")
     off = host(dev.hidden_states(ids, mask)).copy()

@@ -35,6 +35,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     lib.lm_gated.argtypes = [P, P, LL, I, I]
     lib.lm_rope_split.argtypes = [P, P, I, P, P, P, I, P, LL, I, I, I, I, I, LL, LL]
     lib.lm_softmax_row.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
+    lib.lm_softmax_warp.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
     lib.lm_layernorm_row.argtypes = [P, P, P, P, LL, I, F]
     lib.lm_add_bias.argtypes = [P, P, P, LL, I]
     lib.lm_bias_act.argtypes = [P, P, LL, I, I]
@@ -160,13 +161,19 @@ def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, 
     assert np.array_equal(kc[:, :, outside], k0[:, :, outside])     # the cache's other rows
 
 
-def _softmax_c(lib, s, maskf, scale, rows, tq, tk, bdiv, past, window, causal):
-    """lm_softmax_row: mask and scale, max, exp, sum and divide, one row at a time."""
-    lib.lm_softmax_row(ptr(s), ptr(maskf), rows, tq, tk, bdiv, past, window, causal, scale)
+def _softmax_c(lib, s, maskf, scale, rows, tq, tk, bdiv, past, window, causal,
+               kernel="lm_softmax_row"):
+    """lm_softmax_row (block per row) or lm_softmax_warp (warp per row, the row held in an
+    array): mask and scale, max, exp, sum and divide, one row at a time."""
+    getattr(lib, kernel)(ptr(s), ptr(maskf), rows, tq, tk, bdiv, past, window, causal, scale)
 
 
+SOFTMAX_KERNELS = ("lm_softmax_row", "lm_softmax_warp")
+
+
+@pytest.mark.parametrize("kernel", SOFTMAX_KERNELS)
 @pytest.mark.parametrize("past,window", [(0, 0), (3, 0), (2, 4)])
-def test_attn_softmax_matches_the_xp_version(lib, xp_path, past, window):
+def test_attn_softmax_matches_the_xp_version(lib, xp_path, past, window, kernel):
     """Causal, padded keys (a row left with no key: zeros), grouped queries (2 per kv head),
     a sliding window; masked entries exactly 0 as in the xp version."""
     rng = np.random.default_rng(past * 10 + window)
@@ -179,7 +186,8 @@ def test_attn_softmax_matches_the_xp_version(lib, xp_path, past, window):
     scale = 0.37
     ref = kernels_lm.attn_softmax(s0.copy(), maskf, scale, nkv, past, window or None)
     s = s0.copy()
-    _softmax_c(lib, s, maskf, scale, b * nkv * grp * tq, tq, tk, grp * nkv, past, window, 1)
+    _softmax_c(lib, s, maskf, scale, b * nkv * grp * tq, tq, tk, grp * nkv, past, window, 1,
+               kernel)
     assert np.array_equal(s == 0, ref == 0)
     np.testing.assert_allclose(s, ref, rtol=2e-6, atol=1e-7)
     assert np.all(s[2 * nkv:] == 0)           # batch 2's rows: zeros
@@ -214,8 +222,9 @@ def test_source_path_is_the_one_tests_build():
     assert "lm_rope_split" in kernels_gpu.cuda_source()
 
 
+@pytest.mark.parametrize("kernel", SOFTMAX_KERNELS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_encoder_masked_softmax_matches_the_xp_version(lib, xp_path, causal):
+def test_encoder_masked_softmax_matches_the_xp_version(lib, xp_path, causal, kernel):
     """kernels.masked_softmax (the encoder's, and GPT-2's): padding mask, optionally causal;
     s (B*heads, T, T) is viewed as (B*heads, 1, T, T)."""
     rng = np.random.default_rng(int(causal))
@@ -226,7 +235,7 @@ def test_encoder_masked_softmax_matches_the_xp_version(lib, xp_path, causal):
     maskf[2, :] = 0.0
     ref = kernels.masked_softmax(s0.copy(), maskf, 0.125, heads, causal)
     s = s0.copy()
-    _softmax_c(lib, s, maskf, 0.125, b * heads * t, t, t, heads, 0, 0, int(causal))
+    _softmax_c(lib, s, maskf, 0.125, b * heads * t, t, t, heads, 0, 0, int(causal), kernel)
     assert np.array_equal(s == 0, ref == 0)
     np.testing.assert_allclose(s, ref, rtol=2e-6, atol=1e-7)
 
@@ -293,3 +302,43 @@ def test_to_bf16_is_to_bits_bit_for_bit(lib):
     out = np.empty(v.shape, np.uint16)
     lib.lm_to_bf16(ptr(v), ptr(out), v.size)
     assert np.array_equal(out, to_bits(v))
+
+
+@pytest.mark.parametrize("tk", [5, 256, 257])
+def test_attn_softmax_entry_point_picks_the_kernel_by_row_length(lib, xp_path, monkeypatch, tk):
+    """kernels_gpu.attn_softmax on the CPU, its launches served by the C build: rows of up to
+    32 x WARP_COLS keys take the warp kernel with a warp for every row, longer ones the block
+    kernel with a block for every row; either gives the xp version's softmax."""
+    import sys
+    import types
+    launched = []
+
+    def fake(name):
+        def launch(grid, block, args):
+            launched.append((name, grid[0], block[0]))
+            c_args = [a.ctypes.data if isinstance(a, np.ndarray) and a.ndim else
+                      (a.item() if isinstance(a, np.generic) else a) for a in args]
+            getattr(lib, name)(*c_args)
+        return launch
+
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
+        ascontiguousarray=np.ascontiguousarray))
+    monkeypatch.setattr(kernels_gpu, "_kernels",
+                        lambda: (None, {n: fake(n) for n in kernels_gpu.KERNELS}))
+    rng = np.random.default_rng(tk)
+    b, nkv, grp, tq = 2, 2, 3, 4
+    past = tk - tq
+    s0 = (rng.standard_normal((b * nkv, grp, tq, tk)) * 3).astype(np.float32)
+    maskf = np.ones((b, tk), np.float32)
+    maskf[1, :2] = 0.0
+    ref = kernels_lm.attn_softmax(s0.copy(), maskf, 0.2, nkv, past, None)
+    s = s0.copy()
+    assert kernels_gpu.attn_softmax(s, maskf, 0.2, nkv, past, 0) is True
+    rows = b * nkv * grp * tq
+    ((name, grid, block),) = launched
+    if tk <= 32 * kernels_gpu.WARP_COLS:
+        assert name == "lm_softmax_warp" and grid * block // 32 >= rows
+    else:
+        assert name == "lm_softmax_row" and grid == rows and block % 32 == 0
+    assert np.array_equal(s == 0, ref == 0)
+    np.testing.assert_allclose(s, ref, rtol=2e-6, atol=1e-7)

@@ -80,7 +80,7 @@ def mpi_cuda_aware() -> tuple[bool, str]:
 
 def count_fused_launches(monkeypatch) -> list:
     """Record every launch of the fused forward kernels (semzo.model.kernels_gpu), the
-    elementwise ones and the row kernels, in the returned list (one entry, the kernel's
+    elementwise ones, the row kernels and the warp kernels, in the returned list (one entry, the kernel's
     name, per launch); SEMZO_GPU_FUSED set on."""
     from semzo.model import kernels_gpu
     launched: list = []
@@ -89,7 +89,7 @@ def count_fused_launches(monkeypatch) -> list:
         k = kernels_gpu._kernels()
         return next((n for n, f in (k[1].items() if k else ()) if f is fn), "?")
 
-    for attr in ("_launch", "_launch_rows"):
+    for attr in ("_launch", "_launch_rows", "_launch_warps"):
         real = getattr(kernels_gpu, attr)
 
         def counted(fn, *rest, _real=real):

@@ -10,7 +10,11 @@ block-wide reductions: RMSNorm (the residual add before it folded in), the encod
 LayerNorm (mean and sum of squares), and the attention softmax (mask-and-scale, max, exp,
 sum and divide in one launch, instead of about twelve with a boolean mask the size of the
 scores; in the first fused version, three kernels around CuPy's max and sum, whose host
-dispatch cost 50-90 us each).
+dispatch cost 50-90 us each). Rows of up to 32 x ``WARP_COLS`` keys (every training and
+prompt forward of the decks here) take a warp-per-row softmax instead, the row in registers:
+read once and written once where the block kernel reads and writes it three times (the block
+kernel took 110 us a launch on SmolLM2 64 x 128 on an H200 against a memory floor of about
+20 us).
 
 The arithmetic is the ``xp`` version's, operation for operation and in the same order, and
 the source is compiled with ``--fmad=false`` (no multiply-add contracted), so an elementwise
@@ -41,10 +45,13 @@ from semzo.model.storage import to_float32
 
 THREADS_PER_BLOCK = 256
 KERNELS = ("lm_rmsnorm_row", "lm_gated", "lm_rope_split", "lm_softmax_row",
-           "lm_layernorm_row", "lm_add_bias", "lm_bias_act", "lm_to_bf16")
+           "lm_softmax_warp", "lm_layernorm_row", "lm_add_bias", "lm_bias_act", "lm_to_bf16")
 ROW_KERNELS = frozenset(("lm_rmsnorm_row", "lm_softmax_row", "lm_layernorm_row"))
 MAX_BLOCKS = 65535
 MAX_ROW_BLOCKS = 2 ** 31 - 1
+#: lm_softmax_warp's columns per lane (LM_WC in the source): rows of up to 32 x WARP_COLS keys
+#: take the warp kernel, longer ones the block kernel
+WARP_COLS = 8
 
 _SOURCE = r"""
 // semzo decoder kernels (generated from semzo/model/kernels_gpu.py)
@@ -260,6 +267,66 @@ LM_GLOBAL lm_softmax_row(float* s, const float* maskf, long long rows, int tq, i
   }
 }
 
+// lm_softmax_row with one warp per row and the row in registers: the scores are read once
+// and written once (the block version reads them three times and writes them three times)
+// and no block barrier is waited on; on the GPU for tk <= 32 x LM_WC only (attn_softmax
+// picks). In C a "warp" is one thread taking every column (LM_WARR: a row-long array).
+#ifdef __CUDACC__
+#define LM_WC @WARP_COLS@
+#define LM_WARR(n) LM_WC
+#define LM_WROWS(r, n)                                                       \
+  for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; \
+       r < (n); r += ((long long)gridDim.x * blockDim.x) >> 5)
+#define LM_WCOLS(c, j, n)                                                    \
+  _Pragma("unroll") for (int c = 0, j = (int)(threadIdx.x & 31); c < LM_WC; ++c, j += 32) \
+    if (j < (n))
+// the sum (op 0) or the NaN-propagating max (op 1) of v over the warp, to every lane
+LM_DEV float lm_warp_reduce(float v, int op) {
+  for (int o = 16; o > 0; o >>= 1) {
+    float u = __shfl_xor_sync(0xffffffffu, v, o);
+    v = op ? ((u > v || u != u) ? u : v) : v + u;
+  }
+  return v;
+}
+#else
+#define LM_WARR(n) (n)
+#define LM_WROWS(r, n) for (long long r = 0; r < (n); ++r)
+#define LM_WCOLS(c, j, n) for (int c = 0, j = 0; c < (n); ++c, ++j)
+LM_DEV float lm_warp_reduce(float v, int op) { (void)op; return v; }
+#endif
+#define LM_SMX_KEEP(j) ((!causal || ((j) <= qi && (w <= 0 || (j) > qi - w))) && \
+                        maskf[bb * tk + (j)] > 0.0f)
+
+LM_GLOBAL lm_softmax_warp(float* s, const float* maskf, long long rows, int tq, int tk,
+                          long long bdiv, long long past, int w, int causal, float scale) {
+  LM_WROWS(r, rows) {
+    long long o = r * (long long)tk;
+    long long qi = r % tq + past;
+    long long bb = r / ((long long)tq * bdiv);
+    float v[LM_WARR(tk)];
+    float mx = -3.0e38f;
+    int any = 0;
+    LM_WCOLS(c, j, tk) {
+      float x = LM_SMX_KEEP(j) ? s[o + j] * scale : -3.0e38f;
+      v[c] = x;
+      mx = any ? LM_MAX(mx, x) : x;
+      any = 1;
+    }
+    mx = lm_warp_reduce(any ? mx : -3.0e38f, 1);
+    float acc = 0.0f;
+    LM_WCOLS(c, j, tk) {
+      float e = LM_SMX_KEEP(j) ? expf(v[c] - mx) : 0.0f;
+      v[c] = e;
+      acc = acc + e;
+    }
+    float tot = lm_warp_reduce(acc, 0);
+    float d = tot > 0.0f ? tot : 1.0f;
+    LM_WCOLS(c, j, tk) {
+      s[o + j] = v[c] / d;
+    }
+  }
+}
+
 // ---- the encoder's (and GPT-2's) LayerNorm, bias + residual, bias + activation
 // per row r: mean = (sum of x[r, :]) / h; d = x - mean (written to out: out may be x);
 // ss = sum of d * d; out[r, j] = (d * (1 / sqrt(ss / h + eps))) * g[j] + b[j]
@@ -337,7 +404,8 @@ def _f32_literal(c: float) -> str:
 def cuda_source() -> str:
     """The CUDA C source of the kernels (also valid C: see the module docstring), with the
     erf GELU's coefficients pasted from :mod:`semzo.model.erf`."""
-    src = _SOURCE.replace("@ERF_A0@", _f32_literal(ERF_A[0]))
+    src = _SOURCE.replace("@WARP_COLS@", str(max(1, int(WARP_COLS))))
+    src = src.replace("@ERF_A0@", _f32_literal(ERF_A[0]))
     src = src.replace("@ERF_B0@", _f32_literal(ERF_B[0]))
     src = src.replace("@ERF_P@", "\n".join(f"  p = p * x2 + {_f32_literal(c)};"
                                            for c in ERF_A[1:]))
@@ -396,6 +464,13 @@ def _launch_rows(fn, rows: int, cols: int, args: tuple) -> None:
     THREADS_PER_BLOCK)."""
     threads = min(THREADS_PER_BLOCK, max(32, -(-int(cols) // 32) * 32))
     fn((max(1, min(MAX_ROW_BLOCKS, int(rows))),), (threads,), args)
+
+
+def _launch_warps(fn, rows: int, args: tuple) -> None:
+    """A warp kernel: one warp per row, THREADS_PER_BLOCK / 32 rows a block (the kernel
+    strides over rows past MAX_ROW_BLOCKS blocks)."""
+    per = THREADS_PER_BLOCK // 32
+    fn((max(1, min(MAX_ROW_BLOCKS, -(-int(rows) // per))),), (THREADS_PER_BLOCK,), args)
 
 
 def _f32c(a) -> bool:
@@ -508,9 +583,12 @@ def attn_softmax(s, maskf, scale: float, nkv: int, past: int, w: int,
         return False
     m = cupy.ascontiguousarray(maskf)
     rows = bn * grp * tq
-    _launch_rows(k[1]["lm_softmax_row"], rows, tk,
-                 (s, m, np.int64(rows), np.int32(tq), np.int32(tk), np.int64(grp * nkv),
-                  np.int64(past), np.int32(w), np.int32(bool(causal)), np.float32(scale)))
+    args = (s, m, np.int64(rows), np.int32(tq), np.int32(tk), np.int64(grp * nkv),
+            np.int64(past), np.int32(w), np.int32(bool(causal)), np.float32(scale))
+    if tk <= 32 * WARP_COLS:
+        _launch_warps(k[1]["lm_softmax_warp"], rows, args)
+    else:
+        _launch_rows(k[1]["lm_softmax_row"], rows, tk, args)
     return True
 
 
