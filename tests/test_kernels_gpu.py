@@ -33,7 +33,8 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     lib.lm_rmsnorm_row.argtypes = [P, P, I, P, P, I, P, P, I, LL, I, F]
     lib.lm_gated.argtypes = [P, P, LL, I, I]
-    lib.lm_rope_split.argtypes = [P, P, I, P, P, P, I, P, LL, I, I, I, I, I, LL, LL]
+    lib.lm_rope_split.argtypes = [P, P, I, P, P, P, I, P, LL, I, I, I, I, I, LL, LL, P, I]
+    lib.lm_heads_to_rows.argtypes = [P, P, P, I, LL, I, I, I, I]
     lib.lm_softmax_row.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
     lib.lm_softmax_warp.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
     lib.lm_layernorm_row.argtypes = [P, P, P, P, LL, I, F]
@@ -124,14 +125,22 @@ def test_gated_matches_the_xp_version(lib, xp_path, act, kind):
         assert np.array_equal(out, ref)
 
 
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("rot_dims,bias,past", [(8, False, 0), (4, True, 3), (0, False, 2)])
-def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, past):
+def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, past, packed):
     """GQA (6 query heads, 2 kv heads), head dim 8, partial rotary (4 of 8 dims), biases,
-    caches written at an offset: the same bits as the xp version, rows outside untouched."""
+    caches written at an offset: the same bits as the xp version, rows outside untouched.
+    Packed: qkv holds only some rows of the padded layout (the others zeros): the xp
+    version's scatter and the kernel's row map give the padded layout's bits."""
     rng = np.random.default_rng(rot_dims + past)
     b, t, nh, nkv, d, tc = 3, 5, 6, 2, 8, 11
     w = (nh + 2 * nkv) * d
     qkv = rng.standard_normal((b * t, w)).astype(np.float32)
+    rows = np.array([0, 1, 2, 5, 6, 7, 8, 9, 12], np.int64)
+    if packed:
+        qkv[np.setdiff1d(np.arange(b * t), rows)] = 0.0
+    rmap = np.full(b * t, -1, np.int64)
+    rmap[rows] = np.arange(len(rows))
     biases = tuple(rng.standard_normal(k * d).astype(np.float32) for k in (nh, nkv, nkv)) \
         if bias else None
     pos = (np.arange(t)[None, :] + past + np.arange(b)[:, None]).astype(np.int64)
@@ -146,19 +155,47 @@ def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, 
     v0 = rng.standard_normal((b, nkv, tc, d)).astype(np.float32)
     q, k, v = q0.copy(), k0.copy(), v0.copy()
     kernels_lm.rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, k, v, past)
+    if packed:                                          # the xp version's scatter
+        q2, k2, v2 = q0.copy(), k0.copy(), v0.copy()
+        kernels_lm.rope_split(np.ascontiguousarray(qkv[rows]), biases, pos, cos, sin, nh, nkv,
+                              d, q2, k2, v2, past, rows)
+        assert np.array_equal(q2, q) and np.array_equal(k2, k) and np.array_equal(v2, v)
+    src = np.ascontiguousarray(qkv[rows]) if packed else qkv
     bcat = np.concatenate(biases) if bias else np.zeros(1, np.float32)
     cs = cos if h2 else np.zeros((1, 1), np.float32)
     sn = sin if h2 else np.zeros((1, 1), np.float32)
     qc, kc, vc = q0.copy(), k0.copy(), v0.copy()
     for dst, heads, off, rot, dlen, at in ((qc, nh, 0, h2, t, 0), (kc, nkv, nh, h2, tc, past),
                                            (vc, nkv, nh + nkv, 0, tc, past)):
-        lib.lm_rope_split(ptr(qkv), ptr(bcat), int(bias), ptr(pos), ptr(cs), ptr(sn), rot,
-                          ptr(dst), b, t, heads, d, w, off, dlen, at)
+        lib.lm_rope_split(ptr(src), ptr(bcat), int(bias), ptr(pos), ptr(cs), ptr(sn), rot,
+                          ptr(dst), b, t, heads, d, w, off, dlen, at, ptr(rmap), int(packed))
     assert np.array_equal(qc, q)
     assert np.array_equal(kc, k) and np.array_equal(vc, v)
     outside = np.ones(tc, bool)
     outside[past:past + t] = False
     assert np.array_equal(kc[:, :, outside], k0[:, :, outside])     # the cache's other rows
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_heads_to_rows_is_the_layout_copy_and_take(lib, packed):
+    """lm_heads_to_rows and kernels_lm.heads_to_rows: the batched product's (B, nkv, g T, d)
+    to rows (B T or the packed ones, heads kv g + gg), bit for bit as the layout copy into
+    (B, T, nh, d) and the take that the forward did before."""
+    rng = np.random.default_rng(int(packed))
+    b, nkv, g, t, d = 3, 2, 3, 5, 4
+    tmp = rng.standard_normal((b, nkv, g * t, d)).astype(np.float32)
+    ctx = np.empty((b, t, nkv * g, d), np.float32)
+    ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)[...] = tmp.reshape(b, nkv, g, t, d)
+    ref = ctx.reshape(b * t, nkv * g * d)
+    rows = np.array([0, 3, 4, 7, 8, 14], np.int64) if packed else None
+    if packed:
+        ref = ref[rows]
+    got = kernels_lm.heads_to_rows(tmp, rows, t, g, np.empty_like(ref))
+    assert np.array_equal(got, ref)
+    out = np.full_like(ref, np.nan)
+    lib.lm_heads_to_rows(ptr(tmp), ptr(out), ptr(rows if packed else tmp), int(packed),
+                         ref.shape[0], t, nkv, g, d)
+    assert np.array_equal(out, ref)
 
 
 def _softmax_c(lib, s, maskf, scale, rows, tq, tk, bdiv, past, window, causal,
@@ -304,14 +341,14 @@ def test_to_bf16_is_to_bits_bit_for_bit(lib):
     assert np.array_equal(out, to_bits(v))
 
 
-@pytest.mark.parametrize("tk", [5, 256, 257])
-def test_attn_softmax_entry_point_picks_the_kernel_by_row_length(lib, xp_path, monkeypatch, tk):
-    """kernels_gpu.attn_softmax on the CPU, its launches served by the C build: rows of up to
-    32 x WARP_COLS keys take the warp kernel with a warp for every row, longer ones the block
-    kernel with a block for every row; either gives the xp version's softmax."""
+@pytest.fixture
+def c_launches(lib, monkeypatch) -> list:
+    """kernels_gpu's entry points on the CPU: NumPy stands in for CuPy and every kernel launch
+    runs the C build's function (serially) with the same arguments; returns the list of
+    (kernel, blocks, threads) launched."""
     import sys
     import types
-    launched = []
+    launched: list = []
 
     def fake(name):
         def launch(grid, block, args):
@@ -322,9 +359,58 @@ def test_attn_softmax_entry_point_picks_the_kernel_by_row_length(lib, xp_path, m
         return launch
 
     monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(
-        ascontiguousarray=np.ascontiguousarray))
+        ascontiguousarray=np.ascontiguousarray, full=np.full, arange=np.arange,
+        zeros=np.zeros, concatenate=np.concatenate, int64=np.int64, float32=np.float32))
     monkeypatch.setattr(kernels_gpu, "_kernels",
                         lambda: (None, {n: fake(n) for n in kernels_gpu.KERNELS}))
+    monkeypatch.setattr(kernels_gpu, "_ROWMAP", [])
+    return launched
+
+
+def test_packed_rows_entry_points_launch_one_kernel_per_destination(c_launches, xp_path):
+    """kernels_gpu.rope_split with packed rows (the row map built once for the same rows
+    array, then reused) and heads_to_rows on the CPU through the C build: the xp version's
+    bits, with no zero-filled copy of qkv and no take."""
+    rng = np.random.default_rng(9)
+    b, t, nh, nkv, d = 2, 6, 4, 2, 8
+    w = (nh + 2 * nkv) * d
+    rows = np.array([0, 1, 2, 3, 6, 7], np.int64)
+    packed = rng.standard_normal((len(rows), w)).astype(np.float32)
+    full = np.zeros((b * t, w), np.float32)
+    full[rows] = packed
+    pos = np.tile(np.arange(t, dtype=np.int64), (b, 1))
+    ang = np.arange(8, dtype=np.float32)[:, None] * (0.5 ** np.arange(d // 2, dtype=np.float32))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+    def bufs():
+        return (np.zeros((b, nh, t, d), np.float32), np.zeros((b, nkv, t, d), np.float32),
+                np.zeros((b, nkv, t, d), np.float32))
+    q, k, v = bufs()
+    kernels_lm.rope_split(full, None, pos, cos, sin, nh, nkv, d, q, k, v, 0)    # reference
+    for _ in range(2):
+        q2, k2, v2 = bufs()
+        assert kernels_gpu.rope_split(packed, None, pos, cos, sin, nh, nkv, d, q2, k2, v2, 0,
+                                      rows) is True
+        assert np.array_equal(q2, q) and np.array_equal(k2, k) and np.array_equal(v2, v)
+        assert kernels_gpu._ROWMAP[0] is rows
+    assert [n for n, *_ in c_launches] == ["lm_rope_split"] * 6
+    m = kernels_gpu._ROWMAP[2]
+    assert list(m) == [0, 1, 2, 3, -1, -1, 4, 5, -1, -1, -1, -1]
+    tmp = rng.standard_normal((b, nkv, (nh // nkv) * t, d)).astype(np.float32)
+    out = np.empty((len(rows), nh * d), np.float32)
+    assert kernels_gpu.heads_to_rows(tmp, rows, t, nh // nkv, out) is True
+    ref = np.empty_like(out)
+    kernels_lm.heads_to_rows(tmp, rows, t, nh // nkv, ref)           # NumPy: copy and take
+    assert np.array_equal(out, ref)
+    assert kernels_gpu.heads_to_rows(tmp, rows, t + 1, nh // nkv, out) is False   # declined
+
+
+@pytest.mark.parametrize("tk", [5, 256, 257])
+def test_attn_softmax_entry_point_picks_the_kernel_by_row_length(c_launches, xp_path, tk):
+    """kernels_gpu.attn_softmax on the CPU, its launches served by the C build: rows of up to
+    32 x WARP_COLS keys take the warp kernel with a warp for every row, longer ones the block
+    kernel with a block for every row; either gives the xp version's softmax."""
+    launched = c_launches
     rng = np.random.default_rng(tk)
     b, nkv, grp, tq = 2, 2, 3, 4
     past = tk - tq

@@ -40,6 +40,7 @@ from semzo.model.kernels import (
 from semzo.model.kernels_lm import (
     attn_softmax,
     gated_act,
+    heads_to_rows,
     residual_add,
     residual_rmsnorm,
     rmsnorm,
@@ -427,11 +428,6 @@ class CausalLM(TransformerBase):
             else x
         qkv = scratch(xp, "qkv", (nr, nq + 2 * nk), dt)
         biases = vx.project_qkv(self, a, m, qkv, nh, nkv, d, ab)
-        if rows is not None:                        # the padded layout attention reads
-            full = scratch(xp, "full", (n, nq + 2 * nk), dt)
-            full.fill(0)
-            full[rows] = qkv
-            qkv = full
         if kc is None:
             kc = scratch(xp, "k", (b, nkv, t, d), dt)
             vc = scratch(xp, "v", (b, nkv, t, d), dt)
@@ -440,7 +436,8 @@ class CausalLM(TransformerBase):
         rope = s.layer_rope(i)
         if rope is not None:
             cos, sin = vx.rope_tables(self, past + t, rope)
-        rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, kc, vc, past)
+        # into the padded layout attention reads (qkv holds the packed rows when rows)
+        rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, kc, vc, past, rows)
         tk = past + t
         sc = scratch(xp, "scores", (b, nkv, g * t, tk), dt)
         self._bmm(q.reshape(b, nkv, g * t, d), kc[:, :, :tk].transpose(0, 1, 3, 2), sc)
@@ -448,17 +445,17 @@ class CausalLM(TransformerBase):
         if s.attn_softcap:                          # c * tanh(scale * s / c), then softmax
             scale = vx.softcap(sc, s.attn_softcap, scale)
         attn_softmax(sc.reshape(b * nkv, g, t, tk), maskf, scale, nkv, past, s.window(i))
-        ctx = scratch(xp, "ctx", (b, t, nh, d), dt)
-        view = ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)
         if xp is np or dt != np.float32:
+            ctx = scratch(xp, "ctx", (b, t, nh, d), dt)
+            view = ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)
             matmul_into(sc.reshape(b, nkv, g, t, tk), vc[:, :, None, :tk], view)
-        else:                   # one strided-batched GEMM into (b, nkv, g*t, d), one copy
-            tmp = xp.empty((b, nkv, g * t, d), dt)
+            ctx = ctx.reshape(n, nq)
+            if rows is not None:
+                ctx = ctx[rows]
+        else:                   # one strided-batched GEMM into (b, nkv, g*t, d), then the
+            tmp = scratch(xp, "ctx_heads", (b, nkv, g * t, d), dt)   # (real) rows out of it
             batched_matmul_f32(sc, vc[:, :, :tk], tmp)
-            view[...] = tmp.reshape(b, nkv, g, t, d)
-        ctx = ctx.reshape(n, nq)
-        if rows is not None:
-            ctx = ctx[rows]
+            ctx = heads_to_rows(tmp, rows, t, g, scratch(xp, "ctx", (nr, nq), dt))
         o = scratch(xp, "o", (nr, h), dt)
         self._proj(ctx, m["o"], o)
         ob = self._bias(m["o"], s.o_bias)

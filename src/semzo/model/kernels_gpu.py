@@ -14,7 +14,10 @@ dispatch cost 50-90 us each). Rows of up to 32 x ``WARP_COLS`` keys (every train
 prompt forward of the decks here) take a warp-per-row softmax instead, the row in registers:
 read once and written once where the block kernel reads and writes it three times (the block
 kernel took 110 us a launch on SmolLM2 64 x 128 on an H200 against a memory floor of about
-20 us).
+20 us). When a block computes only the real rows of a padded batch, the rotary split reads
+them through a row map (built once per forward) and the context's gather writes them
+(``lm_heads_to_rows``), in place of a zero-filled padded copy, a fancy-indexed scatter, a
+layout copy and a fancy-indexed take per block.
 
 The arithmetic is the ``xp`` version's, operation for operation and in the same order, and
 the source is compiled with ``--fmad=false`` (no multiply-add contracted), so an elementwise
@@ -45,7 +48,8 @@ from semzo.model.storage import to_float32
 
 THREADS_PER_BLOCK = 256
 KERNELS = ("lm_rmsnorm_row", "lm_gated", "lm_rope_split", "lm_softmax_row",
-           "lm_softmax_warp", "lm_layernorm_row", "lm_add_bias", "lm_bias_act", "lm_to_bf16")
+           "lm_softmax_warp", "lm_heads_to_rows", "lm_layernorm_row", "lm_add_bias",
+           "lm_bias_act", "lm_to_bf16")
 ROW_KERNELS = frozenset(("lm_rmsnorm_row", "lm_softmax_row", "lm_layernorm_row"))
 MAX_BLOCKS = 65535
 MAX_ROW_BLOCKS = 2 ** 31 - 1
@@ -186,11 +190,13 @@ LM_GLOBAL lm_gated(const float* gu, float* out, long long rows, int m, int kind)
 
 // dst[b, hh, past + t, j] = (rotated) qkv[b * T + t, (off + hh) * d + j] (+ bias[...]);
 // qkv (B*T, wcols); dst (B, heads, dlen, d) C-contiguous; pos (B, T); cos, sin (P, h2).
-// rot: rotate the first 2 h2 dims of each head (h2 = 0: none).
+// rot: rotate the first 2 h2 dims of each head (h2 = 0: none). has_map: qkv holds packed
+// rows only, row b * T + t of the padded layout at qkv row rmap[b * T + t], or zeros where
+// that is -1 (a padded row: what the zero-filled padded layout holds there)
 LM_GLOBAL lm_rope_split(const float* qkv, const float* bias, int has_bias,
                         const long long* pos, const float* cs, const float* sn, int h2,
                         float* dst, long long b, int t, int heads, int d, int wcols, int off,
-                        long long dlen, long long past) {
+                        long long dlen, long long past, const long long* rmap, int has_map) {
   LM_FOR(i, b * heads * (long long)t * d) {
     long long r = i / d;
     int jd = (int)(i - r * d);
@@ -199,24 +205,47 @@ LM_GLOBAL lm_rope_split(const float* qkv, const float* bias, int has_bias,
     int hh = (int)(r % heads);
     long long bb = r / heads;
     long long col = (long long)(off + hh) * d;
-    const float* src = qkv + (bb * t + tt) * (long long)wcols + col;
-    float x = src[jd];
+    long long pr = bb * t + tt;
+    if (has_map) pr = rmap[pr];
+    int real = pr >= 0;
+    const float* src = qkv + (real ? pr : 0) * (long long)wcols + col;
+    float x = real ? src[jd] : 0.0f;
     if (has_bias) x = x + bias[col + jd];
     float v = x;
     if (jd < 2 * h2) {
       long long p = pos[bb * t + tt];
       if (jd < h2) {
-        float x2 = src[jd + h2];
+        float x2 = real ? src[jd + h2] : 0.0f;
         if (has_bias) x2 = x2 + bias[col + jd + h2];
         v = x * cs[p * h2 + jd] - x2 * sn[p * h2 + jd];
       } else {
         int jj = jd - h2;
-        float x1 = src[jj];
+        float x1 = real ? src[jj] : 0.0f;
         if (has_bias) x1 = x1 + bias[col + jj];
         v = x * cs[p * h2 + jj] + x1 * sn[p * h2 + jj];
       }
     }
     dst[((bb * heads + hh) * dlen + past + tt) * d + jd] = v;
+  }
+}
+
+// ctx[k, (kv * g + gg) * d + j] = tmp[bb, kv, gg * T + tt, j] for row k of ctx (nr, nkv g d),
+// bb * T + tt = rows[k] (has_rows) or k: attention's context from its batched product's
+// layout (B, nkv, g T, d) to the rows of the o projection, the packed ones only when rows
+LM_GLOBAL lm_heads_to_rows(const float* tmp, float* ctx, const long long* rows, int has_rows,
+                           long long nr, int t, int nkv, int g, int d) {
+  long long w = (long long)nkv * g * d;
+  LM_FOR(i, nr * w) {
+    long long k = i / w;
+    int c = (int)(i - k * w);
+    int hh = c / d;
+    int j = c - hh * d;
+    int kv = hh / g;
+    int gg = hh - kv * g;
+    long long pr = has_rows ? rows[k] : k;
+    long long bb = pr / t;
+    int tt = (int)(pr - bb * t);
+    ctx[i] = tmp[(((bb * nkv + kv) * (long long)g + gg) * t + tt) * d + j];
   }
 }
 
@@ -526,22 +555,47 @@ def gated(gu, kind: int, out) -> bool:
     return True
 
 
+_ROWMAP: list = []
+
+
+def _rowmap(rows, n: int):
+    """int64 (n,): the packed index of each row of the padded layout, -1 for the others; kept
+    for the last ``rows`` array (a forward passes the same one to all its blocks: built once)."""
+    import cupy  # GPU only
+    if _ROWMAP and _ROWMAP[0] is rows and _ROWMAP[1] == n:
+        return _ROWMAP[2]
+    m = cupy.full(n, -1, dtype=cupy.int64)
+    m[rows] = cupy.arange(rows.shape[0], dtype=cupy.int64)
+    _ROWMAP[:] = [rows, n, m]
+    return m
+
+
+def _rows_ok(rows, n: int) -> bool:
+    return rows is None or (rows.ndim == 1 and rows.dtype == np.int64 and
+                            rows.flags.c_contiguous and rows.shape[0] <= n)
+
+
 def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
-               past: int) -> bool:
+               past: int, rows=None) -> bool:
     """:func:`semzo.model.kernels_lm.rope_split` for float32 arrays: ``q`` (B, nh, T, d),
     ``kc``, ``vc`` (B, nkv, Tc, d) C-contiguous caches written at rows past..past+T-1;
-    ``biases`` (bq, bk, bv) (float32 or bfloat16 bits) or None; ``cos`` None: no rotation."""
+    ``biases`` (bq, bk, bv) (float32 or bfloat16 bits) or None; ``cos`` None: no rotation;
+    ``rows``: qkv holds only these rows of the (B*T) padded layout (int64, sorted; the
+    others read as zeros), scattered by the kernel itself (no zero-filled copy)."""
     k = _kernels()
     if k is None or qkv.ndim != 2 or not all(_f32c(a) for a in (qkv, q, kc, vc)):
         return False
     import cupy  # GPU only
     b, t = pos.shape
     w = (nh + 2 * nkv) * d
-    if qkv.shape != (b * t, w) or q.shape != (b, nh, t, d) or kc.ndim != 4 or \
+    if not _rows_ok(rows, b * t) or \
+            qkv.shape != (b * t if rows is None else rows.shape[0], w) or \
+            q.shape != (b, nh, t, d) or kc.ndim != 4 or \
             kc.shape[:2] != (b, nkv) or kc.shape[3] != d or vc.shape != kc.shape or \
             past + t > kc.shape[2]:
         return False
     p = cupy.ascontiguousarray(pos, dtype=cupy.int64)
+    rmap = p if rows is None else _rowmap(rows, b * t)     # (p: any pointer when unused)
     if cos is not None:
         if cos.dtype != np.float32 or sin.dtype != np.float32 or cos.ndim != 2 or \
                 sin.shape != cos.shape or 2 * int(cos.shape[1]) > d:
@@ -564,7 +618,25 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
         _launch(fn, b * heads * t * d,
                 (qkv, bias_arr, np.int32(bias is not None), p, cs, sn, np.int32(rot), dst,
                  np.int64(b), np.int32(t), np.int32(heads), np.int32(d), np.int32(w),
-                 np.int32(off), np.int64(dlen), np.int64(at)))
+                 np.int32(off), np.int64(dlen), np.int64(at), rmap,
+                 np.int32(rows is not None)))
+    return True
+
+
+def heads_to_rows(tmp, rows, t: int, g: int, out) -> bool:
+    """:func:`semzo.model.kernels_lm.heads_to_rows` for float32 C-contiguous ``tmp``
+    (B, nkv, g T, d) and ``out`` (nr, nkv g d): one gather kernel, in place of a layout copy
+    and (with ``rows``) a fancy-indexed take."""
+    k = _kernels()
+    if k is None or tmp.ndim != 4 or not (_f32c(tmp) and _f32c(out)) or out.ndim != 2:
+        return False
+    b, nkv, gt, d = tmp.shape
+    nr = b * t if rows is None else rows.shape[0]
+    if gt != g * t or not _rows_ok(rows, b * t) or out.shape != (nr, nkv * g * d):
+        return False
+    _launch(k[1]["lm_heads_to_rows"], nr * nkv * g * d,
+            (tmp, out, tmp if rows is None else rows, np.int32(rows is not None),
+             np.int64(nr), np.int32(t), np.int32(nkv), np.int32(g), np.int32(d)))
     return True
 
 

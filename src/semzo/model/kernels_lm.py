@@ -32,6 +32,7 @@ from semzo.model.kernels import (
     _order_key,
     _softmax_row,
     _xp_erf,
+    scratch,
 )
 
 F32 = np.float32
@@ -239,12 +240,25 @@ def residual_add(x, bias, resid):
     return resid
 
 
-def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, k, v, past: int):
+def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, k, v, past: int,
+               rows=None):
     """Split ``qkv`` (B*T, (nh + 2 nkv) d) = [q | k | v] columns into ``q`` (B, nh, T, d) and
     ``k``, ``v`` (B, nkv, Tc, d) at rows ``past .. past+T-1``, adding the biases
     ``(bq, bk, bv)`` (or None) and rotating q and k by the angles of ``pos`` (B, T) (row
     indices into ``cos``/``sin`` (P, r/2): the first r dims of a head rotate, the others pass
-    through (partial rotary); ``cos`` None: no rotation)."""
+    through (partial rotary); ``cos`` None: no rotation). ``rows``: ``qkv`` holds only these
+    rows (sorted int64 indices into B*T) of the padded layout, whose other rows are zeros
+    (the GPU's kernel reads them in place; elsewhere they are scattered into a zeroed
+    scratch array first)."""
+    if rows is not None:
+        xp = array_module(qkv)
+        if xp is not np and _fused().rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q,
+                                                k, v, past, rows):
+            return
+        full = scratch(xp, "full", (pos.shape[0] * pos.shape[1], qkv.shape[1]), qkv.dtype)
+        full.fill(0)
+        full[rows] = qkv
+        qkv = full
     bq, bk, bv = biases if biases is not None else (None, None, None)
     rot = cos is not None
     arrays = [qkv, q, k, v] + ([bq, bk, bv] if bq is not None else [])
@@ -273,6 +287,20 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, k, v, p
     q[...] = qk[:, :, :nh].transpose(0, 2, 1, 3).astype(q.dtype, copy=False)
     k[:, :, past:past + t] = qk[:, :, nh:].transpose(0, 2, 1, 3).astype(k.dtype, copy=False)
     v[:, :, past:past + t] = x[:, :, nh + nkv:].transpose(0, 2, 1, 3).astype(v.dtype, copy=False)
+
+
+def heads_to_rows(tmp, rows, t: int, g: int, out):
+    """``out`` (nr, nkv g d) = attention's context as rows of the o projection's input, from
+    its batched product's layout ``tmp`` (B, nkv, g T, d): row b T + t, head kv g + gg =
+    tmp[b, kv, gg T + t]; only the rows ``rows`` (sorted int64 indices into B*T; None: all).
+    Copies only: the same bits on every path. Returns ``out``."""
+    xp = array_module(tmp)
+    if xp is not np and _fused().heads_to_rows(tmp, rows, t, g, out):
+        return out
+    b, nkv, _, d = tmp.shape
+    full = tmp.reshape(b, nkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b * t, nkv * g * d)
+    out[...] = full if rows is None else full[rows]
+    return out
 
 
 def attn_softmax(s, maskf, scale: float, nkv: int, past: int, window: int | None):
