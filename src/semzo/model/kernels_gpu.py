@@ -81,22 +81,23 @@ _SOURCE = r"""
 // the sum (op 0) or the NaN-propagating max (op 1) of v over the block, returned to every
 // thread; the order is fixed by the block size (deterministic); the leading barrier lets a
 // second call reuse the shared slots
-LM_DEV float lm_block_reduce(float v, int op) {
-  __shared__ float sh[32];
+// (the warp's xor-shuffle tree: lm_warp_reduce, to every lane)
+LM_DEV float lm_warp_reduce(float v, int op) {
   for (int o = 16; o > 0; o >>= 1) {
     float u = __shfl_xor_sync(0xffffffffu, v, o);
     v = op ? ((u > v || u != u) ? u : v) : v + u;
   }
+  return v;
+}
+LM_DEV float lm_block_reduce(float v, int op) {
+  __shared__ float sh[32];
+  v = lm_warp_reduce(v, op);
   int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = (blockDim.x + 31) >> 5;
   __syncthreads();
   if (lane == 0) sh[wid] = v;
   __syncthreads();
   if (wid == 0) {
-    v = lane < nw ? sh[lane] : (op ? __int_as_float(0xff800000) : 0.0f);
-    for (int o = 16; o > 0; o >>= 1) {
-      float u = __shfl_xor_sync(0xffffffffu, v, o);
-      v = op ? ((u > v || u != u) ? u : v) : v + u;
-    }
+    v = lm_warp_reduce(lane < nw ? sh[lane] : (op ? __int_as_float(0xff800000) : 0.0f), op);
     if (lane == 0) sh[0] = v;
   }
   __syncthreads();
@@ -309,14 +310,6 @@ LM_GLOBAL lm_softmax_row(float* s, const float* maskf, long long rows, int tq, i
 #define LM_WCOLS(c, j, n)                                                    \
   _Pragma("unroll") for (int c = 0, j = (int)(threadIdx.x & 31); c < LM_WC; ++c, j += 32) \
     if (j < (n))
-// the sum (op 0) or the NaN-propagating max (op 1) of v over the warp, to every lane
-LM_DEV float lm_warp_reduce(float v, int op) {
-  for (int o = 16; o > 0; o >>= 1) {
-    float u = __shfl_xor_sync(0xffffffffu, v, o);
-    v = op ? ((u > v || u != u) ? u : v) : v + u;
-  }
-  return v;
-}
 #else
 #define LM_WARR(n) (n)
 #define LM_WROWS(r, n) for (long long r = 0; r < (n); ++r)
