@@ -33,7 +33,7 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     lib.lm_rmsnorm_row.argtypes = [P, P, I, P, P, I, P, P, I, LL, I, F]
     lib.lm_gated.argtypes = [P, P, LL, I, I]
-    lib.lm_rope_split.argtypes = [P, P, I, P, P, P, I, P, LL, I, I, I, I, I, LL, LL, P, I]
+    lib.lm_rope_split.argtypes = [P, P, I, P, P, P, I, P, P, P, LL, I, I, I, I, LL, LL, P, I]
     lib.lm_heads_to_rows.argtypes = [P, P, P, I, LL, I, I, I, I]
     lib.lm_softmax_row.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
     lib.lm_softmax_warp.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
@@ -165,10 +165,9 @@ def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, 
     cs = cos if h2 else np.zeros((1, 1), np.float32)
     sn = sin if h2 else np.zeros((1, 1), np.float32)
     qc, kc, vc = q0.copy(), k0.copy(), v0.copy()
-    for dst, heads, off, rot, dlen, at in ((qc, nh, 0, h2, t, 0), (kc, nkv, nh, h2, tc, past),
-                                           (vc, nkv, nh + nkv, 0, tc, past)):
-        lib.lm_rope_split(ptr(src), ptr(bcat), int(bias), ptr(pos), ptr(cs), ptr(sn), rot,
-                          ptr(dst), b, t, heads, d, w, off, dlen, at, ptr(rmap), int(packed))
+    lib.lm_rope_split(ptr(src), ptr(bcat), int(bias), ptr(pos), ptr(cs), ptr(sn), h2,
+                      ptr(qc), ptr(kc), ptr(vc), b, t, nh, nkv, d, tc, past, ptr(rmap),
+                      int(packed))
     assert np.array_equal(qc, q)
     assert np.array_equal(kc, k) and np.array_equal(vc, v)
     outside = np.ones(tc, bool)
@@ -393,7 +392,7 @@ def test_packed_rows_entry_points_launch_one_kernel_per_destination(c_launches, 
                                       rows) is True
         assert np.array_equal(q2, q) and np.array_equal(k2, k) and np.array_equal(v2, v)
         assert kernels_gpu._ROWMAP[0] is rows
-    assert [n for n, *_ in c_launches] == ["lm_rope_split"] * 6
+    assert [n for n, *_ in c_launches] == ["lm_rope_split"] * 2      # one launch a call
     m = kernels_gpu._ROWMAP[2]
     assert list(m) == [0, 1, 2, 3, -1, -1, 4, 5, -1, -1, -1, -1]
     tmp = rng.standard_normal((b, nkv, (nh // nkv) * t, d)).astype(np.float32)

@@ -4,7 +4,7 @@ The generic ``xp`` versions in :mod:`.kernels_lm` spell each kernel as a chain o
 operations: the first GPU profile (SmolLM2 64 x 128, bfloat16 storage, an H200, 2026-11-27)
 counted 3499 kernels per three forwards, 16 % of the device time in float32 copies and a
 third in short elementwise kernels. Here each chain is one kernel: the rotary split into
-q / k / v (one launch per destination instead of about fifteen), the gated activation (one
+q / k / v (one launch for the three instead of about fifteen), the gated activation (one
 instead of six, reading gate and up in place), and three row kernels, one block per row with
 block-wide reductions: RMSNorm (the residual add before it folded in), the encoder's
 LayerNorm (mean and sum of squares), and the attention softmax (mask-and-scale, max, exp,
@@ -189,15 +189,20 @@ LM_GLOBAL lm_gated(const float* gu, float* out, long long rows, int m, int kind)
   }
 }
 
-// dst[b, hh, past + t, j] = (rotated) qkv[b * T + t, (off + hh) * d + j] (+ bias[...]);
-// qkv (B*T, wcols); dst (B, heads, dlen, d) C-contiguous; pos (B, T); cos, sin (P, h2).
-// rot: rotate the first 2 h2 dims of each head (h2 = 0: none). has_map: qkv holds packed
-// rows only, row b * T + t of the padded layout at qkv row rmap[b * T + t], or zeros where
-// that is -1 (a padded row: what the zero-filled padded layout holds there)
+// q[b, hh, t, j] (hh < nh), kc[b, hh - nh, past + t, j] (hh < nh + nkv), vc[b, hh - nh -
+// nkv, past + t, j] (the rest) = (rotated) qkv[b * T + t, hh * d + j] (+ bias[...]): the three
+// destinations in one launch. qkv (B*T, (nh + 2 nkv) d); q (B, nh, T, d), kc, vc (B, nkv,
+// dlen, d) C-contiguous; pos (B, T); cos, sin (P, h2): q and k rotate their first 2 h2 dims
+// (h2 = 0: none), v does not. has_map: qkv holds packed rows only, row b * T + t of the
+// padded layout at qkv row rmap[b * T + t], or zeros where that is -1 (a padded row: what
+// the zero-filled padded layout holds there)
 LM_GLOBAL lm_rope_split(const float* qkv, const float* bias, int has_bias,
                         const long long* pos, const float* cs, const float* sn, int h2,
-                        float* dst, long long b, int t, int heads, int d, int wcols, int off,
-                        long long dlen, long long past, const long long* rmap, int has_map) {
+                        float* q, float* kc, float* vc, long long b, int t, int nh, int nkv,
+                        int d, long long dlen, long long past, const long long* rmap,
+                        int has_map) {
+  int heads = nh + 2 * nkv;
+  long long wcols = (long long)heads * d;
   LM_FOR(i, b * heads * (long long)t * d) {
     long long r = i / d;
     int jd = (int)(i - r * d);
@@ -205,28 +210,35 @@ LM_GLOBAL lm_rope_split(const float* qkv, const float* bias, int has_bias,
     r /= t;
     int hh = (int)(r % heads);
     long long bb = r / heads;
-    long long col = (long long)(off + hh) * d;
+    long long col = (long long)hh * d;
     long long pr = bb * t + tt;
     if (has_map) pr = rmap[pr];
     int real = pr >= 0;
-    const float* src = qkv + (real ? pr : 0) * (long long)wcols + col;
+    const float* src = qkv + (real ? pr : 0) * wcols + col;
     float x = real ? src[jd] : 0.0f;
     if (has_bias) x = x + bias[col + jd];
     float v = x;
-    if (jd < 2 * h2) {
+    int rot = hh < nh + nkv ? h2 : 0;
+    if (jd < 2 * rot) {
       long long p = pos[bb * t + tt];
-      if (jd < h2) {
-        float x2 = real ? src[jd + h2] : 0.0f;
-        if (has_bias) x2 = x2 + bias[col + jd + h2];
+      if (jd < rot) {
+        float x2 = real ? src[jd + rot] : 0.0f;
+        if (has_bias) x2 = x2 + bias[col + jd + rot];
         v = x * cs[p * h2 + jd] - x2 * sn[p * h2 + jd];
       } else {
-        int jj = jd - h2;
+        int jj = jd - rot;
         float x1 = real ? src[jj] : 0.0f;
         if (has_bias) x1 = x1 + bias[col + jj];
         v = x * cs[p * h2 + jj] + x1 * sn[p * h2 + jj];
       }
     }
-    dst[((bb * heads + hh) * dlen + past + tt) * d + jd] = v;
+    if (hh < nh) {
+      q[((bb * nh + hh) * t + tt) * (long long)d + jd] = v;
+    } else if (hh < nh + nkv) {
+      kc[((bb * nkv + (hh - nh)) * dlen + past + tt) * d + jd] = v;
+    } else {
+      vc[((bb * nkv + (hh - nh - nkv)) * dlen + past + tt) * d + jd] = v;
+    }
   }
 }
 
@@ -604,15 +616,10 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
         if bias.dtype != np.float32 or bias.size != w:
             return False
     bias_arr = cupy.zeros(1, cupy.float32) if bias is None else cupy.ascontiguousarray(bias)
-    fn = k[1]["lm_rope_split"]
-    for dst, heads, off, rot in ((q, nh, 0, h2), (kc, nkv, nh, h2), (vc, nkv, nh + nkv, 0)):
-        dlen = t if dst is q else dst.shape[2]
-        at = 0 if dst is q else past
-        _launch(fn, b * heads * t * d,
-                (qkv, bias_arr, np.int32(bias is not None), p, cs, sn, np.int32(rot), dst,
-                 np.int64(b), np.int32(t), np.int32(heads), np.int32(d), np.int32(w),
-                 np.int32(off), np.int64(dlen), np.int64(at), rmap,
-                 np.int32(rows is not None)))
+    _launch(k[1]["lm_rope_split"], b * (nh + 2 * nkv) * t * d,
+            (qkv, bias_arr, np.int32(bias is not None), p, cs, sn, np.int32(h2), q, kc, vc,
+             np.int64(b), np.int32(t), np.int32(nh), np.int32(nkv), np.int32(d),
+             np.int64(kc.shape[2]), np.int64(past), rmap, np.int32(rows is not None)))
     return True
 
 
