@@ -185,3 +185,37 @@ def test_batched_args_refuse_what_does_not_merge():
     with pytest.raises(ValueError, match="neither its rows nor its columns"):
         batched_args(np.zeros((2, 4, 4))[:, ::2, ::2], np.zeros((2, 2, 3)),
                      np.zeros((2, 2, 3)))
+
+
+@pytest.mark.parametrize("transposed", [True, False])
+def test_matmul_f32_writes_a_column_slice_in_place(monkeypatch, transposed):
+    """gemm.matmul_f32 (the GPU's float32 projections into q|k|v or gate|up column slices):
+    its cuBLAS call, served here by the column-major emulation, writes the row-major product
+    into the slice and nothing beside it; operands it does not take are declined untouched."""
+    from semzo.model import gemm
+    calls = []
+
+    def fake_sgemm(w, x, out, args):
+        ta, tb, m, n, k, lda, ldb, ldc = args
+        calls.append(args)
+        base = out.base if out.base is not None else out
+        off = (out.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // 4
+        flat = base.reshape(-1)[off:]
+        colmajor_gemm(ta, tb, m, n, k, w.reshape(-1), lda, x.reshape(-1), ldb, flat, ldc)
+    monkeypatch.setattr(gemm, "_sgemm", fake_sgemm)
+    r = np.random.default_rng(2)
+    n, k, o, wide_o = 6, 5, 3, 8
+    x = r.standard_normal((n, k)).astype(np.float32)
+    w = r.standard_normal((o, k) if transposed else (k, o)).astype(np.float32)
+    wide = np.full((n, wide_o), -9.0, np.float32)
+    out = wide[:, 2:2 + o]
+    assert gemm.matmul_f32(x, w, out, transposed) is True
+    assert calls and calls[0][-1] == wide_o                       # ldc: the row stride
+    np.testing.assert_allclose(out, x.astype(np.float64) @ (w.T if transposed else w),
+                               rtol=1e-6, atol=1e-6)
+    assert np.all(wide[:, :2] == -9.0) and np.all(wide[:, 2 + o:] == -9.0)
+    n_calls = len(calls)
+    assert gemm.matmul_f32(x.astype(np.float64), w, out, transposed) is False
+    assert gemm.matmul_f32(np.asfortranarray(x), w, out, transposed) is False
+    assert gemm.matmul_f32(x, w, wide[:, ::2][:, :o], transposed) is False   # strided columns
+    assert len(calls) == n_calls

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from semzo.model.gemm import MODES as MATMUL_MODES
-from semzo.model.gemm import bf16_input, matmul_bf16
+from semzo.model.gemm import bf16_input, matmul_bf16, matmul_f32
 from semzo.model.kernels import matmul_into, run_slices, run_split, scratch, split_slices
 from semzo.model.kernels_lm import token_nll
 from semzo.model.losses import (
@@ -286,7 +286,9 @@ class TransformerBase(StagedModel):
             matmul_bf16(x, self.params[module + ".weight"], out, self.layout == "out_in", xb)
         else:
             w = self.fparam(module + ".weight")
-            matmul_into(x, w.T if self.layout == "out_in" else w, out)
+            # the GPU: one cuBLAS sgemm straight into out (a column slice: no copy)
+            if self.xp is np or not matmul_f32(x, w, out, self.layout == "out_in"):
+                matmul_into(x, w.T if self.layout == "out_in" else w, out)
         spec = self.lora.get(module)
         if spec is not None:
             self._lora_add(x, spec, out)

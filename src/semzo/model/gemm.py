@@ -121,6 +121,33 @@ def _gemm_ex(xp, w, xb, out, args) -> None:
                   out.data.ptr, CUDA_R_32F, ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
 
 
+# ------------------------------------------------------------------ float32 GEMMs
+def matmul_f32(x, w, out, transposed: bool = True) -> bool:
+    """``out[...] = x @ W.T`` (``transposed``; W (O, I)) or ``x @ W`` (W (I, O)) for float32
+    CuPy arrays, x and W C-contiguous, ``out`` (N, O) with contiguous rows at any row stride
+    (a column slice of q|k|v or gate|up): one ``cublasSgemm`` writing in place, where CuPy's
+    matmul into a non-contiguous ``out`` computes into a new array and copies it. Returns
+    False, doing nothing, for operands it does not take (the caller's matmul serves)."""
+    if x.dtype != np.float32 or w.dtype != np.float32 or out.dtype != np.float32 or \
+            x.ndim != 2 or w.ndim != 2 or out.ndim != 2 or not x.flags.c_contiguous or \
+            not w.flags.c_contiguous or out.strides[1] != out.itemsize or \
+            out.strides[0] % out.itemsize or out.strides[0] < out.shape[1] * out.itemsize:
+        return False
+    _sgemm(w, x, out, gemm_args(x.shape, w.shape, out.shape,
+                                out.strides[0] // out.itemsize, transposed))
+    return True
+
+
+def _sgemm(w, x, out, args) -> None:
+    """One ``cublasSgemm`` (A = the weight, B = the activations; column-major, see
+    :func:`gemm_args`) on the current stream, host scalars."""
+    from cupy.cuda import device  # GPU only
+    from cupy_backends.cuda.libs import cublas  # GPU only
+    ta, tb, m, n, k, lda, ldb, ldc = args
+    cublas.sgemm(device.get_cublas_handle(), ta, tb, m, n, k, _ONE.ctypes.data, w.data.ptr,
+                 lda, x.data.ptr, ldb, _ZERO.ctypes.data, out.data.ptr, ldc)
+
+
 # ------------------------------------------------------------------ batched float32 GEMMs
 def merged_batch(a) -> tuple[int, int]:
     """(count, stride in elements) of the leading dimensions of ``a`` (..., r, c) as one
