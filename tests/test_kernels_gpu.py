@@ -32,9 +32,9 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
                     "-x", "c", str(src), "-o", str(so), "-lm"], check=True)
     lib = ctypes.CDLL(str(so))
     lib.lm_rmsnorm_row.argtypes = [P, P, I, P, P, I, P, P, I, LL, I, F]
-    lib.lm_gated.argtypes = [P, P, LL, I, I]
+    lib.lm_gated.argtypes = [P, P, LL, I, I, P, I]
     lib.lm_rope_split.argtypes = [P, P, I, P, P, P, I, P, P, P, LL, I, I, I, I, LL, LL, P, I]
-    lib.lm_heads_to_rows.argtypes = [P, P, P, I, LL, I, I, I, I]
+    lib.lm_heads_to_rows.argtypes = [P, P, P, I, LL, I, I, I, I, P, I]
     lib.lm_softmax_row.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
     lib.lm_softmax_warp.argtypes = [P, P, LL, I, I, LL, LL, I, I, F]
     lib.lm_layernorm_row.argtypes = [P, P, P, P, LL, I, F]
@@ -116,13 +116,21 @@ def test_gated_matches_the_xp_version(lib, xp_path, act, kind):
     gu[0, :3] = [0.0, -0.0, 50.0]
     ref = kernels_lm.gated_act(gu, None, None, act, np.empty((n, m), np.float32))
     out = np.full((n, m), np.nan, np.float32)
-    lib.lm_gated(ptr(gu), ptr(out), n, m, kind)
+    lib.lm_gated(ptr(gu), ptr(out), n, m, kind, ptr(out), 0)
     # exp / tanh of glibc against NumPy's: a few float32 ulps of the product's inputs (the
     # tanh GELU cancels 1 + tanh for large negative gates, so relative to |gate * up|)
     scale = np.abs(gu[:, :m] * gu[:, m:]) + np.abs(ref)
     assert np.all(np.abs(out - ref) <= 4e-7 * scale + 1e-30), np.abs(out - ref).max()
     if kind == 3:
         assert np.array_equal(out, ref)
+    from semzo.model.storage import to_bits
+    bits = np.zeros((n, m), np.uint16)                 # the bfloat16 bits of out, same kernel
+    out2 = np.full((n, m), np.nan, np.float32)
+    lib.lm_gated(ptr(gu), ptr(out2), n, m, kind, ptr(bits), 1)
+    assert np.array_equal(out2, out) and np.array_equal(bits, to_bits(out))
+    xb = np.zeros((n, m), np.uint16)                   # the xp path writes them too
+    kernels_lm.gated_act(gu, None, None, act, np.empty((n, m), np.float32), xb)
+    assert np.array_equal(xb, to_bits(ref))
 
 
 @pytest.mark.parametrize("packed", [False, True])
@@ -192,9 +200,15 @@ def test_heads_to_rows_is_the_layout_copy_and_take(lib, packed):
     got = kernels_lm.heads_to_rows(tmp, rows, t, g, np.empty_like(ref))
     assert np.array_equal(got, ref)
     out = np.full_like(ref, np.nan)
+    bits = np.zeros(ref.shape, np.uint16)
     lib.lm_heads_to_rows(ptr(tmp), ptr(out), ptr(rows if packed else tmp), int(packed),
-                         ref.shape[0], t, nkv, g, d)
+                         ref.shape[0], t, nkv, g, d, ptr(bits), 1)
     assert np.array_equal(out, ref)
+    from semzo.model.storage import to_bits
+    assert np.array_equal(bits, to_bits(ref))
+    xb = np.zeros(ref.shape, np.uint16)
+    kernels_lm.heads_to_rows(tmp, rows, t, g, np.empty_like(ref), xb)
+    assert np.array_equal(xb, to_bits(ref))
 
 
 def _softmax_c(lib, s, maskf, scale, rows, tq, tk, bdiv, past, window, causal,
@@ -397,10 +411,18 @@ def test_packed_rows_entry_points_launch_one_kernel_per_destination(c_launches, 
     assert list(m) == [0, 1, 2, 3, -1, -1, 4, 5, -1, -1, -1, -1]
     tmp = rng.standard_normal((b, nkv, (nh // nkv) * t, d)).astype(np.float32)
     out = np.empty((len(rows), nh * d), np.float32)
-    assert kernels_gpu.heads_to_rows(tmp, rows, t, nh // nkv, out) is True
+    bits = np.zeros(out.shape, np.uint16)
+    assert kernels_gpu.heads_to_rows(tmp, rows, t, nh // nkv, out, bits) is True
     ref = np.empty_like(out)
     kernels_lm.heads_to_rows(tmp, rows, t, nh // nkv, ref)           # NumPy: copy and take
     assert np.array_equal(out, ref)
+    from semzo.model.storage import to_bits
+    assert np.array_equal(bits, to_bits(ref))
+    gu = rng.standard_normal((5, 8)).astype(np.float32)               # gated with bits
+    inter, ib = np.empty((5, 4), np.float32), np.zeros((5, 4), np.uint16)
+    assert kernels_gpu.gated(gu, 0, inter, ib) is True
+    assert np.array_equal(ib, to_bits(inter))
+    assert kernels_gpu.gated(gu, 0, inter, np.zeros((5, 3), np.uint16)) is False
     assert kernels_gpu.heads_to_rows(tmp, rows, t + 1, nh // nkv, out) is False   # declined
 
 

@@ -445,6 +445,7 @@ class CausalLM(TransformerBase):
         if s.attn_softcap:                          # c * tanh(scale * s / c), then softmax
             scale = vx.softcap(sc, s.attn_softcap, scale)
         attn_softmax(sc.reshape(b * nkv, g, t, tk), maskf, scale, nkv, past, s.window(i))
+        cb = None                                   # the bits of ctx, when a kernel writes them
         if xp is np or dt != np.float32:
             ctx = scratch(xp, "ctx", (b, t, nh, d), dt)
             view = ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)
@@ -455,9 +456,10 @@ class CausalLM(TransformerBase):
         else:                   # one strided-batched GEMM into (b, nkv, g*t, d), then the
             tmp = scratch(xp, "ctx_heads", (b, nkv, g * t, d), dt)   # (real) rows out of it
             batched_matmul_f32(sc, vc[:, :, :tk], tmp)
-            ctx = heads_to_rows(tmp, rows, t, g, scratch(xp, "ctx", (nr, nq), dt))
+            cb = self._norm_bits((nr, nq))
+            ctx = heads_to_rows(tmp, rows, t, g, scratch(xp, "ctx", (nr, nq), dt), cb)
         o = scratch(xp, "o", (nr, h), dt)
-        self._proj(ctx, m["o"], o)
+        self._proj(ctx, m["o"], o, cb)
         ob = self._bias(m["o"], s.o_bias)
         if s.sandwich:                              # Gemma: norm the output, then add
             ob = vx.post_norm(self, o, ob, m["norm_pa"])
@@ -467,15 +469,17 @@ class CausalLM(TransformerBase):
         else:
             a = self._residual_norm(o, ob, x, m["norm1"], x, ab)
         inter = scratch(xp, "inter", (nr, s.intermediate_size), dt)
+        ib = None                                   # the bits of inter (model.matmul bfloat16)
         if s.gated:
             gu = scratch(xp, "gate_up", (nr, 2 * s.intermediate_size), dt)
-            gated_act(gu, *vx.project_gate_up(self, a, m, gu, ab), s.act, inter)
+            ib = self._norm_bits(inter.shape)
+            gated_act(gu, *vx.project_gate_up(self, a, m, gu, ab), s.act, inter, ib)
         else:
             self._proj(a, m["up"], inter, ab)
             ub = self._bias(m["up"], s.mlp_bias)
             bias_act(inter, ub if ub is not None else xp.zeros(inter.shape[1], dt), s.act)
         down = scratch(xp, "down", (nr, h), dt)
-        self._proj(inter, m["down"], down)
+        self._proj(inter, m["down"], down, ib)
         db = self._bias(m["down"], s.mlp_bias)
         if s.sandwich:
             db = vx.post_norm(self, down, db, m["norm_pm"])

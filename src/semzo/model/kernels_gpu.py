@@ -169,8 +169,10 @@ LM_GLOBAL lm_rmsnorm_row(const float* x, float* resid, int res, const float* gf,
 }
 
 // out[r, j] = act(gu[r, j]) * gu[r, m + j]; gu (rows, 2m), out (rows, m)
-// kind 0: silu, 2: tanh GELU, 3: relu
-LM_GLOBAL lm_gated(const float* gu, float* out, long long rows, int m, int kind) {
+// kind 0: silu, 2: tanh GELU, 3: relu; with bits also ob[r, j] = the bfloat16 bits of
+// out[r, j] (the down projection's input under model.matmul = "bfloat16")
+LM_GLOBAL lm_gated(const float* gu, float* out, long long rows, int m, int kind,
+                   unsigned short* ob, int bits) {
   LM_FOR(i, rows * (long long)m) {
     long long r = i / m;
     int j = (int)(i - r * m);
@@ -185,7 +187,9 @@ LM_GLOBAL lm_gated(const float* gu, float* out, long long rows, int m, int kind)
     } else {
       a = (g > 0.0f || g != g) ? g : 0.0f;   // NaN passes, as xp.maximum's
     }
-    out[i] = a * u;
+    float v = a * u;
+    out[i] = v;
+    if (bits) ob[i] = lm_bf16(v);
   }
 }
 
@@ -244,9 +248,11 @@ LM_GLOBAL lm_rope_split(const float* qkv, const float* bias, int has_bias,
 
 // ctx[k, (kv * g + gg) * d + j] = tmp[bb, kv, gg * T + tt, j] for row k of ctx (nr, nkv g d),
 // bb * T + tt = rows[k] (has_rows) or k: attention's context from its batched product's
-// layout (B, nkv, g T, d) to the rows of the o projection, the packed ones only when rows
+// layout (B, nkv, g T, d) to the rows of the o projection, the packed ones only when rows;
+// with bits also ob[i] = the bfloat16 bits of ctx[i] (model.matmul = "bfloat16")
 LM_GLOBAL lm_heads_to_rows(const float* tmp, float* ctx, const long long* rows, int has_rows,
-                           long long nr, int t, int nkv, int g, int d) {
+                           long long nr, int t, int nkv, int g, int d, unsigned short* ob,
+                           int bits) {
   long long w = (long long)nkv * g * d;
   LM_FOR(i, nr * w) {
     long long k = i / w;
@@ -258,7 +264,9 @@ LM_GLOBAL lm_heads_to_rows(const float* tmp, float* ctx, const long long* rows, 
     long long pr = has_rows ? rows[k] : k;
     long long bb = pr / t;
     int tt = (int)(pr - bb * t);
-    ctx[i] = tmp[(((bb * nkv + kv) * (long long)g + gg) * t + tt) * d + j];
+    float v = tmp[(((bb * nkv + kv) * (long long)g + gg) * t + tt) * d + j];
+    ctx[i] = v;
+    if (bits) ob[i] = lm_bf16(v);
   }
 }
 
@@ -543,9 +551,15 @@ def rmsnorm(x, gamma, eps: float, out, bits=None, resid=None) -> bool:
     return True
 
 
-def gated(gu, kind: int, out) -> bool:
+def _bits_ok(bits, shape) -> bool:
+    return bits is None or (bits.dtype == np.uint16 and bits.flags.c_contiguous and
+                            bits.shape == tuple(shape))
+
+
+def gated(gu, kind: int, out, bits=None) -> bool:
     """``out = act(gate) * up`` for ``gu`` (N, 2I) = [gate | up] float32, no biases; kinds
-    0 (silu), 2 (tanh GELU), 3 (relu)."""
+    0 (silu), 2 (tanh GELU), 3 (relu); ``bits``: a C-contiguous uint16 (N, I) to receive the
+    bfloat16 bits of out as well."""
     if kind not in (0, 2, 3):
         return False
     k = _kernels()
@@ -553,10 +567,11 @@ def gated(gu, kind: int, out) -> bool:
         return False
     rows, m2 = gu.shape
     m = m2 // 2
-    if out.shape != (rows, m):
+    if out.shape != (rows, m) or not _bits_ok(bits, out.shape):
         return False
     _launch(k[1]["lm_gated"], rows * m,
-            (gu, out, np.int64(rows), np.int32(m), np.int32(kind)))
+            (gu, out, np.int64(rows), np.int32(m), np.int32(kind),
+             out if bits is None else bits, np.int32(bits is not None)))
     return True
 
 
@@ -623,20 +638,22 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
     return True
 
 
-def heads_to_rows(tmp, rows, t: int, g: int, out) -> bool:
+def heads_to_rows(tmp, rows, t: int, g: int, out, bits=None) -> bool:
     """:func:`semzo.model.kernels_lm.heads_to_rows` for float32 C-contiguous ``tmp``
     (B, nkv, g T, d) and ``out`` (nr, nkv g d): one gather kernel, in place of a layout copy
-    and (with ``rows``) a fancy-indexed take."""
+    and (with ``rows``) a fancy-indexed take; ``bits``: as :func:`gated`'s."""
     k = _kernels()
     if k is None or tmp.ndim != 4 or not (_f32c(tmp) and _f32c(out)) or out.ndim != 2:
         return False
     b, nkv, gt, d = tmp.shape
     nr = b * t if rows is None else rows.shape[0]
-    if gt != g * t or not _rows_ok(rows, b * t) or out.shape != (nr, nkv * g * d):
+    if gt != g * t or not _rows_ok(rows, b * t) or out.shape != (nr, nkv * g * d) or \
+            not _bits_ok(bits, out.shape):
         return False
     _launch(k[1]["lm_heads_to_rows"], nr * nkv * g * d,
             (tmp, out, tmp if rows is None else rows, np.int32(rows is not None),
-             np.int64(nr), np.int32(t), np.int32(nkv), np.int32(g), np.int32(d)))
+             np.int64(nr), np.int32(t), np.int32(nkv), np.int32(g), np.int32(d),
+             out if bits is None else bits, np.int32(bits is not None)))
     return True
 
 

@@ -289,18 +289,19 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, k, v, p
     v[:, :, past:past + t] = x[:, :, nh + nkv:].transpose(0, 2, 1, 3).astype(v.dtype, copy=False)
 
 
-def heads_to_rows(tmp, rows, t: int, g: int, out):
+def heads_to_rows(tmp, rows, t: int, g: int, out, bits=None):
     """``out`` (nr, nkv g d) = attention's context as rows of the o projection's input, from
     its batched product's layout ``tmp`` (B, nkv, g T, d): row b T + t, head kv g + gg =
     tmp[b, kv, gg T + t]; only the rows ``rows`` (sorted int64 indices into B*T; None: all).
-    Copies only: the same bits on every path. Returns ``out``."""
+    Copies only: the same bits on every path. ``bits``: as :func:`gated_act`'s. Returns
+    ``out``."""
     xp = array_module(tmp)
-    if xp is not np and _fused().heads_to_rows(tmp, rows, t, g, out):
+    if xp is not np and _fused().heads_to_rows(tmp, rows, t, g, out, bits):
         return out
     b, nkv, _, d = tmp.shape
     full = tmp.reshape(b, nkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b * t, nkv * g * d)
     out[...] = full if rows is None else full[rows]
-    return out
+    return with_bf16_bits(out, bits)
 
 
 def attn_softmax(s, maskf, scale: float, nkv: int, past: int, window: int | None):
@@ -333,17 +334,25 @@ def attn_softmax(s, maskf, scale: float, nkv: int, past: int, window: int | None
     return s
 
 
-def gated_act(gu, bg, bu, act: str, out):
+def gated_act(gu, bg, bu, act: str, out, bits=None):
     """``out = act(gate) * up`` with ``gu`` (N, 2I) = [gate | up] (+ biases ``bg``, ``bu`` or
-    None); out (N, I)."""
+    None); out (N, I). ``bits``: a uint16 (N, I) that receives the bfloat16 bits of out too
+    (the down projection's input under model.matmul = "bfloat16"; on the GPU written by the
+    same kernel)."""
     kind = GATED_ACTS[act]
     if _is_cpu32(gu, out) and (bg is None or _is_cpu32(bg, bu)):
         e = np.empty(0, F32)
         _nb_gated(gu, e if bg is None else bg, e if bu is None else bu, kind, out)
-        return out
+        return with_bf16_bits(out, bits)
     xp = array_module(gu)
-    if xp is not np and bg is None and _fused().gated(gu, kind, out):
+    if xp is not np and bg is None and _fused().gated(gu, kind, out, bits):
         return out
+    _gated_xp(xp, gu, bg, bu, kind, out)
+    return with_bf16_bits(out, bits)
+
+
+def _gated_xp(xp, gu, bg, bu, kind: int, out) -> None:
+    """:func:`gated_act` as a chain of ``xp`` operations (CuPy without the fused kernel)."""
     m = gu.shape[1] // 2
     g = gu[:, :m].astype(xp.float32)
     u = gu[:, m:].astype(xp.float32)
@@ -359,7 +368,6 @@ def gated_act(gu, bg, bu, act: str, out):
     else:
         g = xp.maximum(g, 0)
     out[...] = (g * u).astype(out.dtype, copy=False)
-    return out
 
 
 @njit(fastmath=SAFE_FAST, cache=True, nogil=True, error_model="numpy")
