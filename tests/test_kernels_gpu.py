@@ -377,6 +377,7 @@ def c_launches(lib, monkeypatch) -> list:
     monkeypatch.setattr(kernels_gpu, "_kernels",
                         lambda: (None, {n: fake(n) for n in kernels_gpu.KERNELS}))
     monkeypatch.setattr(kernels_gpu, "_ROWMAP", [])
+    monkeypatch.setattr(kernels_gpu, "_dummy", lambda: np.zeros((1, 1), np.float32))
     return launched
 
 

@@ -578,6 +578,20 @@ def gated(gu, kind: int, out, bits=None) -> bool:
 _ROWMAP: list = []
 
 
+@functools.cache
+def _dummy_on(device_id: int):
+    import cupy  # GPU only
+    return cupy.zeros((1, 1), cupy.float32)
+
+
+def _dummy():
+    """A float32 zero (1, 1) on the current device, allocated once: the pointer a kernel gets
+    for an argument it does not read (no bias, no rotation), without an allocation and a
+    memset launch at every call."""
+    import cupy  # GPU only
+    return _dummy_on(cupy.cuda.runtime.getDevice())
+
+
 def _rowmap(rows, n: int):
     """int64 (n,): the packed index of each row of the padded layout, -1 for the others; kept
     for the last ``rows`` array (a forward passes the same one to all its blocks: built once)."""
@@ -623,14 +637,14 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
         cs, sn = cupy.ascontiguousarray(cos), cupy.ascontiguousarray(sin)
         h2 = int(cs.shape[1])
     else:
-        cs = sn = cupy.zeros((1, 1), cupy.float32)
+        cs = sn = _dummy()
         h2 = 0
     bias = None
     if biases is not None:
         bias = cupy.concatenate([to_float32(a) if a.dtype == np.uint16 else a for a in biases])
         if bias.dtype != np.float32 or bias.size != w:
             return False
-    bias_arr = cupy.zeros(1, cupy.float32) if bias is None else cupy.ascontiguousarray(bias)
+    bias_arr = _dummy() if bias is None else cupy.ascontiguousarray(bias)
     _launch(k[1]["lm_rope_split"], b * (nh + 2 * nkv) * t * d,
             (qkv, bias_arr, np.int32(bias is not None), p, cs, sn, np.int32(h2), q, kc, vc,
              np.int64(b), np.int32(t), np.int32(nh), np.int32(nkv), np.int32(d),
