@@ -270,20 +270,15 @@ LM_GLOBAL lm_heads_to_rows(const float* tmp, float* ctx, const long long* rows, 
   }
 }
 
-// the softmax's key mask of score i of s (rows, tk), row r = ((bn * grp + g) * tq + qt),
-// bn = b * nkv + kv: key j kept when maskf[b, j] > 0 and, if causal, j <= past + qt and
-// j > past + qt - w (w > 0)
-#define LM_KEEP(i)                                                           \
-  long long r = (i) / tk;                                                    \
-  int j = (int)((i) - r * tk);                                               \
-  long long qi = r % tq + past;                                              \
-  long long bb = r / ((long long)tq * bdiv);                                 \
-  int keep = (!causal || (j <= qi && (w <= 0 || j > qi - w))) &&             \
-             maskf[bb * tk + j] > 0.0f;
+// the softmax's key mask of column j of row r of s (rows, tk), row r = ((bn * grp + g) *
+// tq + qt), bn = b * nkv + kv, with qi = qt + past and bb = b in scope: key j kept when
+// maskf[b, j] > 0 and, if causal, j <= qi and j > qi - w (w > 0)
+#define LM_SMX_KEEP(j) ((!causal || ((j) <= qi && (w <= 0 || (j) > qi - w))) && \
+                        maskf[bb * tk + (j)] > 0.0f)
 
 // per row r of s (rows, tk), in place: v = keep ? s * scale : -3e38; mx = max of the row;
 // e = keep ? exp(v - mx) : 0; s = e / (tot > 0 ? tot : 1), tot = the row's sum of e
-// (bdiv = grp * nkv; LM_KEEP above)
+// (bdiv = grp * nkv; LM_SMX_KEEP above)
 LM_GLOBAL lm_softmax_row(float* s, const float* maskf, long long rows, int tq, int tk,
                          long long bdiv, long long past, int w, int causal, float scale) {
   LM_ROWS(r, rows) {
@@ -293,9 +288,7 @@ LM_GLOBAL lm_softmax_row(float* s, const float* maskf, long long rows, int tq, i
     float mx = -3.0e38f;
     int any = 0;
     LM_COLS(j, tk) {
-      int keep = (!causal || (j <= qi && (w <= 0 || j > qi - w))) &&
-                 maskf[bb * tk + j] > 0.0f;
-      float v = keep ? s[o + j] * scale : -3.0e38f;
+      float v = LM_SMX_KEEP(j) ? s[o + j] * scale : -3.0e38f;
       s[o + j] = v;
       mx = any ? LM_MAX(mx, v) : v;
       any = 1;
@@ -303,9 +296,7 @@ LM_GLOBAL lm_softmax_row(float* s, const float* maskf, long long rows, int tq, i
     mx = lm_block_reduce(any ? mx : -3.0e38f, 1);
     float acc = 0.0f;
     LM_COLS(j, tk) {
-      int keep = (!causal || (j <= qi && (w <= 0 || j > qi - w))) &&
-                 maskf[bb * tk + j] > 0.0f;
-      float e = keep ? expf(s[o + j] - mx) : 0.0f;
+      float e = LM_SMX_KEEP(j) ? expf(s[o + j] - mx) : 0.0f;
       s[o + j] = e;
       acc = acc + e;
     }
@@ -336,9 +327,6 @@ LM_GLOBAL lm_softmax_row(float* s, const float* maskf, long long rows, int tq, i
 #define LM_WCOLS(c, j, n) for (int c = 0, j = 0; c < (n); ++c, ++j)
 LM_DEV float lm_warp_reduce(float v, int op) { (void)op; return v; }
 #endif
-#define LM_SMX_KEEP(j) ((!causal || ((j) <= qi && (w <= 0 || (j) > qi - w))) && \
-                        maskf[bb * tk + (j)] > 0.0f)
-
 LM_GLOBAL lm_softmax_warp(float* s, const float* maskf, long long rows, int tq, int tk,
                           long long bdiv, long long past, int w, int causal, float scale) {
   LM_WROWS(r, rows) {
