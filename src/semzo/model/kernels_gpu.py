@@ -275,6 +275,11 @@ LM_GLOBAL lm_heads_to_rows(const float* tmp, float* ctx, const long long* rows, 
 // maskf[b, j] > 0 and, if causal, j <= qi and j > qi - w (w > 0)
 #define LM_SMX_KEEP(j) ((!causal || ((j) <= qi && (w <= 0 || (j) > qi - w))) && \
                         maskf[bb * tk + (j)] > 0.0f)
+// row r's offset o in s, its query's position qi and its batch row bb
+#define LM_SMX_ROW(r)                                                        \
+  long long o = (r) * (long long)tk;                                         \
+  long long qi = (r) % tq + past;                                            \
+  long long bb = (r) / ((long long)tq * bdiv);
 
 // per row r of s (rows, tk), in place: v = keep ? s * scale : -3e38; mx = max of the row;
 // e = keep ? exp(v - mx) : 0; s = e / (tot > 0 ? tot : 1), tot = the row's sum of e
@@ -282,9 +287,7 @@ LM_GLOBAL lm_heads_to_rows(const float* tmp, float* ctx, const long long* rows, 
 LM_GLOBAL lm_softmax_row(float* s, const float* maskf, long long rows, int tq, int tk,
                          long long bdiv, long long past, int w, int causal, float scale) {
   LM_ROWS(r, rows) {
-    long long o = r * (long long)tk;
-    long long qi = r % tq + past;
-    long long bb = r / ((long long)tq * bdiv);
+    LM_SMX_ROW(r)
     float mx = -3.0e38f;
     int any = 0;
     LM_COLS(j, tk) {
@@ -330,9 +333,7 @@ LM_DEV float lm_warp_reduce(float v, int op) { (void)op; return v; }
 LM_GLOBAL lm_softmax_warp(float* s, const float* maskf, long long rows, int tq, int tk,
                           long long bdiv, long long past, int w, int causal, float scale) {
   LM_WROWS(r, rows) {
-    long long o = r * (long long)tk;
-    long long qi = r % tq + past;
-    long long bb = r / ((long long)tq * bdiv);
+    LM_SMX_ROW(r)
     float v[LM_WARR(tk)];
     float mx = -3.0e38f;
     int any = 0;
