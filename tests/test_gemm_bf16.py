@@ -187,6 +187,22 @@ def test_batched_args_refuse_what_does_not_merge():
                      np.zeros((2, 2, 3)))
 
 
+def emulated_sgemm(calls: list):
+    """A stand-in for gemm._sgemm: cuBLAS's column-major sgemm on the flat buffer under
+    ``out`` (its leading dimension ldc), ``out = alpha op(A) op(B) + beta out``; records the
+    arguments and the scalars in ``calls``."""
+    def sgemm(w, x, out, args, alpha, beta):
+        ta, tb, m, n, k, lda, ldb, ldc = args
+        calls.append((args, float(alpha), float(beta)))
+        base = out.base if out.base is not None else out
+        off = (out.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // 4
+        flat = base.reshape(-1)[off:]
+        before = out.astype(np.float64)
+        colmajor_gemm(ta, tb, m, n, k, w.reshape(-1), lda, x.reshape(-1), ldb, flat, ldc)
+        out[...] = alpha * out.astype(np.float64) + beta * before
+    return sgemm
+
+
 @pytest.mark.parametrize("transposed", [True, False])
 def test_matmul_f32_writes_a_column_slice_in_place(monkeypatch, transposed):
     """gemm.matmul_f32 (the GPU's float32 projections into q|k|v or gate|up column slices):
@@ -195,14 +211,7 @@ def test_matmul_f32_writes_a_column_slice_in_place(monkeypatch, transposed):
     from semzo.model import gemm
     calls = []
 
-    def fake_sgemm(w, x, out, args):
-        ta, tb, m, n, k, lda, ldb, ldc = args
-        calls.append(args)
-        base = out.base if out.base is not None else out
-        off = (out.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // 4
-        flat = base.reshape(-1)[off:]
-        colmajor_gemm(ta, tb, m, n, k, w.reshape(-1), lda, x.reshape(-1), ldb, flat, ldc)
-    monkeypatch.setattr(gemm, "_sgemm", fake_sgemm)
+    monkeypatch.setattr(gemm, "_sgemm", emulated_sgemm(calls))
     r = np.random.default_rng(2)
     n, k, o, wide_o = 6, 5, 3, 8
     x = r.standard_normal((n, k)).astype(np.float32)
@@ -210,12 +219,46 @@ def test_matmul_f32_writes_a_column_slice_in_place(monkeypatch, transposed):
     wide = np.full((n, wide_o), -9.0, np.float32)
     out = wide[:, 2:2 + o]
     assert gemm.matmul_f32(x, w, out, transposed) is True
-    assert calls and calls[0][-1] == wide_o                       # ldc: the row stride
+    assert calls and calls[0][0][-1] == wide_o                    # ldc: the row stride
     np.testing.assert_allclose(out, x.astype(np.float64) @ (w.T if transposed else w),
                                rtol=1e-6, atol=1e-6)
+    assert np.all(wide[:, :2] == -9.0) and np.all(wide[:, 2 + o:] == -9.0)
+    prev = out.astype(np.float64)                        # alpha and beta (LoRA's delta)
+    assert gemm.matmul_f32(x, w, out, transposed, alpha=0.5, beta=1.0) is True
+    np.testing.assert_allclose(out, prev + 0.5 * (x.astype(np.float64) @ (
+        w.T if transposed else w)), rtol=1e-6, atol=1e-6)
     assert np.all(wide[:, :2] == -9.0) and np.all(wide[:, 2 + o:] == -9.0)
     n_calls = len(calls)
     assert gemm.matmul_f32(x.astype(np.float64), w, out, transposed) is False
     assert gemm.matmul_f32(np.asfortranarray(x), w, out, transposed) is False
     assert gemm.matmul_f32(x, w, wide[:, ::2][:, :o], transposed) is False   # strided columns
     assert len(calls) == n_calls
+
+
+def test_lora_delta_on_the_gpu_path_is_two_sgemm_calls(monkeypatch):
+    """base._lora_add off NumPy (a stand-in xp whose arrays are NumPy's, cuBLAS served by
+    the column-major emulation): scale as the first call's alpha, the sum into the output
+    column slice as the second's beta; the delta equals the NumPy path's to float32
+    rounding and nothing beside the slice is written."""
+    from types import SimpleNamespace
+
+    from semzo.model import base as base_mod
+    from semzo.model import gemm
+    calls = []
+    monkeypatch.setattr(gemm, "_sgemm", emulated_sgemm(calls))
+    monkeypatch.setattr(base_mod, "matmul_f32", gemm.matmul_f32)
+    r = np.random.default_rng(4)
+    n, din, rank, dout = 5, 6, 2, 4
+    x = r.standard_normal((n, din)).astype(np.float32)
+    params = {"a": r.standard_normal((rank, din)).astype(np.float32),
+              "b": r.standard_normal((dout, rank)).astype(np.float32)}
+    model = SimpleNamespace(xp=SimpleNamespace(empty=np.empty), params=params,
+                            dtype=np.dtype(np.float32), fparam=lambda name: params[name])
+    spec = base_mod.LoraSpec("a", "b", 2.0)
+    wide = np.full((n, dout + 3), 1.5, np.float32)
+    out = wide[:, 1:1 + dout]
+    base_mod.TransformerBase._lora_add(model, x, spec, out)
+    assert [c[1:] for c in calls] == [(2.0, 0.0), (1.0, 1.0)]
+    want = 1.5 + 2.0 * (x.astype(np.float64) @ params["a"].T) @ params["b"].T
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+    assert np.all(wide[:, 0] == 1.5) and np.all(wide[:, 1 + dout:] == 1.5)

@@ -295,10 +295,19 @@ class TransformerBase(StagedModel):
         return out
 
     def _lora_add(self, x, spec: LoraSpec, out) -> None:
-        """``out += (x @ A.T) @ B.T * scale`` (out may be a column slice)."""
-        t = x @ self.fparam(spec.a).T
+        """``out += (x @ A.T) @ B.T * scale`` (out may be a column slice). On the GPU in
+        float32: two cuBLAS sgemm calls, the scale as the first's alpha and the sum into
+        ``out`` as the second's beta (five kernels and two allocations before)."""
+        a, b = self.fparam(spec.a), self.fparam(spec.b)
+        if self.xp is not np:
+            t = self.xp.empty((x.shape[0], a.shape[0]), dtype=x.dtype)
+            if matmul_f32(x, a, t, True, alpha=spec.scale):
+                if not matmul_f32(t, b, out, True, beta=1.0):
+                    out += t @ b.T
+                return
+        t = x @ a.T
         t *= self.dtype.type(spec.scale)
-        out += t @ self.fparam(spec.b).T
+        out += t @ b.T
 
     # ------------------------------------------------------------------ inputs and pooling
     def _inputs(self, input_ids, attention_mask):

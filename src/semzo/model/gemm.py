@@ -122,30 +122,34 @@ def _gemm_ex(xp, w, xb, out, args) -> None:
 
 
 # ------------------------------------------------------------------ float32 GEMMs
-def matmul_f32(x, w, out, transposed: bool = True) -> bool:
-    """``out[...] = x @ W.T`` (``transposed``; W (O, I)) or ``x @ W`` (W (I, O)) for float32
-    CuPy arrays, x and W C-contiguous, ``out`` (N, O) with contiguous rows at any row stride
-    (a column slice of q|k|v or gate|up): one ``cublasSgemm`` writing in place, where CuPy's
-    matmul into a non-contiguous ``out`` computes into a new array and copies it. Returns
-    False, doing nothing, for operands it does not take (the caller's matmul serves)."""
+def matmul_f32(x, w, out, transposed: bool = True, alpha: float = 1.0,
+               beta: float = 0.0) -> bool:
+    """``out[...] = alpha x @ W.T + beta out`` (``transposed``; W (O, I)) or with ``x @ W`` (W
+    (I, O)) for float32 CuPy arrays, x and W C-contiguous, ``out`` (N, O) with contiguous rows
+    at any row stride (a column slice of q|k|v or gate|up): one ``cublasSgemm`` writing in
+    place, where CuPy's matmul into a non-contiguous ``out`` computes into a new array and
+    copies it (and a scaled or accumulated product takes two more kernels). Returns False,
+    doing nothing, for operands it does not take (the caller's matmul serves)."""
     if x.dtype != np.float32 or w.dtype != np.float32 or out.dtype != np.float32 or \
             x.ndim != 2 or w.ndim != 2 or out.ndim != 2 or not x.flags.c_contiguous or \
             not w.flags.c_contiguous or out.strides[1] != out.itemsize or \
             out.strides[0] % out.itemsize or out.strides[0] < out.shape[1] * out.itemsize:
         return False
     _sgemm(w, x, out, gemm_args(x.shape, w.shape, out.shape,
-                                out.strides[0] // out.itemsize, transposed))
+                                out.strides[0] // out.itemsize, transposed),
+           np.float32(alpha), np.float32(beta))
     return True
 
 
-def _sgemm(w, x, out, args) -> None:
+def _sgemm(w, x, out, args, alpha, beta) -> None:
     """One ``cublasSgemm`` (A = the weight, B = the activations; column-major, see
-    :func:`gemm_args`) on the current stream, host scalars."""
+    :func:`gemm_args`) on the current stream, host scalars (read during the call)."""
     from cupy.cuda import device  # GPU only
     from cupy_backends.cuda.libs import cublas  # GPU only
     ta, tb, m, n, k, lda, ldb, ldc = args
-    cublas.sgemm(device.get_cublas_handle(), ta, tb, m, n, k, _ONE.ctypes.data, w.data.ptr,
-                 lda, x.data.ptr, ldb, _ZERO.ctypes.data, out.data.ptr, ldc)
+    al, be = np.array(alpha, np.float32), np.array(beta, np.float32)
+    cublas.sgemm(device.get_cublas_handle(), ta, tb, m, n, k, al.ctypes.data, w.data.ptr,
+                 lda, x.data.ptr, ldb, be.ctypes.data, out.data.ptr, ldc)
 
 
 # ------------------------------------------------------------------ batched float32 GEMMs
