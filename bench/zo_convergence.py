@@ -23,7 +23,10 @@ Configurations (``--configs``):
   keys: A kept at its start, ``train.lora_a = "frozen"``);
 * ``auto-fzoo``: the deck defaults: lr auto (its scan counted in the budget), cosine
   decay, the loss guard, fzoo with
-  4 directions, Rademacher z, 5 passes per step, the held-out guard (zo.lr_rollback 0.1);
+  4 directions, Rademacher z, 5 passes per step, the held-out guard (zo.lr_rollback 0.1),
+  and on the prompt task the label words' rows of the LM head trained by their exact
+  gradient (``train.label_rows = "auto"``; ``label_rows=frozen`` in a configuration of keys
+  leaves them as MeZO does);
 * ``mezo-auto``: MeZO with the automatic lr (and, as a deck resolves lr auto, cosine decay and
   both guards); ``fzoo-gauss``: auto-fzoo with Gaussian z;
   ``mezo-rad``: mezo-fixed with Rademacher z.
@@ -190,7 +193,7 @@ SAFETY, APART = _defaults()          # the shipped values, before any configurat
 def parse_config(name: str) -> dict:
     """A named configuration of :data:`CONFIGS`, or ``key=value`` pairs joined by ``:``
     (keys estimator, dist, lr, schedule, min_lr_ratio, eps, directions, lora_a (train: the
-    deck's default, or frozen), guard: the loss
+    deck's default, or frozen), label_rows (exact, frozen, auto), guard: the loss
     guard's window, or auto, the default with lr auto; rollback: the held-out guard's
     tolerance, zo.lr_rollback, auto = 0.1 with lr auto as in a run), e.g.
     ``estimator=fzoo:dist=rademacher:lr=auto:schedule=cosine``. Keys left out (lr: 2e-2) or
@@ -202,7 +205,8 @@ def parse_config(name: str) -> dict:
         cfg = {"lr": 2e-2}
         for kv in name.split(":"):
             k, v = kv.split("=", 1)
-            cfg[k] = v if k in ("estimator", "dist", "schedule", "lora_a") or v == "auto" \
+            cfg[k] = v if k in ("estimator", "dist", "schedule", "lora_a", "label_rows") or \
+                v == "auto" \
                 else float(v)
     # what a deck resolves from zo.lr when a key is left out or "auto" (deck/sections.py's
     # estimator_name, dist_name, lr_guard_name; loop.schedule_name)
@@ -217,6 +221,10 @@ def parse_config(name: str) -> dict:
     cfg.setdefault("guard", "auto" if auto else 0)
     cfg.setdefault("lora_a", "train")          # the deck's default: A and B train
     cfg.setdefault("rollback", "auto")
+    # train.label_rows "auto": the label words' rows of the head train by their exact
+    # gradient with lr auto (the prompt task), else they stay frozen
+    if cfg.get("label_rows", "auto") == "auto":
+        cfg["label_rows"] = "exact" if auto else "frozen"
     return cfg
 
 
@@ -256,6 +264,16 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
     tol = (0.1 if cfg["lr"] == "auto" else 0.0) if rb == "auto" else float(rb)
     best = {i: init[n].copy() for i, n in enumerate(names)}
     st0 = TrainState(run_seed=seed, best_step=0, best_acc=acc0, best_loss=loss0)
+    if getattr(task, "kind", "") == "prompt" and cfg.get("label_rows") == "exact":
+        from semzo.finetune.label_rows import LabelRows
+        from semzo.model.storage import to_float32
+        from semzo.tasks.prompt import lm_head_weight
+        w0 = to_float32(lm_head_weight(m)[np.asarray(task.word_ids)])
+        task.label_rows = LabelRows(np, w0, task.word_ids, deck.train.label_rows_lr)
+        st0.label_rows = task.label_rows.pack()
+    elif hasattr(task, "label_rows"):
+        task.label_rows = None
+    best_rows = [st0.label_rows.copy()]
 
     def on_eval(state, loss, acc):
         curve.append((state.forwards, time.perf_counter() - t0 - eval_s[0], loss, acc))
@@ -263,9 +281,11 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
             state.best_step, state.best_acc, state.best_loss = state.step, acc, loss
             for i, n in enumerate(names):
                 np.copyto(best[i], m.params[n])
+            best_rows[0] = state.label_rows.copy()
 
     def on_rollback(state):
         eng.reload(best)
+        state.label_rows = best_rows[0].copy()       # the loop hands them to the task
 
     b = Batcher(task.train_rows.size, batch, seed, 0)
     lc = LoopConfig(steps=steps, lr=cfg["lr"], eval_every=ev, log_every=10**9,

@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--directions", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--opt", default="fzoo", choices=("fzoo", "adam", "sign", "signmom"))
+    ap.add_argument("--opt", default="fzoo", choices=("fzoo", "adam", "sign", "signmom", "exact"))
     ap.add_argument("--cache", default="", help="npz file for the features")
     a = ap.parse_args()
 
@@ -69,6 +69,7 @@ def main() -> None:
         if cache is not None:
             np.savez(cache, h=h, w0=w0)
     h, w0 = h.astype(np.float64), w0.astype(np.float64)
+    rms = float(np.sqrt((w0 ** 2).mean()))
     print(f"# {len(seqs)} prompts ({a.labels}), features {h.shape} in {time.time() - t0:.0f} s; "
           f"trainable: the label rows' delta {w0.shape} ({w0.size} parameters); ZO: "
           f"{a.directions} Rademacher directions, batch {a.batch}, {a.steps} steps, cosine, "
@@ -106,10 +107,22 @@ def main() -> None:
             eps = 1e-2
             for step in range(a.steps):
                 b = r.choice(tr, a.batch, replace=False)
+                cos = 0.5 * (1 + np.cos(np.pi * step / a.steps))
+                if a.opt == "exact":          # the exact gradient, Adam, lr x the rows' rms
+                    zz = h[b] @ (w0 + dz).T
+                    p = np.exp(zz - zz.max(1, keepdims=True))
+                    p /= p.sum(1, keepdims=True)
+                    p[np.arange(len(b)), y[b]] -= 1.0
+                    ghat = p.T @ h[b] / len(b)
+                    m = 0.9 * m + 0.1 * ghat
+                    v = 0.999 * v + 0.001 * ghat ** 2
+                    upd = (m / (1 - 0.9 ** (step + 1))) / (
+                        np.sqrt(v / (1 - 0.999 ** (step + 1))) + 1e-8)
+                    dz -= lr * rms * cos * upd
+                    continue
                 f0 = ce_acc(dz, b)[0]
                 zs = r.choice([-1.0, 1.0], size=(a.directions,) + w0.shape)
                 diff = np.array([ce_acc(dz + eps * z, b)[0] - f0 for z in zs])
-                cos = 0.5 * (1 + np.cos(np.pi * step / a.steps))
                 if a.opt == "fzoo":
                     g = diff / eps / (diff.std() + 1e-12)
                     dz -= lr * cos * np.tensordot(g, zs, 1) / a.directions

@@ -31,13 +31,14 @@ from .checkpoint import modelfile
 from .checkpoint.format import CheckpointError
 from .checkpoint.manager import find_model_checkpoint
 from .checkpoint.reader import load
-from .checkpoint.tools import checkpoint_dtype, rebuild_model
+from .checkpoint.tools import checkpoint_dtype, rebuild_model, take_label_rows
 from .deck import from_toml_text
 from .model import families, load_model
 from .model.causal import CausalLM, expected_tensors
 from .model.chat import chat_template, render_chat
 from .model.gguf import GGUFModel
 from .model.gguf_tokenizer import build_tokenizer
+from .model.label_rows import apply_to_model
 from .model.storage import STORAGE, same_storage_copy, to_storage
 from .model.zoo import NAMED, folder_checksum, resolve_model_path
 from .runtime import SemzoError
@@ -145,6 +146,7 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> Loaded:
                          f"recorded {want})")
     dt = checkpoint_dtype(deck, dtype, path)
     base = _from_folder(folder, "", dt)
+    rows = take_label_rows(loaded)          # train.label_rows = "exact"
     model = rebuild_model(loaded, meta)
     if model.kind != "decoder":
         raise SemzoError(f"{path}: generate needs a decoder, the checkpoint's model is an "
@@ -156,6 +158,8 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> Loaded:
             same_storage_copy(model.params[n], arr, f"{path}: {n}")
         except ValueError as exc:
             raise SemzoError(str(exc)) from None
+    if rows is not None:
+        apply_to_model(model, *rows, str(path))
     base.model = model
     base.what = f"{path} (step {loaded.step}, base model {folder})"
     return base

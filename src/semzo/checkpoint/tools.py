@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from ..deck import from_toml_text
 from ..model import export_hf, load_model
+from ..model import label_rows as head_rows
 from ..model.gguf_export import GGUF_TYPES, export_gguf
 from ..model.storage import same_storage_copy
 from ..model.zoo import NAMED, resolve_model_path
@@ -181,6 +182,14 @@ def rebuild_model(loaded, meta: dict):
     return model
 
 
+def take_label_rows(loaded):
+    """The trained label rows of a model.h5 (its ``label_rows.*`` datasets, taken out of
+    ``loaded.params``) or of a checkpoint (its state): (word ids, delta (C, E)) or None.
+    Apply them with :func:`semzo.model.label_rows.apply_to_model` once the tensors are in."""
+    got = head_rows.take_from(loaded.params, str(loaded.path))
+    return got if got is not None else head_rows.from_state(loaded.state, str(loaded.path))
+
+
 EXPORT_INFO = "semzo_export.json"
 
 
@@ -279,6 +288,7 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm, *, force: 
     if comm.Get_rank() == 0:
         try:
             meta = json.loads(loaded.attrs.get("model_meta") or "{}")
+            rows = take_label_rows(loaded)
             model = rebuild_model(loaded, meta)
             missing = [n for n in loaded.params if n not in model.params]
             if missing:
@@ -292,6 +302,8 @@ def export(path: str | Path, outdir: str | Path, comm: MPI.Intracomm, *, force: 
                 # in place: the model's fused buffers stay valid; bfloat16 bits are copied
                 # as they are, never cast to or from a float array
                 same_storage_copy(dst, arr, f"{path}: {name}")
+            if rows is not None:
+                head_rows.apply_to_model(model, *rows, str(path))
             kept = len(model.params) - len(loaded.params)
             if kept:
                 log.info("%d tensors not in the checkpoint keep the base model's values", kept)

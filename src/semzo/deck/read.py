@@ -185,6 +185,10 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
         raise DeckError(f"{d.source}: train.lora_a: \"{d.train.lora_a}\" freezes the A "
                         f"matrices of LoRA adapters; train.params is \"{d.train.params}\" "
                         f"(set train.params = \"lora\" or remove train.lora_a)")
+    if d.train.label_rows == "exact" and d.train.task != "prompt":
+        raise DeckError(f"{d.source}: train.label_rows: \"exact\" trains the label words' "
+                        f"rows of the prompt task; train.task is \"{d.train.task}\" (set "
+                        f"train.task = \"prompt\" or train.label_rows = \"auto\")")
     if d.train.val_fraction > 0:
         if d.train.eval_every <= 0:
             raise DeckError(f"{d.source}: train.val_fraction: a validation split is read by "

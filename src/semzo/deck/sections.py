@@ -305,6 +305,21 @@ class TrainSection:
                       "parameters (q and v of a decoder). The frozen A matrices are stored "
                       "in checkpoints and model.h5 beside B. A resume under the other value "
                       "is refused.", choices=("train", "frozen"))
+    label_rows: str = key("auto", "`prompt`: the label words' rows of the LM head. `exact`: "
+                          "a delta on them trains by its exact gradient beside the ZO-trained "
+                          "tensors (the loss is a softmax over those rows of the last hidden "
+                          "state, so the gradient costs no forward pass; a linear probe that "
+                          "starts at zero-shot); every training loss of a step feeds it, one "
+                          "Allgather of C x E values per step, Adam. `frozen`: the rows keep "
+                          "the model's values (MeZO). `auto`: `exact` with zo.lr = \"auto\", "
+                          "else `frozen`. The delta is in checkpoints and model.h5; export and "
+                          "generate add it to the head (a tied head is untied). A resume under "
+                          "the other value is refused.",
+                          choices=("auto", "exact", "frozen"))
+    label_rows_lr: float = key(0.01, "`label_rows = \"exact\"`: Adam's step on the label rows "
+                               "as a fraction of their root-mean-square value, times the ZO "
+                               "schedule's decay and the guards' halvings.", min=0.0,
+                               min_excl=True, max=1.0)
     steps: int = key(200, "ZO steps (each: two forward passes per rank with mezo, 1 + "
                      "zo.directions with fzoo in data mode). `semzo experiment`: the data "
                      "mode's steps; fzoo's other modes run the steps of the same forward "

@@ -183,6 +183,10 @@ class TrainState:
     hist_step: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     hist_seed: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     hist_g: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    # train.label_rows = "exact": the trained label rows' (4, C, E) state (label_rows.py) and
+    # the word ids they belong to; empty otherwise
+    label_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    label_row_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def record(self, step: int, seeds: np.ndarray, gs: np.ndarray, keep: int) -> None:
         """Append the step's (seed, g) pairs, keeping the last ``keep``."""
@@ -228,6 +232,9 @@ class TrainState:
         s.hist_step = np.array(d["hist_step"], np.int64)
         s.hist_seed = np.array(d["hist_seed"], np.uint64)
         s.hist_g = np.array(d["hist_g"], np.float64)
+        if "label_rows" in d:
+            s.label_rows = np.array(d["label_rows"], np.float64)
+            s.label_row_ids = np.array(d["label_row_ids"], np.int64)
         return s
 
 
@@ -351,6 +358,10 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
     # slower device (the streamed mezo schedule runs its own passes and is not slowed)
     loss_of = slowed(loss_of, slow_factors().get(topo.rank, 1.0))
 
+    # train.label_rows = "exact": the label rows' delta trains beside the ZO step
+    lrows = getattr(task, "label_rows", None)
+    if lrows is not None and state.label_rows.size:
+        lrows.unpack(state.label_rows, "the resumed checkpoint")
     if cfg.lr == "auto" and state.base_lr < 0:
         state.base_lr, used = scan_lr(engine, task, batcher, cfg.steps - state.step,
                                       cfg.lr_scan_fraction, run_step, loss_of)
@@ -366,7 +377,12 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
                                     cfg.warmup_steps, cfg.min_lr_ratio)
         positions, state.epoch, state.pos = batcher.next(state.epoch, state.pos)
         batch = task.batch(positions)
+        if lrows is not None:
+            lrows.begin()
         res = run_step(batch, step, lr)
+        if lrows is not None and res.ok and lrows.step(
+                topo.world, lr / state.base_lr if state.base_lr > 0 else 0.0):
+            state.label_rows = lrows.pack()
         state.forwards += res.forwards
         if on_comm is not None:
             on_comm(res.comm_s)
@@ -434,6 +450,8 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
                     if topo.rank == 0:
                         log.warning("step %d: %s", done, msg)
                     on_rollback(state)
+                    if lrows is not None and state.label_rows.size:
+                        lrows.unpack(state.label_rows, "best.h5")
         if done % cfg.log_every == 0 or done == cfg.steps:
             now = time.perf_counter()
             rate = (done - last_log[1]) / max(now - last_log[0], 1e-9)

@@ -31,7 +31,7 @@ from ..energy import summary as energy_summary
 from ..h5check import SHARD_KEYS, agree, deck_drift
 from ..h5io import create_collective, row_range, string_array, write_slab
 from ..model import Tokenizer, load_model
-from ..model.storage import BF16, storage_name
+from ..model.storage import BF16, storage_name, to_float32
 from ..model.zoo import folder_checksum
 from ..preflight import check_kept, check_samples, resolve_task
 from ..runtime import SemzoError, get_logger
@@ -45,11 +45,12 @@ from ..tasks.classify import (
     init_head_class_means,
 )
 from ..tasks.lm import build_lm_task
-from ..tasks.prompt import build_prompt_task
+from ..tasks.prompt import build_prompt_task, lm_head_weight
 from ..tasks.sft import build_sft_task
 from ..zo.engine import ZOEngine
 from ..zo.offload import HostStore
 from ..zo.perturb import ztensors
+from . import label_rows as lr_rows
 from .data import Batcher, local_batch, read_shard
 from .loop import (
     LoopConfig,
@@ -196,6 +197,7 @@ def run_finetune_stage(ctx) -> dict:
         steps = min(steps, max(1, math.ceil(t.max_epochs * per_epoch)))
     ck, state, resumed_from, before = _open_checkpoints(ctx, model, names, task_kind, n_classes,
                                                 train_idx.size, rows.label_names, fixed)
+    _label_rows(ctx, model, task, state, resumed_from is not None and ck.last_path)
     engine = ZOEngine(ztensors([(n, model.params[n]) for n in names]), topo, mode=z.mode,
                       eps=z.eps, weight_decay=z.weight_decay,
                       dist=z.dist_name, restore=z.restore, run_seed=deck.run.seed,
@@ -221,6 +223,12 @@ def run_finetune_stage(ctx) -> dict:
              z.lr if z.lr == "auto" else f"{z.lr:.2e}", schedule_name(deck), z.eps, z.dist_name,
              z.estimator_name if z.estimator_name == "mezo" else
              f"fzoo ({engine.n_directions} directions per step)")
+    if task.kind == "prompt" and getattr(task, "label_rows", None) is not None:
+        log.info("finetune: train.label_rows = \"exact\": the %d label words' rows of the LM "
+                 "head (%d parameters) train by their exact gradient beside the ZO step "
+                 "(Adam, step %g x their RMS %.4g, the ZO schedule's decay)",
+                 len(task.word_ids), task.label_rows.m.size, t.label_rows_lr,
+                 task.label_rows.rms)
     for msg in unread_keys(deck) if topo.rank == 0 else ():
         log.warning("finetune: %s", msg)
 
@@ -339,6 +347,39 @@ def run_finetune_stage(ctx) -> dict:
                  f", `semzo generate {where / 'model.h5'} --prompt TEXT` runs it"
                  if model.kind == "decoder" else "", where / "model.h5")
     return out
+
+
+def _label_rows(ctx, model, task, state, resumed) -> None:
+    """``train.label_rows``: give the prompt task its trained label rows (fresh, or the
+    resumed checkpoint's, checked: a resume under the other value or other label words is
+    refused in one line on every rank)."""
+    deck = ctx.deck
+    exact = lr_rows.label_rows_mode(deck) == "exact" and getattr(task, "kind", "") == "prompt"
+    have = state.label_rows.size > 0
+    if resumed and have != exact:
+        raise _deck_error(f"{resumed}: written with train.label_rows = "
+                          f"\"{'exact' if have else 'frozen'}\", this run's is "
+                          f"\"{'exact' if exact else 'frozen'}\"; resume with the deck it was "
+                          f"written with (`semzo inspect` prints it) or set "
+                          f"checkpoint.resume = \"never\"")
+    if not exact:
+        return
+    xp = model.xp
+    w0 = to_float32(lm_head_weight(model)[xp.asarray(task.word_ids)])
+    task.label_rows = lr_rows.LabelRows(xp, w0, task.word_ids, deck.train.label_rows_lr)
+    if not have:
+        state.label_rows = task.label_rows.pack()
+        state.label_row_ids = task.word_ids.copy()
+        return
+    if not np.array_equal(state.label_row_ids, task.word_ids):
+        raise _deck_error(f"{resumed}: its trained label rows belong to the token ids "
+                          f"{state.label_row_ids.tolist()}, this run's label words are "
+                          f"{task.word_ids.tolist()}; resume with the deck it was written "
+                          f"with or set checkpoint.resume = \"never\"")
+    try:
+        task.label_rows.unpack(state.label_rows, str(resumed))
+    except SemzoError as exc:
+        raise _deck_error(str(exc)) from None
 
 
 def _log_generations(task, topo, when: str):
@@ -685,6 +726,10 @@ class _StepSaver:
                             loaded.step, state.best_step)
             return
         engine.reload({i: loaded.params[n] for i, n in enumerate(self.names)})
+        if state.label_rows.size:        # the trained label rows go back with the model
+            a = np.asarray(loaded.state.get("label_rows", np.zeros(0)), np.float64)
+            if a.shape == state.label_rows.shape:
+                state.label_rows = a.copy()
 
     def final(self, state: TrainState) -> None:
         """The last checkpoint (a no-op when this step was just saved); the checkpointer
@@ -721,9 +766,12 @@ def save_model(ctx, model, names: list[str], which: str, task_kind: str,
              "heldout_loss_before": _num(before[0]), "heldout_acc_before": _num(before[1]),
              "heldout_loss_after": _num(after[0]), "heldout_acc_after": _num(after[1]),
              "model_meta": json.dumps(meta or {}, sort_keys=True)}
+    arrays = {name: model.params[name] for name in saved}
+    if state.label_rows.size:              # train.label_rows = "exact" (label_rows.py)
+        arrays[lr_rows.DELTA] = state.label_rows[0].astype(np.float32)
+        arrays[lr_rows.WORD_IDS] = state.label_row_ids
     with create_collective(ctx.path("model.h5"), comm, ctx.deck.to_toml(), **attrs) as f:
-        for name in saved:
-            arr = model.params[name]
+        for name, arr in arrays.items():
             host = np.ascontiguousarray(arr.get() if hasattr(arr, "get") else arr)
             if host.ndim == 0:
                 host = host.reshape(1)

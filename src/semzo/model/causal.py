@@ -498,6 +498,22 @@ class CausalLM(TransformerBase):
             matmul_into(a, b, out)
 
     # ------------------------------------------------------------------ heads
+    def untie_head(self) -> None:
+        """Give a tied model its own LM head matrix, a copy of the embedding matrix (the same
+        logits), so that rows of the head can change without changing the inputs'
+        embeddings; the config (and the exported config.json) then says
+        ``tie_word_embeddings = false``. Nothing for an untied model."""
+        s = self.config
+        if not s.tied:
+            return
+        emb = self.prefix + s.names.embed
+        self.config = replace(s, tied=False, raw={**s.raw, "tie_word_embeddings": False})
+        name = s.names.lm_head
+        self.params[name] = self.params[emb].copy()
+        self._stage_of[name] = self.n_stages - 1
+        if emb in self.frozen:
+            self.frozen.add(name)
+
     def head_weight_name(self) -> str:
         """Name of the LM head matrix (V, E) in ``params``: the embedding matrix when tied."""
         s = self.config

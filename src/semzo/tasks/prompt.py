@@ -66,16 +66,22 @@ def encode_prompts(tok, texts: list[str], template: str, max_len: int, context: 
     return [np.concatenate([np.asarray(e.ids[:budget], np.int64), tail_a]) for e in encs]
 
 
-def prompt_scores(model, hidden, maskf, word_ids):
+def prompt_scores(model, hidden, maskf, word_ids, delta=None, keep=None):
     """float32 logits (B, C) of the label words at each row's last real position, from final
     hidden states ``hidden`` (B, T, E) and the mask (B, T); soft-capped as the model's LM head
     caps every logit (Gemma 2's ``final_logit_softcapping``: c tanh(z / c), elementwise, so
-    the label words' rows alone give the same values)."""
+    the label words' rows alone give the same values). ``delta`` (C, E): trained additions
+    to the label rows (``train.label_rows``); ``keep``: a list that receives the (B, E)
+    hidden states the scores read."""
     xp = model.xp
     m = xp.asarray(maskf)
     last = xp.maximum(m.sum(axis=1).astype(xp.int64) - 1, 0)
     h = hidden[xp.arange(hidden.shape[0]), last]                    # (B, E)
     w = to_float32(lm_head_weight(model)[xp.asarray(word_ids)])     # (C, E), stored rows
+    if delta is not None:
+        w = w + delta
+    if keep is not None:
+        keep.append(h)
     z = (h @ w.T).astype(xp.float32, copy=False)
     cap = getattr(getattr(model, "config", None), "final_softcap", 0.0)
     if cap:
@@ -108,6 +114,9 @@ class PromptTask(Task):
         self.layer = int(layer)
         self.cache = None
         self.cache_use = (0, 0, 0.0)        # sequences reused, computed; seconds
+        # train.label_rows = "exact": a LabelRows (semzo.finetune.label_rows) whose delta the
+        # scores add to the label rows and whose gradient every training loss feeds
+        self.label_rows = None
         if self.layer > 0:
             self.cache_use = fill_prefix_cache(self, eval_batch_size, store,
                                                (*store_key, self.layer))
@@ -147,16 +156,25 @@ class PromptTask(Task):
         st = self._cached_state(rows, ids, mask)
         return self._run(st, self.layer + 1, self.model.n_stages).hidden
 
-    def _loss_acc(self, hidden, batch) -> tuple[float, float]:
+    def _loss_acc(self, hidden, batch, grad: bool = False) -> tuple[float, float]:
+        """Cross-entropy and accuracy of the label words' scores; ``grad``: a training loss,
+        whose label-row gradient goes to :attr:`label_rows` when it trains."""
         _, mask, labels, _, _ = batch
-        z = prompt_scores(self.model, hidden, mask, self.word_ids)
+        lr = self.label_rows
+        keep = [] if grad and lr is not None else None
+        z = prompt_scores(self.model, hidden, mask, self.word_ids,
+                          None if lr is None else lr.delta, keep)
         xp = self.model.xp
-        return cross_entropy(xp, z, xp.asarray(labels).astype(xp.int64))
+        y = xp.asarray(labels).astype(xp.int64)
+        if keep:
+            cap = getattr(getattr(self.model, "config", None), "final_softcap", 0.0)
+            lr.add(keep[0], z, y, cap or 0.0)
+        return cross_entropy(xp, z, y)
 
     def loss(self, batch) -> float:
         if batch[3] == 0:
             return 0.0
-        return self._loss_acc(self._hidden(batch), batch)[0]
+        return self._loss_acc(self._hidden(batch), batch, grad=True)[0]
 
     def eval_batch(self, rows) -> tuple[float, float]:
         b = self._rows_batch(np.asarray(rows))
@@ -168,7 +186,8 @@ class PromptTask(Task):
     def predict(self, rows) -> np.ndarray:
         """Predicted class (n,) of rows ``rows`` (argmax over the label words)."""
         b = self._rows_batch(np.asarray(rows))
-        z = prompt_scores(self.model, self._hidden(b), b[1], self.word_ids)
+        z = prompt_scores(self.model, self._hidden(b), b[1], self.word_ids,
+                          None if self.label_rows is None else self.label_rows.delta)
         z = z.get() if hasattr(z, "get") else z
         return np.argmax(np.asarray(z), axis=1)
 
@@ -221,7 +240,9 @@ class PromptTask(Task):
         return None if state is None else self.model.stage_forward(self._first() + k, state)
 
     def loss_from_state(self, state, batch) -> float:
-        return self.score_from_state(state, batch)[0]
+        if state is None:
+            return 0.0
+        return self._loss_acc(state.hidden, batch, grad=True)[0]
 
     def score_from_state(self, state, batch) -> tuple[float, float]:
         if state is None:
