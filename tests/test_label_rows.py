@@ -16,8 +16,9 @@ sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 from zo_common import SoloComm, SoloTopo
 
 from semzo.deck import DeckError, ZoSection, load
+from semzo.deck.read import label_rows_mode
 from semzo.finetune.data import Batcher
-from semzo.finetune.label_rows import LabelRows, label_rows_mode
+from semzo.finetune.label_rows import LabelRows
 from semzo.finetune.loop import LoopConfig, TrainState, evaluate, train
 from semzo.finetune.trainable import select_trainable
 from semzo.model import Tokenizer, load_model
@@ -345,3 +346,13 @@ def test_rollback_puts_the_best_models_rows_back():
     saver.rollback(st, eng)
     assert np.array_equal(got[0], loaded.params["w"])
     assert st.label_rows.tobytes() == kept.tobytes()
+
+
+def test_step_size_away_from_its_default_is_named_when_unread():
+    from semzo.deck.read import unread_keys
+    d = load(None, ['train.task="prompt"', "zo.lr=1e-3", "train.label_rows_lr=0.05"],
+             check_inputs=False)
+    msgs = unread_keys(d)
+    assert any("train.label_rows_lr = 0.05 is not read" in m for m in msgs), msgs
+    d = load(None, ['train.task="prompt"', "train.label_rows_lr=0.05"], check_inputs=False)
+    assert not any("label_rows_lr" in m for m in unread_keys(d))

@@ -151,6 +151,14 @@ PARAMS_KEYS = {"last_layers": ("head+last",), "lora_rank": ("lora",), "lora_alph
                "lora_layers": ("lora",), "lora_targets": ("lora",), "lora_a": ("lora",)}
 
 
+def label_rows_mode(d: Deck) -> str:
+    """``train.label_rows`` resolved: ``auto`` is ``exact`` for the prompt task with
+    ``zo.lr = "auto"`` (the defaults of new decks), ``frozen`` otherwise."""
+    if d.train.label_rows != "auto":
+        return d.train.label_rows
+    return "exact" if d.train.task == "prompt" and d.zo.lr == "auto" else "frozen"
+
+
 def unread_keys(d: Deck) -> list[str]:
     """The [train] keys of the trainable set that hold a value other than their default while
     train.params does not read them (``inputs/demo.toml``'s ``last_layers = 0`` under
@@ -167,6 +175,10 @@ def unread_keys(d: Deck) -> list[str]:
             want = " or ".join(f'"{a}"' for a in applies)
             out.append(f"{d.source}: train.{k} = {v!r} is not read: it applies to "
                        f"train.params = {want}, and train.params is \"{d.train.params}\"")
+    if d.train.label_rows_lr != defaults["label_rows_lr"] and label_rows_mode(d) != "exact":
+        out.append(f"{d.source}: train.label_rows_lr = {d.train.label_rows_lr!r} is not read: "
+                   f"the label rows train only with train.label_rows = \"exact\" (\"auto\" "
+                   f"with the prompt task and zo.lr = \"auto\")")
     return out
 
 

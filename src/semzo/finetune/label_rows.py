@@ -29,15 +29,6 @@ from ..model.label_rows import DELTA, WORD_IDS  # noqa: F401  (model.h5's names)
 from ..runtime import SemzoError
 
 
-def label_rows_mode(deck) -> str:
-    """``train.label_rows`` resolved: ``auto`` is ``exact`` for the prompt task with
-    ``zo.lr = "auto"`` (the defaults of new decks), ``frozen`` otherwise."""
-    m = deck.train.label_rows
-    if m != "auto":
-        return m
-    return "exact" if deck.train.task == "prompt" and deck.zo.lr == "auto" else "frozen"
-
-
 class LabelRows:
     """The trained delta of the label rows and its Adam state. ``w0`` (C, E): the label
     rows as stored (float32 view); ``lr``: Adam's step as a fraction of their RMS."""

@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checkpoint import Checkpointer, CheckpointError, list_checkpoints
-from ..deck.read import unread_keys
+from ..deck.read import label_rows_mode, unread_keys
 from ..energy import summary as energy_summary
 from ..h5check import SHARD_KEYS, agree, deck_drift
 from ..h5io import create_collective, row_range, string_array, write_slab
@@ -354,7 +354,7 @@ def _label_rows(ctx, model, task, state, resumed) -> None:
     resumed checkpoint's, checked: a resume under the other value or other label words is
     refused in one line on every rank)."""
     deck = ctx.deck
-    exact = lr_rows.label_rows_mode(deck) == "exact" and getattr(task, "kind", "") == "prompt"
+    exact = label_rows_mode(deck) == "exact" and getattr(task, "kind", "") == "prompt"
     have = state.label_rows.size > 0
     if resumed and have != exact:
         raise _deck_error(f"{resumed}: written with train.label_rows = "
