@@ -13,7 +13,7 @@ import pytest
 from llmutil import tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
-from zo_common import SoloComm, SoloTopo
+from zo_common import SoloComm, SoloTopo, StopAt
 
 from semzo.deck import DeckError, ZoSection, load
 from semzo.deck.read import label_rows_mode
@@ -164,18 +164,6 @@ def _engine(m, names, seed):
                     dist=z.dist_name)
 
 
-class _StopAt:
-    def __init__(self, step: int) -> None:
-        self.at, self.signum = step, 0
-
-    def start(self, step: int) -> None:
-        pass
-
-    def agreed(self, step: int) -> int:
-        self.signum = 10 if step == self.at else 0
-        return self.signum
-
-
 def test_exact_label_rows_learn_where_zo_alone_is_slow(llama):
     """The defaults (auto lr, fzoo) for 60 steps on three seeds: with the label rows trained
     the held-out loss falls on every seed, by more than with the rows frozen on average."""
@@ -208,7 +196,7 @@ def test_resume_with_label_rows_is_bit_exact(llama):
         s = TrainState(run_seed=5)
         s.label_rows, s.label_row_ids = task.label_rows.pack(), task.word_ids.copy()
         if split:
-            s = train(eng, task, b, s, cfg, stop=_StopAt(9))
+            s = train(eng, task, b, s, cfg, stop=StopAt(9))
             assert s.step == 10
             s = TrainState.from_dict(s.to_dict())
             m2, _, task = _prompt_task(llama)           # a fresh process's objects

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from mpiutil import ROOT, check, mpirun
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
-from zo_common import SoloTopo, corpus, make_model
+from zo_common import SoloTopo, StopAt, corpus, make_model
 
 from semzo.deck import ZoSection
 from semzo.finetune import autolr
@@ -125,21 +125,6 @@ def _engine(m, names, seed, z: ZoSection, **kw):
                     schedule=z.schedule, **kw)
 
 
-class _StopAt:
-    """A stand-in :class:`~semzo.finetune.loop.StopRequest` that stops after one step (a
-    signal): the resumed run's deck, train.steps included, is the uninterrupted one's."""
-
-    def __init__(self, step: int) -> None:
-        self.at, self.signum = step, 0
-
-    def start(self, step: int) -> None:
-        pass
-
-    def agreed(self, step: int) -> int:
-        self.signum = 10 if step == self.at else 0
-        return self.signum
-
-
 def test_fzoo_auto_resume_is_bit_exact(folders):
     z = ZoSection()
     assert (z.lr, z.estimator_name, z.dist_name) == ("auto", "fzoo", "rademacher")
@@ -151,7 +136,7 @@ def test_fzoo_auto_resume_is_bit_exact(folders):
         cfg = LoopConfig(steps=40, lr="auto", schedule="cosine", history=8, guard=5)
         s = TrainState(run_seed=5)
         if split:
-            s = train(eng, task, b, s, cfg, stop=_StopAt(16))
+            s = train(eng, task, b, s, cfg, stop=StopAt(16))
             assert s.step == 17
             s = TrainState.from_dict(s.to_dict())
             m2, _, task = _task(folders, "classify")      # a fresh process's objects
@@ -400,7 +385,7 @@ def _rollback_run(folders, steps: int, stop_at: int | None = None):
     b = Batcher(task.train_rows.size, 8, 3, 0)
     if stop_at is not None:
         s = train(eng, task, b, s, cfg, on_eval=on_eval, on_rollback=on_rollback,
-                  stop=_StopAt(stop_at))
+                  stop=StopAt(stop_at))
         s = TrainState.from_dict(s.to_dict())
         kept = {k: v.copy() for k, v in best.items()}          # best.h5 outlives the process
         m2, _, task = _task(folders, "classify")

@@ -179,3 +179,18 @@ class SoloTopo:
 
     def bcast(self, buf, root=0):
         return buf
+
+
+class StopAt:
+    """A stand-in :class:`~semzo.finetune.loop.StopRequest` that stops after one step (a
+    signal): the resumed run's deck, train.steps included, is the uninterrupted one's."""
+
+    def __init__(self, step: int) -> None:
+        self.at, self.signum = step, 0
+
+    def start(self, step: int) -> None:
+        pass
+
+    def agreed(self, step: int) -> int:
+        self.signum = 10 if step == self.at else 0
+        return self.signum
