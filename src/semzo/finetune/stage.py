@@ -364,8 +364,9 @@ def _label_rows(ctx, model, task, state, resumed) -> None:
                           f"checkpoint.resume = \"never\"")
     if not exact:
         return
-    xp = model.xp
-    w0 = to_float32(lm_head_weight(model)[xp.asarray(task.word_ids)])
+    xp, head = model.xp, lm_head_weight(model)
+    mod = xp if isinstance(head, xp.ndarray) else np         # host_params: NumPy arrays
+    w0 = to_float32(head[mod.asarray(task.word_ids)])
     task.label_rows = lr_rows.LabelRows(xp, w0, task.word_ids, deck.train.label_rows_lr)
     if not have:
         state.label_rows = task.label_rows.pack()
