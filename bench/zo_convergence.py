@@ -255,6 +255,18 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
     curve = []
     t0 = time.perf_counter()
     eval_s = [0.0]
+    # the label rows as the configuration has them, before the zero-shot evaluation (a run
+    # before this one may have left its trained rows on the task)
+    rows0 = np.zeros(0)
+    if getattr(task, "kind", "") == "prompt" and cfg.get("label_rows") == "exact":
+        from semzo.finetune.label_rows import LabelRows
+        from semzo.model.storage import to_float32
+        from semzo.tasks.prompt import lm_head_weight
+        w0 = to_float32(lm_head_weight(m)[np.asarray(task.word_ids)])
+        task.label_rows = LabelRows(np, w0, task.word_ids, deck.train.label_rows_lr)
+        rows0 = task.label_rows.pack()
+    elif hasattr(task, "label_rows"):
+        task.label_rows = None
     loss0, acc0, _ = evaluate(task, topo)
     curve.append((0, 0.0, loss0, acc0))
 
@@ -264,16 +276,8 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
     tol = (0.1 if cfg["lr"] == "auto" else 0.0) if rb == "auto" else float(rb)
     best = {i: init[n].copy() for i, n in enumerate(names)}
     st0 = TrainState(run_seed=seed, best_step=0, best_acc=acc0, best_loss=loss0)
-    if getattr(task, "kind", "") == "prompt" and cfg.get("label_rows") == "exact":
-        from semzo.finetune.label_rows import LabelRows
-        from semzo.model.storage import to_float32
-        from semzo.tasks.prompt import lm_head_weight
-        w0 = to_float32(lm_head_weight(m)[np.asarray(task.word_ids)])
-        task.label_rows = LabelRows(np, w0, task.word_ids, deck.train.label_rows_lr)
-        st0.label_rows = task.label_rows.pack()
-    elif hasattr(task, "label_rows"):
-        task.label_rows = None
-    best_rows = [st0.label_rows.copy()]
+    st0.label_rows = rows0
+    best_rows = [rows0.copy()]
 
     def on_eval(state, loss, acc):
         curve.append((state.forwards, time.perf_counter() - t0 - eval_s[0], loss, acc))
