@@ -344,3 +344,40 @@ def test_step_size_away_from_its_default_is_named_when_unread():
     assert any("train.label_rows_lr = 0.05 is not read" in m for m in msgs), msgs
     d = load(None, ['train.task="prompt"', "train.label_rows_lr=0.05"], check_inputs=False)
     assert not any("label_rows_lr" in m for m in unread_keys(d))
+
+
+def _rows_run(xp):
+    """Three steps of LabelRows on ``xp`` arrays (the same host numbers); the packed state."""
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(3, 16)).astype(np.float32)
+    lr = LabelRows(xp, xp.asarray(w), [2, 5, 7], 0.02)
+    for _ in range(3):
+        h = rng.normal(size=(12, 16)).astype(np.float32)
+        y = rng.integers(0, 3, 12)
+        lr.begin()
+        d = lr.delta.get() if hasattr(lr.delta, "get") else lr.delta
+        z = (h @ (w + d).T).astype(np.float32)          # the scores: the same host numbers
+        lr.add(xp.asarray(h), xp.asarray(z), xp.asarray(y), 2.5)
+        assert lr.step(SoloComm(), 0.7)
+    return lr.pack()
+
+
+def test_label_rows_on_cpu_are_deterministic():
+    """The harness of the GPU case below, NumPy on both sides."""
+    assert _rows_run(np).tobytes() == _rows_run(np).tobytes()
+
+
+def _gpu_skip():
+    sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+    from gpu_common import gpu_skip
+    return gpu_skip()
+
+
+@_gpu_skip()
+def test_label_rows_on_the_gpu_match_the_cpu():
+    """Gradient and Adam on CuPy arrays (the delta on the device, the moments on the host)
+    from the same scores against NumPy: the same state to the rounding of float64 exp."""
+    from gpu_common import cupy_or_none
+    cp = cupy_or_none()
+    got, ref = _rows_run(cp), _rows_run(np)
+    assert np.abs(got - ref).max() <= 1e-9 * max(1.0, np.abs(ref).max())
