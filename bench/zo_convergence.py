@@ -260,10 +260,7 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
     rows0 = np.zeros(0)
     if getattr(task, "kind", "") == "prompt" and cfg.get("label_rows") == "exact":
         from semzo.finetune.label_rows import LabelRows
-        from semzo.model.storage import to_float32
-        from semzo.tasks.prompt import lm_head_weight
-        w0 = to_float32(lm_head_weight(m)[np.asarray(task.word_ids)])
-        task.label_rows = LabelRows(np, w0, task.word_ids, deck.train.label_rows_lr)
+        task.label_rows = LabelRows.of_model(m, task.word_ids, deck.train.label_rows_lr)
         rows0 = task.label_rows.pack()
     elif hasattr(task, "label_rows"):
         task.label_rows = None

@@ -23,10 +23,9 @@ from semzo.finetune.loop import LoopConfig, TrainState, evaluate, train
 from semzo.finetune.trainable import select_trainable
 from semzo.model import Tokenizer, load_model
 from semzo.model.label_rows import DELTA, WORD_IDS, apply_to_model, from_state, take_from
-from semzo.model.storage import to_float32
 from semzo.preflight import heldout_mask
 from semzo.runtime import SemzoError
-from semzo.tasks.prompt import PromptTask, encode_prompts, lm_head_weight
+from semzo.tasks.prompt import PromptTask, encode_prompts
 from semzo.zo.engine import ZOEngine
 from semzo.zo.perturb import ztensors
 
@@ -152,8 +151,7 @@ def _prompt_task(folder, seed: int = 0):
     names = select_trainable(m, "lora", lora_layers=1, seed=seed)
     task = PromptTask(m, seqs, np.array(labels), np.flatnonzero(~held), np.flatnonzero(held),
                       tok.pad_id, 64, words)
-    w0 = to_float32(lm_head_weight(m)[words])
-    task.label_rows = LabelRows(np, w0, words, 0.01)
+    task.label_rows = LabelRows.of_model(m, words, 0.01)
     return m, names, task
 
 

@@ -26,7 +26,9 @@ import numpy as np
 from mpi4py import MPI
 
 from ..model.label_rows import DELTA, WORD_IDS  # noqa: F401  (model.h5's names)
+from ..model.storage import to_float32
 from ..runtime import SemzoError
+from ..tasks.prompt import lm_head_weight
 
 
 class LabelRows:
@@ -46,6 +48,14 @@ class LabelRows:
         self.v = np.zeros(w.shape, np.float64)
         self.t = 0
         self._g = np.zeros(w.size + 1, np.float64)            # gradient sum, row count
+
+    @classmethod
+    def of_model(cls, model, word_ids, lr: float) -> LabelRows:
+        """The trainer of a decoder's label rows ``word_ids`` as its LM head stores them (on
+        the device, or NumPy with host parameters), at Adam step ``lr`` x their RMS."""
+        xp, head = model.xp, lm_head_weight(model)
+        mod = xp if isinstance(head, xp.ndarray) else np      # host_params: NumPy arrays
+        return cls(xp, to_float32(head[mod.asarray(word_ids)]), word_ids, lr)
 
     # ------------------------------------------------------------------ gradient
     def begin(self) -> None:

@@ -31,7 +31,7 @@ from ..energy import summary as energy_summary
 from ..h5check import SHARD_KEYS, agree, deck_drift
 from ..h5io import create_collective, row_range, string_array, write_slab
 from ..model import Tokenizer, load_model
-from ..model.storage import BF16, storage_name, to_float32
+from ..model.storage import BF16, storage_name
 from ..model.zoo import folder_checksum
 from ..preflight import check_kept, check_samples, resolve_task
 from ..runtime import SemzoError, get_logger
@@ -45,7 +45,7 @@ from ..tasks.classify import (
     init_head_class_means,
 )
 from ..tasks.lm import build_lm_task
-from ..tasks.prompt import build_prompt_task, lm_head_weight
+from ..tasks.prompt import build_prompt_task
 from ..tasks.sft import build_sft_task
 from ..zo.engine import ZOEngine
 from ..zo.offload import HostStore
@@ -364,10 +364,8 @@ def _label_rows(ctx, model, task, state, resumed) -> None:
                           f"checkpoint.resume = \"never\"")
     if not exact:
         return
-    xp, head = model.xp, lm_head_weight(model)
-    mod = xp if isinstance(head, xp.ndarray) else np         # host_params: NumPy arrays
-    w0 = to_float32(head[mod.asarray(task.word_ids)])
-    task.label_rows = lr_rows.LabelRows(xp, w0, task.word_ids, deck.train.label_rows_lr)
+    task.label_rows = lr_rows.LabelRows.of_model(model, task.word_ids,
+                                                 deck.train.label_rows_lr)
     if not have:
         state.label_rows = task.label_rows.pack()
         state.label_row_ids = task.word_ids.copy()
