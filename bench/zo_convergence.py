@@ -26,7 +26,9 @@ Configurations (``--configs``):
   4 directions, Rademacher z, 5 passes per step, the held-out guard (zo.lr_rollback 0.1),
   and on the prompt task the label words' rows of the LM head trained by their exact
   gradient (``train.label_rows = "auto"``; ``label_rows=frozen`` in a configuration of keys
-  leaves them as MeZO does);
+  leaves them as MeZO does), the first 5 % of the steps training those rows alone at one
+  forward pass each (``train.label_rows_warmup = "auto"``; ``rows_warmup=0``: ZO from the
+  first step);
 * ``mezo-auto``: MeZO with the automatic lr (and, as a deck resolves lr auto, cosine decay and
   both guards); ``fzoo-gauss``: auto-fzoo with Gaussian z;
   ``mezo-rad``: mezo-fixed with Rademacher z.
@@ -40,7 +42,9 @@ starts with + , else absolute) and the loss target (zero-shot + ``--target-loss`
 starts with -), how many seeds reached each, and the ratios against the first
 configuration; then the paired per-seed final accuracies and the best accuracy on each
 curve (what ``checkpoints/best.h5`` keeps). The targets are checked at the evaluations only
-(every ``--eval-every`` forward passes): the figures are that coarse. ``--from-log`` prints
+(every ``--eval-every`` forward passes): the figures are that coarse; ``--early EVERY:UNTIL``
+adds evaluations at each multiple of EVERY forward passes up to UNTIL (after the first step
+that reaches it), for every configuration alike. ``--from-log`` prints
 the same tables from the per-run lines of an earlier invocation cut short.
 Timings are on a shared 2-core machine: noisy, say so.
 
@@ -205,7 +209,8 @@ def parse_config(name: str) -> dict:
         cfg = {"lr": 2e-2}
         for kv in name.split(":"):
             k, v = kv.split("=", 1)
-            cfg[k] = v if k in ("estimator", "dist", "schedule", "lora_a", "label_rows") or \
+            cfg[k] = v if k in ("estimator", "dist", "schedule", "lora_a", "label_rows",
+                                "rows_warmup") or \
                 v == "auto" \
                 else float(v)
     # what a deck resolves from zo.lr when a key is left out or "auto" (deck/sections.py's
@@ -225,11 +230,14 @@ def parse_config(name: str) -> dict:
     # gradient with lr auto (the prompt task), else they stay frozen
     if cfg.get("label_rows", "auto") == "auto":
         cfg["label_rows"] = "exact" if auto else "frozen"
+    # train.label_rows_warmup "auto": 5 % of the steps train the rows alone (when they train)
+    w = cfg.get("rows_warmup", "auto")
+    cfg["rows_warmup"] = 0 if cfg["label_rows"] != "exact" else w if w == "auto" else int(w)
     return cfg
 
 
 def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch: int,
-            eval_every: int) -> dict:
+            eval_every: int, early: tuple[int, int] = (0, 0)) -> dict:
     from zo_common import SoloTopo
 
     from semzo.finetune import autolr
@@ -251,6 +259,14 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
                    schedule="three-pass")
     per = 2 if cfg["estimator"] == "mezo" else 1 + eng.dirs_per_group
     steps = budget // per
+    warm = 0
+    if getattr(task, "kind", "") == "prompt" and cfg["rows_warmup"]:
+        # the warm-up's steps cost one forward pass each: as many steps as fill the budget
+        from semzo.deck.read import auto_rows_warmup
+        for _ in range(3):
+            warm = auto_rows_warmup(steps) if cfg["rows_warmup"] == "auto" else \
+                min(int(cfg["rows_warmup"]), steps)
+            steps = warm + (budget - warm) // per
     ev = max(1, round(eval_every / per))
     curve = []
     t0 = time.perf_counter()
@@ -284,6 +300,22 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
                 np.copyto(best[i], m.params[n])
             best_rows[0] = state.label_rows.copy()
 
+    # --early EVERY:UNTIL: besides the loop's evaluations, the held-out set after the first
+    # step at which the forward passes reach each multiple of EVERY up to UNTIL (the curve
+    # only: neither the best model nor the guards see them)
+    marks = list(range(early[0], early[1] + 1, early[0])) if early[0] > 0 else []
+
+    def on_step(state):
+        if marks and state.forwards >= marks[0]:
+            while marks and state.forwards >= marks[0]:
+                marks.pop(0)
+            eng.flush()
+            te = time.perf_counter()
+            wall = te - t0 - eval_s[0]
+            loss, acc, _ = evaluate(task, topo)
+            eval_s[0] += time.perf_counter() - te
+            curve.append((state.forwards, wall, loss, acc))
+
     def on_rollback(state):
         eng.reload(best)
         state.label_rows = best_rows[0].copy()       # the loop hands them to the task
@@ -292,7 +324,8 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
     lc = LoopConfig(steps=steps, lr=cfg["lr"], eval_every=ev, log_every=10**9,
                     checksum_every=0, schedule=cfg.get("schedule", "constant"),
                     min_lr_ratio=float(cfg.get("min_lr_ratio", 0.0)),
-                    guard=guard_window(cfg.get("guard", 0), steps), rollback=tol)
+                    guard=guard_window(cfg.get("guard", 0), steps), rollback=tol,
+                    rows_warmup=warm)
     # the held-out evaluations' time is not the optimizer's: timed and subtracted
     import semzo.finetune.loop as loop_mod
     real_eval = loop_mod.evaluate
@@ -305,12 +338,14 @@ def run_one(deck, m, names, init, task, cfg: dict, seed: int, budget: int, batch
 
     loop_mod.evaluate = timed_eval
     try:
-        st = train(eng, task, b, st0, lc, on_eval=on_eval, on_rollback=on_rollback)
+        st = train(eng, task, b, st0, lc, on_eval=on_eval, on_rollback=on_rollback,
+                   on_step=on_step)
     finally:
         loop_mod.evaluate = real_eval
     wall = time.perf_counter() - t0 - eval_s[0]
     loss, acc, _ = evaluate(task, topo)
     curve.append((st.forwards, wall, loss, acc))
+    curve.sort(key=lambda p: p[0])               # the early points among the loop's
     return {"seed": seed, "lr": st.base_lr, "steps": steps, "curve": curve,
             "rollbacks": st.rollbacks,
             "zero_acc": acc0, "zero_loss": loss0, "final_acc": acc, "final_loss": loss}
@@ -434,6 +469,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--eval-every", type=int, default=80)
     ap.add_argument("--configs", default="mezo-fixed,auto-fzoo")
+    ap.add_argument("--early", default="", help="EVERY:UNTIL: also evaluate after the step "
+                    "at which the forward passes reach each multiple of EVERY up to UNTIL "
+                    "(finer figures to the targets early in the run)")
     ap.add_argument("--target-acc", default="+0.10")
     ap.add_argument("--target-loss", default="-0.30", help="absolute, or relative to the "
                     "zero-shot held-out loss when it starts with -")
@@ -480,11 +518,12 @@ def main() -> None:
             a.texts, a.labels.split(",") if a.labels else None, a.template,
             [" " + w for w in a.label_words.split(",")] if a.label_words else None)
     configs = a.configs.split(",")
+    early = tuple(int(x) for x in a.early.split(":")) if a.early else (0, 0)
     res: dict[str, list[dict]] = {c: [] for c in configs}
     for seed in range(a.first_seed, a.first_seed + a.seeds):
         for c in configs:
             r = run_one(deck, m, names, init, task, parse_config(c), seed, a.forwards, a.batch,
-                        a.eval_every)
+                        a.eval_every, early)
             res[c].append(r)
             print(f"{c:11s} seed {seed}: lr {r['lr']:.3g}, {r['steps']} steps, "
                   f"{r['rollbacks']} rollbacks, acc "

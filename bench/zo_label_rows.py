@@ -5,7 +5,7 @@ inputs/llm.toml's LoRA (30,720 parameters), on the prompt task of issue 32.
 
     .venv/bin/python bench/zo_label_rows.py [--labels law,education,drugs] [--seeds 0,1,2]
         [--opt fzoo|adam|sign|signmom] [--lrs 2e-5,5e-5,1e-4,1.5e-4] [--steps 600]
-        [--batch 32] [--directions 4] [--cache FILE.npz]
+        [--batch 32] [--directions 4] [--cache FILE.npz] [--at 2,10,30]
 
 The frozen model's final (normed) hidden state at each prompt's last position is computed once
 with transformers (the features the label-word rows read); then per seed (the run's held-out
@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--opt", default="fzoo", choices=("fzoo", "adam", "sign", "signmom", "exact"))
     ap.add_argument("--cache", default="", help="npz file for the features")
+    ap.add_argument("--at", default="", help="with --opt exact: also print the held-out "
+                    "gain and loss after these steps (2,10,30: how soon the rows learn)")
     a = ap.parse_args()
 
     import torch
@@ -82,6 +84,7 @@ def main() -> None:
         return float(-lp[np.arange(len(rows)), y[rows]].mean()), float((z.argmax(1) == y[rows])
                                                                        .mean())
 
+    at = {int(x) for x in a.at.split(",")} if a.at else set()
     for seed in [int(x) for x in a.seeds.split(",")]:
         held = heldout_mask(ids, seed, deck.train.heldout_fraction)
         tr, ho = np.flatnonzero(~held), np.flatnonzero(held)
@@ -119,6 +122,10 @@ def main() -> None:
                     upd = (m / (1 - 0.9 ** (step + 1))) / (
                         np.sqrt(v / (1 - 0.999 ** (step + 1))) + 1e-8)
                     dz -= lr * rms * cos * upd
+                    if step + 1 in at:
+                        lz, az = ce_acc(dz, ho)
+                        line += (f"; lr {lr:g} after {step + 1} steps: {100 * (az - a0):+.1f} "
+                                 f"(loss {lz:.3f})")
                     continue
                 f0 = ce_acc(dz, b)[0]
                 zs = r.choice([-1.0, 1.0], size=(a.directions,) + w0.shape)

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent / "mpi"))
 from zo_common import SoloComm, SoloTopo, StopAt
 
 from semzo.deck import DeckError, ZoSection, load
-from semzo.deck.read import label_rows_mode
+from semzo.deck.read import auto_rows_warmup, label_rows_mode, label_rows_warmup
 from semzo.finetune.data import Batcher
 from semzo.finetune.label_rows import LabelRows
 from semzo.finetune.loop import LoopConfig, TrainState, evaluate, train
@@ -163,8 +163,9 @@ def _engine(m, names, seed):
 
 
 def test_exact_label_rows_learn_where_zo_alone_is_slow(llama):
-    """The defaults (auto lr, fzoo) for 60 steps on three seeds: with the label rows trained
-    the held-out loss falls on every seed, by more than with the rows frozen on average."""
+    """The defaults (auto lr, fzoo, the rows' warm-up) for 60 steps on three seeds: with the
+    label rows trained the held-out loss falls on every seed, by more than with the rows
+    frozen on average."""
     drops = {"exact": [], "frozen": []}
     for seed in range(3):
         for mode in ("exact", "frozen"):
@@ -172,10 +173,11 @@ def test_exact_label_rows_learn_where_zo_alone_is_slow(llama):
             if mode == "frozen":
                 task.label_rows = None
             before = evaluate(task, SoloTopo())[0]
+            warm = auto_rows_warmup(60) if mode == "exact" else 0
             train(_engine(m, names, seed), task, Batcher(task.train_rows.size, 16, seed, 0),
                   TrainState(run_seed=seed), LoopConfig(steps=60, lr="auto",
                                                         schedule="cosine", log_every=1000,
-                                                        checksum_every=0))
+                                                        checksum_every=0, rows_warmup=warm))
             drops[mode].append(before - evaluate(task, SoloTopo())[0])
             if mode == "exact":
                 assert np.abs(task.label_rows.delta).max() > 0
@@ -184,18 +186,22 @@ def test_exact_label_rows_learn_where_zo_alone_is_slow(llama):
     assert ex.mean() > fr.mean(), drops
 
 
-def test_resume_with_label_rows_is_bit_exact(llama):
+@pytest.mark.parametrize("warm,stop", [(0, 9), (6, 2)])
+def test_resume_with_label_rows_is_bit_exact(llama, warm, stop):
+    """Stopped after step ``stop`` and resumed in a fresh process's objects: the same bits as
+    one run; (6, 2): inside the rows' warm-up, the lr scan after the resume."""
     def run(split):
         m, names, task = _prompt_task(llama)
         eng = _engine(m, names, 5)
         b = Batcher(task.train_rows.size, 8, 5, 0)
         cfg = LoopConfig(steps=24, lr="auto", schedule="cosine", history=8, log_every=1000,
-                         checksum_every=0)
+                         checksum_every=0, rows_warmup=warm)
         s = TrainState(run_seed=5)
         s.label_rows, s.label_row_ids = task.label_rows.pack(), task.word_ids.copy()
         if split:
-            s = train(eng, task, b, s, cfg, stop=StopAt(9))
-            assert s.step == 10
+            s = train(eng, task, b, s, cfg, stop=StopAt(stop))
+            assert s.step == stop + 1
+            assert (s.base_lr < 0) == (stop < warm)
             s = TrainState.from_dict(s.to_dict())
             m2, _, task = _prompt_task(llama)           # a fresh process's objects
             for n in names:
@@ -212,6 +218,54 @@ def test_resume_with_label_rows_is_bit_exact(llama):
     da, db = sa.to_dict(), sb.to_dict()
     for k in da:
         assert np.array_equal(da[k], db[k]), k
+
+
+def test_rows_warmup_trains_the_rows_alone_then_zo(llama):
+    """train.label_rows_warmup: its steps cost one forward pass each, move the label rows and
+    nothing else, lower the held-out loss by themselves; the lr scan and the ZO updates come
+    after them."""
+    m, names, task = _prompt_task(llama, 1)
+    task.label_rows = LabelRows.of_model(m, task.word_ids, 0.05)
+    init = {n: m.params[n].copy() for n in names}
+    before = evaluate(task, SoloTopo())[0]
+    seen = []
+
+    def on_step(st):
+        same = all(np.array_equal(m.params[n], init[n]) for n in names)
+        seen.append((st.step, st.forwards, st.base_lr, st.lr, same,
+                     float(np.abs(task.label_rows.delta).max()), evaluate(task, SoloTopo())[0]))
+
+    st = train(_engine(m, names, 1), task, Batcher(task.train_rows.size, 16, 1, 0),
+               TrainState(run_seed=1), LoopConfig(steps=12, lr="auto", schedule="cosine",
+                                                  log_every=1000, checksum_every=0,
+                                                  rows_warmup=10), on_step=on_step)
+    for step, fw, base, lr, same, moved, _ in seen[:10]:
+        assert fw == step and base < 0 and lr == 0.0 and same and moved > 0, seen[step - 1]
+    losses = [before] + [x[6] for x in seen[:10]]
+    print(losses)
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses   # the rows alone learn
+    assert losses[-1] < before - 0.01, losses
+    step, fw, base, lr, same, _, _ = seen[10]
+    assert base > 0 and lr > 0 and not same and fw > 10 + 5    # the scan, then a ZO step
+    assert st.step == 12
+
+
+def test_rows_warmup_resolution():
+    d = load(None, ['train.task="prompt"'], check_inputs=False)
+    assert label_rows_warmup(d, 200) == 10 and label_rows_warmup(d, 600) == 30
+    assert label_rows_warmup(d, 5000) == 50 and label_rows_warmup(d, 3) == 1
+    assert label_rows_warmup(d, 0) == 0
+    d = load(None, ['train.task="prompt"', "train.label_rows_warmup=7"], check_inputs=False)
+    assert label_rows_warmup(d, 200) == 7 and label_rows_warmup(d, 4) == 4
+    assert LoopConfig.from_deck(d).rows_warmup == 7
+    d = load(None, ['train.task="prompt"', "zo.lr=1e-3"], check_inputs=False)
+    assert label_rows_warmup(d, 200) == 0                       # the rows do not train
+    with pytest.raises(DeckError, match="train.label_rows_warmup: 7 steps train the label "
+                                        "rows alone, but they do not train here"):
+        load(None, ['train.task="prompt"', "zo.lr=1e-3", "train.label_rows_warmup=7"],
+             check_inputs=False)
+    load(None, ['train.task="prompt"', "zo.lr=1e-3", "train.label_rows_warmup=0"],
+         check_inputs=False)
 
 
 def test_deck_mode_and_refusals(tmp_path):

@@ -159,6 +159,21 @@ def label_rows_mode(d: Deck) -> str:
     return "exact" if d.train.task == "prompt" and d.zo.lr == "auto" else "frozen"
 
 
+def auto_rows_warmup(steps: int) -> int:
+    """``train.label_rows_warmup = "auto"`` for a run of ``steps`` steps: 5 % of them, at
+    least 1 and at most 50 (each costs one forward pass, a fifth of an fzoo step's)."""
+    return min(50, max(1, round(0.05 * steps))) if steps > 0 else 0
+
+
+def label_rows_warmup(d: Deck, steps: int) -> int:
+    """``train.label_rows_warmup`` resolved for a run of ``steps`` steps: the steps at the
+    start that train the label rows alone; 0 unless the rows train (``exact``)."""
+    if label_rows_mode(d) != "exact":
+        return 0
+    v = d.train.label_rows_warmup
+    return auto_rows_warmup(steps) if v == "auto" else min(int(v), max(steps, 0))
+
+
 def unread_keys(d: Deck) -> list[str]:
     """The [train] keys of the trainable set that hold a value other than their default while
     train.params does not read them (``inputs/demo.toml``'s ``last_layers = 0`` under
@@ -201,6 +216,12 @@ def _check_consistency(d: Deck, check_inputs: bool = True) -> None:
         raise DeckError(f"{d.source}: train.label_rows: \"exact\" trains the label words' "
                         f"rows of the prompt task; train.task is \"{d.train.task}\" (set "
                         f"train.task = \"prompt\" or train.label_rows = \"auto\")")
+    if d.train.label_rows_warmup not in ("auto", 0) and label_rows_mode(d) != "exact":
+        raise DeckError(f"{d.source}: train.label_rows_warmup: {d.train.label_rows_warmup} "
+                        f"steps train the label rows alone, but they do not train here "
+                        f"(train.label_rows resolves to \"{label_rows_mode(d)}\"; set "
+                        f"train.label_rows = \"exact\" with train.task = \"prompt\", or "
+                        f"remove train.label_rows_warmup)")
     if d.train.val_fraction > 0:
         if d.train.eval_every <= 0:
             raise DeckError(f"{d.source}: train.val_fraction: a validation split is read by "

@@ -320,6 +320,14 @@ class TrainSection:
                                "as a fraction of their root-mean-square value, times the ZO "
                                "schedule's decay and the guards' halvings.", min=0.0,
                                min_excl=True, max=1.0)
+    label_rows_warmup: int = key("auto", "`label_rows = \"exact\"`: the first steps of the "
+                                 "run train the label rows alone (a linear probe before the "
+                                 "ZO fine-tune, as LP-FT does): one forward pass of the step's "
+                                 "batch per rank, the rows' exact gradient, no ZO update; the "
+                                 "automatic lr scan and ZO start after them. They count in "
+                                 "train.steps. `auto` = 5 % of the steps (at least 1, at most "
+                                 "50); 0 = ZO from the first step. Refused when the rows do "
+                                 "not train.", min=0, kind="int_or_auto")
     steps: int = key(200, "ZO steps (each: two forward passes per rank with mezo, 1 + "
                      "zo.directions with fzoo in data mode). `semzo experiment`: the data "
                      "mode's steps; fzoo's other modes run the steps of the same forward "

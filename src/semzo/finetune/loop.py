@@ -20,10 +20,11 @@ from typing import Self
 import numpy as np
 from mpi4py import MPI
 
+from ..deck.read import label_rows_warmup
 from ..place.weights import slow_factors, slowed
 from ..runtime import EXIT_FAILURE, SemzoError, get_logger
 from ..tasks.base import Task
-from ..zo.engine import ZOEngine
+from ..zo.engine import StepResult, ZOEngine
 from ..zo.streamed import staged_loss, staged_score, step_streamed
 from .autolr import guard_update, guard_window, heldout_update, scan_lr
 from .data import Batcher
@@ -295,6 +296,7 @@ class LoopConfig:
     guard: int = 0                 # the loss guard's window in steps (0 = off)
     rollback: float = 0.0          # the held-out guard's tolerance (0 = off)
     validation: bool = False       # decisions on the validation split (train.val_fraction)
+    rows_warmup: int = 0           # steps at the start that train the label rows alone
 
     @classmethod
     def from_deck(cls, deck, steps: int | None = None) -> LoopConfig:
@@ -308,7 +310,8 @@ class LoopConfig:
                    checksum_every=z.checksum_every, max_skips=t.max_skips, history=z.history,
                    lr_scan_fraction=z.lr_scan_fraction,
                    guard=guard_window(z.lr_guard_name, steps),
-                   rollback=z.lr_rollback_value, validation=t.val_fraction > 0)
+                   rollback=z.lr_rollback_value, validation=t.val_fraction > 0,
+                   rows_warmup=label_rows_warmup(deck, steps))
 
 
 def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
@@ -334,7 +337,9 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
     trips after an evaluation; without it the guard is off.
 
     ``cfg.lr = "auto"``: unless the state already holds the chosen lr (``base_lr``, a resumed
-    run), :func:`.autolr.scan_lr` picks it first. Raises :class:`TooManySkips` (every rank, same
+    run), :func:`.autolr.scan_lr` picks it before the first ZO step. ``cfg.rows_warmup``
+    (with the task's trained label rows, ``train.label_rows_warmup``): steps ``0 ..
+    rows_warmup - 1`` train the label rows alone (:func:`rows_step`), ZO starts after them. Raises :class:`TooManySkips` (every rank, same
     step) and :class:`~.engine.ReplicaMismatch` (every rank, after the checksum collective).
     """
     topo = engine.topo
@@ -362,39 +367,52 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
     lrows = getattr(task, "label_rows", None)
     if lrows is not None and state.label_rows.size:
         lrows.unpack(state.label_rows, "the resumed checkpoint")
-    if cfg.lr == "auto" and state.base_lr < 0:
-        state.base_lr, used = scan_lr(engine, task, batcher, cfg.steps - state.step,
-                                      cfg.lr_scan_fraction, run_step, loss_of)
-        state.forwards += used
-    elif cfg.lr != "auto":
+    warm = cfg.rows_warmup if lrows is not None else 0
+    if cfg.lr != "auto":
         state.base_lr = float(cfg.lr)
+    if warm > state.step and topo.rank == 0:
+        log.info("steps %d..%d of %d train the label rows alone (train.label_rows_warmup = "
+                 "%d: one forward pass each, no ZO update); %s", state.step, warm - 1,
+                 cfg.steps, warm, f"ZO starts at step {warm}" if warm < cfg.steps
+                 else "ZO never starts in this run")
     while state.step < cfg.steps:
         step = state.step
+        zo_step = step >= warm
+        if zo_step and cfg.lr == "auto" and state.base_lr < 0:
+            state.base_lr, used = scan_lr(engine, task, batcher, cfg.steps - state.step,
+                                          cfg.lr_scan_fraction, run_step, loss_of)
+            state.forwards += used
         t_step = time.perf_counter()
         if stop is not None:
             stop.start(step)
-        lr = state.lr_scale * lr_at(step, cfg.steps, state.base_lr, cfg.schedule,
-                                    cfg.warmup_steps, cfg.min_lr_ratio)
+        lr = 0.0
+        if zo_step:
+            lr = state.lr_scale * lr_at(step, cfg.steps, state.base_lr, cfg.schedule,
+                                        cfg.warmup_steps, cfg.min_lr_ratio)
         positions, state.epoch, state.pos = batcher.next(state.epoch, state.pos)
         batch = task.batch(positions)
         if lrows is not None:
             lrows.begin()
-        res = run_step(batch, step, lr)
-        if lrows is not None and res.ok and lrows.step(
-                topo.world, lr / state.base_lr if state.base_lr > 0 else 0.0):
+        if zo_step:
+            res = run_step(batch, step, lr)
+            frac = lr / state.base_lr if state.base_lr > 0 else 0.0
+        else:
+            res = rows_step(topo, task, batch, step, loss_of)
+            frac = 1.0
+        if lrows is not None and res.ok and lrows.step(topo.world, frac):
             state.label_rows = lrows.pack()
         state.forwards += res.forwards
         if on_comm is not None:
             on_comm(res.comm_s)
         state.lr = lr
         state.step = step + 1
-        if res.ok:
+        if res.ok and zo_step:
             state.record(step, res.seeds, res.gs, cfg.history)
             if cfg.guard:
                 msg = guard_update(state, res.loss, cfg.guard)
                 if msg and topo.rank == 0:
                     log.warning("step %d: %s", step, msg)
-        else:
+        elif not res.ok:
             state.skips += 1
             if not (math.isfinite(res.lp) and math.isfinite(res.lm)):
                 log.warning("step %d: non-finite loss on rank %d (L+ %.4g, L- %.4g); the step "
@@ -467,6 +485,26 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
             break
     engine.verify(state.step)
     return state
+
+
+def rows_step(topo, task, batch, step: int, loss_of) -> StepResult:
+    """One step of ``train.label_rows_warmup`` (collective over the world): this rank's loss
+    of its batch, whose label-row gradient the task hands to its LabelRows; the n-weighted
+    mean loss over all ranks; no ZO update. ``ok`` is False on every rank when any rank's
+    loss is not finite (the rows then do not move)."""
+    t0 = time.perf_counter()
+    n = float(task.batch_weight(batch) if hasattr(task, "batch_weight") else batch[3])
+    v = float(loss_of(batch))
+    fin = math.isfinite(v)
+    buf = np.array([n * v if fin else 0.0, n, 0.0 if fin else 1.0])
+    t1 = time.perf_counter()
+    topo.allreduce(buf)
+    t2 = time.perf_counter()
+    ok = buf[2] == 0.0 and buf[1] > 0.0
+    return StepResult(step=step, ok=bool(ok), g=0.0,
+                      loss=float(buf[0] / buf[1]) if ok else math.nan,
+                      seeds=np.zeros(0, np.uint64), gs=np.zeros(0, np.float64), lp=v, lm=v,
+                      compute_s=t1 - t0, comm_s=t2 - t1, n=float(buf[1]), forwards=1)
 
 
 def _fmt_eta(s: float) -> str:
