@@ -27,8 +27,13 @@ TPL = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}
        "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 STEPS, SEEDS = 6, 2
 # fzoo, 4 directions, 2 ranks: data mode 1 + 4 passes per rank per step, perturbation mode
-# (2 seed groups) 1 + 2: 6 x 5 = 10 x 3 forward passes per rank
-MODE_STEPS = {"data": STEPS, "perturbation": 10}
+# (2 seed groups) 1 + 2: 6 x 5 = 10 x 3 forward passes per rank; the prompt task's label rows
+# train alone in the first step (train.label_rows_warmup auto: 1 of 6, one pass in every
+# mode), so its perturbation mode runs 1 + round(5 x 5 / 3) = 9 steps (1 + 24 passes, data
+# mode 1 + 25)
+WARM = {"prompt": 1, "sft": 0}
+MODE_STEPS = {"prompt": {"data": STEPS, "perturbation": 9},
+              "sft": {"data": STEPS, "perturbation": 10}}
 SHARDINGS, MODES = ("semantic", "shuffle"), ("data", "perturbation")
 
 
@@ -94,7 +99,8 @@ def test_both_tasks_run_every_configuration_with_one_budget_and_lr_auto(experime
         assert stored["zo"]["estimator"] == "fzoo"      # the experiment deck's
         assert stored["train"]["steps"] == STEPS and stored["train"]["gen_samples"] == 0
         head = (out / task / "experiment.toml").read_text()
-        assert all(f"# steps: {m} {n}\n" in head for m, n in MODE_STEPS.items()), head[:400]
+        assert all(f"# steps: {m} {n}\n" in head for m, n in MODE_STEPS[task].items()), \
+            head[:400]
         assert stored["experiment"]["decks"] == []           # a task deck is a single task
         starts = {}
         for s in SHARDINGS:
@@ -102,14 +108,20 @@ def test_both_tasks_run_every_configuration_with_one_budget_and_lr_auto(experime
                 for i in range(SEEDS):
                     rows, _, _ = _final(out / task / s / m / f"seed{i}" / "metrics.csv")
                     train = [r for r in rows if r["kind"] == "train"]
-                    assert len(train) == MODE_STEPS[m], (task, s, m, i)
+                    n, w = MODE_STEPS[task][m], WARM[task]
+                    assert len(train) == n, (task, s, m, i)
                     ev = [r for r in rows if r["kind"] == "eval"]
-                    assert int(ev[-1]["step"]) == MODE_STEPS[m]
-                    # the same forward passes per rank in every mode: the run's passes
-                    # (metrics.csv counts them, the line search's included) less its scan's
+                    assert int(ev[-1]["step"]) == n
+                    # the same forward passes per rank in every mode (to a step's rounding):
+                    # the run's passes (metrics.csv counts them, the line search's included)
+                    # less its scan's (before step w, after the warm-up's w passes)
                     per = {"data": 5, "perturbation": 3}[m]
-                    assert int(train[-1]["forwards"]) - int(train[0]["forwards"]) + per \
-                        == STEPS * 5, (task, m, train[0]["forwards"], train[-1]["forwards"])
+                    fw = [int(r["forwards"]) for r in train]
+                    assert fw[:w] == list(range(1, w + 1)), (task, m, fw)
+                    scan = fw[w] - (fw[w - 1] if w else 0) - per
+                    passes = fw[-1] - scan
+                    assert passes == w + per * (n - w), (task, m, fw)
+                    assert abs(passes - (w + 5 * (STEPS - w))) <= per / 2, (task, m, fw)
                     starts.setdefault(s, set()).add(ev[0]["heldout_loss"])
         # one sharding = the same rows on each rank = the same cached states: the starting
         # held-out loss is identical in every mode and seed
@@ -189,7 +201,8 @@ def test_missing_task_deck_is_refused_by_name(tmp_path):
 def test_one_shared_scan_sets_every_configurations_lr(experiment):
     """experiment.shared_lr (the default with zo.lr = "auto"): one scan per task in
     OUT/lr-scan/, its lr in shared_lr.json, and every configuration's first step at exactly
-    that lr (cosine from it, the schedule of lr auto); the report says so."""
+    that lr (cosine from it, the schedule of lr auto; the prompt task's first ZO step is after
+    its label rows' warm-up); the report says so."""
     out, proc = experiment
     for task in ("prompt", "sft"):
         lr = json.loads((out / task / "shared_lr.json").read_text())["lr"]
@@ -200,7 +213,9 @@ def test_one_shared_scan_sets_every_configurations_lr(experiment):
                 for i in range(SEEDS):
                     rows, _, _ = _final(out / task / s / m / f"seed{i}" / "metrics.csv")
                     train = [r for r in rows if r["kind"] == "train"]
-                    assert float(train[0]["lr"]) == lr, (task, s, m, i)
+                    w = WARM[task]                  # the label rows' warm-up: no ZO lr
+                    assert all(float(r["lr"]) == 0.0 for r in train[:w])
+                    assert float(train[w]["lr"]) == lr, (task, s, m, i)
                     assert float(train[-1]["lr"]) < lr          # cosine decay
         assert f"one scan shared by every configuration: {lr:.3e}" in \
             (out / task / "report.md").read_text()
@@ -208,19 +223,25 @@ def test_one_shared_scan_sets_every_configurations_lr(experiment):
 
 
 def test_report_reads_every_mode_in_data_mode_steps(experiment):
-    """Perturbation mode ran 10 steps for data mode's 6: the analysis puts its evaluations on
-    data-mode steps (its last one at the budget), so the fixed-budget tables compare equal
-    forward passes, and the report says how many steps each mode ran."""
+    """Perturbation mode ran 10 steps (the prompt task 9) for data mode's 6: the analysis puts
+    its evaluations on data-mode steps (its last one at the budget), so the fixed-budget
+    tables compare equal forward passes, and the report says how many steps each mode ran."""
     out, _ = experiment
     for task in ("prompt", "sft"):
         exp = load(out / task)
-        assert exp.budget == STEPS and exp.mode_steps == {"perturbation": 10}
+        assert exp.budget == STEPS and \
+            exp.mode_steps == {"perturbation": MODE_STEPS[task]["perturbation"]}
         for r in exp.runs:
-            assert r.steps[-1] == STEPS and r.n_steps == MODE_STEPS[r.mode], (r.mode, r.steps)
+            assert r.steps[-1] == STEPS and r.n_steps == MODE_STEPS[task][r.mode], \
+                (r.mode, r.steps)
         if any(r.mode == "perturbation" for r in exp.runs):
             p = next(r for r in exp.runs if r.mode == "perturbation")
             csv_path = out / task / p.sharding / "perturbation" / f"seed{p.seed}" / "metrics.csv"
             with open(csv_path) as fh:
                 raw = [int(x["step"]) for x in csv.DictReader(fh) if x["kind"] == "eval"]
-            assert np.allclose(p.steps, np.array(raw) * STEPS / 10)
-        assert "perturbation mode 10 steps" in (out / task / "report.md").read_text()
+            w, n = WARM[task], MODE_STEPS[task]["perturbation"]
+            raw = np.array(raw, np.float64)      # the warm-up's steps map to themselves
+            want = np.where(raw <= w, raw, w + (raw - w) * (STEPS - w) / (n - w))
+            assert np.allclose(p.steps, want), (p.steps, raw)
+        assert f"perturbation mode {MODE_STEPS[task]['perturbation']} steps" in \
+            (out / task / "report.md").read_text()

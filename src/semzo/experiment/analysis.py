@@ -47,6 +47,7 @@ import h5py
 import numpy as np
 
 from ..deck import from_toml_text
+from ..deck.read import label_rows_warmup
 
 #: the per-run stage times of an experiment, one row per run (written by :mod:`.runner`)
 TIMINGS = "timings.csv"
@@ -109,9 +110,28 @@ def passes_per_step(deck, groups: int = 1) -> int:
 def mode_steps(deck, groups: int) -> int:
     """Steps of a configuration whose mode has ``groups`` seed groups: ``train.steps`` with the
     same passes per step as data mode (mezo, or fzoo with one group's directions unchanged),
-    else the steps that give data mode's forward passes per rank, rounded to the nearest."""
+    else the steps that give data mode's forward passes per rank, rounded to the nearest. The
+    label rows' warm-up (``train.label_rows_warmup`` resolved for ``train.steps``: one pass a
+    step in every mode) is the same number of steps in every mode (:func:`.runner.config_deck`
+    pins it), so only the ZO steps after it are scaled."""
     p0, p = passes_per_step(deck, 1), passes_per_step(deck, groups)
-    return deck.train.steps if p == p0 else max(1, round(deck.train.steps * p0 / p))
+    steps = deck.train.steps
+    if p == p0:
+        return steps
+    w = label_rows_warmup(deck, steps)
+    return max(1, w + round((steps - w) * p0 / p))
+
+
+def data_steps(steps: np.ndarray, n: int, deck) -> np.ndarray:
+    """Steps of a run of ``n`` steps (another mode's, :func:`mode_steps`) as data-mode steps of
+    the same forward passes: the label rows' warm-up (its w steps, one pass each in every
+    mode) maps to itself, the ZO steps after it scale by (train.steps - w) / (n - w)."""
+    total = deck.train.steps
+    w = min(label_rows_warmup(deck, total), n)
+    s = np.asarray(steps, np.float64)
+    if n <= w:
+        return s
+    return np.where(s <= w, s, w + (s - w) * ((total - w) / (n - w)))
 
 
 def _float(s: str) -> float:
@@ -174,7 +194,7 @@ def load(base: str | Path) -> Experiment:
                 d = read_metrics(p)
                 n = int(steps_of.get(m, deck.train.steps))
                 if n != deck.train.steps:      # in data-mode steps: the same forward passes
-                    d["steps"] = d["steps"].astype(np.float64) * (deck.train.steps / n)
+                    d["steps"] = data_steps(d["steps"], n, deck)
                 runs.append(Run(sharding=s, mode=m, seed=deck.run.seed + i,
                                 wall_s=walls.get((s, m, str(i), "finetune"), math.nan), **d))
     return Experiment(base=base, deck=deck, ranks=ranks, runs=runs, shared=shared, place=place,

@@ -40,6 +40,7 @@ from pathlib import Path
 from mpi4py import MPI
 
 from ..deck import STAGES, Deck
+from ..deck.read import label_rows_mode, label_rows_warmup
 from ..finetune.autolr import guard_window
 from ..finetune.loop import schedule_name
 from ..pipeline import RunContext, run_stage, start
@@ -82,7 +83,10 @@ def config_deck(deck: Deck, sharding: str, mode: str | None, seed_index: int,
     e = deck.experiment
     steps = deck.train.steps if steps is None else int(steps)
     zo = dataclasses.replace(deck.zo, mode=mode or deck.zo.mode)
-    train = deck.train
+    # the label rows as the base deck resolves them (a shared lr below would turn "auto" into
+    # frozen), their warm-up the same number of steps in every mode (analysis.mode_steps)
+    train = dataclasses.replace(deck.train, label_rows=label_rows_mode(deck),
+                                label_rows_warmup=label_rows_warmup(deck, deck.train.steps))
     if lr is not None and deck.zo.lr == "auto":      # the shared scan's lr, as lr auto runs it
         # (a number in zo.lr would turn estimator and dist "auto" into MeZO and Gaussian z:
         # the scan measured the lr auto estimator's step, so that estimator runs)

@@ -387,8 +387,9 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
             stop.start(step)
         lr = 0.0
         if zo_step:
-            lr = state.lr_scale * lr_at(step, cfg.steps, state.base_lr, cfg.schedule,
-                                        cfg.warmup_steps, cfg.min_lr_ratio)
+            # the schedule runs over the ZO steps, from the end of the rows' warm-up
+            lr = state.lr_scale * lr_at(step - warm, cfg.steps - warm, state.base_lr,
+                                        cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio)
         positions, state.epoch, state.pos = batcher.next(state.epoch, state.pos)
         batch = task.batch(positions)
         if lrows is not None:
