@@ -327,7 +327,8 @@ def run_finetune_stage(ctx) -> dict:
     out = {"task": task_kind, "steps": state.step, "skipped": state.skips,
            "steps/s": ran / max(secs, 1e-9), "heldout acc before": float(before[1]),
            "heldout acc after": float(after[1]), "heldout loss before": float(before[0]),
-           "heldout loss after": float(after[0]), "lr": float(state.base_lr),
+           "heldout loss after": float(after[0]),
+           "lr": float(state.base_lr) if state.base_lr >= 0 else math.nan,   # nan: no ZO step
            "forward passes": int(state.forwards)}
     if task_kind == "lm" and math.isfinite(after[0]):
         out["heldout ppl after"] = math.exp(min(after[0], 700.0))
