@@ -339,8 +339,9 @@ def train(engine: ZOEngine, task: Task, batcher: Batcher, state: TrainState,
     ``cfg.lr = "auto"``: unless the state already holds the chosen lr (``base_lr``, a resumed
     run), :func:`.autolr.scan_lr` picks it before the first ZO step. ``cfg.rows_warmup``
     (with the task's trained label rows, ``train.label_rows_warmup``): steps ``0 ..
-    rows_warmup - 1`` train the label rows alone (:func:`rows_step`), ZO starts after them. Raises :class:`TooManySkips` (every rank, same
-    step) and :class:`~.engine.ReplicaMismatch` (every rank, after the checksum collective).
+    rows_warmup - 1`` train the label rows alone (:func:`rows_step`), ZO starts after them.
+    Raises :class:`TooManySkips` (every rank, same step) and
+    :class:`~.engine.ReplicaMismatch` (every rank, after the checksum collective).
     """
     topo = engine.topo
     t_start = time.perf_counter()
