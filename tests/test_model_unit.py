@@ -92,6 +92,37 @@ def test_fast_exp_erf_gelu_accuracy():
     assert np.max(np.abs(K._xp_erf(np, x) - np.array([math.erf(v) for v in x64]))) < 5e-7
 
 
+@pytest.mark.parametrize("act", ["silu", "gelu", "gelu_pytorch_tanh", "relu"])
+def test_gated_kernel_values_and_a_nan_gate(act):
+    """The gated MLP kernel against float64 references (biases included), and a NaN or inf
+    gate gives NaN/inf outputs, never an exception: under Numba's Python error model the
+    GELU kernel raised ZeroDivisionError on a NaN gate (a diverged model must reach the
+    loss as NaN, which the training loop skips)."""
+    from semzo.model.kernels_lm import gated_act
+    rng = np.random.default_rng(3)
+    n, m = 5, 37                                  # odd widths: the loops' vector tails
+    gu = (rng.standard_normal((n, 2 * m)) * 3).astype(np.float32)
+    bg, bu = (rng.standard_normal(m).astype(np.float32) for _ in range(2))
+    g64 = gu[:, :m].astype(np.float64) + bg
+    u64 = gu[:, m:].astype(np.float64) + bu
+    act64 = {"silu": lambda x: x / (1 + np.exp(-x)),
+             "gelu": lambda x: 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2))),
+             "gelu_pytorch_tanh": lambda x: 0.5 * x * (1 + np.tanh(
+                 math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))),
+             "relu": lambda x: np.maximum(x, 0)}[act]
+    ref = act64(g64) * u64
+    out = np.empty((n, m), np.float32)
+    gated_act(gu.copy(), bg, bu, act, out)
+    assert np.max(np.abs(out - ref) / np.maximum(np.abs(ref), 1)) < 5e-6
+    bad = gu.copy()
+    bad[1, 3], bad[2, 0] = np.nan, np.inf
+    gated_act(bad, None, None, act, out)          # no exception
+    if act != "relu":       # relu's select gives 0 for NaN (the residual stream keeps it)
+        assert np.isnan(out[1, 3])
+        assert np.isnan(out[2, 0]) or np.isinf(out[2, 0])
+    assert np.all(np.isfinite(np.delete(out.ravel(), [1 * m + 3, 2 * m])))
+
+
 def test_softmax_masks_causal_and_empty_rows():
     rng = np.random.default_rng(1)
     b, h, t = 3, 2, 7
