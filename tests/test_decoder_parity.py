@@ -293,6 +293,44 @@ def test_padding_is_skipped_and_the_bits_do_not_depend_on_threads(name, tmp_path
     assert abs(model.next_token_loss(ids, mask) - outs[1][1]) < 1e-6 * abs(outs[1][1])
 
 
+@pytest.mark.parametrize(("name", "taken"), [
+    ("llama_gqa_llama3_untied", True), ("qwen3_window", True), ("phi3_partial", True),
+    ("qwen2", True), ("smollm3", False), ("gemma3", False), ("opt_pre", False)])
+def test_transposed_mlp_has_the_row_layouts_bits(name, taken, tmp_path_factory, monkeypatch):
+    """The CPU's gated MLP computed transposed (``W @ a.T``; Phi-3's fused gate_up too) gives
+    the row layout's logits and loss bit for bit, padded rows and several groups and threads
+    included; it is taken where it applies (not for MLP biases (this SmolLM3 case), Gemma's
+    sandwich norms, OPT's ungated MLP, or LoRA on an MLP projection)."""
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder)
+    rng = np.random.default_rng(11)
+    ids, mask = padded_batch(rng, V, 9, 40)
+    model.group_tokens = 64
+    calls = []
+    orig = CausalLM._mlp_transposed
+
+    def spy(self, *a):
+        calls.append(1)
+        return orig(self, *a)
+    monkeypatch.setattr(CausalLM, "_mlp_transposed", spy)
+    outs = {}
+    for flag in (False, True):
+        monkeypatch.setattr(CausalLM, "mlp_transposed", flag)
+        set_threads(2)
+        try:
+            outs[flag] = (model.logits(ids, mask).copy(), model.next_token_loss(ids, mask))
+        finally:
+            set_threads(1)
+    assert bool(calls) == taken
+    assert np.array_equal(outs[True][0], outs[False][0])
+    assert outs[True][1] == outs[False][1]
+    if taken:                                     # LoRA on an MLP projection: the row layout
+        model.add_lora(rank=2, targets=("down_proj",), freeze_base=False)
+        calls.clear()
+        model.logits(ids, mask)
+        assert not calls
+
+
 def test_bf16_checkpoint_loads_as_float32(tmp_path_factory, tmp_path):
     _folder, ref = build("llama_gqa_llama3_untied", tmp_path_factory)
     half = copy.deepcopy(ref).to(torch.bfloat16)

@@ -86,6 +86,18 @@ def _nb_residual_add(x, bias, resid):
 
 
 @njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
+def _nb_residual_add_t(xt, resid):
+    """``resid += xt.T`` for xt (H, N), resid (N, H), in tiles of 16 rows of resid (one cache
+    line of xt per column): 0.21 ms for SmolLM2's 512 x 576 against NumPy's 0.65 ms."""
+    h, n = xt.shape
+    for i0 in range(0, n, 16):
+        i1 = min(i0 + 16, n)
+        for j in range(h):
+            for i in range(i0, i1):
+                resid[i, j] += xt[j, i]
+
+
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
 def _nb_rope_split(qkv, bq, bk, bv, pos, cos, sin, nh, nkv, d, rot, q, k, v, past):
     """Each head's row as 1-D views with the branches (bias, rotation, q or k) outside the
     loops over a head's dims, which then vectorize; loops run from 0 over slices (an index
@@ -251,6 +263,17 @@ def residual_add(x, bias, resid):
     resid += x
     if bias is not None:
         resid += _f32(array_module(bias), bias) if bias.dtype == np.uint16 else bias
+    return resid
+
+
+def residual_add_t(xt, resid):
+    """``resid += xt.T`` in place: xt (H, N), resid (N, H) (the transposed MLP's output,
+    :meth:`semzo.model.causal.CausalLM._mlp_transposed`); the same additions, hence the same
+    bits, as :func:`residual_add` of ``xt.T``."""
+    if _is_cpu32(xt, resid):
+        _nb_residual_add_t(xt, resid)
+    else:
+        resid += xt.T
     return resid
 
 
