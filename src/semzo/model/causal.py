@@ -518,15 +518,15 @@ class CausalLM(TransformerBase):
         nr = a.shape[0]
         gut = scratch(np, "gate_up_t", (2 * i_, nr), np.float32)
         if "gate_up" in m:
-            np.matmul(self.fparam(m["gate_up"] + ".weight"), a.T, out=gut)
+            np.matmul(self.fweight(m["gate_up"] + ".weight"), a.T, out=gut)
         else:
-            np.matmul(self.fparam(m["gate"] + ".weight"), a.T, out=gut[:i_])
-            np.matmul(self.fparam(m["up"] + ".weight"), a.T, out=gut[i_:])
+            np.matmul(self.fweight(m["gate"] + ".weight"), a.T, out=gut[:i_])
+            np.matmul(self.fweight(m["up"] + ".weight"), a.T, out=gut[i_:])
         intert = scratch(np, "inter_t", (i_, nr), np.float32)
         # elementwise: [gate | up] as one row of 2 I N values (the gate's rows, then the up's)
         gated_act(gut.reshape(1, -1), None, None, s.act, intert.reshape(1, -1))
         downt = scratch(np, "down_t", (h, nr), np.float32)
-        np.matmul(self.fparam(m["down"] + ".weight"), intert, out=downt)
+        np.matmul(self.fweight(m["down"] + ".weight"), intert, out=downt)
         residual_add_t(downt, x)
 
     def _bmm(self, a, b, out) -> None:
