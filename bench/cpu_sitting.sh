@@ -1,0 +1,48 @@
+#!/bin/bash
+# Every CPU figure of issue 36 in one sitting, each benchmark alone, one after another:
+# the decoder forward (float32 three times, spread over the sitting, and bfloat16 storage),
+# checkpoint save/load and the training time a checkpoint costs (4 ranks), the z pass, the ZO
+# step, the embedding and k-means. About 15 minutes on 2 cores. Run from the repository root
+# after `make setup-test data/fortunes.jsonl`:
+#
+#     bash bench/cpu_sitting.sh [OUT] [BEFORE]
+#
+# OUT: the results file (default runs/bench/cpu_sitting.txt). BEFORE: a checkout of another
+# commit (`git worktree add /tmp/before <commit>`) whose decoder is measured in the same
+# sitting, between the first two float32 runs of this tree's (the "before and after" the issue
+# asks for). Each section ends with its exit code, the time and the load average, so a noisy
+# spell shows. Nothing here runs in `make test`.
+set -u
+cd "$(dirname "$0")/.."
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+    OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechanism=none \
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+PY=${PY:-$PWD/.venv/bin/python}
+OUT=${1:-runs/bench/cpu_sitting.txt}
+BEFORE=${2:-}
+mkdir -p "$(dirname "$OUT")"
+note() { echo "(rc=$1, $(date +%T), $(uptime | sed 's/.*load/load/'))" >> "$OUT"; echo >> "$OUT"; }
+run() {
+    echo "## $*" >> "$OUT"
+    timeout 900 "$@" 2>&1 | grep -v -E "Loading weights|it/s\]|Writing model" >> "$OUT"
+    note "${PIPESTATUS[0]}"
+}
+echo "# started $(date), HEAD $(git rev-parse --short HEAD), $(grep -m1 'model name' /proc/cpuinfo)" > "$OUT"
+run "$PY" bench/decoder.py --repeat 8
+if [ -n "$BEFORE" ]; then
+    echo "## before ($(git -C "$BEFORE" rev-parse --short HEAD)): bench/decoder.py --repeat 8" >> "$OUT"
+    model=$PWD/models/smollm2-135m-instruct
+    (cd "$BEFORE" && PYTHONPATH="$PWD/src" timeout 900 "$PY" bench/decoder.py --repeat 8 \
+        --model "$model" 2>&1 | grep -v -E "Loading weights|it/s\]" >> "$OUT")
+    note "$?"
+fi
+run "$PY" bench/decoder.py --repeat 8
+run "$PY" bench/decoder.py --repeat 8 --dtype bfloat16
+run timeout 900 mpirun -n 4 "$PY" bench/checkpoint.py --repeat 3
+run "$PY" bench/zo_pass.py
+run "$PY" bench/zo_step.py --reps 3
+run "$PY" bench/embed.py --n 1000 --threads 2
+run timeout 900 mpirun -n 2 "$PY" bench/kmeans.py
+run "$PY" bench/decoder.py --repeat 8
+echo "# ended $(date)" >> "$OUT"
+echo "wrote $OUT"
