@@ -226,9 +226,7 @@ class TransformerBase(StagedModel):
         a = self.params[name]
         if self.storage != "bfloat16" or self.xp is not np:
             return self.fparam(name)
-        out = scratch(np, "fweight", a.shape, np.uint32)
-        np.left_shift(a, 16, out=out, dtype=np.uint32)
-        return out.view(np.float32)
+        return to_float32(a, out=scratch(np, "fweight", a.shape, np.float32))
 
     # ------------------------------------------------------------------ projections
     #: pack the real rows when at least this share of a row block is padding

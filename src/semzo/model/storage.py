@@ -21,6 +21,7 @@ ones (a uint16 activation could not be written by ``out[...] = t.astype(out.dtyp
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from semzo.backend import array_module
 
@@ -52,10 +53,25 @@ def is_bf16(a) -> bool:
     return a.dtype == BF16
 
 
-def to_float32(a):
-    """float32 values of a parameter array: bfloat16 bits upcast exactly (a new array); float16
-    converted; float32 returned as is (no copy). NumPy or CuPy, the module of ``a``."""
+@njit(cache=True, nogil=True, error_model="numpy")
+def _nb_bf16_bits_to_f32(a, out):
+    """``out[i]`` = the float32 bits of bfloat16 bits ``a[i]`` (1-D, contiguous): one pass,
+    2.5x NumPy's ``left_shift`` with a cast (SmolLM2's gate/up weight, 1.77M values: 0.15 ms
+    against 0.38, AMD EPYC, 2026-11-28)."""
+    for i in range(a.shape[0]):
+        out[i] = np.uint32(a[i]) << np.uint32(16)
+
+
+def to_float32(a, out=None):
+    """float32 values of a parameter array: bfloat16 bits upcast exactly (a new array, or
+    ``out``: a C-contiguous float32 NumPy array of a's shape); float16 converted; float32
+    returned as is (no copy). NumPy or CuPy, the module of ``a``."""
     xp = array_module(a)
+    if a.dtype == BF16 and xp is np:
+        out = np.empty(a.shape, np.float32) if out is None else out
+        _nb_bf16_bits_to_f32(np.ascontiguousarray(a).reshape(-1),
+                             out.reshape(-1).view(np.uint32))
+        return out
     if a.dtype == BF16:
         u = a.astype(xp.uint32)
         u <<= 16                  # in place: one array written, not two (3x faster on CPU)
