@@ -159,6 +159,10 @@ def _kernel_misuse(xp) -> None:
                                 np.zeros(2), 1, 0, 0, 0.0, 0)
     with pytest.raises(ValueError, match="not an unsigned 64-bit"):
         kernels_gpu.perturb(f32, -1, 0, 1, 2, 0, 1.0)
+    with pytest.raises(ValueError, match="run past 2\\*\\*64"):
+        kernels_gpu.perturb(f32, 2**64 - 8, 0, 1, 2, 0, 1.0)     # 16 elements: wraps
+    with pytest.raises(ValueError, match="run past 2\\*\\*64"):
+        kernels_gpu.zvec(f32, 2**64 - 15, 0, 1, 2, 0)
 
 
 def test_zo_kernels_validate_before_launch_on_cpu():

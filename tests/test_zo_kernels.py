@@ -641,6 +641,52 @@ def test_cuda_c_source_built_for_cpu_gives_cpu_bits(tmp_path):
                 assert bits_equal(a, b) and bits_equal(qa, qb), (kind, dtype, dist)
 
 
+
+def test_cuda_c_quads_at_every_alignment(tmp_path):
+    """The GPU kernels make z a quad (one Gaussian Philox block) per thread: tensors whose
+    first element sits at each position in its quad, of lengths that end anywhere in one,
+    shorter than one quad and across Rademacher (128) and Gaussian-fast (1024) blocks, get
+    the numba kernels' bits, and no element outside p is written."""
+    from semzo.zo import kernels_gpu
+    lib = _compile_c(tmp_path)
+    P, L, U, D, N = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_uint64, ctypes.c_double,
+                     ctypes.c_int)
+    lib.zo_zvec.argtypes = [P, L, U, U, U, U, N]
+    lib.zo_perturb_f32.argtypes = [P, L, U, U, U, U, N, D]
+    lib.zo_stream_bf16.argtypes = [P, P, L, U, U, N, U, U, D, D, D, D, P, P, P, N, N, U, U, D,
+                                   N]
+    seed, t = 2 ** 33 + 7, 4
+    k0, k1 = (int(k) for k in rng.split_seed(seed))
+    pk0, pk1 = (int(k) for k in rng.split_seed(5))
+    k0s, k1s = (np.array([k], np.uint64) for k in (k0, k1))
+    gsa = np.array([0.5])
+    for dist in DISTS:
+        code = rng.dist_code(dist)
+        for off in (0, 1, 2, 3, 125, 1021, 2 ** 40 + 2):
+            for n in (1, 2, 3, 4, 5, 7, 9, 1030):
+                guard = np.full(n + 8, 7.0, np.float32)          # 4 sentinels each side
+                lib.zo_zvec(guard[4:].ctypes.data, n, off, t, k0, k1, code)
+                assert bits_equal(guard[4:4 + n], zvec(seed, t, off, n, dist)), (dist, off, n)
+                assert (guard[:4] == 7.0).all() and (guard[4 + n:] == 7.0).all()
+                assert kernels_gpu.nquads(off, n) == ((off + n - 1) // 4 - off // 4 + 1)
+                a = params(n, np.float32, seed=off + n)
+                b = a.copy()
+                lib.zo_perturb_f32(a.ctypes.data, n, off, t, k0, k1, code, 1e-3)
+                perturb.perturb([ZTensor(t, b, off)], seed, 1e-3, dist=dist)
+                assert bits_equal(a, b), (dist, off, n)
+                a = params(n, BF16, seed=off + 2 * n)
+                b = a.copy()
+                qa, qb = np.empty_like(a), np.empty_like(b)
+                lib.zo_stream_bf16(a.ctypes.data, qa.ctypes.data, n, off, t, 2, k0, k1, 1e-3,
+                                   0.05, 0.0, 0.1, k0s.ctypes.data, k1s.ctypes.data,
+                                   gsa.ctypes.data, 1, 1, pk0, pk1, -2e-3, code)
+                op = perturb.Pending("multi_restore", seed, 1e-3, 0.05, 0.0, 0.1, (seed,),
+                                     (0.5,))
+                perturb.apply_then_perturb([ZTensor(t, b, off)], op, 5, -2e-3, dst=[qb],
+                                           dist=dist)
+                assert bits_equal(a, b) and bits_equal(qa, qb), (dist, off, n)
+
+
 SIM_SCRIPT = textwrap.dedent("""
     import os, sys
     import numpy as np

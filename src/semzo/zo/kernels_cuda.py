@@ -35,6 +35,9 @@ static __device__ __forceinline__ double ZO_F2D(float x) {
 static __device__ __forceinline__ float ZO_D2F(double x) {
   float r; asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x)); return r;
 }
+#define ZO_D2U(d) ((unsigned long long)__double_as_longlong(d))
+#define ZO_U2D(u) __longlong_as_double((long long)(u))
+#define ZO_UNROLL _Pragma("unroll")
 #else
 #include <math.h>
 #include <string.h>
@@ -46,6 +49,11 @@ static inline unsigned int ZO_F2U(float f) { unsigned int u; memcpy(&u, &f, 4); 
 static inline float ZO_U2F(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
 #define ZO_F2D(x) ((double)(x))
 #define ZO_D2F(x) ((float)(x))
+static inline unsigned long long ZO_D2U(double d) {
+  unsigned long long u; memcpy(&u, &d, 8); return u;
+}
+static inline double ZO_U2D(unsigned long long u) { double d; memcpy(&d, &u, 8); return d; }
+#define ZO_UNROLL
 #endif
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -71,17 +79,16 @@ ZO_DEV void zo_philox(u64 c[4], u64 k0, u64 k1) {
   }
 }
 
+// rng.neg2_log_u_bits: the exponent and mantissa of m read from its bits (both reductions
+// exact, so the bits of rng.neg2_log_u's binary search; seven compare-and-scale steps fewer)
 ZO_DEV double zo_neg2_log_u(u64 x) {
   double m = (double)x + 1.0;
-  double e = 0.0;
-  int c;
-  c = m >= 4294967296.0; m = c ? m * @TWO_M32@ : m; e = c ? e + 32.0 : e;
-  c = m >= 65536.0;      m = c ? m * @TWO_M16@ : m; e = c ? e + 16.0 : e;
-  c = m >= 256.0;        m = c ? m * @TWO_M8@ : m;  e = c ? e + 8.0 : e;
-  c = m >= 16.0;         m = c ? m * 0.0625 : m;    e = c ? e + 4.0 : e;
-  c = m >= 4.0;          m = c ? m * 0.25 : m;      e = c ? e + 2.0 : e;
-  c = m >= 2.0;          m = c ? m * 0.5 : m;       e = c ? e + 1.0 : e;
-  c = m > @SQRT2@;       m = c ? m * 0.5 : m;       e = c ? e + 1.0 : e;
+  u64 bits = ZO_D2U(m);
+  double e = (double)(bits >> 52) - 1023.0;
+  m = ZO_U2D((bits & @M52@ULL) | @EXP1023@ULL);
+  int c = m > @SQRT2@;
+  m = c ? m * 0.5 : m;
+  e = c ? e + 1.0 : e;
   double s = (m - 1.0) / (m + 1.0);
   double s2 = s * s;
   double poly = @LOG_C4@;
@@ -118,21 +125,24 @@ ZO_DEV void zo_cos_sin(u64 x, double* cs, double* sn) {
   *sn = half ? -s1 : s1;
 }
 
+// rng.box_muller, each z rounded to float32 (as rng.gauss4)
+ZO_DEV void zo_box_muller(u64 xa, u64 xb, double* za, double* zb) {
+  double r = sqrt(zo_neg2_log_u(xa));
+  double cs, sn;
+  zo_cos_sin(xb, &cs, &sn);
+  *za = ZO_F2D(ZO_D2F(r * cs));
+  *zb = ZO_F2D(ZO_D2F(r * sn));
+}
+
 ZO_DEV double zo_gauss_at(u64 e, u64 t, u64 k0, u64 k1) {
   u64 b = e >> 2;
   u64 c[4] = {b & ZO_M32, b >> 32, t, 0ULL};
   zo_philox(c, k0, k1);
   u64 lane = e & 3ULL;
   int second = lane >= 2ULL;
-  u64 xa = second ? c[2] : c[0];
-  u64 xb = second ? c[3] : c[1];
-  double r = sqrt(zo_neg2_log_u(xa));
-  double cs, sn;
-  zo_cos_sin(xb, &cs, &sn);
-  double za = r * cs;
-  double zb = r * sn;
-  double z = (lane & 1ULL) != 0ULL ? zb : za;
-  return ZO_F2D(ZO_D2F(z));
+  double za, zb;
+  zo_box_muller(second ? c[2] : c[0], second ? c[3] : c[1], &za, &zb);
+  return (lane & 1ULL) != 0ULL ? zb : za;
 }
 
 ZO_DEV double zo_rad_at(u64 e, u64 t, u64 k0, u64 k1) {
@@ -169,6 +179,62 @@ ZO_DEV double zo_fast_at(u64 e, u64 t, u64 k0, u64 k1) {
 ZO_DEV double zo_z(u64 e, u64 t, u64 k0, u64 k1, int dist) {
   return dist == 0 ? zo_gauss_at(e, t, k0, k1)
                    : (dist == 1 ? zo_rad_at(e, t, k0, k1) : zo_fast_at(e, t, k0, k1));
+}
+
+// The kernels walk quads: quad Q is elements 4Q .. 4Q + 3 of a tensor, one Gaussian Philox
+// block, so one Philox call and two Box-Muller pairs give its four z (element by element they
+// took four calls and four pairs, two of them thrown away); a Rademacher quad lies in one
+// 128-element block (one call), a Gaussian-fast quad in two blocks (two calls). Each z is
+// the zo_z of its element, bit for bit. p[i] is element off + i: the quads of a launch are
+// off >> 2 .. (off + n - 1) >> 2, the first and last possibly partial (zo_lane).
+ZO_DEV void zo_z4(u64 e4, u64 t, u64 k0, u64 k1, int dist, double z[4]) {
+  if (dist == 0) {
+    u64 b = e4 >> 2;
+    u64 c[4] = {b & ZO_M32, b >> 32, t, 0ULL};
+    zo_philox(c, k0, k1);
+    zo_box_muller(c[0], c[1], &z[0], &z[1]);
+    zo_box_muller(c[2], c[3], &z[2], &z[3]);
+  } else if (dist == 1) {
+    u64 b = e4 >> 7;
+    u64 c[4] = {b & ZO_M32, b >> 32, t, 1ULL};
+    zo_philox(c, k0, k1);
+    u64 j = (e4 >> 5) & 3ULL;
+    u64 lo = j == 1ULL ? c[1] : c[0];
+    u64 hi = j == 3ULL ? c[3] : c[2];
+    u64 w = j >= 2ULL ? hi : lo;
+    ZO_UNROLL
+    for (int l = 0; l < 4; ++l)
+      z[l] = 1.0 - 2.0 * (double)((w >> ((e4 + (u64)l) & 31ULL)) & 1ULL);
+  } else {
+    ZO_UNROLL
+    for (int h = 0; h < 2; ++h) {
+      // elements e4 + 2h and e4 + 2h + 1: the low and high 16 bits of one word
+      u64 r = (e4 + 2ULL * (u64)h) & 1023ULL;
+      u64 q = r >> 1;
+      u64 blk = ((e4 >> 10) << 7) | (q & 127ULL);
+      u64 c[4] = {blk & ZO_M32, blk >> 32, t, 2ULL};
+      zo_philox(c, k0, k1);
+      u64 k = q >> 7;
+      u64 lo = k == 1ULL ? c[1] : c[0];
+      u64 hi = k == 3ULL ? c[3] : c[2];
+      u64 x = k >= 2ULL ? hi : lo;
+      z[2 * h] = (double)ZO_U2F(zo_fast_tab[x & 0xFFFFULL]);
+      z[2 * h + 1] = (double)ZO_U2F(zo_fast_tab[x >> 16]);
+    }
+  }
+}
+
+ZO_DEV long long zo_nquads(u64 off, long long n) {
+  return n <= 0 ? 0LL : (long long)(((off + (u64)(n - 1)) >> 2) - (off >> 2) + 1ULL);
+}
+
+ZO_DEV u64 zo_quad(u64 off, long long j) { return ((off >> 2) + (u64)j) << 2; }
+
+// the index into p of lane l of the quad at element e4, or -1 where p does not reach
+ZO_DEV long long zo_lane(u64 off, long long n, u64 e4, int l) {
+  u64 e = e4 + (u64)l;
+  if (e < off || e - off >= (u64)n) return -1;
+  return (long long)(e - off);
 }
 
 ZO_DEV double zo_half_to_double(u16 h) {
@@ -222,58 +288,108 @@ ZO_DEV u16 zo_float_to_bf16(float x) {
 #define ZO_STORE_bf16(p, i, v) ((p)[i] = zo_float_to_bf16(ZO_D2F(v)))
 
 ZO_GLOBAL zo_zvec(float* out, long long n, u64 e0, u64 t, u64 k0, u64 k1, int dist) {
-  ZO_FOR(i, n) { out[i] = (float)zo_z(e0 + (u64)i, t, k0, k1, dist); }
+  long long nq = zo_nquads(e0, n);
+  ZO_FOR(j, nq) {
+    u64 e4 = zo_quad(e0, j);
+    double z[4];
+    zo_z4(e4, t, k0, k1, dist, z);
+    ZO_UNROLL
+    for (int l = 0; l < 4; ++l) {
+      long long i = zo_lane(e0, n, e4, l);
+      if (i >= 0) out[i] = (float)z[l];
+    }
+  }
 }
 
 #define ZO_DEFINE(S, T)                                                                       \
 ZO_GLOBAL zo_perturb_##S(T* p, long long n, u64 off, u64 t, u64 k0, u64 k1, int dist,         \
                          double scale) {                                                      \
-  ZO_FOR(i, n) {                                                                              \
-    double z = zo_z(off + (u64)i, t, k0, k1, dist);                                           \
-    ZO_STORE_##S(p, i, ZO_LOAD_##S(p, i) + scale * z);                                        \
+  long long nq = zo_nquads(off, n);                                                           \
+  ZO_FOR(j, nq) {                                                                             \
+    u64 e4 = zo_quad(off, j);                                                                 \
+    double z[4];                                                                              \
+    zo_z4(e4, t, k0, k1, dist, z);                                                            \
+    ZO_UNROLL                                                                                 \
+    for (int l = 0; l < 4; ++l) {                                                             \
+      long long i = zo_lane(off, n, e4, l);                                                   \
+      if (i >= 0) ZO_STORE_##S(p, i, ZO_LOAD_##S(p, i) + scale * z[l]);                       \
+    }                                                                                         \
   }                                                                                           \
 }                                                                                             \
 ZO_GLOBAL zo_restore_update_##S(T* p, long long n, u64 off, u64 t, u64 k0, u64 k1, int dist,  \
                                 double eps, double lr, double g, double wd) {                 \
-  ZO_FOR(i, n) {                                                                              \
-    double z = zo_z(off + (u64)i, t, k0, k1, dist);                                           \
-    double pr = ZO_LOAD_##S(p, i) + eps * z;                                                  \
-    ZO_STORE_##S(p, i, pr - lr * (g * z + wd * pr));                                          \
+  long long nq = zo_nquads(off, n);                                                           \
+  ZO_FOR(j, nq) {                                                                             \
+    u64 e4 = zo_quad(off, j);                                                                 \
+    double z[4];                                                                              \
+    zo_z4(e4, t, k0, k1, dist, z);                                                            \
+    ZO_UNROLL                                                                                 \
+    for (int l = 0; l < 4; ++l) {                                                             \
+      long long i = zo_lane(off, n, e4, l);                                                   \
+      if (i < 0) continue;                                                                    \
+      double pr = ZO_LOAD_##S(p, i) + eps * z[l];                                             \
+      ZO_STORE_##S(p, i, pr - lr * (g * z[l] + wd * pr));                                     \
+    }                                                                                         \
   }                                                                                           \
 }                                                                                             \
 ZO_GLOBAL zo_multi_update_##S(T* p, long long n, u64 off, u64 t, const u64* k0s,             \
                               const u64* k1s, const double* gs, int npert, double lr,         \
                               double wd, int restore, u64 rk0, u64 rk1, double eps,           \
                               int dist) {                                                     \
-  ZO_FOR(i, n) {                                                                              \
-    u64 e = off + (u64)i;                                                                     \
-    double acc = 0.0;                                                                         \
-    for (int k = 0; k < npert; ++k) acc = acc + gs[k] * zo_z(e, t, k0s[k], k1s[k], dist);     \
-    double pr = ZO_LOAD_##S(p, i);                                                            \
-    if (restore) pr = pr + eps * zo_z(e, t, rk0, rk1, dist);                                  \
-    ZO_STORE_##S(p, i, pr - lr * (acc + wd * pr));                                            \
+  long long nq = zo_nquads(off, n);                                                           \
+  ZO_FOR(j, nq) {                                                                             \
+    u64 e4 = zo_quad(off, j);                                                                 \
+    double acc[4] = {0.0, 0.0, 0.0, 0.0}, z[4];                                               \
+    for (int k = 0; k < npert; ++k) {                                                         \
+      zo_z4(e4, t, k0s[k], k1s[k], dist, z);                                                  \
+      ZO_UNROLL                                                                               \
+      for (int l = 0; l < 4; ++l) acc[l] = acc[l] + gs[k] * z[l];                             \
+    }                                                                                         \
+    if (restore) zo_z4(e4, t, rk0, rk1, dist, z);                                             \
+    ZO_UNROLL                                                                                 \
+    for (int l = 0; l < 4; ++l) {                                                             \
+      long long i = zo_lane(off, n, e4, l);                                                   \
+      if (i < 0) continue;                                                                    \
+      double pr = ZO_LOAD_##S(p, i);                                                          \
+      if (restore) pr = pr + eps * z[l];                                                      \
+      ZO_STORE_##S(p, i, pr - lr * (acc[l] + wd * pr));                                       \
+    }                                                                                         \
   }                                                                                           \
 }                                                                                             \
 ZO_GLOBAL zo_stream_##S(T* p, T* q, long long n, u64 off, u64 t, int mode, u64 k0, u64 k1,   \
                         double a, double lr, double g, double wd, const u64* k0s,             \
                         const u64* k1s, const double* gs, int npert, int post, u64 pk0,       \
                         u64 pk1, double pa, int dist) {                                       \
-  ZO_FOR(i, n) {                                                                              \
-    u64 e = off + (u64)i;                                                                     \
-    if (mode == 0) {                                                                          \
-      ZO_STORE_##S(p, i, ZO_LOAD_##S(p, i) + a * zo_z(e, t, k0, k1, dist));                   \
-    } else if (mode == 1) {                                                                   \
-      double z = zo_z(e, t, k0, k1, dist);                                                    \
-      double pr = ZO_LOAD_##S(p, i) + a * z;                                                  \
-      ZO_STORE_##S(p, i, pr - lr * (g * z + wd * pr));                                        \
-    } else if (mode == 2 || mode == 3) {                                                      \
-      double acc = 0.0;                                                                       \
-      for (int k = 0; k < npert; ++k) acc = acc + gs[k] * zo_z(e, t, k0s[k], k1s[k], dist);   \
-      double pr = ZO_LOAD_##S(p, i);                                                          \
-      if (mode == 2) pr = pr + a * zo_z(e, t, k0, k1, dist);                                  \
-      ZO_STORE_##S(p, i, pr - lr * (acc + wd * pr));                                          \
+  long long nq = zo_nquads(off, n);                                                           \
+  ZO_FOR(j, nq) {                                                                             \
+    u64 e4 = zo_quad(off, j);                                                                 \
+    double z[4] = {0.0, 0.0, 0.0, 0.0}, acc[4] = {0.0, 0.0, 0.0, 0.0};                        \
+    double zp[4] = {0.0, 0.0, 0.0, 0.0};                                                      \
+    if (mode == 2 || mode == 3) {                                                             \
+      for (int k = 0; k < npert; ++k) {                                                       \
+        zo_z4(e4, t, k0s[k], k1s[k], dist, z);                                                \
+        ZO_UNROLL                                                                             \
+        for (int l = 0; l < 4; ++l) acc[l] = acc[l] + gs[k] * z[l];                           \
+      }                                                                                       \
     }                                                                                         \
-    if (post) ZO_STORE_##S(q, i, ZO_LOAD_##S(p, i) + pa * zo_z(e, t, pk0, pk1, dist));        \
+    if (mode == 0 || mode == 1 || mode == 2) zo_z4(e4, t, k0, k1, dist, z);                   \
+    if (post) zo_z4(e4, t, pk0, pk1, dist, zp);                                               \
+    ZO_UNROLL                                                                                 \
+    for (int l = 0; l < 4; ++l) {                                                             \
+      long long i = zo_lane(off, n, e4, l);                                                   \
+      if (i < 0) continue;                                                                    \
+      if (mode == 0) {                                                                        \
+        ZO_STORE_##S(p, i, ZO_LOAD_##S(p, i) + a * z[l]);                                     \
+      } else if (mode == 1) {                                                                 \
+        double pr = ZO_LOAD_##S(p, i) + a * z[l];                                             \
+        ZO_STORE_##S(p, i, pr - lr * (g * z[l] + wd * pr));                                   \
+      } else if (mode == 2 || mode == 3) {                                                    \
+        double pr = ZO_LOAD_##S(p, i);                                                        \
+        if (mode == 2) pr = pr + a * z[l];                                                    \
+        ZO_STORE_##S(p, i, pr - lr * (acc[l] + wd * pr));                                     \
+      }                                                                                       \
+      if (post) ZO_STORE_##S(q, i, ZO_LOAD_##S(p, i) + pa * zp[l]);                           \
+    }                                                                                         \
   }                                                                                           \
 }
 
@@ -300,6 +416,7 @@ def cuda_source() -> str:
         "TWO_M8": _c_double(rng.TWO_M8), "SQRT2": _c_double(rng.SQRT2),
         "LN2": _c_double(rng.LN2), "PI_2_M31": _c_double(rng.PI_2_M31),
         "PI_4": _c_double(rng.PI_4),
+        "M52": str(int(rng.M52)), "EXP1023": str(int(rng.EXP1023)),
     }
     bits = rng.fast_table().view(np.uint32)
     subs["FAST_TABLE"] = "\n".join(

@@ -10,8 +10,10 @@ Two implementations of the same contract (rng.py stream definition, kernels.py f
   (:func:`cuda_source`). It is compiled with ``--fmad=false`` so that no multiply-add is contracted
   and the float64 arithmetic is the CPU's, operation for operation. The same source, kernels
   included, compiles as plain C (the ``ZO_*`` macros turn each grid-stride loop into a serial
-  loop); the tests build it with gcc and require bit-identical results to the numba CPU kernels.
-  It has NOT been run on a GPU here: only the CPU build of the source is tested.
+  loop); the tests build it with gcc and require bit-identical results to the numba CPU kernels
+  (and the GPU kit, tools/gpu-check.sh, on a device). A thread makes the z of a quad: four
+  elements of one Gaussian Philox block, one Philox call and two Box-Muller pairs
+  (:func:`nquads` sizes the grid).
 * **numba.cuda** (:func:`numba_cuda_kernels`, used when ``SEMZO_ZO_GPU_BACKEND=numba``). The
   device functions are rng.py's own Python functions compiled with ``cuda.jit(device=True)``
   (textually the same code as the CPU path). Tested under the CUDA simulator
@@ -62,10 +64,18 @@ def _cupy_function(device_id: int, name: str):
     return _cupy_module(device_id).get_function(name)
 
 
-def _cupy_launch(name: str, n: int, args: tuple) -> None:
+def nquads(off: int, n: int) -> int:
+    """The quads (4-element groups of a Gaussian Philox block, kernels_cuda's ``zo_nquads``)
+    that elements ``off`` .. ``off + n - 1`` of a tensor touch: one thread each."""
+    return 0 if n <= 0 else ((int(off) + n - 1) >> 2) - (int(off) >> 2) + 1
+
+
+def _cupy_launch(name: str, off: int, n: int, args: tuple) -> None:
+    """Launch ``name`` over the quads of elements off .. off + n - 1 (grid-stride beyond
+    MAX_BLOCKS blocks)."""
     import cupy  # GPU only
     fn = _cupy_function(cupy.cuda.runtime.getDevice(), name)
-    blocks = max(1, min(MAX_BLOCKS, -(-n // THREADS_PER_BLOCK)))
+    blocks = max(1, min(MAX_BLOCKS, -(-nquads(off, n) // THREADS_PER_BLOCK)))
     fn((blocks,), (THREADS_PER_BLOCK,), args)
 
 
@@ -138,6 +148,15 @@ def _check_scalar(name: str, v) -> None:
         raise ValueError(f"ZO kernels: {name} = {v} is not an unsigned 64-bit integer")
 
 
+def _check_offset(name: str, off, n: int) -> None:
+    """``off`` and the element indices off .. off + n - 1 must all be unsigned 64-bit (the
+    kernels' quads would wrap past 2**64)."""
+    _check_scalar(name, off)
+    if int(off) + int(n) > 2**64:
+        raise ValueError(f"ZO kernels: elements {name} = {off} .. {name} + {n} - 1 run past "
+                         f"2**64")
+
+
 _OUT_F32 = (np.dtype(np.float32),)
 
 
@@ -152,38 +171,38 @@ def _use_numba() -> bool:
 def zvec(out, e0, t, k0, k1, dist) -> None:
     """out[i] = z(seed, t, e0 + i) into a float32 device array."""
     _check_flat("out", out, _OUT_F32)
-    _check_scalar("e0", e0)
+    _check_offset("e0", e0, out.size)
     if _use_numba():
         numba_cuda_kernels().zvec(out, e0, t, k0, k1, dist)
         return
     n = out.size
-    _cupy_launch("zo_zvec", n, (out, np.int64(n), _u(e0), _u(t), _u(k0), _u(k1),
+    _cupy_launch("zo_zvec", e0, n, (out, np.int64(n), _u(e0), _u(t), _u(k0), _u(k1),
                                 np.int32(dist)))
 
 
 def perturb(p, off, t, k0, k1, dist, scale) -> None:
     """p <- p + scale z, in place (formula of kernels.perturb_kernel)."""
     _check_flat("p", p, SUFFIX)
-    _check_scalar("off", off)
+    _check_offset("off", off, p.size)
     if _use_numba():
         numba_cuda_kernels().perturb(p, off, t, k0, k1, dist, scale)
         return
     sfx, q = _storage(p)
     n = p.size
-    _cupy_launch(f"zo_perturb_{sfx}", n, (q, np.int64(n), _u(off), _u(t), _u(k0), _u(k1),
+    _cupy_launch(f"zo_perturb_{sfx}", off, n, (q, np.int64(n), _u(off), _u(t), _u(k0), _u(k1),
                                            np.int32(dist), np.float64(scale)))
 
 
 def restore_update(p, off, t, k0, k1, dist, eps, lr, g, wd) -> None:
     """pr = p + eps z; p <- pr - lr (g z + wd pr), in place."""
     _check_flat("p", p, SUFFIX)
-    _check_scalar("off", off)
+    _check_offset("off", off, p.size)
     if _use_numba():
         numba_cuda_kernels().restore_update(p, off, t, k0, k1, dist, eps, lr, g, wd)
         return
     sfx, q = _storage(p)
     n = p.size
-    _cupy_launch(f"zo_restore_update_{sfx}", n,
+    _cupy_launch(f"zo_restore_update_{sfx}", off, n,
                  (q, np.int64(n), _u(off), _u(t), _u(k0), _u(k1), np.int32(dist),
                   np.float64(eps), np.float64(lr), np.float64(g), np.float64(wd)))
 
@@ -194,7 +213,7 @@ def multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1, eps, dist) 
     k0s, k1s: uint64[P], gs: float64[P] host (numpy) arrays of equal length P.
     """
     _check_flat("p", p, SUFFIX)
-    _check_scalar("off", off)
+    _check_offset("off", off, p.size)
     _check_seeds(k0s, k1s, gs)
     if _use_numba():
         numba_cuda_kernels().multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1,
@@ -203,7 +222,7 @@ def multi_update(p, off, t, k0s, k1s, gs, lr, wd, restore, rk0, rk1, eps, dist) 
     sfx, q = _storage(p)
     n = p.size
     dk0, dk1, dgs = _device_seeds(k0s, k1s, gs)
-    _cupy_launch(f"zo_multi_update_{sfx}", n,
+    _cupy_launch(f"zo_multi_update_{sfx}", off, n,
                  (q, np.int64(n), _u(off), _u(t), dk0, dk1, dgs, np.int32(dgs.size),
                   np.float64(lr), np.float64(wd), np.int32(bool(restore)), _u(rk0), _u(rk1),
                   np.float64(eps), np.int32(dist)))
@@ -216,13 +235,13 @@ def stream_pass(p, q, off, t, mode, k0, k1, a, lr, g, wd, k0s, k1s, gs, post, pk
     of equal length; q shaped and typed as p."""
     _check_flat("p", p, SUFFIX)
     _check_pair(p, q)
-    _check_scalar("off", off)
+    _check_offset("off", off, p.size)
     _check_seeds(k0s, k1s, gs)
     sfx, pp = _storage(p)
     _, qq = _storage(q)
     n = p.size
     dk0, dk1, dgs = _device_seeds(k0s, k1s, gs)
-    _cupy_launch(f"zo_stream_{sfx}", n,
+    _cupy_launch(f"zo_stream_{sfx}", off, n,
                  (pp, qq, np.int64(n), _u(off), _u(t), np.int32(mode), _u(k0), _u(k1),
                   np.float64(a), np.float64(lr), np.float64(g), np.float64(wd), dk0, dk1, dgs,
                   np.int32(dgs.size), np.int32(bool(post)), _u(pk0), _u(pk1), np.float64(pa),
