@@ -41,6 +41,11 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     lib.lm_add_bias.argtypes = [P, P, P, LL, I]
     lib.lm_bias_act.argtypes = [P, P, LL, I, I]
     lib.lm_to_bf16.argtypes = [P, P, LL]
+    lib.lm_softmax_row_h.argtypes = lib.lm_softmax_row.argtypes
+    lib.lm_softmax_warp_h.argtypes = lib.lm_softmax_warp.argtypes
+    lib.lm_layernorm_row_h.argtypes = lib.lm_layernorm_row.argtypes
+    lib.lm_add_bias_h.argtypes = lib.lm_add_bias.argtypes
+    lib.lm_bias_act_h.argtypes = lib.lm_bias_act.argtypes
     return lib
 
 
@@ -450,3 +455,133 @@ def test_attn_softmax_entry_point_picks_the_kernel_by_row_length(c_launches, xp_
         assert name == "lm_softmax_row" and grid == rows and block % 32 == 0
     assert np.array_equal(s == 0, ref == 0)
     np.testing.assert_allclose(s, ref, rtol=2e-6, atol=1e-7)
+
+
+# ------------------------------------------------------------------- float16 activations
+def _same_half(a: np.ndarray, b: np.ndarray) -> bool:
+    """float16 arrays equal bit for bit, NaN anywhere the other is NaN (payloads aside: NumPy
+    keeps a NaN's payload bits, the kernels' conversion makes it the canonical quiet NaN)."""
+    na, nb = np.isnan(a), np.isnan(b)
+    return bool(np.array_equal(na, nb) and
+                np.array_equal(a[~na].view(np.uint16), b[~nb].view(np.uint16)))
+
+
+def _every_half() -> np.ndarray:
+    return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16)
+
+
+def test_add_bias_h_rounds_each_add_as_the_xp_version(lib, xp_path):
+    """float16 activations: ``resid += x; resid += bias`` each rounded to float16, for every
+    float16 value of resid (subnormals, infinities, NaN) against random x and a float16 bias
+    passed as its exact float32 upcast: bit for bit (this checks the C build's float16
+    conversions both ways, ties to even included)."""
+    rng = np.random.default_rng(21)
+    r0 = _every_half().reshape(-1, 64).copy()
+    n, h = r0.shape
+    x = (rng.standard_normal((n, h)) * np.exp2(rng.integers(-26, 16, (n, h)))).astype(
+        np.float16)
+    bias = (rng.standard_normal(h) * 1e-3).astype(np.float16)
+    bias[:4] = [0.0, 6e-8, -65504.0, 1024.0]
+    want = r0.copy()
+    kernels.bias_residual_layernorm(x, bias, want, np.ones(h, np.float16),
+                                    np.zeros(h, np.float16), 1e-5, np.empty_like(want))
+    got = r0.copy()
+    b32 = bias.astype(np.float32)               # kept alive across the call
+    lib.lm_add_bias_h(ptr(got), ptr(x), ptr(b32), n, h)
+    assert _same_half(got, want)
+    ties = r0.astype(np.float32) + x.astype(np.float32)
+    assert np.any(ties != ties.astype(np.float16).astype(np.float32))   # rounding exercised
+
+
+@pytest.mark.parametrize("act,kind", [("gelu", 0), ("gelu_new", 1), ("relu", 2), (None, 3)])
+def test_bias_act_h_matches_the_xp_version(lib, xp_path, act, kind):
+    """float16 x: the float32 arithmetic of the float32 kernel, stored once as float16; the
+    erf GELU, relu and none bit for bit (every float16 input), tanh GELU within one float16
+    rounding."""
+    x0 = _every_half().reshape(-1, 128).copy()
+    n, f = x0.shape
+    bias = np.random.default_rng(kind).standard_normal(f).astype(np.float16)
+    bias[::3] = 0.0
+    ref = kernels.bias_act(x0.copy(), bias, act)
+    got = x0.copy()
+    b32 = bias.astype(np.float32)               # kept alive across the call
+    lib.lm_bias_act_h(ptr(got), ptr(b32), n, f, kind)
+    if kind == 1:
+        # tanh (glibc's here, NumPy's in the reference) to float32 rounding, which 1 + tanh
+        # near -1 magnifies (as in the float32 test), then one float16 rounding
+        fin = np.isfinite(ref)
+        assert np.array_equal(np.isnan(got), np.isnan(ref))
+        r32, g32 = ref[fin].astype(np.float32), got[fin].astype(np.float32)
+        t = np.abs((x0.astype(np.float32) + bias.astype(np.float32))[fin])
+        assert np.all(np.abs(g32 - r32) <= np.abs(r32) * 2.0 ** -10 + 4e-7 * t + 2.0 ** -24)
+        assert np.mean(g32 == r32) > 0.99
+    else:
+        assert _same_half(got, ref)
+
+
+def test_layernorm_h_matches_the_xp_version(lib, xp_path):
+    """float16 x and out, float32 arithmetic (sums in the kernel's order), one rounding to
+    float16: within one float16 ulp of the xp version, nearly all bit for bit; in place."""
+    rng = np.random.default_rng(8)
+    n, h, eps = 31, 384, 1e-12
+    x = (rng.standard_normal((n, h)) * 3 + 0.25).astype(np.float16)
+    g = rng.standard_normal(h).astype(np.float16)
+    bt = rng.standard_normal(h).astype(np.float16)
+    ref = kernels.layernorm(x, g, bt, eps, out=np.empty_like(x))
+    out = np.full_like(x, np.nan)
+    g32, bt32 = g.astype(np.float32), bt.astype(np.float32)     # kept alive across the calls
+    lib.lm_layernorm_row_h(ptr(x), ptr(g32), ptr(bt32), ptr(out), n, h, eps)
+    np.testing.assert_allclose(out.astype(np.float32), ref.astype(np.float32), rtol=2e-3,
+                               atol=2e-3)
+    assert np.mean(out.view(np.uint16) == ref.view(np.uint16)) > 0.95
+    y = x.copy()                                              # in place (out is x)
+    lib.lm_layernorm_row_h(ptr(y), ptr(g32), ptr(bt32), ptr(y), n, h, eps)
+    assert np.array_equal(y.view(np.uint16), out.view(np.uint16))
+
+
+@pytest.mark.parametrize("causal,past,window", [(False, 0, 0), (True, 0, 0), (True, 2, 3)])
+def test_softmax_h_matches_the_xp_version(lib, xp_path, causal, past, window):
+    """float16 scores: the block kernel (which recomputes its float32 intermediates from the
+    scores) and the warp kernel give the same bits in C, within one float16 rounding of the
+    xp versions (the encoder's masked_softmax; the decoders' attn_softmax with a cache
+    offset and a sliding window), masked entries exactly 0."""
+    rng = np.random.default_rng(past + 3 * window + int(causal))
+    b, nkv, grp, tq = 3, 2, 2, 6
+    tk = past + tq
+    s0 = (rng.standard_normal((b * nkv, grp, tq, tk)) * 6).astype(np.float16)
+    maskf = np.ones((b, tk), np.float32)
+    maskf[1, : tk - 2] = 0.0
+    maskf[2, :] = 0.0
+    if causal:
+        ref = kernels_lm.attn_softmax(s0.copy(), maskf, 0.3, nkv, past, window or None)
+        bdiv = grp * nkv
+    else:
+        s0 = s0.reshape(b * nkv * grp, 1, tq, tk)[:, 0]
+        ref = kernels.masked_softmax(s0.copy(), maskf, 0.3, nkv * grp, False)
+        bdiv = nkv * grp
+    got = {}
+    for kernel in ("lm_softmax_row_h", "lm_softmax_warp_h"):
+        s = np.ascontiguousarray(s0.copy())
+        _softmax_c(lib, s, maskf, 0.3, b * nkv * grp * tq, tq, tk, bdiv, past, window,
+                   int(causal), kernel)
+        got[kernel] = s
+        assert np.array_equal(s == 0, ref == 0)
+        np.testing.assert_allclose(s.astype(np.float32), ref.astype(np.float32), rtol=2e-3,
+                                   atol=1e-4)
+    assert np.array_equal(got["lm_softmax_row_h"].view(np.uint16),
+                          got["lm_softmax_warp_h"].view(np.uint16))
+    assert np.any(ref > 0)
+
+
+def test_activation_dtypes_pick_the_kernel_variant():
+    """float32 activations take the float32 kernels, float16 ones the _h variants; mixed
+    dtypes, bfloat16 bits and strided views go back to the xp versions (None)."""
+    f32, f16 = np.zeros((2, 4), np.float32), np.zeros((2, 4), np.float16)
+    assert kernels_gpu._act_suffix(f32, f32) == ""
+    assert kernels_gpu._act_suffix(f16, f16) == "_h"
+    assert kernels_gpu._act_suffix(f32, f16) is None
+    assert kernels_gpu._act_suffix(np.zeros((2, 4), np.uint16)) is None
+    assert kernels_gpu._act_suffix(np.zeros((4, 4), np.float16)[:, ::2]) is None
+    for name in ("lm_softmax_row", "lm_softmax_warp", "lm_layernorm_row", "lm_add_bias",
+                 "lm_bias_act"):
+        assert name in kernels_gpu.KERNELS and name + "_h" in kernels_gpu.KERNELS

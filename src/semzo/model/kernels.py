@@ -369,7 +369,7 @@ def bias_residual_layernorm(x, bias, resid, gamma, beta, eps: float, out):
         return out
     xp = array_module(resid)
     b = _f32(xp, bias) if bias.dtype == np.uint16 else bias
-    if xp is np or not _fused().add_bias(resid, x, b):
+    if xp is np or not _fused().add_bias(resid, x, _f32v(xp, b)):
         resid += x
         resid += b
     return layernorm(resid, gamma, beta, eps, out)

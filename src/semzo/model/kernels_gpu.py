@@ -28,9 +28,13 @@ source compiles as plain C (the ``LM_*`` macros turn each grid-stride loop into 
 loop): ``tests/test_kernels_gpu.py`` builds it with gcc and checks every kernel against the
 ``xp`` version on the CPU.
 
-Only float32 activations take these kernels (every storage but float16 computes in float32);
-anything else, and every case the kernels do not cover (biases on the gated MLP, the erf
-GELU), keeps the ``xp`` version. ``SEMZO_GPU_FUSED=0`` turns them off (the A/B of the
+Float32 activations take these kernels (every storage but float16 computes in float32); float16
+activations (float16 storage) take ``_h`` variants of the softmax, LayerNorm, bias + residual
+and bias + activation kernels (the encoder's and GPT-2's/OPT's; the float16 MiniLM forward ran
+at 0.13x torch on the generic chains), which compute in float32 as the ``xp`` versions do and
+round to float16 where they do. Anything else, and every case the kernels do not cover
+(biases on the gated MLP, the erf GELU of the gated MLP, the decoders' float16 RMSNorm,
+rotary and gated kernels), keeps the ``xp`` version. ``SEMZO_GPU_FUSED=0`` turns them off (the A/B of the
 benchmarks). If the module does not compile on a machine, a warning says why once and the
 ``xp`` versions serve. Imported only with CuPy arrays at hand; it imports cupy only then.
 """
@@ -49,8 +53,10 @@ from semzo.model.storage import to_float32
 THREADS_PER_BLOCK = 256
 KERNELS = ("lm_rmsnorm_row", "lm_gated", "lm_rope_split", "lm_softmax_row",
            "lm_softmax_warp", "lm_heads_to_rows", "lm_layernorm_row", "lm_add_bias",
-           "lm_bias_act", "lm_to_bf16")
-ROW_KERNELS = frozenset(("lm_rmsnorm_row", "lm_softmax_row", "lm_layernorm_row"))
+           "lm_bias_act", "lm_to_bf16", "lm_softmax_row_h", "lm_softmax_warp_h",
+           "lm_layernorm_row_h", "lm_add_bias_h", "lm_bias_act_h")
+ROW_KERNELS = frozenset(("lm_rmsnorm_row", "lm_softmax_row", "lm_layernorm_row",
+                         "lm_softmax_row_h", "lm_layernorm_row_h"))
 MAX_BLOCKS = 65535
 MAX_ROW_BLOCKS = 2 ** 31 - 1
 #: lm_softmax_warp's columns per lane (LM_WC in the source): rows of up to 32 x WARP_COLS keys
@@ -117,6 +123,42 @@ LM_DEV float lm_u2f(unsigned int u) { return __uint_as_float(u); }
 LM_DEV unsigned int lm_f2u(float x) { unsigned int u; memcpy(&u, &x, sizeof u); return u; }
 LM_DEV float lm_u2f(unsigned int u) { float x; memcpy(&x, &u, sizeof x); return x; }
 #endif
+
+// float16 activations (float16 storage): the kernels below with an _h suffix read and write
+// float16 bits (unsigned short) and compute in float32, as the xp versions do (x.astype
+// (float32), ..., .astype(float16)): lm_h2f exact, lm_f2h rounded to nearest even, IEEE
+// (no flush of subnormals: PTX cvt without .ftz; in C, F. Giesen's float_to_half_rtne)
+#ifdef __CUDACC__
+LM_DEV float lm_h2f(unsigned short h) {
+  float r; asm("cvt.f32.f16 %0, %1;" : "=f"(r) : "h"(h)); return r;
+}
+LM_DEV unsigned short lm_f2h(float x) {
+  unsigned short r; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(x)); return r;
+}
+#else
+LM_DEV float lm_h2f(unsigned short h) {
+  unsigned int e = (h >> 10) & 0x1Fu, m = h & 0x3FFu;
+  float v = e == 0 ? (float)m * 5.9604644775390625e-08f
+                   : lm_u2f(((e == 31 ? 255u : e + 112u) << 23) | (m << 13));
+  return (h & 0x8000u) ? -v : v;
+}
+LM_DEV unsigned short lm_f2h(float x) {
+  unsigned int f = lm_f2u(x), sign = f & 0x80000000u, o;
+  f ^= sign;
+  if (f >= 0x47800000u) {
+    o = f > 0x7F800000u ? 0x7E00u : 0x7C00u;
+  } else if (f < 0x38800000u) {
+    o = lm_f2u(lm_u2f(f) + 0.5f) - 0x3F000000u;
+  } else {
+    o = (f - 0x38000000u + 0xFFFu + ((f >> 13) & 1u)) >> 13;
+  }
+  return (unsigned short)(o | (sign >> 16));
+}
+#endif
+#define LM_LD_F(p, i) ((p)[i])
+#define LM_ST_F(p, i, v) ((p)[i] = (v))
+#define LM_LD_H(p, i) lm_h2f((p)[i])
+#define LM_ST_H(p, i, v) ((p)[i] = lm_f2h(v))
 
 // the bfloat16 bits of v, rounded to nearest even; a NaN stays a quiet NaN
 // (semzo.model.storage.to_bits)
@@ -330,68 +372,110 @@ LM_GLOBAL lm_softmax_row(float* s, const float* maskf, long long rows, int tq, i
 #define LM_WCOLS(c, j, n) for (int c = 0, j = 0; c < (n); ++c, ++j)
 LM_DEV float lm_warp_reduce(float v, int op) { (void)op; return v; }
 #endif
-LM_GLOBAL lm_softmax_warp(float* s, const float* maskf, long long rows, int tq, int tk,
-                          long long bdiv, long long past, int w, int causal, float scale) {
-  LM_WROWS(r, rows) {
+#define LM_SOFTMAX_WARP(NAME, T, LD, ST)                                               \
+LM_GLOBAL NAME(T* s, const float* maskf, long long rows, int tq, int tk, long long bdiv,      \
+               long long past, int w, int causal, float scale) {                              \
+  LM_WROWS(r, rows) {                                                                         \
+    LM_SMX_ROW(r)                                                                             \
+    float v[LM_WARR(tk)];                                                                     \
+    float mx = -3.0e38f;                                                                      \
+    int any = 0;                                                                              \
+    LM_WCOLS(c, j, tk) {                                                                      \
+      float x = LM_SMX_KEEP(j) ? LD(s, o + j) * scale : -3.0e38f;                             \
+      v[c] = x;                                                                               \
+      mx = any ? LM_MAX(mx, x) : x;                                                           \
+      any = 1;                                                                                \
+    }                                                                                         \
+    mx = lm_warp_reduce(any ? mx : -3.0e38f, 1);                                              \
+    float acc = 0.0f;                                                                         \
+    LM_WCOLS(c, j, tk) {                                                                      \
+      float e = LM_SMX_KEEP(j) ? expf(v[c] - mx) : 0.0f;                                      \
+      v[c] = e;                                                                               \
+      acc = acc + e;                                                                          \
+    }                                                                                         \
+    float tot = lm_warp_reduce(acc, 0);                                                       \
+    float d = tot > 0.0f ? tot : 1.0f;                                                        \
+    LM_WCOLS(c, j, tk) {                                                                      \
+      ST(s, o + j, v[c] / d);                                                                 \
+    }                                                                                         \
+  }                                                                                           \
+}
+LM_SOFTMAX_WARP(lm_softmax_warp, float, LM_LD_F, LM_ST_F)
+LM_SOFTMAX_WARP(lm_softmax_warp_h, unsigned short, LM_LD_H, LM_ST_H)
+
+// lm_softmax_row for float16 scores: a float16 row cannot hold the float32 intermediates, so
+// each pass recomputes them from the scores (read three times, written once): the same
+// float32 arithmetic, rounded to float16 once at the end
+LM_GLOBAL lm_softmax_row_h(unsigned short* s, const float* maskf, long long rows, int tq,
+                           int tk, long long bdiv, long long past, int w, int causal,
+                           float scale) {
+  LM_ROWS(r, rows) {
     LM_SMX_ROW(r)
-    float v[LM_WARR(tk)];
     float mx = -3.0e38f;
     int any = 0;
-    LM_WCOLS(c, j, tk) {
-      float x = LM_SMX_KEEP(j) ? s[o + j] * scale : -3.0e38f;
-      v[c] = x;
-      mx = any ? LM_MAX(mx, x) : x;
+    LM_COLS(j, tk) {
+      float v = LM_SMX_KEEP(j) ? lm_h2f(s[o + j]) * scale : -3.0e38f;
+      mx = any ? LM_MAX(mx, v) : v;
       any = 1;
     }
-    mx = lm_warp_reduce(any ? mx : -3.0e38f, 1);
+    mx = lm_block_reduce(any ? mx : -3.0e38f, 1);
     float acc = 0.0f;
-    LM_WCOLS(c, j, tk) {
-      float e = LM_SMX_KEEP(j) ? expf(v[c] - mx) : 0.0f;
-      v[c] = e;
+    LM_COLS(j, tk) {
+      float e = LM_SMX_KEEP(j) ? expf(lm_h2f(s[o + j]) * scale - mx) : 0.0f;
       acc = acc + e;
     }
-    float tot = lm_warp_reduce(acc, 0);
+    float tot = lm_block_reduce(acc, 0);
     float d = tot > 0.0f ? tot : 1.0f;
-    LM_WCOLS(c, j, tk) {
-      s[o + j] = v[c] / d;
+    LM_COLS(j, tk) {
+      float e = LM_SMX_KEEP(j) ? expf(lm_h2f(s[o + j]) * scale - mx) : 0.0f;
+      s[o + j] = lm_f2h(e / d);
     }
   }
 }
 
 // ---- the encoder's (and GPT-2's) LayerNorm, bias + residual, bias + activation
-// per row r: mean = (sum of x[r, :]) / h; d = x - mean (written to out: out may be x);
-// ss = sum of d * d; out[r, j] = (d * (1 / sqrt(ss / h + eps))) * g[j] + b[j]
-LM_GLOBAL lm_layernorm_row(const float* x, const float* g, const float* b, float* out,
-                           long long rows, int h, float eps) {
-  LM_ROWS(r, rows) {
-    long long o = r * (long long)h;
-    float acc = 0.0f;
-    LM_COLS(j, h) {
-      acc = acc + x[o + j];
-    }
-    float mean = lm_block_reduce(acc, 0) / (float)h;
-    acc = 0.0f;
-    LM_COLS(j, h) {
-      float d = x[o + j] - mean;
-      out[o + j] = d;
-      acc = acc + d * d;
-    }
-    float ss = lm_block_reduce(acc, 0);
-    float inv = 1.0f / sqrtf(ss / (float)h + eps);
-    LM_COLS(j, h) {
-      out[o + j] = (out[o + j] * inv) * g[j] + b[j];
-    }
-  }
+// per row r: mean = (sum of x[r, :]) / h; d = x - mean; ss = sum of d * d;
+// out[r, j] = (d * (1 / sqrt(ss / h + eps))) * g[j] + b[j] (d recomputed from x in the last
+// pass, each column by the thread that writes it: out may be x); float32 g and b
+#define LM_LAYERNORM(NAME, T, LD, ST)                                                         \
+LM_GLOBAL NAME(const T* x, const float* g, const float* b, T* out, long long rows, int h,     \
+               float eps) {                                                                   \
+  LM_ROWS(r, rows) {                                                                          \
+    long long o = r * (long long)h;                                                           \
+    float acc = 0.0f;                                                                         \
+    LM_COLS(j, h) {                                                                           \
+      acc = acc + LD(x, o + j);                                                               \
+    }                                                                                         \
+    float mean = lm_block_reduce(acc, 0) / (float)h;                                          \
+    acc = 0.0f;                                                                               \
+    LM_COLS(j, h) {                                                                           \
+      float d = LD(x, o + j) - mean;                                                          \
+      acc = acc + d * d;                                                                      \
+    }                                                                                         \
+    float ss = lm_block_reduce(acc, 0);                                                       \
+    float inv = 1.0f / sqrtf(ss / (float)h + eps);                                            \
+    LM_COLS(j, h) {                                                                           \
+      float d = LD(x, o + j) - mean;                                                          \
+      ST(out, o + j, (d * inv) * g[j] + b[j]);                                                \
+    }                                                                                         \
+  }                                                                                           \
 }
+LM_LAYERNORM(lm_layernorm_row, float, LM_LD_F, LM_ST_F)
+LM_LAYERNORM(lm_layernorm_row_h, unsigned short, LM_LD_H, LM_ST_H)
 
-// resid[r, j] = (resid[r, j] + x[r, j]) + bias[j]
-LM_GLOBAL lm_add_bias(float* resid, const float* x, const float* bias, long long rows, int h) {
-  LM_FOR(i, rows * (long long)h) {
-    long long r = i / h;
-    int j = (int)(i - r * h);
-    resid[i] = (resid[i] + x[i]) + bias[j];
-  }
+// resid[r, j] = (resid[r, j] + x[r, j]) + bias[j]: two in-place adds of the xp version
+// (resid += x; resid += bias), each rounded to the activations' type; float32 bias
+#define LM_ADD_BIAS(NAME, T, LD, ST)                                                          \
+LM_GLOBAL NAME(T* resid, const T* x, const float* bias, long long rows, int h) {              \
+  LM_FOR(i, rows * (long long)h) {                                                            \
+    long long r = i / h;                                                                      \
+    int j = (int)(i - r * h);                                                                 \
+    ST(resid, i, LD(resid, i) + LD(x, i));                                                    \
+    ST(resid, i, LD(resid, i) + bias[j]);                                                     \
+  }                                                                                           \
 }
+LM_ADD_BIAS(lm_add_bias, float, LM_LD_F, LM_ST_F)
+LM_ADD_BIAS(lm_add_bias_h, unsigned short, LM_LD_H, LM_ST_H)
 
 // kernels._xp_erf: a rational function of x clipped to [-4, 4]
 static LM_DEV float lm_erf(float x) {
@@ -405,21 +489,25 @@ static LM_DEV float lm_erf(float x) {
 }
 
 // x[r, j] = act(x[r, j] + bias[j]) in place; kind 0: erf GELU, 1: tanh GELU, 2: relu, 3: none
-LM_GLOBAL lm_bias_act(float* x, const float* bias, long long rows, int f, int kind) {
-  LM_FOR(i, rows * (long long)f) {
-    long long r = i / f;
-    int j = (int)(i - r * f);
-    float t = x[i] + bias[j];
-    if (kind == 0) {
-      t = (0.5f * t) * (1.0f + lm_erf(t * 0.7071067811865476f));
-    } else if (kind == 1) {
-      t = (0.5f * t) * (1.0f + tanhf(0.7978845608028654f * (t + ((0.044715f * t) * t) * t)));
-    } else if (kind == 2) {
-      t = (t > 0.0f || t != t) ? t : 0.0f;
-    }
-    x[i] = t;
-  }
+// (float32 arithmetic, stored once in the activations' type); float32 bias
+#define LM_BIAS_ACT(NAME, T, LD, ST)                                                          \
+LM_GLOBAL NAME(T* x, const float* bias, long long rows, int f, int kind) {                    \
+  LM_FOR(i, rows * (long long)f) {                                                            \
+    long long r = i / f;                                                                      \
+    int j = (int)(i - r * f);                                                                 \
+    float t = LD(x, i) + bias[j];                                                             \
+    if (kind == 0) {                                                                          \
+      t = (0.5f * t) * (1.0f + lm_erf(t * 0.7071067811865476f));                              \
+    } else if (kind == 1) {                                                                   \
+      t = (0.5f * t) * (1.0f + tanhf(0.7978845608028654f * (t + ((0.044715f * t) * t) * t))); \
+    } else if (kind == 2) {                                                                   \
+      t = (t > 0.0f || t != t) ? t : 0.0f;                                                    \
+    }                                                                                         \
+    ST(x, i, t);                                                                              \
+  }                                                                                           \
 }
+LM_BIAS_ACT(lm_bias_act, float, LM_LD_F, LM_ST_F)
+LM_BIAS_ACT(lm_bias_act_h, unsigned short, LM_LD_H, LM_ST_H)
 """
 
 
@@ -506,6 +594,19 @@ def _launch_warps(fn, rows: int, args: tuple) -> None:
 
 def _f32c(a) -> bool:
     return a.dtype == np.float32 and a.flags.c_contiguous
+
+
+def _act_suffix(*arrays) -> str | None:
+    """The kernel suffix for activations that are all C-contiguous float32 (``""``) or all
+    float16 (``"_h"``: float16 storage; arithmetic in float32, stored rounded), else None."""
+    if not all(a.flags.c_contiguous for a in arrays):
+        return None
+    dts = {np.dtype(a.dtype) for a in arrays}
+    if dts == {np.dtype(np.float32)}:
+        return ""
+    if dts == {np.dtype(np.float16)}:
+        return "_h"
+    return None
 
 
 # ------------------------------------------------------------------------------ entry points
@@ -662,11 +763,12 @@ def heads_to_rows(tmp, rows, t: int, g: int, out, bits=None) -> bool:
 
 def attn_softmax(s, maskf, scale: float, nkv: int, past: int, w: int,
                  causal: bool = True) -> bool:
-    """:func:`semzo.model.kernels_lm.attn_softmax` for a C-contiguous float32 ``s``
+    """:func:`semzo.model.kernels_lm.attn_softmax` for a C-contiguous float32 or float16 ``s``
     (B*nkv, g, Tq, Tk), in place; ``causal`` False: only the padding mask
     (:func:`semzo.model.kernels.masked_softmax`, s viewed as (B*heads, 1, Tq, Tk))."""
     k = _kernels()
-    if k is None or s.ndim != 4 or not _f32c(s):
+    sfx = None if k is None or s.ndim != 4 else _act_suffix(s)
+    if sfx is None:
         return False
     import cupy  # GPU only
     bn, grp, tq, tk = s.shape
@@ -678,53 +780,61 @@ def attn_softmax(s, maskf, scale: float, nkv: int, past: int, w: int,
     args = (s, m, np.int64(rows), np.int32(tq), np.int32(tk), np.int64(grp * nkv),
             np.int64(past), np.int32(w), np.int32(bool(causal)), np.float32(scale))
     if tk <= 32 * WARP_COLS:
-        _launch_warps(k[1]["lm_softmax_warp"], rows, args)
+        _launch_warps(k[1]["lm_softmax_warp" + sfx], rows, args)
     else:
-        _launch_rows(k[1]["lm_softmax_row"], rows, tk, args)
+        _launch_rows(k[1]["lm_softmax_row" + sfx], rows, tk, args)
     return True
 
 
 def layernorm(x, gamma, beta, eps: float, out) -> bool:
-    """:func:`semzo.model.kernels.layernorm` for float32 x, out (N, H) (out may be x) and
-    float32 gamma, beta (H,): one row kernel (the mean and the centred rows' sum of squares
-    as two block reductions)."""
+    """:func:`semzo.model.kernels.layernorm` for x, out (N, H) both float32 or both float16
+    (out may be x) and float32 gamma, beta (H,): one row kernel (the mean and the centred
+    rows' sum of squares as two block reductions)."""
     k = _kernels()
-    if k is None or x.ndim != 2 or not (_f32c(x) and _f32c(out)) or out.shape != x.shape:
+    if k is None or x.ndim != 2 or out.shape != x.shape:
         return False
+    sfx = _act_suffix(x, out)
     rows, h = x.shape
-    if gamma.dtype != np.float32 or beta.dtype != np.float32 or gamma.shape != (h,) or \
-            beta.shape != (h,):
+    if sfx is None or gamma.dtype != np.float32 or beta.dtype != np.float32 or \
+            gamma.shape != (h,) or beta.shape != (h,):
         return False
     import cupy  # GPU only
-    _launch_rows(k[1]["lm_layernorm_row"], rows, h,
+    _launch_rows(k[1]["lm_layernorm_row" + sfx], rows, h,
                  (x, cupy.ascontiguousarray(gamma), cupy.ascontiguousarray(beta), out,
                   np.int64(rows), np.int32(h), np.float32(eps)))
     return True
 
 
 def add_bias(resid, x, bias) -> bool:
-    """``resid += x + bias`` (rounded as ``resid += x; resid += bias``), float32 (N, H)."""
+    """``resid += x + bias`` (rounded as ``resid += x; resid += bias``), resid and x (N, H)
+    both float32 or both float16, bias (H,) float32."""
     k = _kernels()
-    if k is None or resid.ndim != 2 or not (_f32c(resid) and _f32c(x)) or \
-            x.shape != resid.shape or bias.dtype != np.float32 or bias.shape != resid.shape[1:]:
+    if k is None or resid.ndim != 2 or x.shape != resid.shape or \
+            bias.dtype != np.float32 or bias.shape != resid.shape[1:]:
+        return False
+    sfx = _act_suffix(resid, x)
+    if sfx is None:
         return False
     import cupy  # GPU only
     rows, h = resid.shape
-    _launch(k[1]["lm_add_bias"], rows * h,
+    _launch(k[1]["lm_add_bias" + sfx], rows * h,
             (resid, x, cupy.ascontiguousarray(bias), np.int64(rows), np.int32(h)))
     return True
 
 
 def bias_act(x, bias, kind: int) -> bool:
-    """:func:`semzo.model.kernels.bias_act` in place for float32 x (N, F), bias (F,); kinds of
-    ``kernels._ACT``: 0 erf GELU, 1 tanh GELU, 2 relu, 3 none."""
+    """:func:`semzo.model.kernels.bias_act` in place for x (N, F) float32 or float16, bias
+    (F,) float32; kinds of ``kernels._ACT``: 0 erf GELU, 1 tanh GELU, 2 relu, 3 none."""
     k = _kernels()
-    if k is None or x.ndim != 2 or not _f32c(x) or bias.dtype != np.float32 or \
-            bias.shape != x.shape[1:] or kind not in (0, 1, 2, 3):
+    if k is None or x.ndim != 2 or bias.dtype != np.float32 or bias.shape != x.shape[1:] or \
+            kind not in (0, 1, 2, 3):
+        return False
+    sfx = _act_suffix(x)
+    if sfx is None:
         return False
     import cupy  # GPU only
     rows, f = x.shape
-    _launch(k[1]["lm_bias_act"], rows * f,
+    _launch(k[1]["lm_bias_act" + sfx], rows * f,
             (x, cupy.ascontiguousarray(bias), np.int64(rows), np.int32(f), np.int32(kind)))
     return True
 
