@@ -67,12 +67,13 @@ def test_cupy_decoder_matches_numpy(tmp_path, dtype, tol):
         gpu.logits(np.array([[1, 10**9]]), np.array([[1, 0]]))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_fused_kernels_run_and_match_the_generic_cupy_chains(tmp_path, monkeypatch, dtype):
     """The fused decoder kernels (semzo.model.kernels_gpu) compile and run on the device
-    (every launch counted), and the forward with them equals the forward with the generic
-    CuPy chains (SEMZO_GPU_FUSED=0) to float32 rounding (the row kernels' sums are taken
-    in their own order; the elementwise arithmetic is the same, uncontracted); a cached forward at an offset
+    (every launch counted; float16 storage: the _h kernels), and the forward with them
+    equals the forward with the generic CuPy chains (SEMZO_GPU_FUSED=0) to float32 rounding
+    (the row kernels' sums are taken in their own order; the elementwise arithmetic is the
+    same, uncontracted), float16 to a few float16 roundings; a cached forward at an offset
     (past > 0) too."""
     from semzo.model import kernels_gpu as fused
     folder = tiny_llama(tmp_path / "m")
@@ -93,10 +94,11 @@ def test_fused_kernels_run_and_match_the_generic_cupy_chains(tmp_path, monkeypat
     # heads_to_rows scatter and take them (no zero-filled copy, no fancy indexing)
     layers = CFG["num_hidden_layers"]
     assert gpu._pack_rows(cp.asarray(mask, dtype=cp.float32)) is not None
+    sfx = "_h" if dtype == "float16" else ""
     for name, per in (("lm_rope_split", 1), ("lm_softmax_warp", 1), ("lm_heads_to_rows", 1),
                       ("lm_gated", 1),
                       ("lm_rmsnorm_row", 2)):
-        assert launched.count(name) >= 3 * per * layers, (name, launched)
+        assert launched.count(name + sfx) >= 3 * per * layers, (name, launched)
     n = len(launched)
     monkeypatch.setenv("SEMZO_GPU_FUSED", "0")
     off = cp.asnumpy(gpu.logits(ids, mask))
@@ -105,8 +107,10 @@ def test_fused_kernels_run_and_match_the_generic_cupy_chains(tmp_path, monkeypat
     off_c = cp.asnumpy(gpu.forward_cached(ids[:, 12:16], cache))
     assert len(launched) == n                      # off means off
     valid = mask.astype(bool)
-    assert np.max(np.abs(on - off)[valid]) <= 1e-5 * np.max(np.abs(off[valid]))
-    assert np.max(np.abs(on_c - off_c)) <= 1e-5 * np.max(np.abs(off_c))
+    tol = 2e-2 if dtype == "float16" else 1e-5
+    on, off, on_c, off_c = (a.astype(np.float32) for a in (on, off, on_c, off_c))
+    assert np.max(np.abs(on - off)[valid]) <= tol * np.max(np.abs(off[valid]))
+    assert np.max(np.abs(on_c - off_c)) <= tol * np.max(np.abs(off_c))
 
 
 def test_bf16_activation_kernel_is_to_bits_bit_for_bit():

@@ -46,6 +46,10 @@ def lib(tmp_path_factory) -> ctypes.CDLL:
     lib.lm_layernorm_row_h.argtypes = lib.lm_layernorm_row.argtypes
     lib.lm_add_bias_h.argtypes = lib.lm_add_bias.argtypes
     lib.lm_bias_act_h.argtypes = lib.lm_bias_act.argtypes
+    lib.lm_rmsnorm_row_h.argtypes = lib.lm_rmsnorm_row.argtypes
+    lib.lm_gated_h.argtypes = lib.lm_gated.argtypes
+    lib.lm_rope_split_h.argtypes = lib.lm_rope_split.argtypes
+    lib.lm_heads_to_rows_h.argtypes = [P, P, P, I, LL, I, I, I, I]
     return lib
 
 
@@ -583,5 +587,129 @@ def test_activation_dtypes_pick_the_kernel_variant():
     assert kernels_gpu._act_suffix(np.zeros((2, 4), np.uint16)) is None
     assert kernels_gpu._act_suffix(np.zeros((4, 4), np.float16)[:, ::2]) is None
     for name in ("lm_softmax_row", "lm_softmax_warp", "lm_layernorm_row", "lm_add_bias",
-                 "lm_bias_act"):
+                 "lm_bias_act", "lm_rmsnorm_row", "lm_gated", "lm_rope_split",
+                 "lm_heads_to_rows"):
         assert name in kernels_gpu.KERNELS and name + "_h" in kernels_gpu.KERNELS
+
+
+
+def _close_half(got: np.ndarray, ref: np.ndarray, share: float = 0.95) -> None:
+    """float16 results within one float16 rounding of the reference (float32 sums or
+    transcendental functions in another order or library), most of them bit for bit."""
+    np.testing.assert_allclose(got.astype(np.float32), ref.astype(np.float32), rtol=2e-3,
+                               atol=1e-4)
+    assert np.mean(got.view(np.uint16) == ref.view(np.uint16)) >= share
+
+
+def test_rmsnorm_h_matches_the_xp_version(lib, xp_path):
+    """float16 x, out and resid (gamma upcast to float32 by the entry point): the norm within
+    a float16 rounding of the xp version, in place the same bits; the residual folded in is
+    ``resid += x`` rounded to float16 (bit for bit) and the norm is taken of that."""
+    rng = np.random.default_rng(30)
+    n, h, eps = 37, 96, 1e-6
+    x = (rng.standard_normal((n, h)) * 3).astype(np.float16)
+    g = rng.standard_normal(h).astype(np.float16)
+    g32 = g.astype(np.float32)
+    spare = np.zeros(1, np.uint16)
+
+    def rms(x, out, resid=None):
+        lib.lm_rmsnorm_row_h(ptr(x), ptr(x if resid is None else resid), int(resid is not None),
+                             ptr(g32), ptr(spare), 0, ptr(out), ptr(spare), 0, n, h, eps)
+
+    ref = kernels_lm.rmsnorm(x, g, eps, np.empty_like(x))
+    out = np.full_like(x, np.nan)
+    rms(x, out)
+    _close_half(out, ref)
+    y = x.copy()
+    rms(y, y)
+    assert np.array_equal(y.view(np.uint16), out.view(np.uint16))
+    r0 = (rng.standard_normal((n, h)) * 2).astype(np.float16)
+    want_r, want_o = r0.copy(), np.empty_like(x)
+    kernels_lm.residual_rmsnorm(x, None, want_r, g, eps, want_o)
+    resid, o = r0.copy(), np.empty_like(x)
+    rms(x, o, resid)
+    assert np.array_equal(resid.view(np.uint16), want_r.view(np.uint16))
+    _close_half(o, want_o)
+
+
+@pytest.mark.parametrize("act,kind", [("silu", 0), ("gelu_pytorch_tanh", 2), ("relu", 3)])
+def test_gated_h_matches_the_xp_version(lib, xp_path, act, kind):
+    """float16 gate|up and out: float32 arithmetic, one float16 rounding; relu bit for bit
+    over every float16 gate value, silu and the tanh GELU within a float16 rounding."""
+    gate = _every_half().reshape(-1, 128)
+    n, m = gate.shape
+    up = np.random.default_rng(kind).standard_normal((n, m)).astype(np.float16)
+    gu = np.ascontiguousarray(np.concatenate([gate, up], axis=1))
+    with np.errstate(all="ignore"):
+        ref = kernels_lm.gated_act(gu, None, None, act, np.empty((n, m), np.float16))
+    out = np.full((n, m), np.nan, np.float16)
+    lib.lm_gated_h(ptr(gu), ptr(out), n, m, kind, ptr(out), 0)
+    if kind == 3:
+        assert _same_half(out, ref)
+        return
+    assert np.array_equal(np.isnan(out), np.isnan(ref))
+    fin = np.isfinite(ref) & np.isfinite(gate)
+    r32, o32 = ref[fin].astype(np.float32), out[fin].astype(np.float32)
+    scale = np.abs(gate.astype(np.float32) * up.astype(np.float32))[fin]
+    assert np.all(np.abs(o32 - r32) <= np.abs(r32) * 2.0 ** -10 + 4e-7 * scale + 2.0 ** -24)
+    assert np.mean(o32 == r32) > 0.99
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("rot_dims,bias,past", [(8, False, 0), (4, True, 3), (0, True, 2)])
+def test_rope_split_h_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, past,
+                                                    packed):
+    """float16 qkv and caches (float16 biases passed as their exact float32 upcast): GQA,
+    partial rotary, biases, caches at an offset, packed rows: the xp version's bits (the
+    same float32 operations, one rounding to float16)."""
+    rng = np.random.default_rng(rot_dims + past + 40)
+    b, t, nh, nkv, d, tc = 3, 5, 6, 2, 8, 11
+    w = (nh + 2 * nkv) * d
+    qkv = (rng.standard_normal((b * t, w)) * 2).astype(np.float16)
+    rows = np.array([0, 1, 2, 5, 6, 7, 8, 9, 12], np.int64)
+    if packed:
+        qkv[np.setdiff1d(np.arange(b * t), rows)] = 0.0
+    rmap = np.full(b * t, -1, np.int64)
+    rmap[rows] = np.arange(len(rows))
+    biases = tuple(rng.standard_normal(k * d).astype(np.float16) for k in (nh, nkv, nkv)) \
+        if bias else None
+    pos = (np.arange(t)[None, :] + past + np.arange(b)[:, None]).astype(np.int64)
+    h2 = rot_dims // 2
+    if h2:
+        ang = np.arange(20, dtype=np.float32)[:, None] * (0.3 ** np.arange(h2, dtype=np.float32))
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    else:
+        cos = sin = None
+    q0 = np.full((b, nh, t, d), 7.0, np.float16)
+    k0 = rng.standard_normal((b, nkv, tc, d)).astype(np.float16)
+    v0 = rng.standard_normal((b, nkv, tc, d)).astype(np.float16)
+    q, k, v = q0.copy(), k0.copy(), v0.copy()
+    kernels_lm.rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, k, v, past)
+    src = np.ascontiguousarray(qkv[rows]) if packed else qkv
+    bcat = np.concatenate(biases).astype(np.float32) if bias else np.zeros(1, np.float32)
+    cs = cos if h2 else np.zeros((1, 1), np.float32)
+    sn = sin if h2 else np.zeros((1, 1), np.float32)
+    qc, kc, vc = q0.copy(), k0.copy(), v0.copy()
+    lib.lm_rope_split_h(ptr(src), ptr(bcat), int(bias), ptr(pos), ptr(cs), ptr(sn), h2,
+                        ptr(qc), ptr(kc), ptr(vc), b, t, nh, nkv, d, tc, past, ptr(rmap),
+                        int(packed))
+    for got, want in ((qc, q), (kc, k), (vc, v)):
+        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
+    outside = np.ones(tc, bool)
+    outside[past:past + t] = False
+    assert np.array_equal(kc[:, :, outside], k0[:, :, outside])
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_heads_to_rows_h_copies_the_bits(lib, packed):
+    """lm_heads_to_rows_h: the float16 gather, the bits of kernels_lm.heads_to_rows (every
+    float16 value, NaN payloads included: a copy, no conversion)."""
+    b, nkv, g, t, d = 8, 2, 4, 32, 32     # 65536 values
+    tmp = _every_half().reshape(b, nkv, g * t, d).copy()
+    rows = np.array([0, 3, 4, 7, 8, 14, 40, 127], np.int64) if packed else None
+    nr = b * t if rows is None else rows.size
+    ref = kernels_lm.heads_to_rows(tmp, rows, t, g, np.empty((nr, nkv * g * d), np.float16))
+    out = np.zeros_like(ref)
+    lib.lm_heads_to_rows_h(ptr(tmp), ptr(out), ptr(rows if packed else tmp), int(packed), nr,
+                           t, nkv, g, d)
+    assert np.array_equal(out.view(np.uint16), ref.view(np.uint16))

@@ -29,12 +29,12 @@ loop): ``tests/test_kernels_gpu.py`` builds it with gcc and checks every kernel 
 ``xp`` version on the CPU.
 
 Float32 activations take these kernels (every storage but float16 computes in float32); float16
-activations (float16 storage) take ``_h`` variants of the softmax, LayerNorm, bias + residual
-and bias + activation kernels (the encoder's and GPT-2's/OPT's; the float16 MiniLM forward ran
-at 0.13x torch on the generic chains), which compute in float32 as the ``xp`` versions do and
-round to float16 where they do. Anything else, and every case the kernels do not cover
-(biases on the gated MLP, the erf GELU of the gated MLP, the decoders' float16 RMSNorm,
-rotary and gated kernels), keeps the ``xp`` version. ``SEMZO_GPU_FUSED=0`` turns them off (the A/B of the
+activations (float16 storage: OPT's checkpoints, MeZO's setting) take ``_h`` variants of every
+kernel but the bfloat16 conversion (the float16 MiniLM forward ran at 0.13x torch on the
+generic chains), which compute in float32 as the ``xp`` versions do and round to float16
+where they do (once at the end; the residual update after each add). Anything else, and every
+case the kernels do not cover (biases on the gated MLP, its erf GELU), keeps the ``xp``
+version. ``SEMZO_GPU_FUSED=0`` turns them off (the A/B of the
 benchmarks). If the module does not compile on a machine, a warning says why once and the
 ``xp`` versions serve. Imported only with CuPy arrays at hand; it imports cupy only then.
 """
@@ -54,9 +54,10 @@ THREADS_PER_BLOCK = 256
 KERNELS = ("lm_rmsnorm_row", "lm_gated", "lm_rope_split", "lm_softmax_row",
            "lm_softmax_warp", "lm_heads_to_rows", "lm_layernorm_row", "lm_add_bias",
            "lm_bias_act", "lm_to_bf16", "lm_softmax_row_h", "lm_softmax_warp_h",
-           "lm_layernorm_row_h", "lm_add_bias_h", "lm_bias_act_h")
+           "lm_layernorm_row_h", "lm_add_bias_h", "lm_bias_act_h", "lm_rmsnorm_row_h",
+           "lm_gated_h", "lm_rope_split_h", "lm_heads_to_rows_h")
 ROW_KERNELS = frozenset(("lm_rmsnorm_row", "lm_softmax_row", "lm_layernorm_row",
-                         "lm_softmax_row_h", "lm_layernorm_row_h"))
+                         "lm_softmax_row_h", "lm_layernorm_row_h", "lm_rmsnorm_row_h"))
 MAX_BLOCKS = 65535
 MAX_ROW_BLOCKS = 2 ** 31 - 1
 #: lm_softmax_warp's columns per lane (LM_WC in the source): rows of up to 32 x WARP_COLS keys
@@ -182,58 +183,64 @@ LM_GLOBAL lm_to_bf16(const float* x, unsigned short* out, long long n) {
 // out[r, j] = g[j] * (y * (1 / sqrt(ss / h + eps))) with g float32 (gf) or bfloat16 bits
 // (gb, when gbits); with bits also ob[r, j] = the bfloat16 bits of out[r, j] (the input of
 // model.matmul = "bfloat16"'s projections). x, resid, out, ob (rows, h); out may be x or resid.
-LM_GLOBAL lm_rmsnorm_row(const float* x, float* resid, int res, const float* gf,
-                         const unsigned short* gb, int gbits, float* out,
-                         unsigned short* ob, int bits, long long rows, int h, float eps) {
-  LM_ROWS(r, rows) {
-    long long o = r * (long long)h;
-    float acc = 0.0f;
-    LM_COLS(j, h) {
-      float y = x[o + j];
-      if (res) {
-        y = resid[o + j] + y;
-        resid[o + j] = y;
-      }
-      acc = acc + y * y;
-    }
-    float ss = lm_block_reduce(acc, 0);
-    float inv = 1.0f / sqrtf(ss / (float)h + eps);
-    LM_COLS(j, h) {
-      float y = res ? resid[o + j] : x[o + j];
-      float g = gbits ? lm_u2f(((unsigned int)gb[j]) << 16) : gf[j];
-      float v = g * (y * inv);
-      out[o + j] = v;
-      if (bits) {
-        ob[o + j] = lm_bf16(v);
-      }
-    }
-  }
+#define LM_RMSNORM(NAME, T, LD, ST)                                                           \
+LM_GLOBAL NAME(const T* x, T* resid, int res, const float* gf, const unsigned short* gb,       \
+               int gbits, T* out, unsigned short* ob, int bits, long long rows, int h,         \
+               float eps) {                                                                    \
+  LM_ROWS(r, rows) {                                                                           \
+    long long o = r * (long long)h;                                                            \
+    float acc = 0.0f;                                                                          \
+    LM_COLS(j, h) {                                                                            \
+      float y = LD(x, o + j);                                                                  \
+      if (res) {                                                                               \
+        ST(resid, o + j, LD(resid, o + j) + y);                                                \
+        y = LD(resid, o + j);   /* as stored (float16: rounded, as resid += x rounds) */      \
+      }                                                                                        \
+      acc = acc + y * y;                                                                       \
+    }                                                                                          \
+    float ss = lm_block_reduce(acc, 0);                                                        \
+    float inv = 1.0f / sqrtf(ss / (float)h + eps);                                             \
+    LM_COLS(j, h) {                                                                            \
+      float y = res ? LD(resid, o + j) : LD(x, o + j);                                         \
+      float g = gbits ? lm_u2f(((unsigned int)gb[j]) << 16) : gf[j];                           \
+      float v = g * (y * inv);                                                                 \
+      ST(out, o + j, v);                                                                       \
+      if (bits) {                                                                              \
+        ob[o + j] = lm_bf16(v);                                                                \
+      }                                                                                        \
+    }                                                                                          \
+  }                                                                                            \
 }
+LM_RMSNORM(lm_rmsnorm_row, float, LM_LD_F, LM_ST_F)
+LM_RMSNORM(lm_rmsnorm_row_h, unsigned short, LM_LD_H, LM_ST_H)
 
 // out[r, j] = act(gu[r, j]) * gu[r, m + j]; gu (rows, 2m), out (rows, m)
 // kind 0: silu, 2: tanh GELU, 3: relu; with bits also ob[r, j] = the bfloat16 bits of
 // out[r, j] (the down projection's input under model.matmul = "bfloat16")
-LM_GLOBAL lm_gated(const float* gu, float* out, long long rows, int m, int kind,
-                   unsigned short* ob, int bits) {
-  LM_FOR(i, rows * (long long)m) {
-    long long r = i / m;
-    int j = (int)(i - r * m);
-    float g = gu[r * 2 * m + j];
-    float u = gu[r * 2 * m + m + j];
-    float a;
-    if (kind == 0) {
-      a = g / (1.0f + expf(-g));
-    } else if (kind == 2) {
-      float g3 = (g * g) * g;
-      a = (0.5f * g) * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g3)));
-    } else {
-      a = (g > 0.0f || g != g) ? g : 0.0f;   // NaN passes, as xp.maximum's
-    }
-    float v = a * u;
-    out[i] = v;
-    if (bits) ob[i] = lm_bf16(v);
-  }
+#define LM_GATED(NAME, T, LD, ST)                                                             \
+LM_GLOBAL NAME(const T* gu, T* out, long long rows, int m, int kind, unsigned short* ob,        \
+               int bits) {                                                                     \
+  LM_FOR(i, rows * (long long)m) {                                                             \
+    long long r = i / m;                                                                       \
+    int j = (int)(i - r * m);                                                                  \
+    float g = LD(gu, r * 2 * m + j);                                                           \
+    float u = LD(gu, r * 2 * m + m + j);                                                       \
+    float a;                                                                                   \
+    if (kind == 0) {                                                                           \
+      a = g / (1.0f + expf(-g));                                                               \
+    } else if (kind == 2) {                                                                    \
+      float g3 = (g * g) * g;                                                                  \
+      a = (0.5f * g) * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g3)));             \
+    } else {                                                                                   \
+      a = (g > 0.0f || g != g) ? g : 0.0f;   /* NaN passes, as xp.maximum's */                \
+    }                                                                                          \
+    float v = a * u;                                                                           \
+    ST(out, i, v);                                                                             \
+    if (bits) ob[i] = lm_bf16(v);                                                              \
+  }                                                                                            \
 }
+LM_GATED(lm_gated, float, LM_LD_F, LM_ST_F)
+LM_GATED(lm_gated_h, unsigned short, LM_LD_H, LM_ST_H)
 
 // q[b, hh, t, j] (hh < nh), kc[b, hh - nh, past + t, j] (hh < nh + nkv), vc[b, hh - nh -
 // nkv, past + t, j] (the rest) = (rotated) qkv[b * T + t, hh * d + j] (+ bias[...]): the three
@@ -242,51 +249,53 @@ LM_GLOBAL lm_gated(const float* gu, float* out, long long rows, int m, int kind,
 // (h2 = 0: none), v does not. has_map: qkv holds packed rows only, row b * T + t of the
 // padded layout at qkv row rmap[b * T + t], or zeros where that is -1 (a padded row: what
 // the zero-filled padded layout holds there)
-LM_GLOBAL lm_rope_split(const float* qkv, const float* bias, int has_bias,
-                        const long long* pos, const float* cs, const float* sn, int h2,
-                        float* q, float* kc, float* vc, long long b, int t, int nh, int nkv,
-                        int d, long long dlen, long long past, const long long* rmap,
-                        int has_map) {
-  int heads = nh + 2 * nkv;
-  long long wcols = (long long)heads * d;
-  LM_FOR(i, b * heads * (long long)t * d) {
-    long long r = i / d;
-    int jd = (int)(i - r * d);
-    int tt = (int)(r % t);
-    r /= t;
-    int hh = (int)(r % heads);
-    long long bb = r / heads;
-    long long col = (long long)hh * d;
-    long long pr = bb * t + tt;
-    if (has_map) pr = rmap[pr];
-    int real = pr >= 0;
-    const float* src = qkv + (real ? pr : 0) * wcols + col;
-    float x = real ? src[jd] : 0.0f;
-    if (has_bias) x = x + bias[col + jd];
-    float v = x;
-    int rot = hh < nh + nkv ? h2 : 0;
-    if (jd < 2 * rot) {
-      long long p = pos[bb * t + tt];
-      if (jd < rot) {
-        float x2 = real ? src[jd + rot] : 0.0f;
-        if (has_bias) x2 = x2 + bias[col + jd + rot];
-        v = x * cs[p * h2 + jd] - x2 * sn[p * h2 + jd];
-      } else {
-        int jj = jd - rot;
-        float x1 = real ? src[jj] : 0.0f;
-        if (has_bias) x1 = x1 + bias[col + jj];
-        v = x * cs[p * h2 + jj] + x1 * sn[p * h2 + jj];
-      }
-    }
-    if (hh < nh) {
-      q[((bb * nh + hh) * t + tt) * (long long)d + jd] = v;
-    } else if (hh < nh + nkv) {
-      kc[((bb * nkv + (hh - nh)) * dlen + past + tt) * d + jd] = v;
-    } else {
-      vc[((bb * nkv + (hh - nh - nkv)) * dlen + past + tt) * d + jd] = v;
-    }
-  }
+#define LM_ROPE_SPLIT(NAME, T, LD, ST)                                                        \
+LM_GLOBAL NAME(const T* qkv, const float* bias, int has_bias, const long long* pos,             \
+               const float* cs, const float* sn, int h2, T* q, T* kc, T* vc, long long b,       \
+               int t, int nh, int nkv, int d, long long dlen, long long past,                  \
+               const long long* rmap, int has_map) {                                           \
+  int heads = nh + 2 * nkv;                                                                    \
+  long long wcols = (long long)heads * d;                                                      \
+  LM_FOR(i, b * heads * (long long)t * d) {                                                    \
+    long long r = i / d;                                                                       \
+    int jd = (int)(i - r * d);                                                                 \
+    int tt = (int)(r % t);                                                                     \
+    r /= t;                                                                                    \
+    int hh = (int)(r % heads);                                                                 \
+    long long bb = r / heads;                                                                  \
+    long long col = (long long)hh * d;                                                         \
+    long long pr = bb * t + tt;                                                                \
+    if (has_map) pr = rmap[pr];                                                                \
+    int real = pr >= 0;                                                                        \
+    const T* src = qkv + (real ? pr : 0) * wcols + col;                                        \
+    float x = real ? LD(src, jd) : 0.0f;                                                       \
+    if (has_bias) x = x + bias[col + jd];                                                      \
+    float v = x;                                                                               \
+    int rot = hh < nh + nkv ? h2 : 0;                                                          \
+    if (jd < 2 * rot) {                                                                        \
+      long long p = pos[bb * t + tt];                                                          \
+      if (jd < rot) {                                                                          \
+        float x2 = real ? LD(src, jd + rot) : 0.0f;                                            \
+        if (has_bias) x2 = x2 + bias[col + jd + rot];                                          \
+        v = x * cs[p * h2 + jd] - x2 * sn[p * h2 + jd];                                        \
+      } else {                                                                                 \
+        int jj = jd - rot;                                                                     \
+        float x1 = real ? LD(src, jj) : 0.0f;                                                  \
+        if (has_bias) x1 = x1 + bias[col + jj];                                                \
+        v = x * cs[p * h2 + jj] + x1 * sn[p * h2 + jj];                                        \
+      }                                                                                        \
+    }                                                                                          \
+    if (hh < nh) {                                                                             \
+      ST(q, ((bb * nh + hh) * t + tt) * (long long)d + jd, v);                                 \
+    } else if (hh < nh + nkv) {                                                                \
+      ST(kc, ((bb * nkv + (hh - nh)) * dlen + past + tt) * d + jd, v);                         \
+    } else {                                                                                   \
+      ST(vc, ((bb * nkv + (hh - nh - nkv)) * dlen + past + tt) * d + jd, v);                   \
+    }                                                                                          \
+  }                                                                                            \
 }
+LM_ROPE_SPLIT(lm_rope_split, float, LM_LD_F, LM_ST_F)
+LM_ROPE_SPLIT(lm_rope_split_h, unsigned short, LM_LD_H, LM_ST_H)
 
 // ctx[k, (kv * g + gg) * d + j] = tmp[bb, kv, gg * T + tt, j] for row k of ctx (nr, nkv g d),
 // bb * T + tt = rows[k] (has_rows) or k: attention's context from its batched product's
@@ -309,6 +318,25 @@ LM_GLOBAL lm_heads_to_rows(const float* tmp, float* ctx, const long long* rows, 
     float v = tmp[(((bb * nkv + kv) * (long long)g + gg) * t + tt) * d + j];
     ctx[i] = v;
     if (bits) ob[i] = lm_bf16(v);
+  }
+}
+
+// lm_heads_to_rows for float16 activations: the same gather of the float16 bits (a copy)
+LM_GLOBAL lm_heads_to_rows_h(const unsigned short* tmp, unsigned short* ctx,
+                             const long long* rows, int has_rows, long long nr, int t,
+                             int nkv, int g, int d) {
+  long long w = (long long)nkv * g * d;
+  LM_FOR(i, nr * w) {
+    long long k = i / w;
+    int c = (int)(i - k * w);
+    int hh = c / d;
+    int j = c - hh * d;
+    int kv = hh / g;
+    int gg = hh - kv * g;
+    long long pr = has_rows ? rows[k] : k;
+    long long bb = pr / t;
+    int tt = (int)(pr - bb * t);
+    ctx[i] = tmp[(((bb * nkv + kv) * (long long)g + gg) * t + tt) * d + j];
   }
 }
 
@@ -615,27 +643,34 @@ def _act_suffix(*arrays) -> str | None:
 def rmsnorm(x, gamma, eps: float, out, bits=None, resid=None) -> bool:
     """``out = gamma * y / sqrt(mean(y**2) + eps)`` with y = x, or with ``resid`` y =
     ``resid + x`` written to resid first (one reduction, one kernel: the residual add of the
-    block folded in); x, resid, out (N, H) float32 (out may be x or resid); gamma (H,) float32
-    or bfloat16 bits (read as such: no upcast launched); ``bits``: a C-contiguous uint16 (N, H)
-    to receive the bfloat16 bits of out as well (model.matmul = "bfloat16")."""
+    block folded in); x, resid, out (N, H) all float32 or all float16 (out may be x or
+    resid); gamma (H,) float32 or bfloat16 bits (read as such: no upcast launched) or float16
+    (upcast); ``bits``: a C-contiguous uint16 (N, H) to receive the bfloat16 bits of out as
+    well (model.matmul = "bfloat16")."""
     k = _kernels()
-    if k is None or x.ndim != 2 or not (_f32c(x) and _f32c(out)) or out.shape != x.shape:
+    if k is None or x.ndim != 2 or out.shape != x.shape:
         return False
     rows, h = x.shape
-    if gamma.dtype not in (np.float32, np.uint16) or gamma.shape != (h,):
+    if gamma.dtype not in (np.float32, np.uint16, np.float16) or gamma.shape != (h,):
         return False
-    if resid is not None and (not _f32c(resid) or resid.shape != x.shape):
+    if resid is not None and resid.shape != x.shape:
+        return False
+    sfx = _act_suffix(x, out, *(() if resid is None else (resid,)))
+    if sfx is None:
         return False
     if bits is not None and (bits.dtype != np.uint16 or not bits.flags.c_contiguous or
                              bits.shape != x.shape):
         return False
     import cupy  # GPU only
     g = cupy.ascontiguousarray(gamma)
+    if g.dtype == np.float16:
+        g = g.astype(cupy.float32)          # exact
     gb = g.dtype == np.uint16
     unused = out.view(np.uint16)            # a valid pointer the kernel does not read
-    _launch_rows(k[1]["lm_rmsnorm_row"], rows, h,
+    f32_unused = _dummy()
+    _launch_rows(k[1]["lm_rmsnorm_row" + sfx], rows, h,
                  (x, x if resid is None else resid, np.int32(resid is not None),
-                  out if gb else g, g if gb else unused, np.int32(gb), out,
+                  f32_unused if gb else g, g if gb else unused, np.int32(gb), out,
                   bits if bits is not None else unused, np.int32(bits is not None),
                   np.int64(rows), np.int32(h), np.float32(eps)))
     return True
@@ -647,21 +682,22 @@ def _bits_ok(bits, shape) -> bool:
 
 
 def gated(gu, kind: int, out, bits=None) -> bool:
-    """``out = act(gate) * up`` for ``gu`` (N, 2I) = [gate | up] float32, no biases; kinds
-    0 (silu), 2 (tanh GELU), 3 (relu); ``bits``: a C-contiguous uint16 (N, I) to receive the
-    bfloat16 bits of out as well."""
+    """``out = act(gate) * up`` for ``gu`` (N, 2I) = [gate | up] and out both float32 or both
+    float16, no biases; kinds 0 (silu), 2 (tanh GELU), 3 (relu); ``bits``: a C-contiguous
+    uint16 (N, I) to receive the bfloat16 bits of out as well."""
     if kind not in (0, 2, 3):
         return False
     k = _kernels()
-    if k is None or gu.ndim != 2 or not (_f32c(gu) and _f32c(out)):
+    if k is None or gu.ndim != 2:
         return False
+    sfx = _act_suffix(gu, out)
     rows, m2 = gu.shape
     m = m2 // 2
-    if out.shape != (rows, m) or not _bits_ok(bits, out.shape):
+    if sfx is None or out.shape != (rows, m) or not _bits_ok(bits, out.shape):
         return False
-    _launch(k[1]["lm_gated"], rows * m,
+    _launch(k[1]["lm_gated" + sfx], rows * m,
             (gu, out, np.int64(rows), np.int32(m), np.int32(kind),
-             out if bits is None else bits, np.int32(bits is not None)))
+             out.view(np.uint16) if bits is None else bits, np.int32(bits is not None)))
     return True
 
 
@@ -701,13 +737,16 @@ def _rows_ok(rows, n: int) -> bool:
 
 def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
                past: int, rows=None) -> bool:
-    """:func:`semzo.model.kernels_lm.rope_split` for float32 arrays: ``q`` (B, nh, T, d),
+    """:func:`semzo.model.kernels_lm.rope_split` for float32 or float16 arrays (qkv, q, kc,
+    vc of one type): ``q`` (B, nh, T, d),
     ``kc``, ``vc`` (B, nkv, Tc, d) C-contiguous caches written at rows past..past+T-1;
-    ``biases`` (bq, bk, bv) (float32 or bfloat16 bits) or None; ``cos`` None: no rotation;
+    ``biases`` (bq, bk, bv) (float32, float16 or bfloat16 bits) or None; ``cos`` None: no
+    rotation;
     ``rows``: qkv holds only these rows of the (B*T) padded layout (int64, sorted; the
     others read as zeros), scattered by the kernel itself (no zero-filled copy)."""
     k = _kernels()
-    if k is None or qkv.ndim != 2 or not all(_f32c(a) for a in (qkv, q, kc, vc)):
+    sfx = None if k is None or qkv.ndim != 2 else _act_suffix(qkv, q, kc, vc)
+    if sfx is None:
         return False
     import cupy  # GPU only
     b, t = pos.shape
@@ -731,11 +770,12 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
         h2 = 0
     bias = None
     if biases is not None:
-        bias = cupy.concatenate([to_float32(a) if a.dtype == np.uint16 else a for a in biases])
-        if bias.dtype != np.float32 or bias.size != w:
+        bias = cupy.concatenate([to_float32(a) if a.dtype == np.uint16 else
+                                 a.astype(cupy.float32, copy=False) for a in biases])
+        if bias.size != w:
             return False
     bias_arr = _dummy() if bias is None else cupy.ascontiguousarray(bias)
-    _launch(k[1]["lm_rope_split"], b * (nh + 2 * nkv) * t * d,
+    _launch(k[1]["lm_rope_split" + sfx], b * (nh + 2 * nkv) * t * d,
             (qkv, bias_arr, np.int32(bias is not None), p, cs, sn, np.int32(h2), q, kc, vc,
              np.int64(b), np.int32(t), np.int32(nh), np.int32(nkv), np.int32(d),
              np.int64(kc.shape[2]), np.int64(past), rmap, np.int32(rows is not None)))
@@ -743,21 +783,25 @@ def rope_split(qkv, biases, pos, cos, sin, nh: int, nkv: int, d: int, q, kc, vc,
 
 
 def heads_to_rows(tmp, rows, t: int, g: int, out, bits=None) -> bool:
-    """:func:`semzo.model.kernels_lm.heads_to_rows` for float32 C-contiguous ``tmp``
-    (B, nkv, g T, d) and ``out`` (nr, nkv g d): one gather kernel, in place of a layout copy
-    and (with ``rows``) a fancy-indexed take; ``bits``: as :func:`gated`'s."""
+    """:func:`semzo.model.kernels_lm.heads_to_rows` for C-contiguous ``tmp`` (B, nkv, g T, d)
+    and ``out`` (nr, nkv g d), both float32 or both float16: one gather kernel, in place of a
+    layout copy and (with ``rows``) a fancy-indexed take; ``bits``: as :func:`gated`'s
+    (float32 only)."""
     k = _kernels()
-    if k is None or tmp.ndim != 4 or not (_f32c(tmp) and _f32c(out)) or out.ndim != 2:
+    if k is None or tmp.ndim != 4 or out.ndim != 2:
         return False
+    sfx = _act_suffix(tmp, out)
     b, nkv, gt, d = tmp.shape
     nr = b * t if rows is None else rows.shape[0]
-    if gt != g * t or not _rows_ok(rows, b * t) or out.shape != (nr, nkv * g * d) or \
-            not _bits_ok(bits, out.shape):
+    if sfx is None or gt != g * t or not _rows_ok(rows, b * t) or \
+            out.shape != (nr, nkv * g * d) or not _bits_ok(bits, out.shape) or \
+            (sfx and bits is not None):
         return False
-    _launch(k[1]["lm_heads_to_rows"], nr * nkv * g * d,
-            (tmp, out, tmp if rows is None else rows, np.int32(rows is not None),
-             np.int64(nr), np.int32(t), np.int32(nkv), np.int32(g), np.int32(d),
-             out if bits is None else bits, np.int32(bits is not None)))
+    args = (tmp, out, tmp if rows is None else rows, np.int32(rows is not None),
+            np.int64(nr), np.int32(t), np.int32(nkv), np.int32(g), np.int32(d))
+    if not sfx:
+        args += (out if bits is None else bits, np.int32(bits is not None))
+    _launch(k[1]["lm_heads_to_rows" + sfx], nr * nkv * g * d, args)
     return True
 
 
