@@ -713,3 +713,78 @@ def test_heads_to_rows_h_copies_the_bits(lib, packed):
     lib.lm_heads_to_rows_h(ptr(tmp), ptr(out), ptr(rows if packed else tmp), int(packed), nr,
                            t, nkv, g, d)
     assert np.array_equal(out.view(np.uint16), ref.view(np.uint16))
+
+
+def test_float16_entry_points_launch_the_h_kernels(c_launches, xp_path):
+    """Every entry point with float16 activations on the CPU, its launches served by the C
+    build: the _h kernel is launched (one launch a call) with the arguments in the order
+    the kernel takes them, and the result is the xp version's on NumPy float16 (bit for bit
+    where the arithmetic is elementwise and exact, else within a float16 rounding)."""
+    rng = np.random.default_rng(77)
+    n, h = 12, 40
+    x = (rng.standard_normal((n, h)) * 2).astype(np.float16)
+    g16, b16 = (rng.standard_normal(h).astype(np.float16) for _ in range(2))
+    out = np.empty_like(x)
+    assert kernels_gpu.layernorm(x, g16.astype(np.float32), b16.astype(np.float32), 1e-5,
+                                 out) is True
+    _close_half(out, kernels.layernorm(x, g16, b16, 1e-5, np.empty_like(x)), 0.9)
+    r0 = (rng.standard_normal((n, h)) * 2).astype(np.float16)
+    r, want = r0.copy(), r0.copy()
+    assert kernels_gpu.add_bias(r, x, b16.astype(np.float32)) is True
+    want += x
+    want += b16
+    assert np.array_equal(r.view(np.uint16), want.view(np.uint16))
+    y, ref = x.copy(), kernels.bias_act(x.copy(), g16, "gelu")
+    assert kernels_gpu.bias_act(y, g16.astype(np.float32), 0) is True
+    assert _same_half(y, ref)
+    o = np.empty_like(x)
+    assert kernels_gpu.rmsnorm(x, g16, 1e-6, o) is True            # float16 gamma: upcast
+    _close_half(o, kernels_lm.rmsnorm(x, g16, 1e-6, np.empty_like(x)), 0.9)
+    r, want_r, want_o = r0.copy(), r0.copy(), np.empty_like(x)
+    assert kernels_gpu.rmsnorm(x, g16, 1e-6, o, resid=r) is True
+    kernels_lm.residual_rmsnorm(x, None, want_r, g16, 1e-6, want_o)
+    assert np.array_equal(r.view(np.uint16), want_r.view(np.uint16))
+    _close_half(o, want_o, 0.9)
+    gu = (rng.standard_normal((n, 2 * h)) * 2).astype(np.float16)
+    inter = np.empty((n, h), np.float16)
+    assert kernels_gpu.gated(gu, 3, inter) is True
+    assert _same_half(inter, kernels_lm.gated_act(gu, None, None, "relu",
+                                                  np.empty((n, h), np.float16)))
+    b, t, nh, nkv, d = 2, 6, 4, 2, 8
+    rows = np.array([0, 1, 2, 3, 6, 7], np.int64)
+    w = (nh + 2 * nkv) * d
+    packed = rng.standard_normal((len(rows), w)).astype(np.float16)
+    full = np.zeros((b * t, w), np.float16)
+    full[rows] = packed
+    biases = tuple(rng.standard_normal(k * d).astype(np.float16) for k in (nh, nkv, nkv))
+    pos = np.tile(np.arange(t, dtype=np.int64), (b, 1))
+    ang = np.arange(8, dtype=np.float32)[:, None] * (0.5 ** np.arange(d // 2, dtype=np.float32))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    want = [np.zeros(s, np.float16) for s in ((b, nh, t, d), (b, nkv, t, d), (b, nkv, t, d))]
+    got = [np.zeros_like(a) for a in want]
+    kernels_lm.rope_split(full, biases, pos, cos, sin, nh, nkv, d, *want, 0)
+    assert kernels_gpu.rope_split(packed, biases, pos, cos, sin, nh, nkv, d, *got, 0,
+                                  rows) is True
+    assert all(np.array_equal(a.view(np.uint16), c.view(np.uint16)) for a, c in zip(got, want))
+    tmp = rng.standard_normal((b, nkv, (nh // nkv) * t, d)).astype(np.float16)
+    ctx = np.empty((len(rows), nh * d), np.float16)
+    assert kernels_gpu.heads_to_rows(tmp, rows, t, nh // nkv, ctx) is True
+    ref = kernels_lm.heads_to_rows(tmp, rows, t, nh // nkv, np.empty_like(ctx))
+    assert np.array_equal(ctx.view(np.uint16), ref.view(np.uint16))
+    assert kernels_gpu.heads_to_rows(tmp, rows, t, nh // nkv, ctx,
+                                     np.zeros(ctx.shape, np.uint16)) is False   # no bits
+    for tk in (7, 300):                                   # the warp and the block kernel
+        s0 = (rng.standard_normal((b * nkv, 2, 3, tk)) * 3).astype(np.float16)
+        maskf = np.ones((b, tk), np.float32)
+        maskf[1, :2] = 0.0
+        s = s0.copy()
+        assert kernels_gpu.attn_softmax(s, maskf, 0.2, nkv, tk - 3, 0) is True
+        ref = kernels_lm.attn_softmax(s0.copy(), maskf, 0.2, nkv, tk - 3, None)
+        assert np.array_equal(s == 0, ref == 0)
+        _close_half(s, ref, 0.9)
+    names = [nm for nm, *_ in c_launches]
+    assert names == ["lm_layernorm_row_h", "lm_add_bias_h", "lm_bias_act_h",
+                     "lm_rmsnorm_row_h", "lm_rmsnorm_row_h", "lm_gated_h", "lm_rope_split_h",
+                     "lm_heads_to_rows_h", "lm_softmax_warp_h", "lm_softmax_row_h"]
+    assert kernels_gpu.layernorm(x, g16.astype(np.float32), b16.astype(np.float32), 1e-5,
+                                 np.empty(x.shape, np.float32)) is False     # mixed types
