@@ -142,23 +142,27 @@ def test_gated_matches_the_xp_version(lib, xp_path, act, kind):
     assert np.array_equal(xb, to_bits(ref))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("rot_dims,bias,past", [(8, False, 0), (4, True, 3), (0, False, 2)])
-def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, past, packed):
+@pytest.mark.parametrize("rot_dims,bias,past", [(8, False, 0), (4, True, 3), (0, True, 2)])
+def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, past, packed,
+                                                  dtype):
     """GQA (6 query heads, 2 kv heads), head dim 8, partial rotary (4 of 8 dims), biases,
     caches written at an offset: the same bits as the xp version, rows outside untouched.
     Packed: qkv holds only some rows of the padded layout (the others zeros): the xp
-    version's scatter and the kernel's row map give the padded layout's bits."""
+    version's scatter and the kernel's row map give the padded layout's bits. float16
+    activations (lm_rope_split_h, the biases passed as their exact float32 upcast): the same
+    float32 operations, one rounding to float16."""
     rng = np.random.default_rng(rot_dims + past)
     b, t, nh, nkv, d, tc = 3, 5, 6, 2, 8, 11
     w = (nh + 2 * nkv) * d
-    qkv = rng.standard_normal((b * t, w)).astype(np.float32)
+    qkv = (rng.standard_normal((b * t, w)) * 2).astype(dtype)
     rows = np.array([0, 1, 2, 5, 6, 7, 8, 9, 12], np.int64)
     if packed:
         qkv[np.setdiff1d(np.arange(b * t), rows)] = 0.0
     rmap = np.full(b * t, -1, np.int64)
     rmap[rows] = np.arange(len(rows))
-    biases = tuple(rng.standard_normal(k * d).astype(np.float32) for k in (nh, nkv, nkv)) \
+    biases = tuple(rng.standard_normal(k * d).astype(dtype) for k in (nh, nkv, nkv)) \
         if bias else None
     pos = (np.arange(t)[None, :] + past + np.arange(b)[:, None]).astype(np.int64)
     h2 = rot_dims // 2
@@ -167,9 +171,9 @@ def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, 
         cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
     else:
         cos = sin = None
-    q0 = np.full((b, nh, t, d), 7.0, np.float32)
-    k0 = rng.standard_normal((b, nkv, tc, d)).astype(np.float32)
-    v0 = rng.standard_normal((b, nkv, tc, d)).astype(np.float32)
+    q0 = np.full((b, nh, t, d), 7.0, dtype)
+    k0 = rng.standard_normal((b, nkv, tc, d)).astype(dtype)
+    v0 = rng.standard_normal((b, nkv, tc, d)).astype(dtype)
     q, k, v = q0.copy(), k0.copy(), v0.copy()
     kernels_lm.rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, k, v, past)
     if packed:                                          # the xp version's scatter
@@ -178,15 +182,15 @@ def test_rope_split_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, 
                               d, q2, k2, v2, past, rows)
         assert np.array_equal(q2, q) and np.array_equal(k2, k) and np.array_equal(v2, v)
     src = np.ascontiguousarray(qkv[rows]) if packed else qkv
-    bcat = np.concatenate(biases) if bias else np.zeros(1, np.float32)
+    bcat = np.concatenate(biases).astype(np.float32) if bias else np.zeros(1, np.float32)
     cs = cos if h2 else np.zeros((1, 1), np.float32)
     sn = sin if h2 else np.zeros((1, 1), np.float32)
     qc, kc, vc = q0.copy(), k0.copy(), v0.copy()
-    lib.lm_rope_split(ptr(src), ptr(bcat), int(bias), ptr(pos), ptr(cs), ptr(sn), h2,
-                      ptr(qc), ptr(kc), ptr(vc), b, t, nh, nkv, d, tc, past, ptr(rmap),
-                      int(packed))
-    assert np.array_equal(qc, q)
-    assert np.array_equal(kc, k) and np.array_equal(vc, v)
+    fn = lib.lm_rope_split if dtype == np.float32 else lib.lm_rope_split_h
+    fn(ptr(src), ptr(bcat), int(bias), ptr(pos), ptr(cs), ptr(sn), h2, ptr(qc), ptr(kc),
+       ptr(vc), b, t, nh, nkv, d, tc, past, ptr(rmap), int(packed))
+    for got, want in ((qc, q), (kc, k), (vc, v)):
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
     outside = np.ones(tc, bool)
     outside[past:past + t] = False
     assert np.array_equal(kc[:, :, outside], k0[:, :, outside])     # the cache's other rows
@@ -653,51 +657,6 @@ def test_gated_h_matches_the_xp_version(lib, xp_path, act, kind):
     scale = np.abs(gate.astype(np.float32) * up.astype(np.float32))[fin]
     assert np.all(np.abs(o32 - r32) <= np.abs(r32) * 2.0 ** -10 + 4e-7 * scale + 2.0 ** -24)
     assert np.mean(o32 == r32) > 0.99
-
-
-@pytest.mark.parametrize("packed", [False, True])
-@pytest.mark.parametrize("rot_dims,bias,past", [(8, False, 0), (4, True, 3), (0, True, 2)])
-def test_rope_split_h_is_the_xp_version_bit_for_bit(lib, xp_path, rot_dims, bias, past,
-                                                    packed):
-    """float16 qkv and caches (float16 biases passed as their exact float32 upcast): GQA,
-    partial rotary, biases, caches at an offset, packed rows: the xp version's bits (the
-    same float32 operations, one rounding to float16)."""
-    rng = np.random.default_rng(rot_dims + past + 40)
-    b, t, nh, nkv, d, tc = 3, 5, 6, 2, 8, 11
-    w = (nh + 2 * nkv) * d
-    qkv = (rng.standard_normal((b * t, w)) * 2).astype(np.float16)
-    rows = np.array([0, 1, 2, 5, 6, 7, 8, 9, 12], np.int64)
-    if packed:
-        qkv[np.setdiff1d(np.arange(b * t), rows)] = 0.0
-    rmap = np.full(b * t, -1, np.int64)
-    rmap[rows] = np.arange(len(rows))
-    biases = tuple(rng.standard_normal(k * d).astype(np.float16) for k in (nh, nkv, nkv)) \
-        if bias else None
-    pos = (np.arange(t)[None, :] + past + np.arange(b)[:, None]).astype(np.int64)
-    h2 = rot_dims // 2
-    if h2:
-        ang = np.arange(20, dtype=np.float32)[:, None] * (0.3 ** np.arange(h2, dtype=np.float32))
-        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-    else:
-        cos = sin = None
-    q0 = np.full((b, nh, t, d), 7.0, np.float16)
-    k0 = rng.standard_normal((b, nkv, tc, d)).astype(np.float16)
-    v0 = rng.standard_normal((b, nkv, tc, d)).astype(np.float16)
-    q, k, v = q0.copy(), k0.copy(), v0.copy()
-    kernels_lm.rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, k, v, past)
-    src = np.ascontiguousarray(qkv[rows]) if packed else qkv
-    bcat = np.concatenate(biases).astype(np.float32) if bias else np.zeros(1, np.float32)
-    cs = cos if h2 else np.zeros((1, 1), np.float32)
-    sn = sin if h2 else np.zeros((1, 1), np.float32)
-    qc, kc, vc = q0.copy(), k0.copy(), v0.copy()
-    lib.lm_rope_split_h(ptr(src), ptr(bcat), int(bias), ptr(pos), ptr(cs), ptr(sn), h2,
-                        ptr(qc), ptr(kc), ptr(vc), b, t, nh, nkv, d, tc, past, ptr(rmap),
-                        int(packed))
-    for got, want in ((qc, q), (kc, k), (vc, v)):
-        assert np.array_equal(got.view(np.uint16), want.view(np.uint16))
-    outside = np.ones(tc, bool)
-    outside[past:past + t] = False
-    assert np.array_equal(kc[:, :, outside], k0[:, :, outside])
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -145,14 +145,19 @@ ZO_DEV double zo_gauss_at(u64 e, u64 t, u64 k0, u64 k1) {
   return (lane & 1ULL) != 0ULL ? zb : za;
 }
 
+// word j (0..3) of a Philox output, selected without indexing (registers on the GPU)
+ZO_DEV u64 zo_word(const u64 c[4], u64 j) {
+  u64 lo = j == 1ULL ? c[1] : c[0];
+  u64 hi = j == 3ULL ? c[3] : c[2];
+  return j >= 2ULL ? hi : lo;
+}
+
 ZO_DEV double zo_rad_at(u64 e, u64 t, u64 k0, u64 k1) {
   u64 b = e >> 7;
   u64 c[4] = {b & ZO_M32, b >> 32, t, 1ULL};
   zo_philox(c, k0, k1);
   u64 j = (e >> 5) & 3ULL;
-  u64 lo = j == 1ULL ? c[1] : c[0];
-  u64 hi = j == 3ULL ? c[3] : c[2];
-  u64 w = j >= 2ULL ? hi : lo;
+  u64 w = zo_word(c, j);
   return 1.0 - 2.0 * (double)((w >> (e & 31ULL)) & 1ULL);
 }
 
@@ -169,9 +174,7 @@ ZO_DEV double zo_fast_at(u64 e, u64 t, u64 k0, u64 k1) {
   u64 c[4] = {blk & ZO_M32, blk >> 32, t, 2ULL};
   zo_philox(c, k0, k1);
   u64 k = q >> 7;
-  u64 lo = k == 1ULL ? c[1] : c[0];
-  u64 hi = k == 3ULL ? c[3] : c[2];
-  u64 x = k >= 2ULL ? hi : lo;
+  u64 x = zo_word(c, k);
   u64 h = (r & 1ULL) != 0ULL ? (x >> 16) : (x & 0xFFFFULL);
   return (double)ZO_U2F(zo_fast_tab[h]);
 }
@@ -199,9 +202,7 @@ ZO_DEV void zo_z4(u64 e4, u64 t, u64 k0, u64 k1, int dist, double z[4]) {
     u64 c[4] = {b & ZO_M32, b >> 32, t, 1ULL};
     zo_philox(c, k0, k1);
     u64 j = (e4 >> 5) & 3ULL;
-    u64 lo = j == 1ULL ? c[1] : c[0];
-    u64 hi = j == 3ULL ? c[3] : c[2];
-    u64 w = j >= 2ULL ? hi : lo;
+    u64 w = zo_word(c, j);
     ZO_UNROLL
     for (int l = 0; l < 4; ++l)
       z[l] = 1.0 - 2.0 * (double)((w >> ((e4 + (u64)l) & 31ULL)) & 1ULL);
