@@ -574,6 +574,13 @@ def test_repeated_steps_drift_like_a_random_walk():
 
 
 # ----------------------------------------------------------------------------- GPU sources
+@pytest.fixture(scope="module")
+def zo_c_lib(tmp_path_factory) -> ctypes.CDLL:
+    """The CUDA C source built once for the module's tests (gcc takes about 15 s: the
+    Gaussian-fast table is 256 KiB of initializers)."""
+    return _compile_c(tmp_path_factory.mktemp("zoc"))
+
+
 def _compile_c(tmp_path: Path) -> ctypes.CDLL:
     from semzo.zo import kernels_cuda
     cc = shutil.which("gcc") or shutil.which("cc")
@@ -586,9 +593,9 @@ def _compile_c(tmp_path: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def test_cuda_c_source_built_for_cpu_gives_cpu_bits(tmp_path):
+def test_cuda_c_source_built_for_cpu_gives_cpu_bits(zo_c_lib):
     """The CuPy kernels' source, kernels included, compiled by gcc: same bits as numba."""
-    lib = _compile_c(tmp_path)
+    lib = zo_c_lib
     P, L, U, D, N = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_uint64, ctypes.c_double,
                      ctypes.c_int)
     n, off, t, seed = 20_011, 2 ** 32 + 5, 9, 2 ** 40 + 3
@@ -642,13 +649,13 @@ def test_cuda_c_source_built_for_cpu_gives_cpu_bits(tmp_path):
 
 
 
-def test_cuda_c_quads_at_every_alignment(tmp_path):
+def test_cuda_c_quads_at_every_alignment(zo_c_lib):
     """The GPU kernels make z a quad (one Gaussian Philox block) per thread: tensors whose
     first element sits at each position in its quad, of lengths that end anywhere in one,
     shorter than one quad and across Rademacher (128) and Gaussian-fast (1024) blocks, get
     the numba kernels' bits, and no element outside p is written."""
     from semzo.zo import kernels_gpu
-    lib = _compile_c(tmp_path)
+    lib = zo_c_lib
     P, L, U, D, N = (ctypes.c_void_p, ctypes.c_longlong, ctypes.c_uint64, ctypes.c_double,
                      ctypes.c_int)
     lib.zo_zvec.argtypes = [P, L, U, U, U, U, N]
