@@ -656,7 +656,9 @@ def cmd_run(args) -> None:
     minilm, smol = prefix / "models" / "minilm", prefix / "models" / "smollm2"
     half = "float16"
     items = [
-        ("minilm_forward_f16", lambda: bench_forward(args, dev, minilm, half), ">= 0.8"),
+        # float16 activations: the fused kernels' _h variants (32nd session), A/B in the run
+        ("minilm_forward_f16", lambda: bench_forward(args, dev, minilm, half,
+                                                     fused_probe=True), ">= 0.8"),
         # float32: the embed stage's default storage, and the fused kernels' (float32 only)
         ("minilm_forward_f32", lambda: bench_forward(args, dev, minilm, "float32",
                                                      fused_probe=True), None),
