@@ -301,21 +301,27 @@ LM_ROPE_SPLIT(lm_rope_split_h, unsigned short, LM_LD_H, LM_ST_H)
 // bb * T + tt = rows[k] (has_rows) or k: attention's context from its batched product's
 // layout (B, nkv, g T, d) to the rows of the o projection, the packed ones only when rows;
 // with bits also ob[i] = the bfloat16 bits of ctx[i] (model.matmul = "bfloat16")
+// the index into tmp of element i of ctx (lm_heads_to_rows, lm_heads_to_rows_h)
+static LM_DEV long long lm_h2r_src(long long i, const long long* rows, int has_rows, int t,
+                                   int nkv, int g, int d) {
+  long long w = (long long)nkv * g * d;
+  long long k = i / w;
+  int c = (int)(i - k * w);
+  int hh = c / d;
+  int j = c - hh * d;
+  int kv = hh / g;
+  int gg = hh - kv * g;
+  long long pr = has_rows ? rows[k] : k;
+  long long bb = pr / t;
+  int tt = (int)(pr - bb * t);
+  return (((bb * nkv + kv) * (long long)g + gg) * t + tt) * d + j;
+}
+
 LM_GLOBAL lm_heads_to_rows(const float* tmp, float* ctx, const long long* rows, int has_rows,
                            long long nr, int t, int nkv, int g, int d, unsigned short* ob,
                            int bits) {
-  long long w = (long long)nkv * g * d;
-  LM_FOR(i, nr * w) {
-    long long k = i / w;
-    int c = (int)(i - k * w);
-    int hh = c / d;
-    int j = c - hh * d;
-    int kv = hh / g;
-    int gg = hh - kv * g;
-    long long pr = has_rows ? rows[k] : k;
-    long long bb = pr / t;
-    int tt = (int)(pr - bb * t);
-    float v = tmp[(((bb * nkv + kv) * (long long)g + gg) * t + tt) * d + j];
+  LM_FOR(i, nr * (long long)nkv * g * d) {
+    float v = tmp[lm_h2r_src(i, rows, has_rows, t, nkv, g, d)];
     ctx[i] = v;
     if (bits) ob[i] = lm_bf16(v);
   }
@@ -325,18 +331,8 @@ LM_GLOBAL lm_heads_to_rows(const float* tmp, float* ctx, const long long* rows, 
 LM_GLOBAL lm_heads_to_rows_h(const unsigned short* tmp, unsigned short* ctx,
                              const long long* rows, int has_rows, long long nr, int t,
                              int nkv, int g, int d) {
-  long long w = (long long)nkv * g * d;
-  LM_FOR(i, nr * w) {
-    long long k = i / w;
-    int c = (int)(i - k * w);
-    int hh = c / d;
-    int j = c - hh * d;
-    int kv = hh / g;
-    int gg = hh - kv * g;
-    long long pr = has_rows ? rows[k] : k;
-    long long bb = pr / t;
-    int tt = (int)(pr - bb * t);
-    ctx[i] = tmp[(((bb * nkv + kv) * (long long)g + gg) * t + tt) * d + j];
+  LM_FOR(i, nr * (long long)nkv * g * d) {
+    ctx[i] = tmp[lm_h2r_src(i, rows, has_rows, t, nkv, g, d)];
   }
 }
 

@@ -225,6 +225,20 @@ ZO_DEV void zo_z4(u64 e4, u64 t, u64 k0, u64 k1, int dist, double z[4]) {
   }
 }
 
+// acc[l] = sum over k of gs[k] z_k (lane l of the quad at e4), k = 0, 1, ... from 0.0: the
+// CPU's order (the multi-perturbation update)
+ZO_DEV void zo_acc4(u64 e4, u64 t, const u64* k0s, const u64* k1s, const double* gs, int npert,
+                    int dist, double acc[4]) {
+  double z[4];
+  ZO_UNROLL
+  for (int l = 0; l < 4; ++l) acc[l] = 0.0;
+  for (int k = 0; k < npert; ++k) {
+    zo_z4(e4, t, k0s[k], k1s[k], dist, z);
+    ZO_UNROLL
+    for (int l = 0; l < 4; ++l) acc[l] = acc[l] + gs[k] * z[l];
+  }
+}
+
 ZO_DEV long long zo_nquads(u64 off, long long n) {
   return n <= 0 ? 0LL : (long long)(((off + (u64)(n - 1)) >> 2) - (off >> 2) + 1ULL);
 }
@@ -340,12 +354,8 @@ ZO_GLOBAL zo_multi_update_##S(T* p, long long n, u64 off, u64 t, const u64* k0s,
   long long nq = zo_nquads(off, n);                                                           \
   ZO_FOR(j, nq) {                                                                             \
     u64 e4 = zo_quad(off, j);                                                                 \
-    double acc[4] = {0.0, 0.0, 0.0, 0.0}, z[4];                                               \
-    for (int k = 0; k < npert; ++k) {                                                         \
-      zo_z4(e4, t, k0s[k], k1s[k], dist, z);                                                  \
-      ZO_UNROLL                                                                               \
-      for (int l = 0; l < 4; ++l) acc[l] = acc[l] + gs[k] * z[l];                             \
-    }                                                                                         \
+    double acc[4], z[4];                                                                      \
+    zo_acc4(e4, t, k0s, k1s, gs, npert, dist, acc);                                           \
     if (restore) zo_z4(e4, t, rk0, rk1, dist, z);                                             \
     ZO_UNROLL                                                                                 \
     for (int l = 0; l < 4; ++l) {                                                             \
@@ -366,13 +376,7 @@ ZO_GLOBAL zo_stream_##S(T* p, T* q, long long n, u64 off, u64 t, int mode, u64 k
     u64 e4 = zo_quad(off, j);                                                                 \
     double z[4] = {0.0, 0.0, 0.0, 0.0}, acc[4] = {0.0, 0.0, 0.0, 0.0};                        \
     double zp[4] = {0.0, 0.0, 0.0, 0.0};                                                      \
-    if (mode == 2 || mode == 3) {                                                             \
-      for (int k = 0; k < npert; ++k) {                                                       \
-        zo_z4(e4, t, k0s[k], k1s[k], dist, z);                                                \
-        ZO_UNROLL                                                                             \
-        for (int l = 0; l < 4; ++l) acc[l] = acc[l] + gs[k] * z[l];                           \
-      }                                                                                       \
-    }                                                                                         \
+    if (mode == 2 || mode == 3) zo_acc4(e4, t, k0s, k1s, gs, npert, dist, acc);               \
     if (mode == 0 || mode == 1 || mode == 2) zo_z4(e4, t, k0, k1, dist, z);                   \
     if (post) zo_z4(e4, t, pk0, pk1, dist, zp);                                               \
     ZO_UNROLL                                                                                 \
