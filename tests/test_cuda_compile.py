@@ -1,7 +1,8 @@
 """The CUDA C of the GPU kernels compiled on a CPU machine: NVRTC (NVIDIA's runtime compiler,
 the library CuPy's RawModule calls on a GPU machine; the `nvidia-cuda-nvrtc` wheel of the test
-extra) needs no GPU and no driver. Both sources (the forward's fused kernels,
-semzo.model.kernels_gpu; the ZO kernels, semzo.zo.kernels_cuda) must compile with the options
+extra) needs no GPU and no driver. The sources (the forward's fused kernels,
+semzo.model.kernels_gpu; the ZO kernels, semzo.zo.kernels_cuda; the k-means E-step's,
+semzo.cluster.kernels_cuda) must compile with the options
 CuPy is given (``--fmad=false``) for the oldest and the newest architecture CUDA 13 supports,
 and every kernel the Python side launches must be an entry point of the result.
 
@@ -19,6 +20,7 @@ import re
 
 import pytest
 
+from semzo.cluster import kernels_cuda as km_cuda
 from semzo.model import kernels_gpu as model_gpu
 from semzo.zo import kernels_gpu as zo_gpu
 from semzo.zo.kernels_cuda import cuda_source as zo_source
@@ -36,14 +38,16 @@ def nvrtc() -> ctypes.CDLL:
     return ctypes.CDLL(libs[0])
 
 
-def compile_ptx(nv: ctypes.CDLL, source: str, name: str, arch: str) -> tuple[int, str, str]:
+def compile_ptx(nv: ctypes.CDLL, source: str, name: str, arch: str,
+                extra: tuple[str, ...] = ()) -> tuple[int, str, str]:
     """(NVRTC's status, its log, the PTX) of ``source`` compiled as CuPy compiles it."""
     prog = ctypes.c_void_p()
     rc = nv.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None,
                                None)
     assert rc == 0, f"nvrtcCreateProgram: {rc}"
     try:
-        opts = [b"--fmad=false", f"--gpu-architecture={arch}".encode()]
+        opts = [b"--fmad=false", f"--gpu-architecture={arch}".encode(),
+                *(o.encode() for o in extra)]
         rc = nv.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         n = ctypes.c_size_t()
         nv.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
@@ -88,3 +92,19 @@ def test_zo_kernels_compile_with_every_entry_point(nvrtc, arch):
                                                      "multi_update", "stream")
                           for sfx in zo_gpu.SUFFIX.values()}
     assert want <= entries(ptx), want - entries(ptx)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kmeans_kernels_compile_with_every_entry_point_and_no_flush(nvrtc, arch):
+    """With ``-ftz=true`` (which CuPy appends to every compile), no float32 instruction of
+    the k-means kernels flushes subnormals: the score, its comparison and the conversion to
+    float64 are the CPU's IEEE operations (inline PTX)."""
+    rc, log, ptx = compile_ptx(nvrtc, km_cuda.cuda_source(), "semzo_km.cu", arch,
+                               ("-ftz=true",))
+    assert rc == 0, log
+    assert set(km_cuda.KERNELS) <= entries(ptx), set(km_cuda.KERNELS) - entries(ptx)
+    assert ".f32" in ptx and ".ftz" not in ptx
+    rc, _, plain = compile_ptx(nvrtc, "extern \"C\" __global__ void k(float* x, double* y) "
+                                      "{ y[0] = (double)(x[0] * 2.0f); }", "ftz.cu", arch,
+                               ("-ftz=true",))
+    assert rc == 0 and ".ftz" in plain          # what the inline PTX avoids

@@ -2,13 +2,19 @@
 inertia at 1 and 2 ranks sharing the GPU (tests/mpi/kmeans_gpu.py), and ``predict``.
 
 Without a GPU, ``test_gpu_estep_logic_on_cpu`` runs cluster/gpu.py itself on NumPy through a
-stand-in ``cupy`` module (NumPy functions, ``cupyx.scatter_add`` = ``np.add.at``): the
-module's arithmetic is checked against the CPU path although no GPU is here.
+stand-in ``cupy`` module (NumPy functions), both E-steps: the generic one (CuPy array code) and
+the one with our kernels, whose launches run the kernels' CUDA C source built by gcc as plain
+C (cluster/kernels_cuda.py); the C build is also compared with the numba kernels of the CPU
+path bit for bit. The module's arithmetic is checked against the CPU path although no GPU is
+here.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import shutil
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -22,6 +28,8 @@ from gpu_common import cupy_or_none, gpu_skip, host
 from kmeans_gpu import planted, same_partition
 
 import semzo.cluster as cluster_pkg
+from semzo.cluster import kernels as kn
+from semzo.cluster import kernels_cuda
 
 km = importlib.import_module("semzo.cluster.kmeans")   # the module (the package exports a function)
 
@@ -98,11 +106,113 @@ def _shim_gpu_module():
     return mod
 
 
+P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
+
+
+@pytest.fixture(scope="module")
+def km_lib(tmp_path_factory) -> ctypes.CDLL:
+    """cluster/kernels_cuda.py's CUDA C source built by gcc as plain C."""
+    cc = shutil.which("gcc") or shutil.which("cc")
+    assert cc, "a C compiler is needed to test the CUDA C source on the CPU"
+    d = tmp_path_factory.mktemp("kmgpu")
+    src, so = d / "km.c", d / "libkm.so"
+    src.write_text(kernels_cuda.cuda_source())
+    subprocess.run([cc, "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-shared", "-fPIC",
+                    "-x", "c", str(src), "-o", str(so), "-lm"], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.km_argmin.argtypes = [P, P, LL, I, P, P, P]
+    lib.km_cluster_sums.argtypes = [P, P, P, P, I, I, P]
+    return lib
+
+
+def _c_kernels(lib) -> dict:
+    """kernels_cuda.kernels() on the CPU: each launch runs the C build (serially) with the
+    launch's arguments (NumPy arrays as pointers, NumPy scalars as values)."""
+    def fake(name):
+        def launch(grid, block, args):
+            assert grid[0] >= 1 and block[0] == kernels_cuda.THREADS_PER_BLOCK
+            c_args = []
+            for a in args:
+                if isinstance(a, np.ndarray):
+                    assert a.flags.c_contiguous, name
+                    c_args.append(a.ctypes.data)
+                else:
+                    assert isinstance(a, np.generic), (name, type(a))  # typed scalars only
+                    c_args.append(a.item())
+            getattr(lib, name)(*c_args)
+        return launch
+    return {n: fake(n) for n in kernels_cuda.KERNELS}
+
+
+def _awkward_scores(rng, k, b) -> tuple[np.ndarray, np.ndarray]:
+    """(dT (k, b), c_sq (k,)) float32 with exact ties, NaN, infinities, signed zeros and
+    subnormals among ordinary values."""
+    d_t = rng.standard_normal((k, b)).astype(np.float32)
+    c_sq = np.abs(rng.standard_normal(k)).astype(np.float32)
+    d_t[:, 0] = 0.5                                      # every centre ties
+    c_sq[3] = c_sq[1]
+    d_t[3, 1] = d_t[1, 1] = 9.0                          # a tie between centres 1 and 3
+    d_t[:, 2] = np.nan                                   # a row of NaN scores
+    d_t[0, 3] = np.nan                                   # NaN first, then ordinary values
+    d_t[2, 4] = np.inf
+    d_t[1, 5], d_t[4, 5] = -np.inf, -np.inf
+    d_t[:, 6] = np.float32(1e-45) * rng.integers(-3, 4, k)  # subnormal scores
+    c_sq[5] = 0.0
+    d_t[:, 7] = -0.0
+    return d_t, c_sq
+
+
+@pytest.mark.parametrize("k,b", [(1, 9), (7, 8), (33, 301)])
+def test_argmin_kernel_is_the_numba_argmin_bit_for_bit(km_lib, k, b):
+    rng = np.random.default_rng(k * 1000 + b)
+    d_t, c_sq = _awkward_scores(rng, max(k, 6), b)
+    d_t, c_sq = np.ascontiguousarray(d_t[:k]), np.ascontiguousarray(c_sq[:k])
+    best, bj = np.empty(b, np.float32), np.empty(b, np.int32)
+    kn.argmin_cols(d_t, c_sq, best, bj)
+    old = rng.integers(-1, k, b).astype(np.int32)
+    labels, got_best = old.copy(), np.full(b, 7.0, np.float32)
+    changed = np.zeros(1, np.uint64)
+    km_lib.km_argmin(d_t.ctypes.data, c_sq.ctypes.data, b, k, labels.ctypes.data,
+                     got_best.ctypes.data, changed.ctypes.data)
+    assert np.array_equal(labels, bj)
+    assert np.array_equal(got_best.view(np.uint32), best.view(np.uint32))
+    assert int(changed[0]) == int((old != bj).sum())
+    if k > 1:
+        assert labels[2] == 0 and got_best[2] == np.inf     # NaN never wins
+        assert labels[1] in (1, 3) and labels[1] == bj[1]    # the first of a tie
+
+
+@pytest.mark.parametrize("n,d,k", [(0, 3, 2), (1, 5, 1), (13, 3, 4), (1000, 17, 9)])
+def test_cluster_sums_kernel_is_accumulate_rows_bit_for_bit(km_lib, n, d, k):
+    """Every cluster's rows summed in row order from a sort of the labels (as gpu.py sorts
+    them): the CPU's float64 sums bit for bit, empty clusters included, with values whose
+    sum depends on the order (mixed magnitudes, subnormals, signed zeros)."""
+    rng = np.random.default_rng(n + d + k)
+    x = (rng.standard_normal((n, d)) * 10.0 ** rng.integers(-30, 30, (n, d))).astype(np.float32)
+    if n > 3:
+        x[1, 0], x[2, 0], x[3, :] = np.float32(1e-44), -0.0, -0.0
+    labels = rng.integers(0, max(1, k - 1), n).astype(np.int32)   # the last cluster empty
+    want_s, want_c = np.zeros((k, d)), np.zeros(k)
+    kn.accumulate_rows(x, labels, want_s, want_c)
+    cnt = np.bincount(labels, minlength=k).astype(np.int64)
+    start = np.ascontiguousarray(np.cumsum(cnt) - cnt)
+    order = np.argsort(labels.astype(np.int64) * n + np.arange(n))
+    got = np.full((k, d), np.nan)
+    km_lib.km_cluster_sums(x.ctypes.data, order.ctypes.data, start.ctypes.data,
+                           cnt.ctypes.data, k, d, got.ctypes.data)
+    assert np.array_equal(got.view(np.uint64), want_s.view(np.uint64))
+    assert np.array_equal(cnt.astype(np.float64), want_c)
+
+
+@pytest.mark.parametrize("kernels", ["generic", "ours"])
 @pytest.mark.parametrize("spherical", [False, True])
-def test_gpu_estep_logic_on_cpu(monkeypatch, spherical):
-    """cluster/gpu.py run on NumPy: the same labels, centres and counts as cluster/cpu.py."""
+def test_gpu_estep_logic_on_cpu(monkeypatch, km_lib, spherical, kernels):
+    """cluster/gpu.py run on NumPy: the same labels, centres and counts as cluster/cpu.py;
+    with our kernels (their C build) the centres bit for bit."""
     from mpi4py import MPI
     gpu = _shim_gpu_module()
+    monkeypatch.setattr(kernels_cuda, "kernels",
+                        (lambda: _c_kernels(km_lib)) if kernels == "ours" else (lambda: None))
     monkeypatch.setitem(sys.modules, "semzo.cluster.gpu", gpu)
     monkeypatch.setattr(cluster_pkg, "gpu", gpu, raising=False)
     monkeypatch.setattr(km, "_is_cupy", lambda a: isinstance(a, _Dev))
@@ -115,6 +225,8 @@ def test_gpu_estep_logic_on_cpu(monkeypatch, spherical):
     dev = km.kmeans(x.view(_Dev), 5, MPI.COMM_SELF, global_offset=0, init=init, max_iter=20,
                     tol=0.0, spherical=spherical, block_rows=300)
     assert np.array_equal(np.asarray(dev.labels), cpu.labels)
+    if kernels == "ours":
+        assert np.array_equal(dev.centers, cpu.centers)
     np.testing.assert_allclose(dev.centers, cpu.centers, rtol=1e-5, atol=1e-6)
     assert np.array_equal(dev.counts, cpu.counts)
     assert dev.inertia == pytest.approx(cpu.inertia, rel=1e-6)
@@ -143,7 +255,10 @@ def _estep_without_rows(gpu, xp) -> None:
         == (0,)
 
 
-def test_gpu_estep_without_rows_on_cpu():
+@pytest.mark.parametrize("kernels", ["generic", "ours"])
+def test_gpu_estep_without_rows_on_cpu(monkeypatch, km_lib, kernels):
+    monkeypatch.setattr(kernels_cuda, "kernels",
+                        (lambda: _c_kernels(km_lib)) if kernels == "ours" else (lambda: None))
     _estep_without_rows(_shim_gpu_module(), np)
 
 

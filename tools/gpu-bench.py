@@ -612,10 +612,13 @@ def bench_zo_vs_mezo(args, dev, folder: Path, dtype: str, params: str = "all",
 
 
 def bench_kmeans(args, dev) -> dict:
-    """semzo k-means per Lloyd iteration against the torch floor (X @ C^T + argmin)."""
+    """semzo k-means per Lloyd iteration against the torch floor (X @ C^T + argmin); on a
+    GPU, in the same run, the generic CuPy E-step (``SEMZO_GPU_FUSED=0``: CuPy's argmin,
+    ``cupy.add.at``) as the A/B of the E-step kernels, and whether the two agree."""
     import numpy as np
     from mpi4py import MPI
 
+    from semzo.cluster import kernels_cuda
     from semzo.cluster.kmeans import kmeans
     n, d, k, iters = (4000, 32, 16, 5) if dev.cpu else (200_000, 384, 256, 10)
     r = np.random.default_rng(0)
@@ -628,6 +631,26 @@ def bench_kmeans(args, dev) -> dict:
         res[0] = kmeans(xd, k, MPI.COMM_SELF, global_offset=0, init=init, max_iter=iters,
                         tol=0.0, block_rows=8192)
     ours = dev.median(run, 1 if not dev.cpu else 2, warm=1) / max(res[0].n_iter, 1)
+    fused = res[0]
+    extra = ""
+    if not dev.cpu:
+        failed = dict(kernels_cuda._FAILED)
+        old = os.environ.get("SEMZO_GPU_FUSED")
+        os.environ["SEMZO_GPU_FUSED"] = "0"
+        try:
+            plain = dev.median(run, 1, warm=1) / max(res[0].n_iter, 1)
+        finally:
+            if old is None:
+                os.environ.pop("SEMZO_GPU_FUSED", None)
+            else:
+                os.environ["SEMZO_GPU_FUSED"] = old
+        same = bool(np.array_equal(dev.xp.asnumpy(fused.labels),
+                                   dev.xp.asnumpy(res[0].labels)))
+        ran = ("E-step kernels FAILED to compile: " + "; ".join(failed.values())[:200]
+               if failed else "E-step kernels ran")
+        extra = (f"; {ran}; generic CuPy E-step {plain * 1e3:.3f} ms per iteration (kernels "
+                 f"{plain / ours:.2f}x faster), same labels: {same}, centres max abs diff "
+                 f"{float(np.abs(fused.centers - res[0].centers).max()):.2e}")
     torch = dev.torch
     tx = torch.as_tensor(x, device=dev.tdev)
     tc = torch.as_tensor(init, device=dev.tdev)
@@ -637,7 +660,7 @@ def bench_kmeans(args, dev) -> dict:
             (tx[s:s + 8192] @ tc.T).argmin(dim=1)
     peer = dev.median(floor, 5)
     return {"ours_s": ours, "peer_s": peer, "ratio": peer / ours, "ratio_is": "peer/ours",
-            "note": f"{n}x{d}, k={k}, per iteration; peer = torch GEMM + argmin floor"}
+            "note": f"{n}x{d}, k={k}, per iteration; peer = torch GEMM + argmin floor{extra}"}
 
 
 def _features() -> dict:

@@ -47,6 +47,14 @@ def synchronize(a: object) -> None:
         cupy.cuda.get_current_stream().synchronize()
 
 
+def gpu_fused_enabled() -> bool:
+    """Whether semzo's own CUDA kernels are asked for (``SEMZO_GPU_FUSED``, default on): the
+    fused forward kernels (:mod:`semzo.model.kernels_gpu`) and the k-means E-step's
+    (:mod:`semzo.cluster.kernels_cuda`). Off, the generic CuPy array code serves (the A/B)."""
+    return os.environ.get("SEMZO_GPU_FUSED", "1").strip().lower() not in ("0", "false", "no",
+                                                                          "off")
+
+
 def cuda_aware_mpi() -> bool:
     """Whether MPI may be handed device pointers (``SEMZO_CUDA_AWARE_MPI=1``); else staged."""
     return os.environ.get("SEMZO_CUDA_AWARE_MPI", "0") == "1"

@@ -15,6 +15,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
+from semzo.backend import gpu_fused_enabled
 from semzo.cluster.kmeans import kmeans
 from semzo.runtime import run_spmd
 
@@ -53,6 +54,8 @@ def main() -> None:
     assert lab.dtype == np.int32 and lab.shape == (hi - lo,)
     assert np.array_equal(lab, cpu.labels), "labels differ from the CPU path"
     np.testing.assert_allclose(dev.centers, cpu.centers, rtol=1e-5, atol=1e-5)
+    if gpu_fused_enabled():   # the same labels at every iteration: the sums in row order
+        assert np.array_equal(dev.centers, cpu.centers), "centres differ from the CPU's bits"
     assert np.array_equal(dev.counts, cpu.counts) and dev.n_iter == cpu.n_iter
     assert abs(dev.inertia - cpu.inertia) <= 1e-6 * abs(cpu.inertia)
     assert same_partition(lab, truth[lo:hi])

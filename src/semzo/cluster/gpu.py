@@ -1,20 +1,31 @@
 """GPU (CuPy) E-step of k-means: the same interface as :mod:`semzo.cluster.cpu`, plain Lloyd.
 
-Imported only when :func:`semzo.cluster.kmeans` receives a CuPy array. Distances by cuBLAS
-SGEMM per block, argmin by CuPy, per-cluster sums by ``cupy.add.at`` in float64 (atomic
-adds: the sums are not bit-reproducible run to run, unlike the CPU path; ``cupyx.scatter_add``
-is deprecated). A rank may hold no rows: counts never go through ``cp.bincount`` on an empty
-array, which raises in CuPy releases without the fix for cupy issue 8116 (:func:`_bincount`).
-The reduced buffer lives on the host (k*(d+1) numbers), so any ``allreduce`` on numpy buffers
-works; the device is synchronised by the ``.get()`` copies before any MPI call. tests/test_gpu_kmeans.py checks it
-against the CPU path (the reference) where a GPU is present (the GPU kit); row blocks are sized
-for the device (:attr:`LocalData.BLOCK_BYTES`), not for a CPU cache.
+Imported only when :func:`semzo.cluster.kmeans` receives a CuPy array. Distances by one cuBLAS
+SGEMM per row block, stored transposed as on the CPU (``centers @ rows.T``, (k, b)); then two
+kernels of our own (:mod:`.kernels_cuda`): the argmin, which gives the CPU's labels from the
+same scores, and the per-cluster sums in float64 **in row order**, from a sort of the labels:
+given the same labels, the sums, counts and so the centres are the CPU path's bits, and they
+do not change from run to run. With ``SEMZO_GPU_FUSED=0`` (or kernels that do not compile)
+the generic E-step serves: CuPy's argmin over the (b, k) scores and ``cupy.add.at`` in
+float64 (atomic adds: sums that are not bit-reproducible run to run).
+
+A rank may hold no rows: counts never go through ``cp.bincount`` on an empty array, which
+raises in CuPy releases without the fix for cupy issue 8116 (:func:`_bincount`). The reduced
+buffer lives on the host (k*(d+1) numbers), so any ``allreduce`` on numpy buffers works; the
+device is synchronised by the ``.get()`` copies before any MPI call.
+tests/test_gpu_kmeans.py checks it against the CPU path (the reference) where a GPU is present
+(the GPU kit), and runs this module's arithmetic on NumPy with the kernels' C build where
+none is; row blocks are sized for the device (:attr:`LocalData.BLOCK_BYTES`), not for a CPU
+cache.
 """
 
 from __future__ import annotations
 
 import cupy as cp
 import numpy as np
+
+from . import kernels_cuda
+from .cpu import score_norms
 
 
 def _bincount(labels, k: int):
@@ -107,6 +118,51 @@ class LloydGPU:
         self.labels = cp.full(data.n, -1, dtype=cp.int32)
 
     def estep(self, centers, sums, counts, accumulate=True):
+        kern = kernels_cuda.kernels()
+        if kern is None:
+            return self._estep_generic(centers, sums, counts, accumulate)
+        data, k = self.data, self.k
+        c = cp.asarray(centers, dtype=cp.float32)
+        c_sq = cp.asarray(score_norms(np.asarray(centers, dtype=np.float32), self.spherical))
+        changed = cp.zeros(1, dtype=cp.uint64)
+        best = cp.empty(data.n, dtype=cp.float32)
+        buf = cp.empty(k * min(data.n, data.block_rows), dtype=cp.float32)
+        for s, e in data.blocks():
+            b = e - s
+            d_t = cp.matmul(c, data.x[s:e].T, out=buf[:k * b].reshape(k, b))
+            kern["km_argmin"]((kernels_cuda.blocks(b),), (kernels_cuda.THREADS_PER_BLOCK,),
+                              (d_t, c_sq, np.int64(b), np.int32(k), self.labels[s:e],
+                               best[s:e], changed))
+        inertia = float((data.x_sq + best.astype(cp.float64)).sum()) if data.n else 0.0
+        if accumulate:
+            self._cluster_sums(kern, sums, counts)
+        if self.spherical:
+            inertia = 0.5 * (inertia - float(data.x_sq.sum())) + data.n
+        return int(cp.asnumpy(changed)[0]), inertia, data.n
+
+    def _cluster_sums(self, kern, sums, counts) -> None:
+        """sums (k, d) and counts (k,) (host float64) of the rows by their labels: every
+        cluster's rows in row order (a sort of the keys label * n + row, unique, so any sort
+        gives that order), summed by ``km_cluster_sums``."""
+        data, k = self.data, self.k
+        if data.n == 0:
+            sums[...] = 0.0
+            counts[...] = 0.0
+            return
+        cnt = _bincount(self.labels, k)
+        start = cp.cumsum(cnt) - cnt
+        order = cp.argsort(self.labels.astype(cp.int64) * data.n +
+                           cp.arange(data.n, dtype=cp.int64))
+        s_dev = cp.empty((k, data.d), dtype=cp.float64)
+        kern["km_cluster_sums"]((kernels_cuda.blocks(k * data.d),),
+                                (kernels_cuda.THREADS_PER_BLOCK,),
+                                (data.x, order, start, cnt, np.int32(k), np.int32(data.d),
+                                 s_dev))
+        sums[...] = cp.asnumpy(s_dev)
+        counts[...] = cp.asnumpy(cnt)
+
+    def _estep_generic(self, centers, sums, counts, accumulate=True):
+        """The E-step in CuPy array code alone (no kernels of ours; sums by atomics)."""
         data, k = self.data, self.k
         c = cp.asarray(centers, dtype=cp.float32)
         if self.spherical:

@@ -42,11 +42,11 @@ benchmarks). If the module does not compile on a machine, a warning says why onc
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import numpy as np
 
+from semzo.backend import gpu_fused_enabled
 from semzo.model.erf import ERF_A, ERF_B
 from semzo.model.storage import to_float32
 
@@ -561,8 +561,7 @@ def cuda_source() -> str:
 
 def enabled() -> bool:
     """Whether the fused kernels are asked for (``SEMZO_GPU_FUSED``, default on)."""
-    return os.environ.get("SEMZO_GPU_FUSED", "1").strip().lower() not in ("0", "false", "no",
-                                                                          "off")
+    return gpu_fused_enabled()
 
 
 _FAILED: dict = {}
