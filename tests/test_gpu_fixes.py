@@ -328,3 +328,32 @@ def test_encoder_binds_arrays_whose_base_is_no_array_on_cpu(tiny):
     m.bind_params(arrs)
     assert m.params[f"{base}key.weight"] is arrs[f"{base}key.weight"]
     assert np.array_equal(m.hidden_states(ids, mask), ref)
+
+
+def test_gpu_kernels_fall_back_once_when_they_do_not_compile(monkeypatch):
+    """backend.gpu_kernels (the fused forward's and the k-means E-step's loader): a compile
+    failure warns once with its first line, is remembered per device (no second try, no
+    second warning), and SEMZO_GPU_FUSED=0 never compiles; a compile that works is returned."""
+    dev = [0]
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(
+        runtime=types.SimpleNamespace(getDevice=lambda: dev[0]))))
+    tries = []
+
+    def broken(device_id):
+        tries.append(device_id)
+        raise RuntimeError("nvrtc: error: identifier x is undefined\nmore log")
+
+    failed: dict = {}
+    with pytest.warns(RuntimeWarning, match=r"the k-means GPU kernels did not compile on GPU 0; "
+                                            r"the generic E-step serves \(RuntimeError: nvrtc"):
+        assert backend.gpu_kernels(broken, failed, "the k-means GPU kernels",
+                                   "the generic E-step") is None
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backend.gpu_kernels(broken, failed, "x", "y") is None
+    assert tries == [0] and list(failed) == [0] and "more log" in failed[0]
+    dev[0] = 1
+    assert backend.gpu_kernels(lambda d: {"k": d}, failed, "x", "y") == {"k": 1}
+    monkeypatch.setenv("SEMZO_GPU_FUSED", "0")
+    assert backend.gpu_kernels(lambda d: 1 / 0, {}, "x", "y") is None

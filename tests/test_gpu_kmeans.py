@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import shutil
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cbuild import build_c
 from mpiutil import ROOT, check, mpirun
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
@@ -112,14 +111,7 @@ P, LL, I = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int
 @pytest.fixture(scope="module")
 def km_lib(tmp_path_factory) -> ctypes.CDLL:
     """cluster/kernels_cuda.py's CUDA C source built by gcc as plain C."""
-    cc = shutil.which("gcc") or shutil.which("cc")
-    assert cc, "a C compiler is needed to test the CUDA C source on the CPU"
-    d = tmp_path_factory.mktemp("kmgpu")
-    src, so = d / "km.c", d / "libkm.so"
-    src.write_text(kernels_cuda.cuda_source())
-    subprocess.run([cc, "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-shared", "-fPIC",
-                    "-x", "c", str(src), "-o", str(so), "-lm"], check=True)
-    lib = ctypes.CDLL(str(so))
+    lib = build_c(kernels_cuda.cuda_source(), tmp_path_factory.mktemp("kmgpu"), "km")
     lib.km_argmin.argtypes = [P, P, LL, I, P, P, P]
     lib.km_cluster_sums.argtypes = [P, P, P, P, I, I, P]
     return lib

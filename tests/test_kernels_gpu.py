@@ -9,12 +9,11 @@ forward with these kernels against NumPy on a device."""
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cbuild import build_c
 
 from semzo.model import kernels, kernels_gpu, kernels_lm
 
@@ -23,14 +22,7 @@ P, LL, I, F = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory) -> ctypes.CDLL:
-    cc = shutil.which("gcc") or shutil.which("cc")
-    assert cc, "a C compiler is needed to test the CUDA C source on the CPU"
-    d = tmp_path_factory.mktemp("lmgpu")
-    src, so = d / "lm.c", d / "liblm.so"
-    src.write_text(kernels_gpu.cuda_source())
-    subprocess.run([cc, "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-shared", "-fPIC",
-                    "-x", "c", str(src), "-o", str(so), "-lm"], check=True)
-    lib = ctypes.CDLL(str(so))
+    lib = build_c(kernels_gpu.cuda_source(), tmp_path_factory.mktemp("lmgpu"), "lm")
     lib.lm_rmsnorm_row.argtypes = [P, P, I, P, P, I, P, P, I, LL, I, F]
     lib.lm_gated.argtypes = [P, P, LL, I, I, P, I]
     lib.lm_rope_split.argtypes = [P, P, I, P, P, P, I, P, P, P, LL, I, I, I, I, LL, LL, P, I]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import itertools
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cbuild import build_c
 
 from semzo import rng
 from semzo.backend import is_device_array
@@ -583,14 +583,7 @@ def zo_c_lib(tmp_path_factory) -> ctypes.CDLL:
 
 def _compile_c(tmp_path: Path) -> ctypes.CDLL:
     from semzo.zo import kernels_cuda
-    cc = shutil.which("gcc") or shutil.which("cc")
-    assert cc, "a C compiler is needed to test the CUDA C source on the CPU"
-    src = tmp_path / "zo.c"
-    src.write_text(kernels_cuda.cuda_source())
-    lib = tmp_path / "libzo.so"
-    subprocess.run([cc, "-O2", "-ffp-contract=off", "-Wall", "-Werror", "-shared", "-fPIC",
-                    "-x", "c", str(src), "-o", str(lib), "-lm"], check=True)
-    return ctypes.CDLL(str(lib))
+    return build_c(kernels_cuda.cuda_source(), tmp_path, "zo")
 
 
 def test_cuda_c_source_built_for_cpu_gives_cpu_bits(zo_c_lib):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import warnings
 from types import ModuleType
 
 import numba
@@ -53,6 +54,27 @@ def gpu_fused_enabled() -> bool:
     (:mod:`semzo.cluster.kernels_cuda`). Off, the generic CuPy array code serves (the A/B)."""
     return os.environ.get("SEMZO_GPU_FUSED", "1").strip().lower() not in ("0", "false", "no",
                                                                           "off")
+
+
+def gpu_kernels(compiled, failed: dict, what: str, instead: str):
+    """``compiled(device_id)`` (a cached compile of semzo's CUDA kernels for the current
+    device), or None when they are turned off (:func:`gpu_fused_enabled`) or did not compile
+    on this device: the failure is kept in ``failed`` (device id -> message) and warned once,
+    naming ``what`` failed and what serves ``instead``."""
+    if not gpu_fused_enabled():
+        return None
+    import cupy  # GPU only: a device array exists
+
+    dev = cupy.cuda.runtime.getDevice()
+    if dev in failed:
+        return None
+    try:
+        return compiled(dev)
+    except Exception as exc:  # noqa: BLE001 - any compile failure: the generic code serves
+        failed[dev] = f"{type(exc).__name__}: {exc}"
+        warnings.warn(f"semzo: {what} did not compile on GPU {dev}; {instead} serves "
+                      f"({failed[dev].splitlines()[0][:300]})", RuntimeWarning, stacklevel=4)
+        return None
 
 
 def cuda_aware_mpi() -> bool:

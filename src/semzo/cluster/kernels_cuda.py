@@ -33,7 +33,6 @@ and :mod:`semzo.cluster.gpu` runs its generic CuPy E-step instead).
 from __future__ import annotations
 
 import functools
-import warnings
 
 KERNELS = ("km_argmin", "km_cluster_sums")
 THREADS_PER_BLOCK = 256
@@ -139,18 +138,5 @@ def _module(device_id: int) -> dict:
 def kernels() -> dict | None:
     """{kernel name: compiled function} on the current device; None when the fused GPU
     kernels are turned off (``SEMZO_GPU_FUSED=0``) or do not compile here (warned once)."""
-    from ..backend import gpu_fused_enabled
-    if not gpu_fused_enabled():
-        return None
-    import cupy  # GPU only
-    dev = cupy.cuda.runtime.getDevice()
-    if dev in _FAILED:
-        return None
-    try:
-        return _module(dev)
-    except Exception as exc:  # noqa: BLE001 - any compile failure: the generic E-step serves
-        _FAILED[dev] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"semzo: the k-means GPU kernels did not compile on GPU {dev}; the "
-                      f"generic CuPy E-step serves ({_FAILED[dev].splitlines()[0][:300]})",
-                      RuntimeWarning, stacklevel=3)
-        return None
+    from ..backend import gpu_kernels
+    return gpu_kernels(_module, _FAILED, "the k-means GPU kernels", "the generic CuPy E-step")

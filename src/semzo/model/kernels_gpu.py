@@ -42,11 +42,10 @@ benchmarks). If the module does not compile on a machine, a warning says why onc
 from __future__ import annotations
 
 import functools
-import warnings
 
 import numpy as np
 
-from semzo.backend import gpu_fused_enabled
+from semzo.backend import gpu_fused_enabled, gpu_kernels
 from semzo.model.erf import ERF_A, ERF_B
 from semzo.model.storage import to_float32
 
@@ -581,18 +580,7 @@ def _kernels():
     turned off or when they do not compile here (warned once)."""
     if not enabled():
         return None
-    import cupy  # GPU only
-    dev = cupy.cuda.runtime.getDevice()
-    if dev in _FAILED:
-        return None
-    try:
-        return _module(dev)
-    except Exception as exc:  # noqa: BLE001 - any compile failure: the xp versions serve
-        _FAILED[dev] = f"{type(exc).__name__}: {exc}"
-        warnings.warn(f"semzo: the fused decoder kernels did not compile on GPU {dev}; the "
-                      f"generic CuPy versions serve ({_FAILED[dev].splitlines()[0][:300]})",
-                      RuntimeWarning, stacklevel=3)
-        return None
+    return gpu_kernels(_module, _FAILED, "the fused decoder kernels", "the generic CuPy versions")
 
 
 def _launch(fn, n: int, args: tuple) -> None:
