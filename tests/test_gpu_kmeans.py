@@ -114,6 +114,7 @@ def km_lib(tmp_path_factory) -> ctypes.CDLL:
     lib = build_c(kernels_cuda.cuda_source(), tmp_path_factory.mktemp("kmgpu"), "km")
     lib.km_argmin.argtypes = [P, P, LL, I, P, P, P]
     lib.km_cluster_sums.argtypes = [P, P, P, P, I, I, P]
+    lib.km_update_nearest.argtypes = [P, P, P, LL, I, P, P, I]
     return lib
 
 
@@ -172,6 +173,35 @@ def test_argmin_kernel_is_the_numba_argmin_bit_for_bit(km_lib, k, b):
     if k > 1:
         assert labels[2] == 0 and got_best[2] == np.inf     # NaN never wins
         assert labels[1] in (1, 3) and labels[1] == bj[1]    # the first of a tie
+
+
+@pytest.mark.parametrize("m,b,base", [(1, 9, 0), (6, 8, 3), (40, 301, 17)])
+def test_update_nearest_kernel_is_the_numba_fold_bit_for_bit(km_lib, m, b, base):
+    """k-means||'s fold of a candidate batch: the numba kernel's d2 and nearest bit for bit,
+    with distances that clamp to zero (-0.0 to +0.0; two candidates tie at 0: the earlier keeps it, where
+    an argmin of the scores would take the lower score), NaN, infinities, rows already
+    nearer than every candidate."""
+    rng = np.random.default_rng(m * 100 + b)
+    d_t, b_sq = _awkward_scores(rng, max(m, 6), b)
+    d_t, b_sq = np.ascontiguousarray(d_t[:m]), np.ascontiguousarray(b_sq[:m])
+    x_sq = np.abs(rng.standard_normal(b)) * 4.0
+    x_sq[8 % b] = np.nan
+    if m > 2 and b > 9:
+        x_sq[9] = 1.0
+        d_t[0, 9], d_t[2, 9], b_sq[0], b_sq[2] = 3.0, 5.0, 1.0, 1.0   # both clamp to 0
+    d2 = np.where(rng.random(b) < 0.3, rng.random(b) * 0.01, np.inf)
+    if m > 5 and b > 7:         # -0.0 + -0.0 clamps to +0.0
+        b_sq[5], d_t[5, 7], x_sq[7], d2[7] = -0.0, 0.0, -0.0, np.inf
+    near = rng.integers(0, 5, b).astype(np.int32)
+    want_d2, want_near = d2.copy(), near.copy()
+    kn.update_nearest(d_t, b_sq, x_sq, want_d2, want_near, base)
+    got_d2, got_near = d2.copy(), near.copy()
+    km_lib.km_update_nearest(d_t.ctypes.data, b_sq.ctypes.data, x_sq.ctypes.data, b, m,
+                             got_d2.ctypes.data, got_near.ctypes.data, base)
+    assert np.array_equal(got_d2.view(np.uint64), want_d2.view(np.uint64))
+    assert np.array_equal(got_near, want_near)
+    if m > 2 and b > 9:
+        assert got_near[9] == base and got_d2[9] == 0.0
 
 
 @pytest.mark.parametrize("n,d,k", [(0, 3, 2), (1, 5, 1), (13, 3, 4), (1000, 17, 9)])

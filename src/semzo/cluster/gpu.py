@@ -78,6 +78,29 @@ class LocalData:
     def fold_candidates(self, cand, base, d2, nearest) -> None:
         if self.n == 0 or cand.shape[0] == 0:
             return
+        kern = kernels_cuda.kernels()
+        if kern is None:
+            return self._fold_candidates_generic(cand, base, d2, nearest)
+        cand = np.ascontiguousarray(cand, dtype=np.float32)
+        m = int(cand.shape[0])
+        c = cp.asarray(cand)
+        b_sq = cp.asarray(score_norms(cand, False))
+        d2_dev = cp.asarray(np.ascontiguousarray(d2, dtype=np.float64))
+        near_dev = cp.asarray(np.ascontiguousarray(nearest, dtype=np.int32))
+        buf = None
+        for s, e in self.blocks(cols=m):
+            b = e - s
+            buf = cp.empty(m * b, dtype=cp.float32) if buf is None else buf
+            d_t = cp.matmul(c, self.x[s:e].T, out=buf[:m * b].reshape(m, b))
+            kern["km_update_nearest"]((kernels_cuda.blocks(b),),
+                                      (kernels_cuda.THREADS_PER_BLOCK,),
+                                      (d_t, b_sq, self.x_sq[s:e], np.int64(b), np.int32(m),
+                                       d2_dev[s:e], near_dev[s:e], np.int32(base)))
+        d2[:] = cp.asnumpy(d2_dev)
+        nearest[:] = cp.asnumpy(near_dev)
+
+    def _fold_candidates_generic(self, cand, base, d2, nearest) -> None:
+        """fold_candidates in CuPy array code alone (the argmin of the float32 scores)."""
         c = cp.asarray(cand, dtype=cp.float32)
         c_sq = (c.astype(cp.float64) ** 2).sum(axis=1).astype(cp.float32)
         d2_dev = cp.asarray(d2)

@@ -1,6 +1,6 @@
 """CUDA C kernels of the GPU k-means E-step (:mod:`semzo.cluster.gpu`), and their loader.
 
-Two kernels, each spelling a numba kernel of :mod:`semzo.cluster.kernels` operation for
+Three kernels, each spelling a numba kernel of :mod:`semzo.cluster.kernels` operation for
 operation, so that the GPU path gives the CPU path's bits from the same GEMM output:
 
 - ``km_argmin``: a thread per row of a block of ``b`` rows, reading the transposed scores
@@ -17,6 +17,11 @@ operation, so that the GPU path gives the CPU path's bits from the same GEMM out
   ``cupy.add.at`` (float64 atomics into k x d addresses, about n / k adds contending for
   each, whose order and so whose sums changed from run to run) and the float64 copy of
   every row block it needed.
+- ``km_update_nearest`` (k-means||): a thread per row folds a batch of candidates into the
+  row's nearest-candidate distance, one candidate after the other, as
+  :func:`~semzo.cluster.kernels.update_nearest` (the generic version took CuPy's argmin of
+  the float32 scores, which picks a different candidate where two scores clamp to the same
+  distance).
 
 CuPy compiles every kernel with ``-ftz=true`` (after the caller's options; NVRTC takes the
 last), which would flush float32 subnormals in the score's arithmetic, its comparison and
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 import functools
 
-KERNELS = ("km_argmin", "km_cluster_sums")
+KERNELS = ("km_argmin", "km_cluster_sums", "km_update_nearest")
 THREADS_PER_BLOCK = 256
 MAX_BLOCKS = 65535
 
@@ -89,6 +94,26 @@ KM_GLOBAL km_argmin(const float *dT, const float *c_sq, long long b, int k, int 
     }
     if (labels[r] != bj) { KM_COUNT(changed); labels[r] = bj; }
     best[r] = bv;
+  }
+}
+
+// k-means|| (init.py): fold m candidates, numbered from base, into each row's nearest one.
+// dT (m, b) float32 = cand @ rows.T, b_sq (m,) float32, x_sq (b,) float64; d2 (b,) float64
+// and nearest (b,) int32 updated in place. Candidate j wins where max(0, x_sq + (double)
+// (b_sq[j] - 2 dT[j, r])) is strictly below the row's d2 (the earlier candidate keeps a tie;
+// NaN clamps to 0, as numba's max(0.0, v)): kernels.update_nearest.
+KM_GLOBAL km_update_nearest(const float *dT, const float *b_sq, const double *x_sq,
+                            long long b, int m, double *d2, int *nearest, int base) {
+  KM_FOR(r, b) {
+    double best = d2[r], xs = x_sq[r];
+    int near = nearest[r];
+    for (int j = 0; j < m; ++j) {
+      double v = xs + km_f2d(km_score(b_sq[j], dT[(long long)j * b + r]));
+      v = v > 0.0 ? v : 0.0;
+      if (v < best) { best = v; near = base + j; }
+    }
+    d2[r] = best;
+    nearest[r] = near;
   }
 }
 
