@@ -178,9 +178,9 @@ def test_argmin_kernel_is_the_numba_argmin_bit_for_bit(km_lib, k, b):
 @pytest.mark.parametrize("m,b,base", [(1, 9, 0), (6, 8, 3), (40, 301, 17)])
 def test_update_nearest_kernel_is_the_numba_fold_bit_for_bit(km_lib, m, b, base):
     """k-means||'s fold of a candidate batch: the numba kernel's d2 and nearest bit for bit,
-    with distances that clamp to zero (-0.0 to +0.0; two candidates tie at 0: the earlier keeps it, where
-    an argmin of the scores would take the lower score), NaN, infinities, rows already
-    nearer than every candidate."""
+    with distances that clamp to zero (-0.0 to +0.0; two candidates tie at 0: the earlier
+    keeps it, where an argmin of the scores would take the lower score), NaN, infinities,
+    rows already nearer than every candidate."""
     rng = np.random.default_rng(m * 100 + b)
     d_t, b_sq = _awkward_scores(rng, max(m, 6), b)
     d_t, b_sq = np.ascontiguousarray(d_t[:m]), np.ascontiguousarray(b_sq[:m])
