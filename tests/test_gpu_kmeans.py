@@ -156,7 +156,7 @@ def _awkward_scores(rng, k, b) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.parametrize("k,b", [(1, 9), (7, 8), (33, 301)])
-def test_argmin_kernel_is_the_numba_argmin_bit_for_bit(km_lib, k, b):
+def test_argmin_kernel_is_the_numba_argmin_on_cpu(km_lib, k, b):
     rng = np.random.default_rng(k * 1000 + b)
     d_t, c_sq = _awkward_scores(rng, max(k, 6), b)
     d_t, c_sq = np.ascontiguousarray(d_t[:k]), np.ascontiguousarray(c_sq[:k])
@@ -176,7 +176,7 @@ def test_argmin_kernel_is_the_numba_argmin_bit_for_bit(km_lib, k, b):
 
 
 @pytest.mark.parametrize("m,b,base", [(1, 9, 0), (6, 8, 3), (40, 301, 17)])
-def test_update_nearest_kernel_is_the_numba_fold_bit_for_bit(km_lib, m, b, base):
+def test_update_nearest_kernel_is_the_numba_fold_on_cpu(km_lib, m, b, base):
     """k-means||'s fold of a candidate batch: the numba kernel's d2 and nearest bit for bit,
     with distances that clamp to zero (-0.0 to +0.0; two candidates tie at 0: the earlier
     keeps it, where an argmin of the scores would take the lower score), NaN, infinities,
@@ -205,7 +205,7 @@ def test_update_nearest_kernel_is_the_numba_fold_bit_for_bit(km_lib, m, b, base)
 
 
 @pytest.mark.parametrize("n,d,k", [(0, 3, 2), (1, 5, 1), (13, 3, 4), (1000, 17, 9)])
-def test_cluster_sums_kernel_is_accumulate_rows_bit_for_bit(km_lib, n, d, k):
+def test_cluster_sums_kernel_is_accumulate_rows_on_cpu(km_lib, n, d, k):
     """Every cluster's rows summed in row order from a sort of the labels (as gpu.py sorts
     them): the CPU's float64 sums bit for bit, empty clusters included, with values whose
     sum depends on the order (mixed magnitudes, subnormals, signed zeros)."""

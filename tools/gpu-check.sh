@@ -450,7 +450,7 @@ BENCH_ZO=minilm_zo_step_over_2fwd,minilm_zo_vs_mezo,smollm2_zo_lora_vs_mezo
 BENCH_ZO=$BENCH_ZO,smollm2_zo_full_vs_mezo,smollm2_zo_full_tc_vs_mezo
 phase bench-forward 90 bench_phase bench-forward "$BENCH_FORWARD"
 phase bench-zo 150 bench_phase bench-zo "$BENCH_ZO"
-phase bench-offload 150 bench_phase bench-offload offload_vs_resident,largest_model
+phase bench-offload 240 bench_phase bench-offload offload_vs_resident,largest_model_capped,largest_model
 phase pipeline 150 pipeline_phase 60
 phase bench-extra 150 bench_phase bench-extra profile_forward,kmeans_vs_torch_floor,zo_pass_gpu,demo_llm_gpu
 {
