@@ -835,14 +835,20 @@ def bench_offload(args, dev) -> dict:
                     f"{off['slot_bytes'] / gib:.2f} GiB)"}
 
 
-def bench_largest(args, dev) -> dict:
-    """The deepest Llama-2-7B-wide model that runs a ZO step resident and offloaded."""
-    recs = {r["case"]: r for r in _zo_offload(dev, ["--largest", "--no-compare"])}
-    res, off = recs["largest_resident"], recs["largest_offloaded"]
+def _largest(dev, extra: list[str]) -> tuple[dict, dict]:
+    """(resident, offloaded) records of ``bench/zo_offload.py --largest`` (``extra``: more
+    flags); raises when either search found no depth that runs."""
+    recs = {r["case"]: r for r in _zo_offload(dev, ["--largest", "--no-compare", *extra])}
     bad = [f"{k}: {r['error']} ({'; '.join(r['tried'])})" for k, r in recs.items()
            if "error" in r]
     if bad:
         raise RuntimeError("; ".join(bad))
+    return recs["largest_resident"], recs["largest_offloaded"]
+
+
+def bench_largest(args, dev) -> dict:
+    """The deepest Llama-2-7B-wide model that runs a ZO step resident and offloaded."""
+    res, off = _largest(dev, [])
     gib = 2.0 ** 30
     return {"ours_s": off["step_s"], "peer_s": res["step_s"],
             "ratio": off["params"] / res["params"],
@@ -861,14 +867,7 @@ def bench_largest_capped(args, dev) -> dict:
     memory than the GPU, so the uncapped ``largest_model`` cannot show offload going further;
     the cap makes it a 24-GiB GPU (an L4 / A10 class)."""
     gib, layers = (CAPPED_GIB, CAPPED_LAYERS) if not dev.cpu else (0.004, 8)
-    recs = {r["case"]: r for r in _zo_offload(dev, ["--largest", "--no-compare",
-                                                     "--device-limit-gib", str(gib),
-                                                     "--max-layers", str(layers)])}
-    res, off = recs["largest_resident"], recs["largest_offloaded"]
-    bad = [f"{k}: {r['error']} ({'; '.join(r['tried'])})" for k, r in recs.items()
-           if "error" in r]
-    if bad:
-        raise RuntimeError("; ".join(bad))
+    res, off = _largest(dev, ["--device-limit-gib", str(gib), "--max-layers", str(layers)])
     g = 2.0 ** 30
     return {"ours_s": off["step_s"], "peer_s": res["step_s"],
             "ratio": off["params"] / res["params"],
