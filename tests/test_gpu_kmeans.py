@@ -118,14 +118,39 @@ def km_lib(tmp_path_factory) -> ctypes.CDLL:
     return lib
 
 
+#: each kernel's parameters as the CUDA source declares them (pointers and values): a launch
+#: must pass exactly these dtypes, or the device reads its bytes as another type
+SIGNATURES = {
+    "km_argmin": ("float32", "float32", "int64", "int32", "int32", "float32", "uint64"),
+    "km_cluster_sums": ("float32", "int64", "int64", "int64", "int32", "int32", "float64"),
+    "km_update_nearest": ("float32", "float32", "float64", "int64", "int32", "float64",
+                          "int32", "int32"),
+}
+
+
+def test_signatures_are_the_sources():
+    """SIGNATURES (what the launches are checked against) spells the CUDA source's."""
+    ctype = {"float": "float32", "double": "float64", "int": "int32", "long long": "int64",
+             "unsigned long long": "uint64"}
+    src = kernels_cuda.cuda_source()
+    for name, want in SIGNATURES.items():
+        params = src.split(f"KM_GLOBAL {name}(")[1].split(")")[0]
+        got = tuple(ctype[" ".join(p.replace("const", "").replace("*", " ").split()[:-1])]
+                    for p in params.split(","))
+        assert got == want, name
+
+
 def _c_kernels(lib) -> dict:
     """kernels_cuda.kernels() on the CPU: each launch runs the C build (serially) with the
-    launch's arguments (NumPy arrays as pointers, NumPy scalars as values)."""
+    launch's arguments (NumPy arrays as pointers, NumPy scalars as values), each checked
+    against the kernel's parameter types."""
     def fake(name):
         def launch(grid, block, args):
             assert grid[0] >= 1 and block[0] == kernels_cuda.THREADS_PER_BLOCK
+            assert len(args) == len(SIGNATURES[name]), name
             c_args = []
-            for a in args:
+            for a, want in zip(args, SIGNATURES[name]):
+                assert a.dtype == np.dtype(want), (name, a.dtype, want)
                 if isinstance(a, np.ndarray):
                     assert a.flags.c_contiguous, name
                     c_args.append(a.ctypes.data)

@@ -172,10 +172,11 @@ class LloydGPU:
             sums[...] = 0.0
             counts[...] = 0.0
             return
-        cnt = _bincount(self.labels, k)
-        start = cp.cumsum(cnt) - cnt
+        # int64 spelled out: the kernel reads these as long long
+        cnt = _bincount(self.labels, k).astype(cp.int64, copy=False)
+        start = (cp.cumsum(cnt) - cnt).astype(cp.int64, copy=False)
         order = cp.argsort(self.labels.astype(cp.int64) * data.n +
-                           cp.arange(data.n, dtype=cp.int64))
+                           cp.arange(data.n, dtype=cp.int64)).astype(cp.int64, copy=False)
         s_dev = cp.empty((k, data.d), dtype=cp.float64)
         kern["km_cluster_sums"]((kernels_cuda.blocks(k * data.d),),
                                 (kernels_cuda.THREADS_PER_BLOCK,),
