@@ -14,11 +14,10 @@ check the arithmetic but not CUDA's own constructs (shuffles, shared memory, int
 from __future__ import annotations
 
 import ctypes
-import glob
-import os
 import re
 
 import pytest
+from cbuild import compile_ptx, load_nvrtc
 
 from semzo.cluster import kernels_cuda as km_cuda
 from semzo.model import kernels_gpu as model_gpu
@@ -30,38 +29,7 @@ ARCHS = ("compute_75", "compute_90")
 
 @pytest.fixture(scope="module")
 def nvrtc() -> ctypes.CDLL:
-    import nvidia  # the nvidia-cuda-nvrtc wheel (test extra): a namespace package
-    libs = sorted(p for d in nvidia.__path__
-                  for p in glob.glob(os.path.join(d, "*", "lib", "libnvrtc.so*"))
-                  if "builtins" not in p)
-    assert libs, f"no libnvrtc.so under {list(nvidia.__path__)} (pip install nvidia-cuda-nvrtc)"
-    return ctypes.CDLL(libs[0])
-
-
-def compile_ptx(nv: ctypes.CDLL, source: str, name: str, arch: str,
-                extra: tuple[str, ...] = ()) -> tuple[int, str, str]:
-    """(NVRTC's status, its log, the PTX) of ``source`` compiled as CuPy compiles it."""
-    prog = ctypes.c_void_p()
-    rc = nv.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None,
-                               None)
-    assert rc == 0, f"nvrtcCreateProgram: {rc}"
-    try:
-        opts = [b"--fmad=false", f"--gpu-architecture={arch}".encode(),
-                *(o.encode() for o in extra)]
-        rc = nv.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        n = ctypes.c_size_t()
-        nv.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-        log = ctypes.create_string_buffer(n.value + 1)
-        nv.nvrtcGetProgramLog(prog, log)
-        ptx = ""
-        if rc == 0:
-            nv.nvrtcGetPTXSize(prog, ctypes.byref(n))
-            buf = ctypes.create_string_buffer(n.value + 1)
-            nv.nvrtcGetPTX(prog, buf)
-            ptx = buf.value.decode()
-        return rc, log.value.decode(errors="replace"), ptx
-    finally:
-        nv.nvrtcDestroyProgram(ctypes.byref(prog))
+    return load_nvrtc()
 
 
 def entries(ptx: str) -> set[str]:

@@ -357,3 +357,40 @@ def test_gpu_kernels_fall_back_once_when_they_do_not_compile_on_cpu(monkeypatch)
     assert backend.gpu_kernels(lambda d: {"k": d}, failed, "x", "y") == {"k": 1}
     monkeypatch.setenv("SEMZO_GPU_FUSED", "0")
     assert backend.gpu_kernels(lambda d: 1 / 0, {}, "x", "y") is None
+
+
+def test_zo_launch_arguments_match_the_kernels_on_cpu(monkeypatch):
+    """Every CuPy ZO entry point, for every storage dtype: the launch's arguments held to the
+    kernel's parameters in the PTX (NVRTC, no GPU): their number, and each one's size and
+    kind, which CuPy's packing needs (a wrong scalar type would shift every later parameter
+    on the device)."""
+    from cbuild import check_launch, ptx_params
+
+    from semzo.zo.kernels_cuda import cuda_source
+    params = ptx_params(cuda_source())
+    launched = []
+    fake = types.ModuleType("cupy")
+    fake.uint16 = np.uint16
+    fake.asarray = np.asarray
+    fake.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(getDevice=lambda: 0))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.delenv("SEMZO_ZO_GPU_BACKEND", raising=False)
+    monkeypatch.setattr(kernels_gpu, "_SEEDS", {})
+
+    def record(name, off, n, args):
+        check_launch(params, name, args)
+        launched.append(name)
+
+    monkeypatch.setattr(kernels_gpu, "_cupy_launch", record)
+    seeds = (np.array([1, 2], np.uint64), np.array([3, 4], np.uint64), np.array([0.5, -1.0]))
+    for dt in (np.float32, np.float64, np.float16, np.uint16):
+        p, q = np.zeros(10, dt), np.zeros(10, dt)
+        kernels_gpu.perturb(p, 3, 1, 2, 3, 0, 1.0)
+        kernels_gpu.restore_update(p, 3, 1, 2, 3, 0, 1e-3, 1e-4, 0.5, 0.0)
+        kernels_gpu.multi_update(p, 3, 1, *seeds, 1e-4, 0.0, True, 5, 6, 1e-3, 0)
+        kernels_gpu.stream_pass(p, q, 3, 1, 0, 2, 3, 1e-3, 1e-4, 0.5, 0.0, *seeds, True, 7, 8,
+                                1e-3, 0)
+    kernels_gpu.zvec(np.zeros(10, np.float32), 3, 1, 2, 3, 0)
+    want = {f"zo_{k}_{sfx}" for k in ("perturb", "restore_update", "multi_update", "stream")
+            for sfx in kernels_gpu.SUFFIX.values()} | {"zo_zvec"}
+    assert set(launched) == want

@@ -12,6 +12,7 @@ here.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import sys
 import types
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cbuild import build_c
+from cbuild import build_c, check_launch, ptx_params
 from mpiutil import ROOT, check, mpirun
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
@@ -140,6 +141,11 @@ def test_signatures_are_the_sources():
         assert got == want, name
 
 
+@functools.cache
+def _km_ptx() -> dict:
+    return ptx_params(kernels_cuda.cuda_source())
+
+
 def _c_kernels(lib) -> dict:
     """kernels_cuda.kernels() on the CPU: each launch runs the C build (serially) with the
     launch's arguments (NumPy arrays as pointers, NumPy scalars as values), each checked
@@ -148,6 +154,7 @@ def _c_kernels(lib) -> dict:
         def launch(grid, block, args):
             assert grid[0] >= 1 and block[0] == kernels_cuda.THREADS_PER_BLOCK
             assert len(args) == len(SIGNATURES[name]), name
+            check_launch(_km_ptx(), name, args)          # sizes as CuPy packs them
             c_args = []
             for a, want in zip(args, SIGNATURES[name]):
                 assert a.dtype == np.dtype(want), (name, a.dtype, want)

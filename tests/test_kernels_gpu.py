@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cbuild import build_c
+from cbuild import build_c, check_launch, ptx_params
 
 from semzo.model import kernels, kernels_gpu, kernels_lm
 
@@ -359,17 +359,25 @@ def test_to_bf16_is_to_bits_bit_for_bit(lib):
     assert np.array_equal(out, to_bits(v))
 
 
+@pytest.fixture(scope="module")
+def lm_params() -> dict:
+    """Every kernel's parameter types, from the source's PTX (NVRTC)."""
+    return ptx_params(kernels_gpu.cuda_source())
+
+
 @pytest.fixture
-def c_launches(lib, monkeypatch) -> list:
+def c_launches(lib, lm_params, monkeypatch) -> list:
     """kernels_gpu's entry points on the CPU: NumPy stands in for CuPy and every kernel launch
-    runs the C build's function (serially) with the same arguments; returns the list of
-    (kernel, blocks, threads) launched."""
+    runs the C build's function (serially) with the same arguments, after they are held to
+    the kernel's parameter types in the PTX (number, size, kind: what CuPy's packing needs);
+    returns the list of (kernel, blocks, threads) launched."""
     import sys
     import types
     launched: list = []
 
     def fake(name):
         def launch(grid, block, args):
+            check_launch(lm_params, name, args)
             launched.append((name, grid[0], block[0]))
             c_args = [a.ctypes.data if isinstance(a, np.ndarray) and a.ndim else
                       (a.item() if isinstance(a, np.generic) else a) for a in args]
