@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
-from gpu_common import cupy_or_none, gpu_skip, host
+from gpu_common import GPU_REASON, cupy_or_none, gpu_skip, host
+from mpiutil import ROOT, mpirun
 from zo_common import make_model
 
 from semzo import backend
@@ -163,6 +164,22 @@ def _kernel_misuse(xp) -> None:
         kernels_gpu.perturb(f32, 2**64 - 8, 0, 1, 2, 0, 1.0)     # 16 elements: wraps
     with pytest.raises(ValueError, match="run past 2\\*\\*64"):
         kernels_gpu.zvec(f32, 2**64 - 15, 0, 1, 2, 0)
+
+
+def test_gpu_deck_without_a_gpu_is_one_line_on_cpu(tmp_path):
+    """``run.device = "gpu"`` where CuPy or a device is missing: every rank stops together
+    with one line naming the deck (no traceback, no MPI abort), exit 2, nothing written."""
+    if GPU_REASON is None:
+        pytest.skip("a GPU is here: the run would start")
+    out = tmp_path / "run"
+    proc = mpirun(2, ["-m", "semzo", "run", str(ROOT / "inputs" / "llm.toml"), "--set",
+                      "run.device=gpu", "--set", f"run.output_dir={out}"], timeout=120)
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error")]
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith(
+        f"error: {ROOT / 'inputs' / 'llm.toml'}: run.device = gpu but "), proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "MPI_ABORT" not in proc.stderr
+    assert not out.exists()
 
 
 def test_zo_kernels_validate_before_launch_on_cpu():

@@ -22,7 +22,7 @@ from .finetune.stage import run_finetune_stage
 from .model.kernels import set_threads as split_forwards
 from .outdir import OutputLock, check_writes
 from .place.stage import run_place_stage
-from .runtime import StageTimer, get_logger
+from .runtime import SemzoError, StageTimer, get_logger, together
 from .topology import Topology, build_topology
 from .topology.stage import run_topology_stage
 
@@ -121,6 +121,15 @@ def prepare_outdir(outdir: Path, deck: Deck, topo: Topology) -> None:
         raise DeckError(err)
 
 
+def _bind_gpu(deck: Deck, local: int) -> int:
+    """:func:`semzo.backend.bind_gpu`, its failure (no CuPy, no device) as the deck's one-line
+    error: every rank exits 2 together (``together``), no traceback, no MPI abort."""
+    try:
+        return bind_gpu(local)
+    except RuntimeError as exc:
+        raise SemzoError(f"{deck.source}: {exc}") from None
+
+
 def start(deck: Deck, comm: MPI.Intracomm, timer: StageTimer, *,
           experiment: bool = False) -> RunContext:
     """Build the topology (timed as the ``topology`` stage's first part), set threads, bind
@@ -138,7 +147,7 @@ def start(deck: Deck, comm: MPI.Intracomm, timer: StageTimer, *,
         shm = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.Get_rank())
         local = shm.Get_rank()
         shm.Free()
-        dev = bind_gpu(local)
+        dev = together(topo.allreduce, _bind_gpu, deck, local)
         log.info("rank %d bound to GPU %d (rank %d on its physical node)", topo.rank, dev, local)
     outdir = Path(deck.run.output_dir)
     prepare_outdir(outdir, deck, topo)
