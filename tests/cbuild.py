@@ -5,7 +5,8 @@
   serial loop, so the same kernels run here, one "thread" after the other.
   ``-ffp-contract=off``: no multiply-add is contracted, as ``--fmad=false`` on the GPU.
 * :func:`compile_ptx`: compiled by NVRTC (the `nvidia-cuda-nvrtc` wheel of the test extra;
-  no GPU, no driver) as CuPy compiles them; :func:`ptx_params` reads each kernel's parameter
+  no GPU, no driver) as CuPy compiles them (:func:`assemble`: on to machine code, through
+  ptxas); :func:`ptx_params` reads each kernel's parameter
   types from the PTX, and :func:`check_launch` holds a launch's arguments to them: CuPy packs
   each argument by its own type (a NumPy int64 is 8 bytes whatever the kernel declares), so a
   wrong scalar type shifts every later parameter on the device, which the C build (ctypes
@@ -69,6 +70,33 @@ def compile_ptx(nv: ctypes.CDLL, source: str, name: str, arch: str,
             nv.nvrtcGetPTX(prog, buf)
             ptx = buf.value.decode()
         return rc, log.value.decode(errors="replace"), ptx
+    finally:
+        nv.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def assemble(nv: ctypes.CDLL, source: str, name: str, arch: str,
+             extra: tuple[str, ...] = ()) -> tuple[int, str, int]:
+    """(NVRTC's status, its log, the CUBIN's size) of ``source`` compiled for a real
+    architecture (``sm_90``): NVRTC then runs ptxas itself, which parses the inline PTX that
+    a compile to PTX (``compute_90``) only copies through, as the driver would at the first
+    launch on a device."""
+    prog = ctypes.c_void_p()
+    rc = nv.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None,
+                               None)
+    assert rc == 0, f"nvrtcCreateProgram: {rc}"
+    try:
+        opts = [b"--fmad=false", f"--gpu-architecture={arch}".encode(),
+                *(o.encode() for o in extra)]
+        rc = nv.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        n = ctypes.c_size_t()
+        nv.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
+        log = ctypes.create_string_buffer(n.value + 1)
+        nv.nvrtcGetProgramLog(prog, log)
+        size = 0
+        if rc == 0:
+            assert nv.nvrtcGetCUBINSize(prog, ctypes.byref(n)) == 0
+            size = n.value
+        return rc, log.value.decode(errors="replace"), size
     finally:
         nv.nvrtcDestroyProgram(ctypes.byref(prog))
 
