@@ -1,0 +1,101 @@
+"""GPU: the instruction tasks of issue 31 on a device against the same tasks on NumPy: ``sft``
+(the completion-token loss and accuracy, the greedy generations of the held-out records with
+their KV cache, exact match and F1) and ``choice`` (each choice's summed and mean
+log-likelihood, the loss and accuracy over a record's choices). These paths had never run on
+a device (the kit's pipeline phase runs the encoder deck, and ``demo_llm_gpu`` the prompt
+task). A tiny Llama in float32; its LM head scaled so that greedy choices are far from ties
+(the device's and the CPU's GEMMs round differently). The same comparison with NumPy on both
+sides runs without a GPU (``*_on_cpu``), so the test code itself is proven here."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "mpi"))
+from gpu_common import cupy_or_none, gpu_skip
+from llmutil import tiny_llama
+from zo_common import SoloTopo
+
+from semzo.model import load_model
+from semzo.model.chat import InstructTokenizer
+from semzo.tasks.choice import ChoiceTask
+from semzo.tasks.sft import SFTTask
+
+TPL = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
+       "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+SFT_RECS = [
+    {"prompt": "the cat is", "completion": " good"},
+    {"prompt": "red blue green tree sun", "completion": " bad awful"},
+    {"messages": [{"role": "user", "content": "cat dog"},
+                  {"role": "assistant", "content": "good"},
+                  {"role": "user", "content": "sun"},
+                  {"role": "assistant", "content": "moon tree"}]},
+    {"prompt": "moon moon", "completion": " green"},
+]
+CHOICE_RECS = [
+    {"prompt": "the cat is", "choices": [" good", " bad awful", " red"], "answer": 0},
+    {"prompt": "sun moon", "choices": [" tree", " green blue sun"], "answer": 1},
+    {"prompt": "dog", "choices": [" cat", " moon", " sun", " red tree"], "answer": 3},
+]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return tiny_llama(tmp_path_factory.mktemp("gpu_llm") / "llama", chat_template=TPL)
+
+
+def _model(folder, xp):
+    m = load_model(folder, xp=xp)
+    m.untie_head()
+    m.params[m.head_weight_name()] *= 40.0      # logits far apart: greedy choices not ties
+    return m
+
+
+def _tasks(folder, xp):
+    it = InstructTokenizer.from_folder(folder)
+    enc = [it.sft(r, 40) for r in SFT_RECS]
+    rows = np.arange(len(SFT_RECS))
+    sft = SFTTask(_model(folder, xp), [e[0] for e in enc], [e[1] for e in enc], rows, rows,
+                  it.pad_id, 2, tk=it.tk, eos={it.eos_id}, gen_rows=rows, gen_tokens=5,
+                  topo=SoloTopo())
+    cc = [it.choice(r, 40) for r in CHOICE_RECS]
+    rows = np.arange(len(CHOICE_RECS))
+    choice = [ChoiceTask(_model(folder, xp), [c[0] for c in cc], [c[1] for c in cc],
+                         [r["answer"] for r in CHOICE_RECS], rows, rows, it.pad_id, 2,
+                         mean=mean) for mean in (False, True)]
+    return sft, choice
+
+
+def _same_tasks(folder, xp) -> None:
+    """The tasks on ``xp`` give the NumPy tasks' figures (float32: within 1e-4 relative)."""
+    ref_sft, ref_choice = _tasks(folder, np)
+    dev_sft, dev_choice = _tasks(folder, xp)
+    assert dev_sft.model.xp is xp
+    sums = [t.eval_sums() for t in (ref_sft, dev_sft)]
+    np.testing.assert_allclose(sums[1], sums[0], rtol=1e-4)
+    assert sums[0][2] > 0                               # completion tokens were scored
+    assert dev_sft.last_gen is not None and dev_sft.last_gen[2] == len(SFT_RECS)
+    assert [e[2] for e in dev_sft.examples] == [e[2] for e in ref_sft.examples]
+    assert any(e[2] for e in ref_sft.examples)          # something was generated
+    for ref, dev in zip(ref_choice, dev_choice):
+        b = ref.batch(np.arange(len(CHOICE_RECS)))
+        want = ref.choice_scores(ref._full(b).hidden, b)
+        got = dev.choice_scores(dev._full(b).hidden, b)
+        assert isinstance(got, np.ndarray) and got.shape == want.shape == (9,)
+        np.testing.assert_allclose(got, want, rtol=1e-4)
+        rl, ra = ref.eval_batch(np.arange(len(CHOICE_RECS)))
+        dl, da = dev.eval_batch(np.arange(len(CHOICE_RECS)))
+        assert dl == pytest.approx(rl, rel=1e-4) and da == ra
+
+
+def test_llm_tasks_harness_on_cpu(llama):
+    _same_tasks(llama, np)
+
+
+@gpu_skip()
+def test_gpu_llm_tasks_match_cpu(llama):
+    _same_tasks(llama, cupy_or_none())
