@@ -4,7 +4,8 @@ their KV cache, exact match and F1) and ``choice`` (each choice's summed and mea
 log-likelihood, the loss and accuracy over a record's choices). These paths had never run on
 a device (the kit's pipeline phase runs the encoder deck, and ``demo_llm_gpu`` the prompt
 task). A tiny Llama in float32; its LM head scaled so that greedy choices are far from ties
-(the device's and the CPU's GEMMs round differently). The same comparison with NumPy on both
+(the device's and the CPU's GEMMs round differently); the training loss also through the
+frozen-prefix cache kept on the device. The same comparison with NumPy on both
 sides runs without a GPU (``*_on_cpu``), so the test code itself is proven here."""
 
 from __future__ import annotations
@@ -55,18 +56,20 @@ def _model(folder, xp):
     return m
 
 
-def _tasks(folder, xp):
+def _tasks(folder, xp, layer: int = 0):
+    """(sft task, [choice task summed, mean]) on ``xp``; ``layer``: the frozen-prefix cache of
+    blocks below it (the residual stream entering block ``layer`` kept per row)."""
     it = InstructTokenizer.from_folder(folder)
     enc = [it.sft(r, 40) for r in SFT_RECS]
     rows = np.arange(len(SFT_RECS))
     sft = SFTTask(_model(folder, xp), [e[0] for e in enc], [e[1] for e in enc], rows, rows,
                   it.pad_id, 2, tk=it.tk, eos={it.eos_id}, gen_rows=rows, gen_tokens=5,
-                  topo=SoloTopo())
+                  topo=SoloTopo(), layer=layer)
     cc = [it.choice(r, 40) for r in CHOICE_RECS]
     rows = np.arange(len(CHOICE_RECS))
     choice = [ChoiceTask(_model(folder, xp), [c[0] for c in cc], [c[1] for c in cc],
                          [r["answer"] for r in CHOICE_RECS], rows, rows, it.pad_id, 2,
-                         mean=mean) for mean in (False, True)]
+                         mean=mean, layer=layer) for mean in (False, True)]
     return sft, choice
 
 
@@ -90,6 +93,12 @@ def _same_tasks(folder, xp) -> None:
         rl, ra = ref.eval_batch(np.arange(len(CHOICE_RECS)))
         dl, da = dev.eval_batch(np.arange(len(CHOICE_RECS)))
         assert dl == pytest.approx(rl, rel=1e-4) and da == ra
+    # the training loss through the frozen-prefix cache of block 0, kept on the device
+    cached_sft, cached_choice = _tasks(folder, xp, layer=1)
+    for ref, dev in ((ref_sft, cached_sft), *zip(ref_choice, cached_choice)):
+        b = ref.batch(np.arange(3))
+        assert dev.stage_count() == ref.stage_count() - 2
+        assert dev.loss(b) == pytest.approx(ref.loss(b), rel=1e-4)
 
 
 def test_llm_tasks_harness_on_cpu(llama):
