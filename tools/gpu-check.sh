@@ -11,8 +11,9 @@
 #               the background here: only the checkpoint and pipeline phases need it)
 #   env         GPU, driver, CUDA, CuPy, numba, MPI, h5py; the installed packages checked
 #               against pyproject.toml's bounds (what differs is printed)
-#   forward     forward parity CuPy vs NumPy, every family, float32 / float16 / bfloat16; the sft
-#               and choice tasks (loss, scores, greedy generations) on the device vs NumPy
+#   forward     forward parity CuPy vs NumPy, every family, float32 / float16 / bfloat16 (every
+#               decoder family of the parity tests too); the sft and choice tasks (loss,
+#               scores, greedy generations) on the device vs NumPy
 #   zo-kernels  the ZO kernels' bits, CuPy (and numba.cuda) vs CPU; their argument checks
 #   zo-step     the ZO step at 1 rank (full and LoRA, streamed and offloaded) vs the CPU step
 #   kmeans      GPU k-means labels vs CPU labels at 1 and 2 ranks (a rank without rows)
@@ -437,8 +438,8 @@ if [ "$CPU" != 1 ]; then   # the ZO kernels' module (0.8 MB of CUDA C) into CuPy
 k._cupy_function(cupy.cuda.runtime.getDevice(), 'zo_zvec'); print('zo kernels compiled')") \
     >> "$OUTDIR/tests.log" 2>&1 &
 fi
-phase forward 90 pytest_phase forward "" tests/test_gpu_model.py tests/test_decoder_gpu.py \
-  tests/test_model_gpu.py tests/test_gpu_llm_tasks.py
+phase forward 150 pytest_phase forward "" tests/test_gpu_model.py tests/test_decoder_gpu.py \
+  tests/test_model_gpu.py tests/test_gpu_llm_tasks.py tests/test_gpu_families.py
 phase zo-kernels 90 pytest_phase zo-kernels "kernel or zvec or checksum" tests/test_gpu_zo.py \
   tests/test_gpu_fixes.py
 phase zo-step 120 pytest_phase zo-step \
