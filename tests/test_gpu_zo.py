@@ -152,14 +152,14 @@ def tiny(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("gpu_zo") / "bert")
 
 
-def run_engine(folder, xp, dtype="float32", params="all", steps=5):
+def run_engine(folder, xp, dtype="float32", params="all", steps=5, estimator="mezo"):
     m = load_model(folder, xp=xp, dtype=dtype)
     m.add_classifier(3, normalize=True, std=0.5)
     names = select_trainable(m, params, lora_rank=2)
     tok = Tokenizer.from_folder(folder, max_length=24)
     recs = corpus(64)
     eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), SoloTopo(), eps=1e-3,
-                   weight_decay=0.01)
+                   weight_decay=0.01, estimator=estimator, directions=3)
     losses = []
     for s in range(steps):
         rows = recs[8 * s:8 * s + 8]
@@ -172,7 +172,8 @@ def run_engine(folder, xp, dtype="float32", params="all", steps=5):
     return {n: host(m.params[n]) for n in names}, losses, param_checksum(eng.tensors)
 
 
-def check_engine(xp, folder, dtype: str = "float32", steps: int = 5) -> None:
+def check_engine(xp, folder, dtype: str = "float32", steps: int = 5,
+                 estimator: str = "mezo") -> None:
     """The engine on ``xp`` against NumPy, both in ``dtype``. float32: within 1e-4. bfloat16:
     losses within 1e-3 relative, and each tensor's largest difference at most ``steps``
     bfloat16 steps of its largest weight (2**-8 relative each).
@@ -186,8 +187,10 @@ def check_engine(xp, folder, dtype: str = "float32", steps: int = 5) -> None:
     of each weight's own magnitude. The device's step is checked bit for bit given the same
     losses by ``check_replay`` (test_gpu_engine_bf16_matches_numpy_bf16)."""
     for params in ("all", "lora"):
-        a, la, _ = run_engine(folder, np, dtype=dtype, params=params, steps=steps)
-        b, lb, _ = run_engine(folder, xp, dtype=dtype, params=params, steps=steps)
+        a, la, _ = run_engine(folder, np, dtype=dtype, params=params, steps=steps,
+                              estimator=estimator)
+        b, lb, _ = run_engine(folder, xp, dtype=dtype, params=params, steps=steps,
+                              estimator=estimator)
         assert a.keys() == b.keys()
         if dtype == "bfloat16":
             for n in a:
@@ -209,6 +212,13 @@ def test_gpu_engine_matches_numpy(tiny):
 
 
 @gpu_skip()
+def test_gpu_engine_fzoo_matches_numpy(tiny):
+    """The fzoo estimator (one-sided directions, the multi-update pass) on the device: never
+    run there by a test before (the kernels' bits were)."""
+    check_engine(cupy_or_none(), tiny, estimator="fzoo")
+
+
+@gpu_skip()
 def test_gpu_engine_bf16_matches_numpy_bf16(tiny):
     """bfloat16 on CuPy: the CPU step's bits given the same losses (full and LoRA), and within
     check_engine's bound of the CPU run with its own losses."""
@@ -217,9 +227,10 @@ def test_gpu_engine_bf16_matches_numpy_bf16(tiny):
     check_engine(cp, tiny, "bfloat16")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_harness_on_cpu(tiny, dtype):
-    check_engine(np, tiny, dtype)
+@pytest.mark.parametrize("dtype,estimator", [("float32", "mezo"), ("bfloat16", "mezo"),
+                                             ("float32", "fzoo")])
+def test_engine_harness_on_cpu(tiny, dtype, estimator):
+    check_engine(np, tiny, dtype, estimator=estimator)
 
 
 def run_recorded(folder, xp, dtype: str, params: str, steps: int = 5):
