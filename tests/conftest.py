@@ -57,3 +57,24 @@ def pytest_collection_modifyitems(session, config, items):
         return spawns[path]
 
     items.sort(key=starts_processes)          # stable: the order within each group is kept
+
+
+@pytest.fixture
+def generic_xp(monkeypatch):
+    """A stand-in for CuPy that is NumPy under another name, for the GPU tests' harnesses:
+    the model then takes the branches a GPU takes (``xp is not np``: the generic xp versions,
+    not the Numba kernels), with the two cuBLAS calls of those branches (the column-slice
+    projection, the strided-batched attention products) served by NumPy's matmul; arrays
+    stay NumPy arrays, so the fused CUDA kernels (CuPy arrays only) are not asked for."""
+    import types
+
+    import numpy as np
+
+    from semzo.model import base, causal
+    fake = types.ModuleType("generic_xp")
+    fake.__getattr__ = lambda name: getattr(np, name)
+    fake.asnumpy = np.asarray
+    monkeypatch.setattr(base, "matmul_f32", lambda *a, **k: False)   # -> xp.matmul
+    monkeypatch.setattr(causal, "batched_matmul_f32",
+                        lambda a, b, out: np.matmul(a, b, out=out))
+    return fake

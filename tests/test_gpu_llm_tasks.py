@@ -5,8 +5,9 @@ log-likelihood, the loss and accuracy over a record's choices). These paths had 
 a device (the kit's pipeline phase runs the encoder deck, and ``demo_llm_gpu`` the prompt
 task). A tiny Llama in float32; its LM head scaled so that greedy choices are far from ties
 (the device's and the CPU's GEMMs round differently); the training loss also through the
-frozen-prefix cache kept on the device. The same comparison with NumPy on both
-sides runs without a GPU (``*_on_cpu``), so the test code itself is proven here."""
+frozen-prefix cache kept on the device. Without a GPU the same comparison runs with the
+models on the ``generic_xp`` stand-in (tests/conftest.py: the branches a GPU takes, on
+NumPy) against the CPU's branches (``*_on_cpu``)."""
 
 from __future__ import annotations
 
@@ -101,8 +102,10 @@ def _same_tasks(folder, xp) -> None:
         assert dev.loss(b) == pytest.approx(ref.loss(b), rel=1e-4)
 
 
-def test_llm_tasks_harness_on_cpu(llama):
-    _same_tasks(llama, np)
+def test_llm_tasks_harness_on_cpu(llama, generic_xp):
+    """The tasks through the generic xp branches (what a GPU runs, on NumPy) against the
+    CPU's branches."""
+    _same_tasks(llama, generic_xp)
 
 
 @gpu_skip()
