@@ -3,7 +3,7 @@
 their KV cache, exact match and F1) and ``choice`` (each choice's summed and mean
 log-likelihood, the loss and accuracy over a record's choices). These paths had never run on
 a device (the kit's pipeline phase runs the encoder deck, and ``demo_llm_gpu`` the prompt
-task). A tiny Llama in float32; its LM head scaled so that greedy choices are far from ties
+task). A tiny Llama in float32 and in bfloat16 storage; its LM head scaled so that greedy choices are far from ties
 (the device's and the CPU's GEMMs round differently); the training loss also through the
 frozen-prefix cache kept on the device. Without a GPU the same comparison runs with the
 models on the ``generic_xp`` stand-in (tests/conftest.py: the branches a GPU takes, on
@@ -18,12 +18,13 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent / "mpi"))
-from gpu_common import cupy_or_none, gpu_skip
+from gpu_common import cupy_or_none, gpu_skip, host
 from llmutil import tiny_llama
 from zo_common import SoloTopo
 
 from semzo.model import load_model
 from semzo.model.chat import InstructTokenizer
+from semzo.model.storage import BF16, to_float32, to_storage
 from semzo.tasks.choice import ChoiceTask
 from semzo.tasks.sft import SFTTask
 
@@ -50,34 +51,40 @@ def llama(tmp_path_factory):
     return tiny_llama(tmp_path_factory.mktemp("gpu_llm") / "llama", chat_template=TPL)
 
 
-def _model(folder, xp):
-    m = load_model(folder, xp=xp)
+def _model(folder, xp, dtype: str):
+    m = load_model(folder, xp=xp, dtype=dtype)
     m.untie_head()
-    m.params[m.head_weight_name()] *= 40.0      # logits far apart: greedy choices not ties
+    name = m.head_weight_name()
+    w = m.params[name]
+    if dtype == "bfloat16":                     # bits: scale the float32 values, store again
+        m.params[name] = xp.asarray(to_storage(to_float32(host(w)) * 40.0, BF16))
+    else:
+        w *= 40.0                               # logits far apart: greedy choices not ties
     return m
 
 
-def _tasks(folder, xp, layer: int = 0):
+def _tasks(folder, xp, layer: int = 0, dtype: str = "float32"):
     """(sft task, [choice task summed, mean]) on ``xp``; ``layer``: the frozen-prefix cache of
     blocks below it (the residual stream entering block ``layer`` kept per row)."""
     it = InstructTokenizer.from_folder(folder)
     enc = [it.sft(r, 40) for r in SFT_RECS]
     rows = np.arange(len(SFT_RECS))
-    sft = SFTTask(_model(folder, xp), [e[0] for e in enc], [e[1] for e in enc], rows, rows,
+    sft = SFTTask(_model(folder, xp, dtype), [e[0] for e in enc], [e[1] for e in enc], rows, rows,
                   it.pad_id, 2, tk=it.tk, eos={it.eos_id}, gen_rows=rows, gen_tokens=5,
                   topo=SoloTopo(), layer=layer)
     cc = [it.choice(r, 40) for r in CHOICE_RECS]
     rows = np.arange(len(CHOICE_RECS))
-    choice = [ChoiceTask(_model(folder, xp), [c[0] for c in cc], [c[1] for c in cc],
+    choice = [ChoiceTask(_model(folder, xp, dtype), [c[0] for c in cc], [c[1] for c in cc],
                          [r["answer"] for r in CHOICE_RECS], rows, rows, it.pad_id, 2,
                          mean=mean, layer=layer) for mean in (False, True)]
     return sft, choice
 
 
-def _same_tasks(folder, xp) -> None:
-    """The tasks on ``xp`` give the NumPy tasks' figures (float32: within 1e-4 relative)."""
-    ref_sft, ref_choice = _tasks(folder, np)
-    dev_sft, dev_choice = _tasks(folder, xp)
+def _same_tasks(folder, xp, dtype: str = "float32") -> None:
+    """The tasks on ``xp`` give the NumPy tasks' figures, both in ``dtype`` storage (the
+    arithmetic float32: within 1e-4 relative)."""
+    ref_sft, ref_choice = _tasks(folder, np, dtype=dtype)
+    dev_sft, dev_choice = _tasks(folder, xp, dtype=dtype)
     assert dev_sft.model.xp is xp
     sums = [t.eval_sums() for t in (ref_sft, dev_sft)]
     np.testing.assert_allclose(sums[1], sums[0], rtol=1e-4)
@@ -95,19 +102,21 @@ def _same_tasks(folder, xp) -> None:
         dl, da = dev.eval_batch(np.arange(len(CHOICE_RECS)))
         assert dl == pytest.approx(rl, rel=1e-4) and da == ra
     # the training loss through the frozen-prefix cache of block 0, kept on the device
-    cached_sft, cached_choice = _tasks(folder, xp, layer=1)
+    cached_sft, cached_choice = _tasks(folder, xp, layer=1, dtype=dtype)
     for ref, dev in ((ref_sft, cached_sft), *zip(ref_choice, cached_choice)):
         b = ref.batch(np.arange(3))
         assert dev.stage_count() == ref.stage_count() - 2
         assert dev.loss(b) == pytest.approx(ref.loss(b), rel=1e-4)
 
 
-def test_llm_tasks_harness_on_cpu(llama, generic_xp):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_llm_tasks_harness_on_cpu(llama, generic_xp, dtype):
     """The tasks through the generic xp branches (what a GPU runs, on NumPy) against the
     CPU's branches."""
-    _same_tasks(llama, generic_xp)
+    _same_tasks(llama, generic_xp, dtype)
 
 
 @gpu_skip()
-def test_gpu_llm_tasks_match_cpu(llama):
-    _same_tasks(llama, cupy_or_none())
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_llm_tasks_match_cpu(llama, dtype):
+    _same_tasks(llama, cupy_or_none(), dtype)
