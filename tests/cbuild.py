@@ -48,9 +48,10 @@ def load_nvrtc() -> ctypes.CDLL:
     return ctypes.CDLL(libs[0])
 
 
-def compile_ptx(nv: ctypes.CDLL, source: str, name: str, arch: str,
-                extra: tuple[str, ...] = ()) -> tuple[int, str, str]:
-    """(NVRTC's status, its log, the PTX) of ``source`` compiled as CuPy compiles it."""
+def _nvrtc(nv: ctypes.CDLL, source: str, name: str, arch: str, extra: tuple[str, ...],
+           product: str) -> tuple[int, str, bytes]:
+    """(NVRTC's status, its log, its ``product``: "PTX" or "CUBIN") of ``source`` compiled
+    with CuPy's option (``--fmad=false``) for ``arch``."""
     prog = ctypes.c_void_p()
     rc = nv.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None,
                                None)
@@ -63,15 +64,22 @@ def compile_ptx(nv: ctypes.CDLL, source: str, name: str, arch: str,
         nv.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
         log = ctypes.create_string_buffer(n.value + 1)
         nv.nvrtcGetProgramLog(prog, log)
-        ptx = ""
+        out = b""
         if rc == 0:
-            nv.nvrtcGetPTXSize(prog, ctypes.byref(n))
+            assert getattr(nv, f"nvrtcGet{product}Size")(prog, ctypes.byref(n)) == 0
             buf = ctypes.create_string_buffer(n.value + 1)
-            nv.nvrtcGetPTX(prog, buf)
-            ptx = buf.value.decode()
-        return rc, log.value.decode(errors="replace"), ptx
+            assert getattr(nv, f"nvrtcGet{product}")(prog, buf) == 0
+            out = buf.raw[:n.value]
+        return rc, log.value.decode(errors="replace"), out
     finally:
         nv.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def compile_ptx(nv: ctypes.CDLL, source: str, name: str, arch: str,
+                extra: tuple[str, ...] = ()) -> tuple[int, str, str]:
+    """(NVRTC's status, its log, the PTX) of ``source`` compiled as CuPy compiles it."""
+    rc, log, ptx = _nvrtc(nv, source, name, arch, extra, "PTX")
+    return rc, log, ptx.rstrip(b"\0").decode()
 
 
 def assemble(nv: ctypes.CDLL, source: str, name: str, arch: str,
@@ -80,25 +88,8 @@ def assemble(nv: ctypes.CDLL, source: str, name: str, arch: str,
     architecture (``sm_90``): NVRTC then runs ptxas itself, which parses the inline PTX that
     a compile to PTX (``compute_90``) only copies through, as the driver would at the first
     launch on a device."""
-    prog = ctypes.c_void_p()
-    rc = nv.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), name.encode(), 0, None,
-                               None)
-    assert rc == 0, f"nvrtcCreateProgram: {rc}"
-    try:
-        opts = [b"--fmad=false", f"--gpu-architecture={arch}".encode(),
-                *(o.encode() for o in extra)]
-        rc = nv.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
-        n = ctypes.c_size_t()
-        nv.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
-        log = ctypes.create_string_buffer(n.value + 1)
-        nv.nvrtcGetProgramLog(prog, log)
-        size = 0
-        if rc == 0:
-            assert nv.nvrtcGetCUBINSize(prog, ctypes.byref(n)) == 0
-            size = n.value
-        return rc, log.value.decode(errors="replace"), size
-    finally:
-        nv.nvrtcDestroyProgram(ctypes.byref(prog))
+    rc, log, cubin = _nvrtc(nv, source, name, arch, extra, "CUBIN")
+    return rc, log, len(cubin)
 
 
 def ptx_params(source: str) -> dict[str, list[str]]:
