@@ -120,3 +120,44 @@ def test_llm_tasks_harness_on_cpu(llama, generic_xp, dtype):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_llm_tasks_match_cpu(llama, dtype):
     _same_tasks(llama, cupy_or_none(), dtype)
+
+
+def _same_generation(folder, xp) -> None:
+    """``semzo generate``'s path with ``--device gpu``: the decoder built on the host, moved by
+    generate.to_device to ``xp``, generates the host's tokens (greedy, KV cache, bfloat16 too),
+    with a LoRA adapter carried."""
+    from semzo.generate import generate_ids, to_device
+    for dtype in ("float32", "bfloat16"):
+        host_model = _model(folder, np, dtype)
+        host_model.add_lora(rank=2, alpha=4.0, targets=("model.layers.0.self_attn.q_proj",))
+        b = host_model.params["model.layers.0.self_attn.q_proj.lora_B.weight"]
+        b[...] = np.random.default_rng(0).standard_normal(b.shape).astype(b.dtype) * 0.1
+        dev = to_device(host_model, xp)
+        assert dev.xp is xp and type(dev) is type(host_model) and dev.lora == host_model.lora
+        for prompt in ([5, 7, 9], [11, 3, 2, 8, 30]):
+            want = generate_ids(host_model, prompt, 6)
+            assert generate_ids(dev, prompt, 6) == want and len(want) == 6, (dtype, prompt)
+
+
+def test_generate_on_a_device_harness_on_cpu(llama, generic_xp):
+    _same_generation(llama, generic_xp)
+
+
+@gpu_skip()
+def test_gpu_generate_equals_cpu(llama):
+    _same_generation(llama, cupy_or_none())
+
+
+def test_generate_device_gpu_without_a_gpu_is_one_line_on_cpu(llama):
+    """``semzo generate --device gpu`` where CuPy or a device is missing: one line, exit 2."""
+    import subprocess
+
+    from gpu_common import GPU_REASON
+    if GPU_REASON is None:
+        pytest.skip("a GPU is here: it would generate")
+    proc = subprocess.run([sys.executable, "-m", "semzo", "generate", str(llama), "--prompt",
+                           "the cat", "--device", "gpu"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.startswith("error") and "generate --device gpu but " in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1

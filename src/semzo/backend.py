@@ -82,25 +82,26 @@ def cuda_aware_mpi() -> bool:
     return os.environ.get("SEMZO_CUDA_AWARE_MPI", "0") == "1"
 
 
-def bind_gpu(local_rank: int) -> int:
+def bind_gpu(local_rank: int, asked: str = "run.device = gpu") -> int:
     """Bind this rank to GPU ``local_rank mod n_gpus`` (one rank per GPU); return its id.
 
     Raises RuntimeError with one line when CuPy is missing or sees no device: CuPy's
     ``getDeviceCount`` raises (``CUDARuntimeError``: no driver, no device, driver too old for
-    the wheel) where one would expect 0."""
+    the wheel) where one would expect 0. ``asked``: what asked for the GPU, as the message
+    names it."""
     try:
         import cupy  # only when a GPU is asked for
     except Exception as exc:  # noqa: BLE001 - ImportError, or a CUDA library that fails to load
-        raise RuntimeError(f"run.device = gpu but CuPy does not import ({type(exc).__name__}: "
+        raise RuntimeError(f"{asked} but CuPy does not import ({type(exc).__name__}: "
                            f"{_first_line(exc)}); install the CuPy wheel of the machine's "
                            f"CUDA major (docs/guide.md)") from None
     try:
         n = int(cupy.cuda.runtime.getDeviceCount())
     except Exception as exc:  # noqa: BLE001 - CUDARuntimeError without driver or device
-        raise RuntimeError(f"run.device = gpu but no GPU is visible ({type(exc).__name__}: "
+        raise RuntimeError(f"{asked} but no GPU is visible ({type(exc).__name__}: "
                            f"{_first_line(exc)})") from None
     if n == 0:
-        raise RuntimeError("run.device = gpu but no GPU is visible")
+        raise RuntimeError(f"{asked} but no GPU is visible")
     dev = local_rank % n
     cupy.cuda.Device(dev).use()
     return dev

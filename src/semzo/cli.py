@@ -87,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
                    help="weight storage: float32 (default) or bfloat16 (half the memory, "
                         "float32 arithmetic); a checkpoint uses the dtype it was trained with")
+    g.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                   help="where the forward passes run: cpu (default) or gpu (the first "
+                        "visible GPU, CuPy)")
     g.add_argument("--chat", action="store_true",
                    help="render the prompt as a user message with the model's chat template")
     sub.add_parser("deck-doc", help="print the deck reference (docs/deck.md)")
