@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from semzo.backend import array_module
+from semzo.model import gemm_cpu
 from semzo.model.storage import BF16, to_bits, to_float32
 
 #: CUDA's and cuBLAS's enumerations (cuda_runtime / cublas_api.h), fixed by their ABI
@@ -104,6 +105,8 @@ def matmul_bf16(x, w, out, transposed: bool = True, xb=None):
                          f"{x.shape}")
     xp = array_module(x)
     if xp is np:
+        if gemm_cpu.usable(xb, w, out, transposed):    # AVX512_BF16's dot products
+            return gemm_cpu.matmul(xb, w, out)
         wf = to_float32(w)
         return np.matmul(to_float32(xb), wf.T if transposed else wf, out=out)
     _gemm_ex(xp, w, xb, out, args)

@@ -1,0 +1,301 @@
+"""bfloat16 GEMMs on CPUs with bfloat16 dot products (AVX512_BF16): the CPU side of
+``model.matmul = "bfloat16"`` (:func:`semzo.model.gemm.matmul_bf16`).
+
+NumPy's OpenBLAS wheels have no bfloat16 GEMM (``sbgemm`` is not built in), so on the CPU
+``matmul_bf16`` used to upcast the weight and the rounded activations to float32 and call
+sgemm: the arithmetic of the GPU's tensor cores, at sgemm's speed or below. CPUs with
+AVX512_BF16 (Intel Cooper Lake, Sapphire Rapids and later; AMD Zen 4 and later) have
+``vdpbf16ps``: 16 float32 lanes, each adding the two products of a pair of bfloat16 values,
+twice the multiply-adds of a float32 FMA per instruction. Numba cannot express a vector
+instruction, but it compiles LLVM IR: :func:`_tile` is a Numba intrinsic that writes the
+micro-kernel's loop in IR around LLVM's ``llvm.x86.avx512bf16.dpbf16ps.512``, and Numba's
+LLVM (the host's CPU features) turns it into the instructions.
+
+The tile: 48 activation rows (three zmm registers of 16 rows, each lane a pair of bfloat16
+values along K) times 8 weight rows (each pair of a weight row broadcast to the 16 lanes,
+read in place from the stored bfloat16 bits: the weight is never copied or repacked, so an
+in-place ZO perturbation costs nothing here); 24 accumulators. The activations are packed
+once per call (rows grouped by 48, pairs interleaved; zero rows pad the last group). The
+weight's 8 rows (9 KiB for K = 576) stay in L1 while the packed activations stream past them.
+
+Arithmetic, as the hardware defines it: every product of two bfloat16 values is exact in
+float32; for each output, the float32 accumulator (from 0.0) takes the products pair by pair
+in order of K, each pair with one rounding to nearest even or two (the instruction's
+definition leaves it to the vendor); subnormal inputs and results are flushed to zero (its
+DAZ / FTZ). The sum's order differs from OpenBLAS's and
+cuBLAS's, so the three agree to float32 rounding of the sums, not bit for bit. A row's result
+depends only on that row (never on how many rows the call has or where they sit in it), so
+splitting a batch over threads or ranks leaves the bits unchanged. Machines without the
+instruction, odd K, or a weight stored (in, out) (GPT-2's Conv1D) keep the float32 path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils, config
+from numba.core.codegen import get_host_cpu_features
+from numba.extending import intrinsic
+
+#: weight rows per tile, 16-row groups of activations per tile, activation rows per tile
+NR, NG = 8, 3
+MB = 16 * NG
+
+
+class _BFloat(ir.Type):
+    """LLVM's ``bfloat`` (llvmlite's IR builder has no name for it)."""
+
+    def _to_string(self):
+        return "bfloat"
+
+    def __eq__(self, other):
+        return isinstance(other, _BFloat)
+
+    def __hash__(self):
+        return hash("bfloat")
+
+
+_I32, _I64, _F32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+_V16F, _V16I = ir.VectorType(_F32, 16), ir.VectorType(_I32, 16)
+_V32B = ir.VectorType(_BFloat(), 32)
+_DPBF16 = "llvm.x86.avx512bf16.dpbf16ps.512"
+
+
+@functools.cache
+def supported() -> bool:
+    """True when the CPU has AVX512_BF16 and Numba compiles for it (``NUMBA_CPU_FEATURES``,
+    when set, must name ``+avx512bf16``: without it LLVM cannot lower the instruction and
+    would abort the process)."""
+    host = get_host_cpu_features()
+    feats = config.CPU_FEATURES if config.CPU_FEATURES is not None else host
+    return "+avx512bf16" in host.split(",") and "+avx512bf16" in feats.split(",")
+
+
+def enabled() -> bool:
+    """:func:`supported`, unless ``SEMZO_CPU_BF16_DOT=0`` (the switch that keeps the float32
+    path, for comparisons; read at every call)."""
+    return os.environ.get("SEMZO_CPU_BF16_DOT", "1") != "0" and supported()
+
+
+def _transpose_plan() -> list[list[tuple[int, int, list[int]]]]:
+    """Three rounds of two-source shuffles that turn the 8 accumulators of one 16-row group
+    (vector r: weight row r, lane l: activation row l) into 8 vectors whose halves are rows
+    of the output (vector j: lanes 0-7 output row 2 j, lanes 8-15 row 2 j + 1, columns r in
+    order). Rounds one and two each exchange a bit of the vector's index with a bit of the
+    lane's; round three gathers each output vector from the two vectors that hold it. Each
+    round: per output vector, (first source, second source, the 16 lanes' indices into the
+    two concatenated)."""
+    lay = [[(r, lane) for lane in range(16)] for r in range(NR)]
+    rounds = []
+    for vbit, lbit in ((0, 1), (1, 2)):
+        rounds.append([[lay[(v & ~(1 << vbit)) | (((i >> lbit) & 1) << vbit)]
+                        [(i & ~(1 << lbit)) | (((v >> vbit) & 1) << lbit)]
+                        for i in range(16)] for v in range(NR)])
+        lay = rounds[-1]
+    rounds.append([[(r, 2 * j + h) for h in range(2) for r in range(NR)] for j in range(NR)])
+    plan, prev = [], [[(r, lane) for lane in range(16)] for r in range(NR)]
+    for lay in rounds:
+        ops = []
+        for want in lay:
+            src = [u for u in range(NR) if set(want) & set(prev[u])]
+            if not 1 <= len(src) <= 2:
+                raise AssertionError("transpose plan: an output needs more than two sources")
+            a, b = src[0], src[-1]
+            ops.append((a, b, [prev[a].index(t) if t in prev[a] else 16 + prev[b].index(t)
+                               for t in want]))
+        plan.append(ops)
+        prev = lay
+    return plan
+
+
+_PLAN = _transpose_plan()
+
+
+def _emit_tile(context, builder, a_i, w_i, wst, npr):
+    """The tile's loop in IR; returns the 24 final accumulators (index r * 3 + g)."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16F, [_V16F, _V32B, _V32B]), _DPBF16)
+    ap = builder.inttoptr(a_i, _V16I.as_pointer())
+    wp = builder.inttoptr(w_i, _I32.as_pointer())
+    zero = ir.Constant(_V16F, None)
+    undef = ir.Constant(_V16I, ir.Undefined)
+    splat = ir.Constant(_V16I, [0] * 16)
+    pre = builder.basic_block
+    loop = builder.append_basic_block("bf16tile.loop")
+    done = builder.append_basic_block("bf16tile.done")
+    builder.cbranch(builder.icmp_signed(">", npr, ir.Constant(_I64, 0)), loop, done)
+
+    builder.position_at_end(loop)
+    p = builder.phi(_I64)
+    acc = [builder.phi(_V16F) for _ in range(NR * NG)]
+    base = builder.mul(p, ir.Constant(_I64, NG))
+    av = [builder.bitcast(builder.load(builder.gep(ap, [builder.add(
+        base, ir.Constant(_I64, g))]), align=4), _V32B) for g in range(NG)]
+    new = []
+    for r in range(NR):
+        wv = builder.load(builder.gep(wp, [builder.add(
+            builder.mul(ir.Constant(_I64, r), wst), p)]), align=4)
+        wb = builder.bitcast(builder.shuffle_vector(
+            builder.insert_element(undef, wv, ir.Constant(_I32, 0)), undef, splat), _V32B)
+        for g in range(NG):
+            new.append(builder.call(fn, [acc[r * NG + g], av[g], wb]))
+    pn = builder.add(p, ir.Constant(_I64, 1))
+    builder.cbranch(builder.icmp_signed("<", pn, npr), loop, done)
+    p.add_incoming(ir.Constant(_I64, 0), pre)
+    p.add_incoming(pn, loop)
+    for a, n in zip(acc, new):
+        a.add_incoming(zero, pre)
+        a.add_incoming(n, loop)
+
+    builder.position_at_end(done)
+    outs = [builder.phi(_V16F) for _ in range(NR * NG)]
+    for j, out in enumerate(outs):
+        out.add_incoming(zero, pre)
+        out.add_incoming(new[j], loop)
+    return outs
+
+
+def _int_args(context, builder, sig, args):
+    return [context.cast(builder, v, ty, types.intp) for v, ty in zip(args, sig.args)]
+
+
+@intrinsic
+def _tile(typingctx, a_addr, w_addr, w_stride, npairs, t_addr):
+    """The micro-kernel into a buffer. ``a_addr``: packed activations, ``npairs`` x 3 x 16
+    uint32 (a pair of bfloat16 values each); ``w_addr``: the first of 8 weight rows,
+    ``w_stride`` uint32 apart, ``npairs`` pairs each; ``t_addr``: 8 x 3 x 16 float32 written
+    (weight row r, group g, lane l: the dot product of weight row r with activation row
+    16 g + l). Addresses as integers, 4-byte aligned; npairs >= 0."""
+    for a in (a_addr, w_addr, w_stride, npairs, t_addr):
+        if not isinstance(a, types.Integer):
+            return None
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):
+        a_i, w_i, wst, npr, t_i = _int_args(context, builder, sig, args)
+        outs = _emit_tile(context, builder, a_i, w_i, wst, npr)
+        tp = builder.inttoptr(t_i, _V16F.as_pointer())
+        for j, out in enumerate(outs):
+            builder.store(out, builder.gep(tp, [ir.Constant(_I64, j)]), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _tile_out(typingctx, a_addr, w_addr, w_stride, npairs, o_addr, ld):
+    """The micro-kernel written straight into the output: ``o_addr`` is out[m0, n0] of a
+    float32 output whose rows are ``ld`` elements apart, and all 48 x 8 of the tile are
+    inside it. The accumulators are transposed in registers (:data:`_PLAN`) and stored as
+    48 runs of 8 floats."""
+    for a in (a_addr, w_addr, w_stride, npairs, o_addr, ld):
+        if not isinstance(a, types.Integer):
+            return None
+    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.intp)
+
+    def codegen(context, builder, sig, args):
+        a_i, w_i, wst, npr, o_i, ldv = _int_args(context, builder, sig, args)
+        outs = _emit_tile(context, builder, a_i, w_i, wst, npr)
+        v8 = ir.VectorType(_F32, 8)
+        row_bytes = builder.mul(ldv, ir.Constant(_I64, 4))
+        lo, hi = list(range(8)), list(range(8, 16))
+        for g in range(NG):
+            vecs = [outs[r * NG + g] for r in range(NR)]
+            for ops in _PLAN:
+                vecs = [builder.shuffle_vector(vecs[a], vecs[b], ir.Constant(_V16I, mask))
+                        for a, b, mask in ops]
+            for j, v in enumerate(vecs):
+                for h, lanes in enumerate((lo, hi)):
+                    row = 16 * g + 2 * j + h
+                    addr = builder.add(o_i, builder.mul(row_bytes, ir.Constant(_I64, row)))
+                    half = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 8),
+                                                                     lanes))
+                    builder.store(half, builder.inttoptr(addr, v8.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def _pack(pairs, ap):
+    """ap[b, p, g, l] = pairs[48 b + 16 g + l, p] (zero past the last row)."""
+    m_rows, npr = pairs.shape
+    for b in range(ap.shape[0]):
+        for g in range(NG):
+            for lane in range(16):
+                m = b * MB + g * 16 + lane
+                if m < m_rows:
+                    for p in range(npr):
+                        ap[b, p, g, lane] = pairs[m, p]
+                else:
+                    for p in range(npr):
+                        ap[b, p, g, lane] = 0
+
+
+@njit(cache=True, nogil=True)
+def _gemm(pairs, w32, out):
+    """out[m, n] = sum over k of bf16(x)[m, k] * w[n, k] (see the module's arithmetic):
+    pairs (M, P) and w32 (N, P) uint32 (bfloat16 pairs, C-contiguous), out (M, N) float32
+    with contiguous rows."""
+    m_rows, npr = pairs.shape
+    n_out = w32.shape[0]
+    nb = (m_rows + MB - 1) // MB
+    ap = np.empty((nb, npr, NG, 16), np.uint32)
+    _pack(pairs, ap)
+    tile = np.empty((NR, NG, 16), np.float32)
+    wtail = np.zeros((NR, npr), np.uint32)
+    a0 = np.intp(ap.ctypes.data)
+    w0 = np.intp(w32.ctypes.data)
+    t0 = np.intp(tile.ctypes.data)
+    wt = np.intp(wtail.ctypes.data)
+    o0 = np.intp(out.ctypes.data)
+    ld = out.strides[0] // 4
+    a_step = npr * NG * 16 * 4
+    # columns in chunks whose weight rows (about 256 KiB) stay in L2 while every 48-row
+    # block of the activations passes them: each tile then writes 48 short runs of one chunk
+    nc = max(NR, (262144 // (npr * 4 * NR)) * NR)
+    for c0 in range(0, n_out, nc):
+        c1 = min(n_out, c0 + nc)
+        for b in range(nb):
+            mlim = min(MB, m_rows - b * MB)
+            for n0 in range(c0, c1, NR):
+                nr = min(NR, n_out - n0)
+                if nr == NR:
+                    w_addr = w0 + n0 * npr * 4
+                else:
+                    for r in range(nr):
+                        wtail[r, :] = w32[n0 + r, :]
+                    w_addr = wt
+                if nr == NR and mlim == MB:
+                    _tile_out(a0 + b * a_step, w_addr, npr, npr,
+                              o0 + (b * MB * ld + n0) * 4, ld)
+                    continue
+                _tile(a0 + b * a_step, w_addr, npr, npr, t0)
+                for i in range(mlim):
+                    g, lane = i // 16, i % 16
+                    for r in range(nr):
+                        out[b * MB + i, n0 + r] = tile[r, g, lane]
+
+
+def usable(xb, w, out, transposed: bool) -> bool:
+    """True when :func:`matmul` takes these operands (else the caller's float32 path): the
+    kernel is :func:`enabled`, the weight is (out, in), K is even, the bits C-contiguous
+    and 4-byte aligned (read as pairs)."""
+    return (transposed and xb.ndim == 2 and w.ndim == 2 and xb.shape[1] % 2 == 0
+            and xb.shape[1] == w.shape[1] and xb.shape[0] > 0 and w.shape[0] > 0
+            and xb.flags.c_contiguous and w.flags.c_contiguous
+            and xb.ctypes.data % 4 == 0 and w.ctypes.data % 4 == 0
+            and out.shape == (xb.shape[0], w.shape[0]) and enabled())
+
+
+def matmul(xb, w, out):
+    """``out[...] = x @ W.T`` by bfloat16 dot products: x given as its bfloat16 bits ``xb``
+    (M, K), W as bfloat16 bits (N, K), ``out`` float32 (M, N) with contiguous rows (a column
+    slice of a wider array is written in place). The caller checked :func:`usable`.
+    Returns out."""
+    _gemm(xb.view(np.uint32), w.view(np.uint32), out)
+    return out

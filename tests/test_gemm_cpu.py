@@ -1,0 +1,134 @@
+"""The CPU's bfloat16 GEMM by AVX512_BF16 dot products (semzo.model.gemm_cpu): exact where
+float32 sums are exact, within float32 rounding of the sums otherwise, every tail of the
+48 x 8 tile, a column slice written in place, a row's bits independent of the other rows,
+matmul_bf16 taking it and falling back where it must, and the switch that keeps float32.
+
+The kernel tests need a CPU with AVX512_BF16 (Intel Cooper Lake / Sapphire Rapids and later,
+AMD Zen 4 and later) and skip elsewhere, naming why; the fallback tests run everywhere."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from semzo.model import gemm_cpu
+from semzo.model.gemm import matmul_bf16
+from semzo.model.storage import to_bits, to_float32
+
+needs_dot = pytest.mark.skipif(not gemm_cpu.supported(),
+                               reason="this CPU has no AVX512_BF16 (vdpbf16ps)")
+
+
+def bits(a):
+    return to_bits(np.asarray(a, np.float32))
+
+
+@needs_dot
+@pytest.mark.parametrize("m", [1, 15, 47, 48, 49, 100])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 77])
+@pytest.mark.parametrize("k", [2, 6, 96])
+def test_exact_where_float32_sums_are_exact(m, n, k):
+    """Small integers: every product and partial sum is an integer below 2^24, so any order
+    of float32 sums gives the exact product; the kernel must give it bit for bit, through
+    every tail of its tile (rows past 48, weight rows past 8) and the direct stores."""
+    r = np.random.default_rng(m * 1000 + n * 10 + k)
+    x = r.integers(-8, 9, (m, k))
+    w = r.integers(-8, 9, (n, k))
+    out = np.full((m, n), np.nan, np.float32)
+    assert gemm_cpu.usable(bits(x), bits(w), out, True)
+    gemm_cpu.matmul(bits(x), bits(w), out)
+    assert np.array_equal(out, (x @ w.T).astype(np.float32))
+
+
+@needs_dot
+@pytest.mark.parametrize("shape", [(130, 576, 70), (49, 1536, 17), (64, 288, 1000)])
+def test_within_float32_rounding_of_the_sums(shape):
+    """Random values: within K roundings of the float32 accumulator of the float64 product
+    of the bfloat16 values (products are exact; a pair is added with one rounding or two,
+    as the vendor's instruction does it)."""
+    m, k, n = shape
+    r = np.random.default_rng(k)
+    xb, w = bits(r.standard_normal((m, k))), bits(r.standard_normal((n, k)))
+    out = np.empty((m, n), np.float32)
+    gemm_cpu.matmul(xb, w, out)
+    xf, wf = to_float32(xb).astype(np.float64), to_float32(w).astype(np.float64)
+    ref = xf @ wf.T
+    bound = (k + 1) * 2.0 ** -24 * (np.abs(xf) @ np.abs(wf).T)
+    assert np.all(np.abs(out - ref) <= bound)
+    assert np.abs(out - ref).max() > 0               # float32 sums, not float64 ones
+
+
+@needs_dot
+def test_column_slice_in_place_and_rows_independent():
+    r = np.random.default_rng(5)
+    xb, w = bits(r.standard_normal((100, 64))), bits(r.standard_normal((20, 64)))
+    wide = np.full((100, 31), -7.0, np.float32)
+    gemm_cpu.matmul(xb, w, wide[:, 5:25])
+    assert np.all(wide[:, :5] == -7.0) and np.all(wide[:, 25:] == -7.0)
+    whole = np.empty((100, 20), np.float32)
+    gemm_cpu.matmul(xb, w, whole)
+    assert np.array_equal(wide[:, 5:25], whole)
+    # a row's bits do not depend on which other rows share the call (threads, ranks)
+    for lo, hi in ((0, 1), (3, 52), (48, 100), (17, 18)):
+        part = np.empty((hi - lo, 20), np.float32)
+        gemm_cpu.matmul(np.ascontiguousarray(xb[lo:hi]), w, part)
+        assert np.array_equal(part, whole[lo:hi])
+
+
+@needs_dot
+def test_matmul_bf16_takes_the_dot_products_and_the_switch_keeps_float32(monkeypatch):
+    r = np.random.default_rng(6)
+    x = r.standard_normal((60, 128)).astype(np.float32)
+    w = bits(r.standard_normal((40, 128)))
+    want = np.empty((60, 40), np.float32)
+    gemm_cpu.matmul(to_bits(x), w, want)
+    got = matmul_bf16(x, w, np.empty((60, 40), np.float32))
+    assert np.array_equal(got, want)
+    monkeypatch.setenv("SEMZO_CPU_BF16_DOT", "0")
+    assert not gemm_cpu.enabled()
+    f32 = matmul_bf16(x, w, np.empty((60, 40), np.float32))
+    assert np.array_equal(f32, to_float32(to_bits(x)) @ to_float32(w).T)
+    assert not np.array_equal(f32, want)             # another order of the float32 sums
+    assert np.abs(f32 - want).max() <= 1e-5 * np.abs(want).max()
+
+
+def test_operands_it_does_not_take_go_to_float32():
+    x16 = bits(np.ones((4, 6)))
+    w = bits(np.ones((3, 6)))
+    out = np.empty((4, 3), np.float32)
+    assert not gemm_cpu.usable(x16, w, out, False)                  # GPT-2's (in, out)
+    assert not gemm_cpu.usable(bits(np.ones((4, 5))), bits(np.ones((3, 5))), out, True)
+    assert not gemm_cpu.usable(x16, w, np.empty((4, 2), np.float32), True)
+    buf = np.zeros(3 * 6 + 1, np.uint16)
+    assert not gemm_cpu.usable(x16, buf[1:].reshape(3, 6), out, True)  # 2 bytes off
+    assert not gemm_cpu.usable(x16[:0], w, out[:0], True)
+    # the odd K still gives the right product, by the float32 path
+    r = np.random.default_rng(7)
+    x = r.standard_normal((5, 9)).astype(np.float32)
+    wo = bits(r.standard_normal((4, 9)))
+    got = matmul_bf16(x, wo, np.empty((5, 4), np.float32))
+    assert np.array_equal(got, to_float32(to_bits(x)) @ to_float32(wo).T)
+
+
+def test_numba_without_the_feature_is_not_supported(monkeypatch):
+    """Compiling the intrinsic for a target without +avx512bf16 would abort the process in
+    LLVM: supported() must say no when NUMBA_CPU_FEATURES leaves the feature out."""
+    from numba.core import config
+    gemm_cpu.supported.cache_clear()
+    try:
+        monkeypatch.setattr(config, "CPU_FEATURES", "+avx2,+fma,-avx512bf16")
+        assert not gemm_cpu.supported()
+    finally:
+        monkeypatch.undo()
+        gemm_cpu.supported.cache_clear()
+
+
+def test_transpose_plan_places_every_value():
+    """The register transpose of the direct stores, simulated: output row 2j + h of group g,
+    column r, is the accumulator of weight row r at lane 2j + h."""
+    vecs = [[(r, lane) for lane in range(16)] for r in range(gemm_cpu.NR)]
+    for ops in gemm_cpu._PLAN:
+        vecs = [[(vecs[a] + vecs[b])[i] for i in mask] for a, b, mask in ops]
+    for j, v in enumerate(vecs):
+        assert v[:8] == [(r, 2 * j) for r in range(8)]
+        assert v[8:] == [(r, 2 * j + 1) for r in range(8)]
