@@ -132,3 +132,22 @@ def test_transpose_plan_places_every_value():
     for j, v in enumerate(vecs):
         assert v[:8] == [(r, 2 * j) for r in range(8)]
         assert v[8:] == [(r, 2 * j + 1) for r in range(8)]
+
+
+def test_to_bits_one_pass_is_numpys_rule():
+    """storage.to_bits takes one Numba pass for float32 NumPy input (every bfloat16 GEMM's
+    activations): the same bits as the NumPy expression it replaced, over a sweep of all
+    float32 patterns (NaNs, infinities, ties, subnormals, the largest finite values)."""
+    u = np.arange(0, 2 ** 32, 4099, dtype=np.uint64).astype(np.uint32)
+    u = np.concatenate([np.array([0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001,
+                                  0xFFFFFFFF, 0x7F7FFFFF, 0x7F7F8000, 0x3F808000,
+                                  0x3F818000, 0x00008000, 0x80018000], np.uint32), u])
+    u = u[:u.size - u.size % 11]
+    n = u.copy()
+    nan = (n & 0x7FFFFFFF) > 0x7F800000
+    r = ((n + np.uint32(0x7FFF) + ((n >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    want = np.where(nan, ((n >> 16) | np.uint32(0x40)).astype(np.uint16), r)
+    got = to_bits(u.view(np.float32).reshape(-1, 11))
+    assert got.shape == (u.size // 11, 11) and got.dtype == np.uint16
+    assert np.array_equal(got.reshape(-1), want)
+    assert np.array_equal(to_bits(u.view(np.float32)[::3]), want[::3])     # strided input

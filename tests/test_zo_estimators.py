@@ -92,15 +92,17 @@ def test_fzoo_replicas_mpi(tmp_path_factory, nranks):
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("est")
-    return {"bert": make_model(tmp / "bert"), "gpt2": make_model(tmp / "gpt2", kind="gpt2")}
+    return {"bert": make_model(tmp / "bert"), "gpt2": make_model(tmp / "gpt2", kind="gpt2"),
+            "llama": make_model(tmp / "llama", kind="llama")}
 
 
-def _task(folders, kind: str, dtype: str = "float32", matmul: str = "float32"):
+def _task(folders, kind: str, dtype: str = "float32", matmul: str = "float32",
+          lm: str = "gpt2"):
     """classify: a tiny BERT's head + last block on the word-class corpus; lm: next-token
-    loss of a tiny GPT-2, every parameter (``dtype``, ``matmul``: model.dtype and
-    model.matmul)."""
+    loss of a tiny GPT-2 (``lm``: or Llama), every parameter (``dtype``, ``matmul``:
+    model.dtype and model.matmul)."""
     recs = corpus(400, 1)
-    f = folders["bert" if kind == "classify" else "gpt2"]
+    f = folders["bert" if kind == "classify" else lm]
     m = load_model(f, dtype=dtype)
     m.set_matmul(matmul)
     tok = Tokenizer.from_folder(f, max_length=24)
@@ -472,18 +474,27 @@ def test_defaults_learn_two_tasks(folders, kind):
     assert drops.mean() > max(0.02, 5 * se), drops
 
 
-def test_defaults_learn_with_bfloat16_gemms(folders):
-    """model.dtype = model.matmul = "bfloat16" (the GPU's tensor-core arithmetic, emulated
-    here) under the same defaults: the held-out loss falls on every seed by more than 0.02.
-    (Before the scan knew the storage grid, seed 1 picked lr 1.5e-9 from line searches that
-    had gone below bfloat16's grid, where a "decrease" is rounding noise, and learned
-    nothing: autolr.GRID.)"""
+@pytest.mark.parametrize("lm", ["gpt2", "llama"])
+def test_defaults_learn_with_bfloat16_gemms(folders, lm):
+    """model.dtype = model.matmul = "bfloat16" (the GPU's tensor-core arithmetic; on the CPU
+    emulated in float32 for GPT-2's (in, out) weights, and for Llama's (out, in) ones the
+    AVX512_BF16 dot products where the CPU has them, semzo.model.gemm_cpu) under the same
+    defaults: the held-out loss falls on every seed by more than 0.02. (Before the scan knew
+    the storage grid, seed 1 picked lr 1.5e-9 from line searches that had gone below
+    bfloat16's grid, where a "decrease" is rounding noise, and learned nothing:
+    autolr.GRID.)"""
+    from semzo.model import gemm_cpu
     assert autolr.storage_grid([ZTensor(0, np.zeros(3, np.uint16))]) == 2.0 ** -8
     assert autolr.storage_grid([ZTensor(0, np.zeros(3, np.float32))]) == 0.0
     z = ZoSection()
     for seed in range(SEEDS):
-        m, names, task = _task(folders, "lm", "bfloat16", "bfloat16")
+        m, names, task = _task(folders, "lm", "bfloat16", "bfloat16", lm)
         assert m.matmul == "bfloat16"
+        w = m.params["model.layers.0.mlp.up_proj.weight" if lm == "llama" else
+                     "h.0.mlp.c_fc.weight"]
+        x = np.zeros((4, w.shape[1]), np.uint16)
+        assert gemm_cpu.usable(x, w, np.empty((4, w.shape[0]), np.float32),
+                               lm == "llama") == (lm == "llama" and gemm_cpu.enabled())
         eng = _engine(m, names, seed, z)
         before = evaluate(task, SoloTopo())[0]
         train(eng, task, Batcher(task.train_rows.size, 16, seed, 0), TrainState(run_seed=seed),

@@ -90,12 +90,15 @@ class ModelSection:
     max_length: int = key(128, "Tokens per text after truncation.", min=8, max=512)
     dtype: str = key("float32", "Weight storage: `float32`; `float16` (GPU only); `bfloat16` "
                      "(CPU or GPU: bfloat16 bits, float32 arithmetic; half the weights' memory, "
-                     "slower on CPU).", choices=("float32", "float16", "bfloat16"))
+                     "slower on CPU; with `matmul = \"bfloat16\"` on a CPU with AVX512_BF16 "
+                     "about twice as fast).", choices=("float32", "float16", "bfloat16"))
     matmul: str = key("float32", "Arithmetic of a decoder's projections and LM head: "
                       "`float32` (every product in float32: the same bits on CPU and GPU) or "
                       "`bfloat16` (with `dtype = \"bfloat16\"`: activations rounded to "
-                      "bfloat16, float32 accumulation; on the GPU cuBLAS's tensor cores, on "
-                      "the CPU emulated and slower). Changes the numbers by bfloat16 "
+                      "bfloat16, float32 accumulation; on the GPU cuBLAS's tensor cores, on a "
+                      "CPU with AVX512_BF16 its bfloat16 dot products (about twice the float32 "
+                      "GEMMs' speed), on other CPUs emulated in float32). Changes the numbers "
+                      "by bfloat16 "
                       "rounding; attention, norms, the embed stage's encoder and `semzo "
                       "generate` stay float32.",
                       choices=("float32", "bfloat16"))
