@@ -24,13 +24,14 @@ def bits(a):
 
 
 @needs_dot
-@pytest.mark.parametrize("m", [1, 15, 47, 48, 49, 100])
+@pytest.mark.parametrize("m", [1, 15, 16, 47, 48, 49, 64, 80, 100])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 77])
 @pytest.mark.parametrize("k", [2, 6, 96])
 def test_exact_where_float32_sums_are_exact(m, n, k):
     """Small integers: every product and partial sum is an integer below 2^24, so any order
     of float32 sums gives the exact product; the kernel must give it bit for bit, through
-    every tail of its tile (rows past 48, weight rows past 8) and the direct stores."""
+    every tail of its tile (rows past 48: one, two or three groups of 16, full or not;
+    weight rows past 8) and the direct stores."""
     r = np.random.default_rng(m * 1000 + n * 10 + k)
     x = r.integers(-8, 9, (m, k))
     w = r.integers(-8, 9, (n, k))
@@ -69,7 +70,7 @@ def test_column_slice_in_place_and_rows_independent():
     gemm_cpu.matmul(xb, w, whole)
     assert np.array_equal(wide[:, 5:25], whole)
     # a row's bits do not depend on which other rows share the call (threads, ranks)
-    for lo, hi in ((0, 1), (3, 52), (48, 100), (17, 18)):
+    for lo, hi in ((0, 1), (3, 52), (48, 100), (17, 18), (20, 100), (36, 100)):
         part = np.empty((hi - lo, 20), np.float32)
         gemm_cpu.matmul(np.ascontiguousarray(xb[lo:hi]), w, part)
         assert np.array_equal(part, whole[lo:hi])

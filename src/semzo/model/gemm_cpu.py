@@ -115,8 +115,9 @@ def _transpose_plan() -> list[list[tuple[int, int, list[int]]]]:
 _PLAN = _transpose_plan()
 
 
-def _emit_tile(context, builder, a_i, w_i, wst, npr):
-    """The tile's loop in IR; returns the 24 final accumulators (index r * 3 + g)."""
+def _emit_tile(context, builder, a_i, w_i, wst, npr, ng):
+    """The tile's loop in IR over the first ``ng`` of the 3 groups of 16 activation rows;
+    returns the 8 * ng final accumulators (index r * ng + g)."""
     fn = cgutils.get_or_insert_function(
         builder.module, ir.FunctionType(_V16F, [_V16F, _V32B, _V32B]), _DPBF16)
     ap = builder.inttoptr(a_i, _V16I.as_pointer())
@@ -131,18 +132,18 @@ def _emit_tile(context, builder, a_i, w_i, wst, npr):
 
     builder.position_at_end(loop)
     p = builder.phi(_I64)
-    acc = [builder.phi(_V16F) for _ in range(NR * NG)]
+    acc = [builder.phi(_V16F) for _ in range(NR * ng)]
     base = builder.mul(p, ir.Constant(_I64, NG))
     av = [builder.bitcast(builder.load(builder.gep(ap, [builder.add(
-        base, ir.Constant(_I64, g))]), align=4), _V32B) for g in range(NG)]
+        base, ir.Constant(_I64, g))]), align=4), _V32B) for g in range(ng)]
     new = []
     for r in range(NR):
         wv = builder.load(builder.gep(wp, [builder.add(
             builder.mul(ir.Constant(_I64, r), wst), p)]), align=4)
         wb = builder.bitcast(builder.shuffle_vector(
             builder.insert_element(undef, wv, ir.Constant(_I32, 0)), undef, splat), _V32B)
-        for g in range(NG):
-            new.append(builder.call(fn, [acc[r * NG + g], av[g], wb]))
+        for g in range(ng):
+            new.append(builder.call(fn, [acc[r * ng + g], av[g], wb]))
     pn = builder.add(p, ir.Constant(_I64, 1))
     builder.cbranch(builder.icmp_signed("<", pn, npr), loop, done)
     p.add_incoming(ir.Constant(_I64, 0), pre)
@@ -152,7 +153,7 @@ def _emit_tile(context, builder, a_i, w_i, wst, npr):
         a.add_incoming(n, loop)
 
     builder.position_at_end(done)
-    outs = [builder.phi(_V16F) for _ in range(NR * NG)]
+    outs = [builder.phi(_V16F) for _ in range(NR * ng)]
     for j, out in enumerate(outs):
         out.add_incoming(zero, pre)
         out.add_incoming(new[j], loop)
@@ -163,61 +164,100 @@ def _int_args(context, builder, sig, args):
     return [context.cast(builder, v, ty, types.intp) for v, ty in zip(args, sig.args)]
 
 
-@intrinsic
-def _tile(typingctx, a_addr, w_addr, w_stride, npairs, t_addr):
-    """The micro-kernel into a buffer. ``a_addr``: packed activations, ``npairs`` x 3 x 16
-    uint32 (a pair of bfloat16 values each); ``w_addr``: the first of 8 weight rows,
-    ``w_stride`` uint32 apart, ``npairs`` pairs each; ``t_addr``: 8 x 3 x 16 float32 written
-    (weight row r, group g, lane l: the dot product of weight row r with activation row
-    16 g + l). Addresses as integers, 4-byte aligned; npairs >= 0."""
-    for a in (a_addr, w_addr, w_stride, npairs, t_addr):
-        if not isinstance(a, types.Integer):
-            return None
-    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp)
+def _make_tile(ng: int):
+    """The micro-kernel into a buffer, over ``ng`` groups of 16 rows (3: a full tile; 1 or 2:
+    the last rows of a call). ``a_addr``: packed activations, ``npairs`` x 3 x 16 uint32 (a
+    pair of bfloat16 values each); ``w_addr``: the first of 8 weight rows, ``w_stride``
+    uint32 apart, ``npairs`` pairs each; ``t_addr``: 8 x 3 x 16 float32, of which [:, :ng]
+    written (weight row r, group g, lane l: the dot product of weight row r with activation
+    row 16 g + l). Addresses as integers, 4-byte aligned; npairs >= 0."""
 
-    def codegen(context, builder, sig, args):
-        a_i, w_i, wst, npr, t_i = _int_args(context, builder, sig, args)
-        outs = _emit_tile(context, builder, a_i, w_i, wst, npr)
-        tp = builder.inttoptr(t_i, _V16F.as_pointer())
-        for j, out in enumerate(outs):
-            builder.store(out, builder.gep(tp, [ir.Constant(_I64, j)]), align=4)
-        return context.get_dummy_value()
+    @intrinsic
+    def tile(typingctx, a_addr, w_addr, w_stride, npairs, t_addr):
+        for a in (a_addr, w_addr, w_stride, npairs, t_addr):
+            if not isinstance(a, types.Integer):
+                return None
+        sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            a_i, w_i, wst, npr, t_i = _int_args(context, builder, sig, args)
+            outs = _emit_tile(context, builder, a_i, w_i, wst, npr, ng)
+            tp = builder.inttoptr(t_i, _V16F.as_pointer())
+            for r in range(NR):
+                for g in range(ng):
+                    builder.store(outs[r * ng + g],
+                                  builder.gep(tp, [ir.Constant(_I64, r * NG + g)]), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile
 
 
-@intrinsic
-def _tile_out(typingctx, a_addr, w_addr, w_stride, npairs, o_addr, ld):
-    """The micro-kernel written straight into the output: ``o_addr`` is out[m0, n0] of a
-    float32 output whose rows are ``ld`` elements apart, and all 48 x 8 of the tile are
-    inside it. The accumulators are transposed in registers (:data:`_PLAN`) and stored as
-    48 runs of 8 floats."""
-    for a in (a_addr, w_addr, w_stride, npairs, o_addr, ld):
-        if not isinstance(a, types.Integer):
-            return None
-    sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp, types.intp)
+def _make_tile_out(ng: int):
+    """The micro-kernel over ``ng`` groups written straight into the output: ``o_addr`` is
+    out[m0, n0] of a float32 output whose rows are ``ld`` elements apart, and all
+    16 ng x 8 of the tile are inside it. The accumulators are transposed in registers
+    (:data:`_PLAN`) and stored as 16 ng runs of 8 floats."""
 
-    def codegen(context, builder, sig, args):
-        a_i, w_i, wst, npr, o_i, ldv = _int_args(context, builder, sig, args)
-        outs = _emit_tile(context, builder, a_i, w_i, wst, npr)
-        v8 = ir.VectorType(_F32, 8)
-        row_bytes = builder.mul(ldv, ir.Constant(_I64, 4))
-        lo, hi = list(range(8)), list(range(8, 16))
-        for g in range(NG):
-            vecs = [outs[r * NG + g] for r in range(NR)]
-            for ops in _PLAN:
-                vecs = [builder.shuffle_vector(vecs[a], vecs[b], ir.Constant(_V16I, mask))
-                        for a, b, mask in ops]
-            for j, v in enumerate(vecs):
-                for h, lanes in enumerate((lo, hi)):
-                    row = 16 * g + 2 * j + h
-                    addr = builder.add(o_i, builder.mul(row_bytes, ir.Constant(_I64, row)))
-                    half = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 8),
-                                                                     lanes))
-                    builder.store(half, builder.inttoptr(addr, v8.as_pointer()), align=4)
-        return context.get_dummy_value()
+    @intrinsic
+    def tile_out(typingctx, a_addr, w_addr, w_stride, npairs, o_addr, ld):
+        for a in (a_addr, w_addr, w_stride, npairs, o_addr, ld):
+            if not isinstance(a, types.Integer):
+                return None
+        sig = types.void(types.intp, types.intp, types.intp, types.intp, types.intp,
+                         types.intp)
 
-    return sig, codegen
+        def codegen(context, builder, sig, args):
+            a_i, w_i, wst, npr, o_i, ldv = _int_args(context, builder, sig, args)
+            outs = _emit_tile(context, builder, a_i, w_i, wst, npr, ng)
+            v8 = ir.VectorType(_F32, 8)
+            row_bytes = builder.mul(ldv, ir.Constant(_I64, 4))
+            lo, hi = list(range(8)), list(range(8, 16))
+            for g in range(ng):
+                vecs = [outs[r * ng + g] for r in range(NR)]
+                for ops in _PLAN:
+                    vecs = [builder.shuffle_vector(vecs[a], vecs[b], ir.Constant(_V16I, mask))
+                            for a, b, mask in ops]
+                for j, v in enumerate(vecs):
+                    for h, lanes in enumerate((lo, hi)):
+                        row = 16 * g + 2 * j + h
+                        addr = builder.add(o_i, builder.mul(row_bytes,
+                                                            ir.Constant(_I64, row)))
+                        half = builder.shuffle_vector(
+                            v, v, ir.Constant(ir.VectorType(_I32, 8), lanes))
+                        builder.store(half, builder.inttoptr(addr, v8.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tile_out
+
+
+_tile1, _tile2, _tile3 = (_make_tile(g) for g in (1, 2, 3))
+_tile_out1, _tile_out2, _tile_out3 = (_make_tile_out(g) for g in (1, 2, 3))
+
+
+@njit(inline="always")
+def _tile(ng, a, w, wst, npr, t):
+    """:func:`_make_tile`'s kernel for ``ng`` groups."""
+    if ng == 3:
+        _tile3(a, w, wst, npr, t)
+    elif ng == 2:
+        _tile2(a, w, wst, npr, t)
+    else:
+        _tile1(a, w, wst, npr, t)
+
+
+@njit(inline="always")
+def _tile_out(ng, a, w, wst, npr, o, ld):
+    """:func:`_make_tile_out`'s kernel for ``ng`` groups."""
+    if ng == 3:
+        _tile_out3(a, w, wst, npr, o, ld)
+    elif ng == 2:
+        _tile_out2(a, w, wst, npr, o, ld)
+    else:
+        _tile_out1(a, w, wst, npr, o, ld)
 
 
 @njit(cache=True, nogil=True)
@@ -262,6 +302,7 @@ def _gemm(pairs, w32, out):
         c1 = min(n_out, c0 + nc)
         for b in range(nb):
             mlim = min(MB, m_rows - b * MB)
+            ng = (mlim + 15) // 16              # the last block: only the groups it fills
             for n0 in range(c0, c1, NR):
                 nr = min(NR, n_out - n0)
                 if nr == NR:
@@ -270,11 +311,11 @@ def _gemm(pairs, w32, out):
                     for r in range(nr):
                         wtail[r, :] = w32[n0 + r, :]
                     w_addr = wt
-                if nr == NR and mlim == MB:
-                    _tile_out(a0 + b * a_step, w_addr, npr, npr,
+                if nr == NR and mlim == 16 * ng:
+                    _tile_out(ng, a0 + b * a_step, w_addr, npr, npr,
                               o0 + (b * MB * ld + n0) * 4, ld)
                     continue
-                _tile(a0 + b * a_step, w_addr, npr, npr, t0)
+                _tile(ng, a0 + b * a_step, w_addr, npr, npr, t0)
                 for i in range(mlim):
                     g, lane = i // 16, i % 16
                     for r in range(nr):
