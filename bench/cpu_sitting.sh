@@ -1,7 +1,7 @@
 #!/bin/bash
 # Every CPU figure of issue 36 in one sitting, each benchmark alone, one after another:
 # the decoder forward (float32 three times, spread over the sitting, and bfloat16 storage with
-# float32 and with bfloat16 GEMMs),
+# float32 and with bfloat16 GEMMs; the bfloat16 GEMM alone against torch's),
 # checkpoint save/load and the training time a checkpoint costs (4 ranks), the z pass, the ZO
 # step, the embedding and k-means. About 15 minutes on 2 cores. Run from the repository root
 # after `make setup-test data/fortunes.jsonl`:
@@ -40,6 +40,7 @@ fi
 run "$PY" bench/decoder.py --repeat 8
 run "$PY" bench/decoder.py --repeat 8 --dtype bfloat16
 run "$PY" bench/decoder.py --repeat 8 --dtype bfloat16 --matmul bfloat16
+run "$PY" bench/gemm_bf16.py --repeat 7
 run timeout 900 mpirun -n 4 "$PY" bench/checkpoint.py --repeat 3
 run "$PY" bench/zo_pass.py
 run "$PY" bench/zo_step.py --reps 3
