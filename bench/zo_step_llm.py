@@ -73,7 +73,8 @@ def llm_batch(n: int, length: int, fill: bool = False):
     return ids, np.ones_like(ids)
 
 
-def semzo_llm(which: str, threads: int, schedule: str = "streamed"):
+def semzo_llm(which: str, threads: int, schedule: str = "streamed", dtype: str = "float32",
+              matmul: str = "float32"):
     from zo_step import Solo
 
     from semzo.backend import set_threads
@@ -86,7 +87,8 @@ def semzo_llm(which: str, threads: int, schedule: str = "streamed"):
     set_threads(threads)
 
     split_forwards(threads)
-    m = load_model("smollm2")
+    m = load_model("smollm2", dtype=dtype)
+    m.set_matmul(matmul)
     names = select_trainable(m, "lora" if which == "lora" else "all", lora_rank=RANK,
                              lora_alpha=ALPHA)
     eng = ZOEngine(ztensors([(n, m.params[n]) for n in names]), Solo(), eps=EPS,
@@ -117,7 +119,7 @@ def llm_step_fn(m, eng, ids, mask):
     return zo, task, b
 
 
-def torch_llm(which: str, threads: int):
+def torch_llm(which: str, threads: int, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -126,7 +128,7 @@ def torch_llm(which: str, threads: int):
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(resolve_model_path("smollm2")),
-                                                 dtype=torch.float32).eval()
+                                                 dtype=getattr(torch, dtype)).eval()
     if which != "lora":
         return torch, model, [(n, p) for n, p in model.named_parameters()]
 
@@ -134,9 +136,11 @@ def torch_llm(which: str, threads: int):
         def __init__(self, base):
             super().__init__()
             self.base = base
-            self.lora_A = torch.nn.Parameter(torch.empty(RANK, base.in_features).uniform_(
-                -base.in_features ** -0.5, base.in_features ** -0.5))
-            self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, RANK))
+            dt = base.weight.dtype
+            self.lora_A = torch.nn.Parameter(torch.empty(RANK, base.in_features, dtype=dt)
+                                             .uniform_(-base.in_features ** -0.5,
+                                                       base.in_features ** -0.5))
+            self.lora_B = torch.nn.Parameter(torch.zeros(base.out_features, RANK, dtype=dt))
 
         def forward(self, x):
             return self.base(x) + (x @ self.lora_A.T) @ self.lora_B.T * (ALPHA / RANK)
@@ -158,7 +162,7 @@ def torch_loss_fn(torch, model, ids, mask):
 
 def llm_timings(args, which: str) -> dict:
     ids, mask = llm_batch(args.batch, args.length, args.fill)
-    m, eng = semzo_llm(which, args.threads)
+    m, eng = semzo_llm(which, args.threads, dtype=args.dtype, matmul=args.matmul)
 
     zo, task, b = llm_step_fn(m, eng, ids, mask)
 
@@ -222,7 +226,7 @@ def prompt_pair(args) -> dict:
     from semzo.tasks.prompt import PromptTask, encode_prompts
     from semzo.zo.streamed import step_streamed
 
-    m, eng = semzo_llm("all", args.threads)
+    m, eng = semzo_llm("all", args.threads, dtype=args.dtype, matmul=args.matmul)
     tok = Tokenizer.from_folder("smollm2", max_length=None)
     tok.tk.no_truncation()
     texts, labels = [], []
@@ -292,7 +296,7 @@ def llm_torch_times(args, which: str) -> None:
     from zo_step import best, mezo_step
 
     ids, mask = llm_batch(args.batch, args.length, args.fill)
-    torch, model, params = torch_llm(which, args.threads)
+    torch, model, params = torch_llm(which, args.threads, args.dtype)
     loss = torch_loss_fn(torch, model, ids, mask)
     with torch.no_grad():
         fwd = best(loss, args.reps)
@@ -314,7 +318,7 @@ def llm_mem_child(args, what: str) -> None:
     ids, mask = llm_batch(args.batch, args.length, args.fill)
     rss0 = _status("VmRSS")
     which = "lora" if what.endswith("lora") else "all"
-    m, eng = semzo_llm(which, args.threads)
+    m, eng = semzo_llm(which, args.threads, dtype=args.dtype, matmul=args.matmul)
     pb = sum(a.nbytes for a in m.params.values())
     if what.startswith("fwd"):
         def op():
@@ -337,7 +341,8 @@ def _child(args, flag: str, value: str) -> dict:
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "zo_step.py"), "--model",
                         "smollm2", flag, value, "--threads", str(args.threads), "--batch",
                         str(args.batch), "--length", str(args.length), "--reps",
-                        str(args.reps)] + (["--fill"] if args.fill else []),
+                        str(args.reps), "--dtype", args.dtype, "--matmul", args.matmul]
+                       + (["--fill"] if args.fill else []),
                        capture_output=True, text=True, timeout=1800,
                        check=False)
     line = [x for x in p.stdout.splitlines() if x.startswith("JSON ")]
@@ -367,6 +372,7 @@ def llm_main(args) -> None:
         r = step / (2 * fw)
         sp = t["mezo_torch_step_s"] / step
         print(f"ZO step, SmolLM2-135M-Instruct, {which} ({t['trainable']:,} trainable), "
+              f"weights {args.dtype}, semzo model.matmul {args.matmul}, "
               f"batch {args.batch} x {args.length} tokens ({t['padding']:.0%} padding), "
               f"{args.threads} threads, Gaussian z, best of {args.reps}")
         print(f"  schedule streamed (the default): semzo forward {fw:.3f} s, step {step:.3f} s: "
@@ -427,5 +433,10 @@ def add_args(ap) -> None:
     ap.add_argument("--fill", action="store_true",
                     help="smollm2: rows of consecutive tokens, no padding (default: one "
                          "fortune per row, padded)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="smollm2: weight storage of semzo's model and torch's (torch then "
+                         "computes in bfloat16)")
+    ap.add_argument("--matmul", default="float32", choices=("float32", "bfloat16"),
+                    help="smollm2: semzo's model.matmul (bfloat16 needs --dtype bfloat16)")
     ap.add_argument("--llm-torch", default=None, help=__import__("argparse").SUPPRESS)
     ap.add_argument("--llm-mem", default=None, help=__import__("argparse").SUPPRESS)
