@@ -24,7 +24,7 @@ def test_sitting_script_parses_and_names_real_options():
     for script, args in calls:
         src = (ROOT / script).read_text()
         # options a script takes from a bench module it imports (zo_step.py: zo_step_llm.py)
-        for mod in re.findall(r"^\s*from (\w+) import", src, re.M):
+        for mod in re.findall(r"^\s*from (\w+) import", src, re.MULTILINE):
             if (ROOT / "bench" / f"{mod}.py").is_file():
                 src += (ROOT / "bench" / f"{mod}.py").read_text()
         for opt in re.findall(r"--[\w-]+", args):
