@@ -152,3 +152,43 @@ def test_to_bits_one_pass_is_numpys_rule():
     assert got.shape == (u.size // 11, 11) and got.dtype == np.uint16
     assert np.array_equal(got.reshape(-1), want)
     assert np.array_equal(to_bits(u.view(np.float32)[::3]), want[::3])     # strided input
+
+
+LOWER = """
+import sys
+import llvmlite.binding as llvm
+from semzo.model import gemm_cpu
+llvm.initialize_all_targets()
+llvm.initialize_all_asmprinters()
+mod = llvm.parse_assembly(gemm_cpu.kernel_ir(int(sys.argv[2])))
+mod.verify()
+tm = llvm.Target.from_triple("x86_64-unknown-linux-gnu").create_target_machine(
+    cpu=sys.argv[1], features="", opt=3)
+asm = tm.emit_assembly(mod)
+lines = [x for x in asm.splitlines() if "vdpbf16ps" in x]
+print("dpbf16", len(lines), sum("zmm" in x for x in lines))
+"""
+
+
+@pytest.mark.parametrize("cpu", ["sapphirerapids", "cooperlake", "graniterapids", "znver4",
+                                 "znver5", "skylake-avx512"])
+@pytest.mark.parametrize("ng", [1, 3])
+def test_the_kernel_lowers_to_vdpbf16ps_for_every_cpu_that_has_it(cpu, ng):
+    """On any host (no kernel is run): the micro-kernel's IR compiled for Intel's and AMD's
+    CPUs with AVX512_BF16 gives 8 x ng zmm vdpbf16ps per iteration of its loop (LLVM may
+    unroll it: a multiple); for a CPU without it (Skylake-SP) LLVM aborts the process, which is
+    why supported() must say no there, and why this runs in a child process."""
+    import subprocess
+    import sys
+
+    from llvmlite import binding as llvm
+    if "x86" not in llvm.get_process_triple():
+        pytest.skip("not an x86 host: llvmlite may lack the x86 target")
+    proc = subprocess.run([sys.executable, "-c", LOWER, cpu, str(ng)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    if cpu == "skylake-avx512":
+        assert proc.returncode != 0 and "LLVM ERROR" in proc.stderr, proc.stdout
+        return
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    n, zmm = map(int, proc.stdout.split()[1:3])
+    assert n > 0 and n % (8 * ng) == 0 and zmm == n, proc.stdout

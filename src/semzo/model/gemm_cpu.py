@@ -118,7 +118,7 @@ def _transpose_plan() -> list[list[tuple[int, int, list[int]]]]:
 _PLAN = _transpose_plan()
 
 
-def _emit_tile(context, builder, a_i, w_i, wst, npr, ng):
+def _emit_tile(builder, a_i, w_i, wst, npr, ng):
     """The tile's loop in IR over the first ``ng`` of the 3 groups of 16 activation rows;
     returns the 8 * ng final accumulators (index r * ng + g)."""
     fn = cgutils.get_or_insert_function(
@@ -163,6 +163,42 @@ def _emit_tile(context, builder, a_i, w_i, wst, npr, ng):
     return outs
 
 
+def _emit_store_out(builder, outs, o_i, ldv, ng: int) -> None:
+    """Store the tile's accumulators (:func:`_emit_tile`) into the output at integer address
+    ``o_i`` (rows ``ldv`` floats apart): per group, the register transpose of :data:`_PLAN`,
+    then 16 runs of 8 floats."""
+    v8 = ir.VectorType(_F32, 8)
+    row_bytes = builder.mul(ldv, ir.Constant(_I64, 4))
+    halves = (ir.Constant(ir.VectorType(_I32, 8), list(range(8))),
+              ir.Constant(ir.VectorType(_I32, 8), list(range(8, 16))))
+    for g in range(ng):
+        vecs = [outs[r * ng + g] for r in range(NR)]
+        for ops in _PLAN:
+            vecs = [builder.shuffle_vector(vecs[a], vecs[b], ir.Constant(_V16I, mask))
+                    for a, b, mask in ops]
+        for j, v in enumerate(vecs):
+            for h, lanes in enumerate(halves):
+                addr = builder.add(o_i, builder.mul(row_bytes,
+                                                    ir.Constant(_I64, 16 * g + 2 * j + h)))
+                builder.store(builder.shuffle_vector(v, v, lanes),
+                              builder.inttoptr(addr, v8.as_pointer()), align=4)
+
+
+def kernel_ir(ng: int = NG) -> str:
+    """The micro-kernel and its direct store as a stand-alone LLVM module (text): a function
+    ``bf16_tile_out(a, w, w_stride, npairs, o, ld)`` (i64 arguments) with the IR the Numba
+    intrinsics emit, for compiling to other CPUs' code without running it (tests: it must
+    lower to ``vdpbf16ps`` on every CPU with AVX512_BF16, and LLVM aborts on a CPU without
+    it, which :func:`supported` guards against)."""
+    mod = ir.Module(name="semzo_bf16_tile")
+    fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [_I64] * 6), name="bf16_tile_out")
+    builder = ir.IRBuilder(fn.append_basic_block("entry"))
+    a_i, w_i, wst, npr, o_i, ldv = fn.args
+    _emit_store_out(builder, _emit_tile(builder, a_i, w_i, wst, npr, ng), o_i, ldv, ng)
+    builder.ret_void()
+    return str(mod)
+
+
 def _int_args(context, builder, sig, args):
     return [context.cast(builder, v, ty, types.intp) for v, ty in zip(args, sig.args)]
 
@@ -184,7 +220,7 @@ def _make_tile(ng: int):
 
         def codegen(context, builder, sig, args):
             a_i, w_i, wst, npr, t_i = _int_args(context, builder, sig, args)
-            outs = _emit_tile(context, builder, a_i, w_i, wst, npr, ng)
+            outs = _emit_tile(builder, a_i, w_i, wst, npr, ng)
             tp = builder.inttoptr(t_i, _V16F.as_pointer())
             for r in range(NR):
                 for g in range(ng):
@@ -213,23 +249,8 @@ def _make_tile_out(ng: int):
 
         def codegen(context, builder, sig, args):
             a_i, w_i, wst, npr, o_i, ldv = _int_args(context, builder, sig, args)
-            outs = _emit_tile(context, builder, a_i, w_i, wst, npr, ng)
-            v8 = ir.VectorType(_F32, 8)
-            row_bytes = builder.mul(ldv, ir.Constant(_I64, 4))
-            lo, hi = list(range(8)), list(range(8, 16))
-            for g in range(ng):
-                vecs = [outs[r * ng + g] for r in range(NR)]
-                for ops in _PLAN:
-                    vecs = [builder.shuffle_vector(vecs[a], vecs[b], ir.Constant(_V16I, mask))
-                            for a, b, mask in ops]
-                for j, v in enumerate(vecs):
-                    for h, lanes in enumerate((lo, hi)):
-                        row = 16 * g + 2 * j + h
-                        addr = builder.add(o_i, builder.mul(row_bytes,
-                                                            ir.Constant(_I64, row)))
-                        half = builder.shuffle_vector(
-                            v, v, ir.Constant(ir.VectorType(_I32, 8), lanes))
-                        builder.store(half, builder.inttoptr(addr, v8.as_pointer()), align=4)
+            _emit_store_out(builder, _emit_tile(builder, a_i, w_i, wst, npr, ng),
+                            o_i, ldv, ng)
             return context.get_dummy_value()
 
         return sig, codegen
