@@ -162,3 +162,34 @@ def test_export_and_generate_from_checkpoint(run):
                          check=False)
     assert gone.returncode == 2 and "is missing" in gone.stderr, gone.stderr
     shutil.copytree(moved, model)
+
+
+def test_bfloat16_gemms_say_how_each_rank_computes_them(run, tmp_path):
+    """The finetune stage alone with model.dtype = model.matmul = "bfloat16" at 2 ranks, one
+    of them with SEMZO_CPU_BF16_DOT=0 (an MPMD launch): on a CPU with AVX512_BF16 the ranks
+    compute the GEMMs differently, and rank 0 warns that the run's numbers depend on the
+    nodes (one allreduce, reached by both); elsewhere both emulate and rank 0 says so. The
+    run still trains and writes model.h5."""
+    from semzo.model import gemm_cpu
+    _, model, out, _ = run
+    for name in ("topology.h5", "embeddings.h5", "clusters.h5", "shards.h5"):
+        shutil.copy(out / name, tmp_path / name)
+    deck = ["-m", "semzo", "run", "inputs/llm.toml", "--set", f"run.output_dir={tmp_path}",
+            "--set", f"model.path={model}", "--set", 'run.stages=["finetune"]',
+            "--set", 'corpus.labels=["neg", "pos"]', "--set", "cluster.k=3",
+            "--set", 'prompt.template="{text} It was"',
+            "--set", 'prompt.label_words=[" bad", " good"]', "--set", "train.lora_layers=1",
+            "--set", "train.steps=10", "--set", "train.eval_every=10", "--set", "zo.lr=1e-2",
+            "--set", "train.batch_size=8", "--set", "model.max_length=24",
+            "--set", "topology.nodes_per_switch=1", "--set", "model.dtype=bfloat16",
+            "--set", "model.matmul=bfloat16"]
+    proc = check(mpirun(1, [*deck, ":", "-n", "1", "env", "SEMZO_CPU_BF16_DOT=0",
+                            sys.executable, *deck], timeout=300, env=ENV))
+    err = proc.stderr
+    if gemm_cpu.enabled():
+        assert "1 of 2 ranks use the CPU's AVX512_BF16 dot products" in err, err[-3000:]
+    else:
+        assert "emulated in float32 (this CPU has no AVX512_BF16" in err, err[-3000:]
+    assert "HELD-OUT ACCURACY before" in err
+    with h5py.File(tmp_path / "model.h5") as f:
+        assert f.attrs["task"] == "prompt"

@@ -30,7 +30,7 @@ from ..deck.read import label_rows_mode, unread_keys
 from ..energy import summary as energy_summary
 from ..h5check import SHARD_KEYS, agree, deck_drift
 from ..h5io import create_collective, row_range, string_array, write_slab
-from ..model import Tokenizer, load_model
+from ..model import Tokenizer, gemm_cpu, load_model
 from ..model.storage import BF16, storage_name
 from ..model.zoo import folder_checksum
 from ..preflight import check_kept, check_samples, resolve_task
@@ -83,6 +83,26 @@ def _deck_error(msg: str) -> SemzoError:
     return err
 
 
+def _log_cpu_bf16(comm) -> None:
+    """Collective (one allreduce). Say how the CPU ranks compute ``model.matmul =
+    "bfloat16"``: the CPU's bfloat16 dot products, or the same arithmetic emulated in float32
+    (no AVX512_BF16, or ``SEMZO_CPU_BF16_DOT=0``); the two differ by the sums' order, so a
+    run whose ranks differ is said to."""
+    n = comm.allreduce(int(gemm_cpu.enabled()))
+    size = comm.Get_size()
+    if n == size:
+        log.info("finetune: model.matmul = \"bfloat16\": the CPU's AVX512_BF16 dot products "
+                 "(semzo.model.gemm_cpu)")
+    elif n == 0:
+        log.info("finetune: model.matmul = \"bfloat16\": emulated in float32 (this CPU has no "
+                 "AVX512_BF16, or SEMZO_CPU_BF16_DOT=0): the same arithmetic, slower")
+    else:
+        log.warning("finetune: model.matmul = \"bfloat16\": %d of %d ranks use the CPU's "
+                    "AVX512_BF16 dot products, the others emulate them in float32; the two "
+                    "sum in different orders, so the run's numbers depend on which nodes it "
+                    "got", n, size)
+
+
 def run_finetune_stage(ctx) -> dict:
     """Collective. Reads shards.h5, fine-tunes, writes model.h5, metrics.csv and plots.
     Returns the stage's headline figures (held-out accuracy before/after, steps, speed)."""
@@ -107,6 +127,8 @@ def run_finetune_stage(ctx) -> dict:
         model.set_matmul(deck.model.matmul)
     except ValueError as exc:
         raise _deck_error(f"{deck.source}: {exc}") from None
+    if deck.model.matmul == "bfloat16" and ctx.xp is np:
+        _log_cpu_bf16(comm)
     task_kind = resolve_task(deck, model.kind)
     use_emb = task_kind == "classify" and t.head_init == "class_means"
     rows = read_shard(shards, comm, with_embeddings=task_kind == "classify")
