@@ -3,7 +3,8 @@
 # the decoder forward (float32 three times, spread over the sitting, and bfloat16 storage with
 # float32 and with bfloat16 GEMMs; the bfloat16 GEMM alone against torch's),
 # checkpoint save/load and the training time a checkpoint costs (4 ranks), the z pass, the ZO
-# step (MiniLM; SmolLM2 in bfloat16), the embedding and k-means. About 20 minutes on 2 cores.
+# step (MiniLM; SmolLM2 in bfloat16), token generation (llama.cpp too when make
+# bench-llamacpp has built it), the embedding and k-means. About 20 minutes on 2 cores.
 # Run from the repository root after `make setup-test data/fortunes.jsonl`:
 #
 #     bash bench/cpu_sitting.sh [OUT] [BEFORE]
@@ -45,6 +46,11 @@ run timeout 900 mpirun -n 4 "$PY" bench/checkpoint.py --repeat 3
 run "$PY" bench/zo_pass.py
 run "$PY" bench/zo_step.py --reps 3
 run "$PY" bench/zo_step.py --model smollm2 --sets all --dtype bfloat16 --matmul bfloat16 --reps 2
+if [ -x .venv-bench/bin/python ]; then
+    run "$PY" bench/generate.py --peer llamacpp
+else
+    run "$PY" bench/generate.py
+fi
 run "$PY" bench/embed.py --n 1000 --threads 2
 run timeout 900 mpirun -n 2 "$PY" bench/kmeans.py
 run "$PY" bench/decoder.py --repeat 8

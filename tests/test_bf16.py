@@ -208,6 +208,37 @@ def test_dtype_rules_agree(tmp_path_factory):
     assert checkpoint_dtype(d, None, "ck.h5") == "bfloat16"
 
 
+def test_generate_with_bfloat16_gemms(tmp_path_factory):
+    """``generate --matmul bfloat16``: each generated token (one row: the GEMV form of the
+    CPU's kernel where it has AVX512_BF16) gives the greedy tokens of the full forward over
+    the whole sequence computed with the same arithmetic (prompt rows: the 48 x 8 form);
+    the model keeps the mode on the way to a device; float32 weights are refused naming the
+    option, exit 2, one line."""
+    import subprocess
+
+    from llmutil import tiny_llama
+
+    from semzo.generate import generate_ids, load_for_generation, to_device
+    llama = tiny_llama(tmp_path_factory.mktemp("genmm") / "llama")
+    g = load_for_generation(str(llama), "bfloat16", "bfloat16")
+    assert g.model.matmul == g.matmul == "bfloat16"
+    assert load_for_generation(str(llama), "bfloat16").model.matmul == "float32"
+    ids = g.tk.encode("the cat was on the mat and").ids
+    out = generate_ids(g.model, ids, 12, eos_ids=set())
+    seq = list(ids)
+    for _ in range(12):                         # no cache: every row of the sequence again
+        seq.append(int(np.argmax(g.model.logits(np.array([seq]))[0, -1])))
+    assert out == seq[len(ids):]
+    assert to_device(g.model, np).matmul == "bfloat16"
+    proc = subprocess.run([sys.executable, "-m", "semzo", "generate", str(llama), "--prompt",
+                           "the cat", "--matmul", "bfloat16"], check=False,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and not proc.stdout, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--matmul bfloat16: model.matmul = 'bfloat16' needs a " \
+        "decoder stored as bfloat16" in lines[0] and "(--dtype bfloat16)" in lines[0], lines
+
+
 def test_resume_across_storages_is_refused(tmp_path_factory):
     """A bfloat16 tensor never meets a float array through a numeric cast."""
     from semzo.model.storage import same_storage_copy

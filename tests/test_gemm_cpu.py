@@ -93,6 +93,58 @@ def test_matmul_bf16_takes_the_dot_products_and_the_switch_keeps_float32(monkeyp
     assert np.abs(f32 - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@needs_dot
+@pytest.mark.parametrize("m", range(1, gemm_cpu.GEMV_ROWS + 1))
+def test_few_rows_take_the_gemv_kernel_with_the_gemm_kernels_bits(m):
+    """Calls of at most GEMV_ROWS rows (a generated token, say) take the GEMV kernel (lanes
+    over weight rows, the weight transposed in registers): the 48 x 8 kernel's bits, for
+    every tail of pairs (K mod 32) and of weight rows (N mod 16), with infinities and NaNs
+    among the activations and the weights (a NaN's payload included)."""
+    r = np.random.default_rng(100 + m)
+    for k in (2, 30, 32, 34, 96, 576):
+        for n in (1, 15, 16, 17, 77):
+            x = r.standard_normal((m, k)).astype(np.float32)
+            w = r.standard_normal((n, k)).astype(np.float32)
+            if k >= 30 and n >= 15:
+                x[0, 3], w[2, 5], w[4, k - 1] = np.inf, -np.inf, np.nan
+            xb, wb = bits(x), bits(w)
+            ref = np.full((m, n), 3.0, np.float32)
+            gemm_cpu._gemm(xb.view(np.uint32), wb.view(np.uint32), ref)
+            got = np.full((m, n), 5.0, np.float32)
+            gemm_cpu.matmul(xb, wb, got)
+            assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (m, k, n)
+
+
+@needs_dot
+def test_gemv_columns_cut_over_threads_keep_the_bits():
+    """The GEMV's columns cut into runs of whole tiles, one per Numba thread: the same bits
+    for any cut; a call from a part of a split forward (kernels.nested) does not cut."""
+    from semzo.model import kernels
+    r = np.random.default_rng(9)
+    xb, w = bits(r.standard_normal((3, 96))), bits(r.standard_normal((333, 96)))
+    pairs, w32 = xb.view(np.uint32), w.view(np.uint32)
+    one = np.empty((3, 333), np.float32)
+    gemm_cpu._gemv(pairs, w32, one, 0, 333)
+    for parts in (2, 3, 5, 21):
+        cut = np.full((3, 333), np.nan, np.float32)
+        gemm_cpu._gemv_par(pairs, w32, cut, parts)
+        assert np.array_equal(cut, one), parts
+    assert not kernels.nested()
+    saved = kernels.get_threads()
+    kernels.set_threads(2)
+    try:
+        seen = kernels.run_slices(lambda sl: (kernels.nested(), gemm_cpu._gemv_parts(333)),
+                                  [slice(0, 1), slice(1, 2)])
+        # a run_slices call from inside a part runs its parts in turn (no pool deadlock)
+        inner = kernels.run_slices(
+            lambda sl: kernels.run_slices(lambda s2: s2.start, [slice(0, 1), slice(5, 6)]),
+            [slice(0, 1), slice(1, 2)])
+    finally:
+        kernels.set_threads(saved)
+    assert seen == [(True, 1), (True, 1)] and not kernels.nested()
+    assert inner == [[0, 5], [0, 5]]
+
+
 def test_operands_it_does_not_take_go_to_float32():
     x16 = bits(np.ones((4, 6)))
     w = bits(np.ones((3, 6)))
@@ -160,7 +212,8 @@ import llvmlite.binding as llvm
 from semzo.model import gemm_cpu
 llvm.initialize_all_targets()
 llvm.initialize_all_asmprinters()
-mod = llvm.parse_assembly(gemm_cpu.kernel_ir(int(sys.argv[2])))
+n = int(sys.argv[2])
+mod = llvm.parse_assembly(gemm_cpu.gemv_ir(n) if sys.argv[3] == "gemv" else gemm_cpu.kernel_ir(n))
 mod.verify()
 tm = llvm.Target.from_triple("x86_64-unknown-linux-gnu").create_target_machine(
     cpu=sys.argv[1], features="", opt=3)
@@ -172,23 +225,25 @@ print("dpbf16", len(lines), sum("zmm" in x for x in lines))
 
 @pytest.mark.parametrize("cpu", ["sapphirerapids", "cooperlake", "graniterapids", "znver4",
                                  "znver5", "skylake-avx512"])
-@pytest.mark.parametrize("ng", [1, 3])
-def test_the_kernel_lowers_to_vdpbf16ps_for_every_cpu_that_has_it(cpu, ng):
+@pytest.mark.parametrize("kernel, ng", [("tile", 1), ("tile", 3), ("gemv", 1), ("gemv", 8)])
+def test_the_kernel_lowers_to_vdpbf16ps_for_every_cpu_that_has_it(cpu, kernel, ng):
     """On any host (no kernel is run): the micro-kernel's IR compiled for Intel's and AMD's
-    CPUs with AVX512_BF16 gives 8 x ng zmm vdpbf16ps per iteration of its loop (LLVM may
-    unroll it: a multiple); for a CPU without it (Skylake-SP) LLVM aborts the process, which is
-    why supported() must say no there, and why this runs in a child process."""
+    CPUs with AVX512_BF16 gives 8 x ng zmm vdpbf16ps per iteration of its loop (the GEMV
+    kernel: 16 per row, ng rows; LLVM may unroll a loop: a multiple); for a CPU without it
+    (Skylake-SP) LLVM aborts the process, which is why supported() must say no there, and why
+    this runs in a child process."""
     import subprocess
     import sys
 
     from llvmlite import binding as llvm
     if "x86" not in llvm.get_process_triple():
         pytest.skip("not an x86 host: llvmlite may lack the x86 target")
-    proc = subprocess.run([sys.executable, "-c", LOWER, cpu, str(ng)], capture_output=True,
-                          text=True, timeout=120, check=False)
+    proc = subprocess.run([sys.executable, "-c", LOWER, cpu, str(ng), kernel],
+                          capture_output=True, text=True, timeout=120, check=False)
     if cpu == "skylake-avx512":
         assert proc.returncode != 0 and "LLVM ERROR" in proc.stderr, proc.stdout
         return
     assert proc.returncode == 0, proc.stderr[-2000:]
     n, zmm = map(int, proc.stdout.split()[1:3])
-    assert n > 0 and n % (8 * ng) == 0 and zmm == n, proc.stdout
+    per = (16 if kernel == "gemv" else 8) * ng
+    assert n > 0 and n % per == 0 and zmm == n, proc.stdout

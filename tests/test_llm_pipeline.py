@@ -193,3 +193,10 @@ def test_bfloat16_gemms_say_how_each_rank_computes_them(run, tmp_path):
     assert "HELD-OUT ACCURACY before" in err
     with h5py.File(tmp_path / "model.h5") as f:
         assert f.attrs["task"] == "prompt"
+    # generation from it computes as the run did (its deck's model.matmul), unless told
+    from semzo.generate import generate_ids, load_for_generation
+    g = load_for_generation(str(tmp_path / "model.h5"))
+    assert g.model.storage == "bfloat16" and g.model.matmul == "bfloat16"
+    assert len(generate_ids(g.model, g.tk.encode("great movie").ids, 3, eos_ids=set())) == 3
+    assert load_for_generation(str(tmp_path / "model.h5"), None,
+                               "float32").model.matmul == "float32"

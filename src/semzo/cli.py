@@ -85,8 +85,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default=None,
-                   help="weight storage: float32 (default) or bfloat16 (half the memory, "
-                        "float32 arithmetic); a checkpoint uses the dtype it was trained with")
+                   help="weight storage: float32 (default) or bfloat16 (half the memory; float32 "
+                        "arithmetic unless --matmul bfloat16); a checkpoint uses the dtype it "
+                        "was trained with")
+    g.add_argument("--matmul", choices=("float32", "bfloat16"), default=None,
+                   help="the GEMMs' arithmetic: float32 (default) or bfloat16 (bfloat16 "
+                        "inputs, float32 sums; needs bfloat16 weights; the CPU's "
+                        "AVX512_BF16 dot products where it has them); a checkpoint uses the "
+                        "model.matmul of its deck")
     g.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="where the forward passes run: cpu (default) or gpu (the first "
                         "visible GPU, CuPy)")

@@ -13,6 +13,12 @@ when it has one, else full recomputation; stops at an end-of-sequence id (``eos_
 config.json and generation_config.json) or after ``max_new_tokens``. ``chat``: the prompt is
 rendered as one user message with the ``chat_template`` of tokenizer_config.json (jinja2).
 
+Arithmetic: ``--matmul bfloat16`` (with bfloat16 weights) computes the projections and the
+LM head as bfloat16 GEMMs with float32 accumulation (``model.matmul``; on CPUs with
+AVX512_BF16 the dot-product kernels of :mod:`semzo.model.gemm_cpu`, whose few-row form serves
+each generated token); a checkpoint generates with the ``model.matmul`` its deck trained and
+evaluated with, unless ``--matmul`` says otherwise; anything else with float32.
+
 ``device = "gpu"`` (``--device gpu``): the model is built on the host as above, then its
 tensors are copied to the first visible GPU (:func:`to_device`) and the forward passes and
 the KV cache run there (CuPy); the sampling stays on the host.
@@ -55,6 +61,7 @@ class Loaded:
     tok_config: dict      # tokenizer_config.json (chat_template, bos/eos tokens)
     eos_ids: set
     what: str
+    matmul: str = "float32"   # the arithmetic a checkpoint's deck trained with (model.matmul)
 
 
 def _json(path: Path) -> dict:
@@ -150,6 +157,7 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> Loaded:
                          f"recorded {want})")
     dt = checkpoint_dtype(deck, dtype, path)
     base = _from_folder(folder, "", dt)
+    base.matmul = deck.model.matmul
     rows = take_label_rows(loaded)          # train.label_rows = "exact"
     model = rebuild_model(loaded, meta)
     if model.kind != "decoder":
@@ -169,13 +177,27 @@ def _from_checkpoint(path: Path, dtype: str | None = None) -> Loaded:
     return base
 
 
-def load_for_generation(source: str, dtype: str | None = None) -> Loaded:
+def load_for_generation(source: str, dtype: str | None = None,
+                        matmul: str | None = None) -> Loaded:
     """A decoder, its tokenizer and end-of-sequence ids from a folder, a named model, a GGUF
     file or a semzo checkpoint (see the module docstring). ``dtype``: weight storage,
     "float32" (default) or "bfloat16" (CPU: float16 is GPU only); a checkpoint's model is
-    rebuilt with the storage it was trained with (:func:`checkpoint_dtype`). Raises
-    :class:`SemzoError`."""
+    rebuilt with the storage it was trained with (:func:`checkpoint_dtype`). ``matmul``: the
+    GEMMs' arithmetic (``model.matmul``), by default a checkpoint's own, else "float32".
+    Raises :class:`SemzoError`."""
+    loaded = _load(source, dtype)
+    mode = matmul or loaded.matmul
+    try:
+        loaded.model.set_matmul(mode)
+    except ValueError as exc:
+        flag = "--matmul" if matmul else f"{loaded.what}: its deck's model.matmul"
+        raise SemzoError(f"{flag} {mode}: {exc}; for bfloat16 GEMMs load bfloat16 weights "
+                         f"(--dtype bfloat16)") from None
+    loaded.matmul = mode
+    return loaded
 
+
+def _load(source: str, dtype: str | None) -> Loaded:
     if dtype is not None and dtype not in ("float32", "bfloat16"):
         raise SemzoError(f"--dtype {dtype}: generate stores float32 or bfloat16 weights (the "
                          f"model is built on the host, which refuses float16)")
@@ -206,6 +228,7 @@ def to_device(model, xp):
                         {n: xp.asarray(b) for n, b in model.buffers.items()}, model.frozen,
                         xp, model.storage, model.source, model.prefix)
     moved.lora, moved.head = dict(model.lora), model.head
+    moved.set_matmul(model.matmul)
     return moved
 
 
@@ -306,7 +329,8 @@ def check_options(args) -> None:
 def run_generate(args) -> str:
     """The CLI command: load, encode (chat template on request), generate, decode."""
     check_options(args)
-    loaded = load_for_generation(args.model, getattr(args, "dtype", None))
+    loaded = load_for_generation(args.model, getattr(args, "dtype", None),
+                                 getattr(args, "matmul", None))
     if getattr(args, "device", "cpu") == "gpu":
         _on_gpu(loaded)
     text = chat_prompt(loaded, args.prompt) if args.chat else args.prompt

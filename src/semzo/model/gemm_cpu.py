@@ -39,10 +39,12 @@ import os
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import get_num_threads, njit, prange, types
 from numba.core import cgutils, config
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic
+
+from semzo.model import kernels
 
 #: weight rows per tile, 16-row groups of activations per tile, activation rows per tile
 NR, NG = 8, 3
@@ -346,6 +348,236 @@ def _gemm(pairs, w32, out):
                         out[b * MB + i, n0 + r] = tile[r, g, lane]
 
 
+# ------------------------------------------------------------------ few rows (GEMV)
+#: calls of at most this many activation rows take the GEMV kernel (:func:`_gemv`)
+GEMV_ROWS = 8
+#: weight rows (output columns) per GEMV tile: one per lane
+NV = 16
+
+
+def _gemv_transpose_plan() -> list[list[tuple[int, int, list[int]]]]:
+    """Four rounds of two-source shuffles that transpose 16 vectors of 16 lanes (vector r,
+    lane p -> vector p, lane r): round k exchanges bit k of the vector's index with bit k of
+    the lane's. Per round, per output vector: (first source, second source, the 16 lanes'
+    indices into the two concatenated)."""
+    plan, lay = [], [[(v, i) for i in range(NV)] for v in range(NV)]
+    for k in range(4):
+        bit = 1 << k
+        new, ops = [], []
+        for v in range(NV):
+            want = [lay[v][i] if (v & bit) == (i & bit) else lay[v ^ bit][i ^ bit]
+                    for i in range(NV)]
+            a, b = min(v, v ^ bit), max(v, v ^ bit)
+            ops.append((a, b, [lay[a].index(t) if t in lay[a] else NV + lay[b].index(t)
+                               for t in want]))
+            new.append(want)
+        plan.append(ops)
+        lay = new
+    if lay != [[(r, p) for r in range(NV)] for p in range(NV)]:
+        raise AssertionError("GEMV transpose plan: not a transpose")
+    return plan
+
+
+_GEMV_PLAN = _gemv_transpose_plan()
+
+
+def _emit_gemv(builder, a_i, ast, w_i, wst, nch, acc_i, mr: int) -> None:
+    """The GEMV tile's loop in IR: ``mr`` activation rows (``ast`` uint32 pairs apart) times
+    16 weight rows (``wst`` pairs apart), over ``nch`` chunks of 16 pairs. Per chunk the 16
+    weight rows' 16 pairs are loaded as they are stored and transposed in registers
+    (:data:`_GEMV_PLAN`: vector p, lane r = pair p of weight row r); then, pair by pair in
+    order of K, each row's accumulator (lane r: output column r) takes the pair of that
+    activation row broadcast against vector p: the operands, and the order, of
+    :func:`_emit_tile`'s accumulator for the same output, so the same bits. The ``mr`` x 16
+    accumulators are read from and written back to ``acc_i`` (float32)."""
+    fn = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(_V16F, [_V16F, _V32B, _V32B]), _DPBF16)
+    ip = builder.inttoptr(a_i, _I32.as_pointer())
+    wp = builder.inttoptr(w_i, _I32.as_pointer())
+    cp = builder.inttoptr(acc_i, _V16F.as_pointer())
+    undef = ir.Constant(_V16I, ir.Undefined)
+    splat = ir.Constant(_V16I, [0] * NV)
+    init = [builder.load(builder.gep(cp, [ir.Constant(_I64, i)]), align=4) for i in range(mr)]
+    pre = builder.basic_block
+    loop = builder.append_basic_block("gemv.loop")
+    done = builder.append_basic_block("gemv.done")
+    builder.cbranch(builder.icmp_signed(">", nch, ir.Constant(_I64, 0)), loop, done)
+
+    builder.position_at_end(loop)
+    c = builder.phi(_I64)
+    acc = [builder.phi(_V16F) for _ in range(mr)]
+    k0 = builder.mul(c, ir.Constant(_I64, NV))
+    vecs = [builder.load(builder.bitcast(builder.gep(wp, [builder.add(
+        builder.mul(ir.Constant(_I64, r), wst), k0)]), _V16I.as_pointer()), align=4)
+        for r in range(NV)]
+    for ops in _GEMV_PLAN:
+        vecs = [builder.shuffle_vector(vecs[a], vecs[b], ir.Constant(_V16I, mask))
+                for a, b, mask in ops]
+    # the next tile's weight rows follow these in memory: bring its next KiB towards L1
+    pf = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), _I32, _I32,
+                                                        _I32]), "llvm.prefetch.p0i8")
+    nxt = builder.add(w_i, builder.add(builder.mul(wst, ir.Constant(_I64, 4 * NV)),
+                                       builder.mul(c, ir.Constant(_I64, 4 * NV * NV))))
+    for line in range(NV):
+        builder.call(pf, [builder.inttoptr(builder.add(nxt, ir.Constant(_I64, 64 * line)),
+                                           ir.IntType(8).as_pointer()),
+                          ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+    new = list(acc)
+    for p in range(NV):
+        wv = builder.bitcast(vecs[p], _V32B)
+        for i in range(mr):
+            av = builder.load(builder.gep(ip, [builder.add(
+                builder.mul(ir.Constant(_I64, i), ast), builder.add(k0, ir.Constant(_I64, p)))]),
+                align=4)
+            ab = builder.bitcast(builder.shuffle_vector(
+                builder.insert_element(undef, av, ir.Constant(_I32, 0)), undef, splat), _V32B)
+            new[i] = builder.call(fn, [new[i], ab, wv])
+    cn = builder.add(c, ir.Constant(_I64, 1))
+    builder.cbranch(builder.icmp_signed("<", cn, nch), loop, done)
+    c.add_incoming(ir.Constant(_I64, 0), pre)
+    c.add_incoming(cn, loop)
+    for a, n, z in zip(acc, new, init):
+        a.add_incoming(z, pre)
+        a.add_incoming(n, loop)
+
+    builder.position_at_end(done)
+    outs = [builder.phi(_V16F) for _ in range(mr)]
+    for i, out in enumerate(outs):
+        out.add_incoming(init[i], pre)
+        out.add_incoming(new[i], loop)
+    for i, out in enumerate(outs):
+        builder.store(out, builder.gep(cp, [ir.Constant(_I64, i)]), align=4)
+
+
+def gemv_ir(mr: int = GEMV_ROWS) -> str:
+    """The GEMV kernel for ``mr`` rows as a stand-alone LLVM module (text): a function
+    ``bf16_gemv(a, a_stride, w, w_stride, nchunks, acc)`` (i64 arguments), for compiling to
+    other CPUs' code without running it (as :func:`kernel_ir`)."""
+    mod = ir.Module(name="semzo_bf16_gemv")
+    fn = ir.Function(mod, ir.FunctionType(ir.VoidType(), [_I64] * 6), name="bf16_gemv")
+    builder = ir.IRBuilder(fn.append_basic_block("entry"))
+    _emit_gemv(builder, *fn.args, mr)
+    builder.ret_void()
+    return str(mod)
+
+
+def _make_gemv(mr: int):
+    """The GEMV kernel for ``mr`` rows (:func:`_emit_gemv`): ``a_addr`` the first activation
+    row's pairs, rows ``a_stride`` pairs apart; ``w_addr`` the first of 16 weight rows,
+    ``w_stride`` pairs apart; ``nchunks`` chunks of 16 pairs; ``acc_addr`` mr x 16 float32
+    accumulators, read and written. Addresses as integers, 4-byte aligned."""
+
+    @intrinsic
+    def gemv(typingctx, a_addr, a_stride, w_addr, w_stride, nchunks, acc_addr):
+        for a in (a_addr, a_stride, w_addr, w_stride, nchunks, acc_addr):
+            if not isinstance(a, types.Integer):
+                return None
+        sig = types.void(*([types.intp] * 6))
+
+        def codegen(context, builder, sig, args):
+            _emit_gemv(builder, *_int_args(context, builder, sig, args), mr)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return gemv
+
+
+(_gemv1, _gemv2, _gemv3, _gemv4, _gemv5, _gemv6, _gemv7,
+ _gemv8) = (_make_gemv(r) for r in range(1, GEMV_ROWS + 1))
+
+
+@njit(inline="always")
+def _gemv_k(mr, a, ast, w, wst, nch, acc):
+    """:func:`_make_gemv`'s kernel for ``mr`` (1 .. GEMV_ROWS) rows."""
+    if mr == 1:
+        _gemv1(a, ast, w, wst, nch, acc)
+    elif mr == 2:
+        _gemv2(a, ast, w, wst, nch, acc)
+    elif mr == 3:
+        _gemv3(a, ast, w, wst, nch, acc)
+    elif mr == 4:
+        _gemv4(a, ast, w, wst, nch, acc)
+    elif mr == 5:
+        _gemv5(a, ast, w, wst, nch, acc)
+    elif mr == 6:
+        _gemv6(a, ast, w, wst, nch, acc)
+    elif mr == 7:
+        _gemv7(a, ast, w, wst, nch, acc)
+    else:
+        _gemv8(a, ast, w, wst, nch, acc)
+
+
+@njit(cache=True, nogil=True)
+def _gemv(pairs, w32, out, n_lo, n_hi):
+    """out[:, n_lo:n_hi] of :func:`_gemm`'s product for at most GEMV_ROWS rows, with the
+    same bits: lanes over weight rows instead of activation rows, so no lane computes a row
+    that is not there. The weight is read in place; the last partial chunk of pairs goes
+    through zero-padded copies (a zero pair adds +0.0 to an accumulator that is never -0.0:
+    its bits do not change), the last partial tile of weight rows through a zero-padded
+    copy of them."""
+    m_rows, npr = pairs.shape
+    nfull = npr // NV
+    rem = npr - NV * nfull
+    acc = np.empty((GEMV_ROWS, NV), np.float32)
+    atail = np.zeros((GEMV_ROWS, NV), np.uint32)
+    wtail = np.zeros((NV, NV), np.uint32)
+    wpad = np.zeros((NV, npr), np.uint32)
+    for i in range(m_rows):
+        for p in range(rem):
+            atail[i, p] = pairs[i, NV * nfull + p]
+    a0 = np.intp(pairs.ctypes.data)
+    w0 = np.intp(w32.ctypes.data)
+    c0 = np.intp(acc.ctypes.data)
+    at = np.intp(atail.ctypes.data)
+    wt = np.intp(wtail.ctypes.data)
+    wp = np.intp(wpad.ctypes.data)
+    for n0 in range(n_lo, n_hi, NV):
+        nr = min(NV, n_hi - n0)
+        if nr == NV:
+            w_addr = w0 + n0 * npr * 4
+        else:
+            for r in range(NV):
+                for p in range(npr):
+                    wpad[r, p] = w32[n0 + r, p] if r < nr else 0
+            w_addr = wp
+        acc[:] = 0.0
+        _gemv_k(m_rows, a0, npr, w_addr, npr, nfull, c0)
+        if rem:
+            for r in range(nr):
+                for p in range(rem):
+                    wtail[r, p] = w32[n0 + r, NV * nfull + p]
+            for r in range(nr, NV):
+                for p in range(rem):
+                    wtail[r, p] = 0
+            _gemv_k(m_rows, at, NV, wt, NV, 1, c0)
+        for i in range(m_rows):
+            for r in range(nr):
+                out[i, n0 + r] = acc[i, r]
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def _gemv_par(pairs, w32, out, parts):
+    """:func:`_gemv` with the columns cut into ``parts`` runs of whole tiles, one per
+    Numba thread (the same bits: a column's result does not depend on the cut)."""
+    n_out = w32.shape[0]
+    tiles = (n_out + NV - 1) // NV
+    for j in prange(parts):
+        lo = min(n_out, NV * (tiles * j // parts))
+        hi = min(n_out, NV * (tiles * (j + 1) // parts))
+        if hi > lo:
+            _gemv(pairs, w32, out, lo, hi)
+
+
+def _gemv_parts(n_out: int) -> int:
+    """Threads for a GEMV call: Numba's (``backend.set_threads``), one on a thread that runs
+    a part of a split forward (:func:`kernels.nested`), at most one per 32 columns."""
+    if kernels.nested():
+        return 1
+    return max(1, min(get_num_threads(), n_out // (2 * NV)))
+
+
 def usable(xb, w, out, transposed: bool) -> bool:
     """True when :func:`matmul` takes these operands (else the caller's float32 path): the
     kernel is :func:`enabled`, the weight is (out, in), K is even, the bits C-contiguous
@@ -362,5 +594,13 @@ def matmul(xb, w, out):
     (M, K), W as bfloat16 bits (N, K), ``out`` float32 (M, N) with contiguous rows (a column
     slice of a wider array is written in place). The caller checked :func:`usable`.
     Returns out."""
-    _gemm(xb.view(np.uint32), w.view(np.uint32), out)
+    pairs, w32 = xb.view(np.uint32), w.view(np.uint32)
+    if pairs.shape[0] <= GEMV_ROWS:
+        parts = _gemv_parts(w32.shape[0])
+        if parts > 1:
+            _gemv_par(pairs, w32, out, parts)
+        else:
+            _gemv(pairs, w32, out, 0, w32.shape[0])
+    else:
+        _gemm(pairs, w32, out)
     return out

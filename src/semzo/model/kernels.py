@@ -579,11 +579,29 @@ def split_slices(n_rows: int, min_rows_tokens: int, tokens_per_row: int,
     return [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
 
 
+_inside = threading.local()       # .busy: this thread runs a part of a run_slices call
+
+
+def nested() -> bool:
+    """True on a thread that runs a part of a :func:`run_slices` call (the pool's threads
+    are busy: a kernel must not split again)."""
+    return getattr(_inside, "busy", False)
+
+
+def _part(fn, sl):
+    _inside.busy = True
+    try:
+        return fn(sl)
+    finally:
+        _inside.busy = False
+
+
 def run_slices(fn, slices: list[slice]):
     """``[fn(sl) for sl in slices]`` run concurrently as :func:`run_split` does (BLAS at one
-    thread meanwhile); one plain call for a single slice."""
+    thread meanwhile); one plain call for a single slice or when called from a part of
+    another run_slices call (:func:`nested`)."""
     global _pool, _controller
-    if len(slices) <= 1:
+    if len(slices) <= 1 or nested():
         return [fn(s) for s in slices]
 
     if _pool is None:
@@ -591,8 +609,8 @@ def run_slices(fn, slices: list[slice]):
     if _controller is None:
         _controller = ThreadpoolController()
     with _controller.limit(limits=1, user_api="blas"):
-        futs = [_pool.submit(fn, sl) for sl in slices[1:]]
-        first = fn(slices[0])
+        futs = [_pool.submit(_part, fn, sl) for sl in slices[1:]]
+        first = _part(fn, slices[0])
         return [first] + [f.result() for f in futs]
 
 
