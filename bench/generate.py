@@ -9,10 +9,11 @@ A prompt of ``--prompt`` random token ids is processed once (not timed), then ``
 tokens are generated greedily one at a time (each a forward of one row through every block
 and the LM head, reading every weight once): the timed part, best and median of
 ``--repeat``, in tokens per second. semzo runs three ways: float32 weights; bfloat16
-weights with float32 GEMMs (``--dtype bfloat16``: each weight upcast where it is used); and
-bfloat16 weights with bfloat16 GEMMs (``--dtype bfloat16 --matmul bfloat16``: on CPUs with
-AVX512_BF16 the few-row GEMV form of :mod:`semzo.model.gemm_cpu`, the weight read in place,
-its columns cut over the threads). The peers: torch in float32 and in bfloat16
+weights with float32 products (``--dtype bfloat16``: for a few rows
+``gemm_cpu.matmul_upcast``, the weight's bits widened in registers, read in place, any CPU);
+and bfloat16 weights with bfloat16 GEMMs (``--dtype bfloat16 --matmul bfloat16``: on CPUs
+with AVX512_BF16 the few-row GEMV form of :mod:`semzo.model.gemm_cpu`, the tile's bits, the
+weight read in place); both cut the columns over the threads. The peers: torch in float32 and in bfloat16
 (``model.to(torch.bfloat16)``), a loop of ``model(next, past_key_values=...)`` under
 ``inference_mode``; llama.cpp (``bench/llamacpp_peer.py --decode``, the separate
 environment of ``make bench-llamacpp``) on the model written to F32 and BF16 GGUF by semzo's
@@ -106,7 +107,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     ours = {"float32": load_model(folder)}
     prompt = [int(i) for i in rng.integers(0, ours["float32"].config.vocab_size, args.prompt)]
-    ours["bfloat16 storage"] = load_model(folder, dtype="bfloat16")
+    ours["bfloat16 weights"] = load_model(folder, dtype="bfloat16")
     ours["bfloat16 GEMMs"] = load_model(folder, dtype="bfloat16")
     ours["bfloat16 GEMMs"].set_matmul("bfloat16")
     n_params = sum(a.size for a in ours["float32"].params.values())
@@ -137,15 +138,16 @@ def main() -> None:
               f"({best / args.new * 1e3:6.2f} ms a token; weights {nbytes * n_params / best * args.new / 1e9:5.1f} GB/s); "
               f"first {same} of {args.new} tokens as semzo float32's")
     pairs = [("torch float32", "semzo float32"), ("torch bfloat16", "semzo bfloat16 GEMMs"),
-             ("torch bfloat16", "semzo bfloat16 storage"),
+             ("llama.cpp BF16", "semzo bfloat16 weights"),
+             ("torch bfloat16", "semzo bfloat16 weights"),
              ("llama.cpp F32", "semzo float32"), ("llama.cpp BF16", "semzo bfloat16 GEMMs")]
     for peer, us in pairs:
         if peer in res:
             print(f"ratio {peer} / {us} (time a token): best {res[peer][0] / res[us][0]:.2f}x, "
                   f"median {res[peer][1] / res[us][1]:.2f}x")
-    print(f"semzo bfloat16 GEMMs against bfloat16 storage with float32 GEMMs: "
-          f"{res['semzo bfloat16 storage'][0] / res['semzo bfloat16 GEMMs'][0]:.2f}x faster, "
-          f"against float32: {res['semzo float32'][0] / res['semzo bfloat16 GEMMs'][0]:.2f}x")
+    for name in ("bfloat16 weights", "bfloat16 GEMMs"):
+        print(f"semzo {name}: {res['semzo float32'][0] / res['semzo ' + name][0]:.2f}x "
+              f"faster than semzo float32")
 
 
 def llamacpp(args, model, prompt) -> dict:

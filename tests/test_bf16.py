@@ -239,6 +239,42 @@ def test_generate_with_bfloat16_gemms(tmp_path_factory):
         "decoder stored as bfloat16" in lines[0] and "(--dtype bfloat16)" in lines[0], lines
 
 
+@pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "opt_post_proj", "gpt2_unscaled"])
+def test_one_token_at_a_time_reads_bfloat16_weights_in_place(name, tmp_path_factory,
+                                                              monkeypatch):
+    """Generating with bfloat16 weights and float32 products: every one-row step multiplies
+    by the stored bits in place (gemm_cpu.matmul_upcast; never a float32 copy of a weight
+    for (out, in) weights: GPT-2's Conv1D keeps the upcast, its LM head does not), and the
+    logits of the tokens fed one at a time through the KV cache are the full forward's
+    within 1e-5."""
+    from semzo.model import base, causal, gemm_cpu
+    folder, _ = build(name, tmp_path_factory)
+    model = load_model(folder, dtype="bfloat16")
+    ids, mask = padded_batch(np.random.default_rng(4), V, 1, 11)
+    ids = ids[:, :int(mask.sum())]
+    want = model.logits(ids)
+    calls = []
+    real = gemm_cpu.matmul_upcast
+
+    def counted(x, w, out):
+        calls.append(x.shape[0])
+        return real(x, w, out)
+    monkeypatch.setattr(base, "matmul_upcast", counted)
+    monkeypatch.setattr(causal, "matmul_upcast", counted)
+    cache = model.new_cache(1, ids.shape[1])
+    got = np.concatenate([model.forward_cached(ids[:, j:j + 1], cache)
+                          for j in range(ids.shape[1])], axis=1)
+    assert rel_err(got, want, np.ones(ids.shape, bool)) < 1e-5
+    if model.layout == "out_in":
+        assert calls and set(calls) == {1}
+        assert len(calls) >= ids.shape[1] * model.config.num_layers * 3, len(calls)
+    else:
+        assert set(calls) == {1} and len(calls) == ids.shape[1]     # the LM head only
+    calls.clear()
+    model.logits(ids)                           # 11 rows: the float32 path as before
+    assert not calls
+
+
 def test_resume_across_storages_is_refused(tmp_path_factory):
     """A bfloat16 tensor never meets a float array through a numeric cast."""
     from semzo.model.storage import same_storage_copy

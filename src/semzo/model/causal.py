@@ -26,6 +26,7 @@ import numpy as np
 from semzo.model import variants as vx
 from semzo.model.base import TransformerBase
 from semzo.model.gemm import batched_matmul_f32, matmul_bf16
+from semzo.model.gemm_cpu import matmul_upcast, upcast_usable
 from semzo.model.kernels import (
     OutputCache,
     bias_act,
@@ -469,7 +470,7 @@ class CausalLM(TransformerBase):
             a = self._residual_norm(o, ob, x, m["norm2"], a, ab)
         else:
             a = self._residual_norm(o, ob, x, m["norm1"], x, ab)
-        if self._mlp_transposed_ok(m):
+        if self._mlp_transposed_ok(m, a.shape[0]):
             self._mlp_transposed(a, m, x)
             return
         inter = scratch(xp, "inter", (nr, s.intermediate_size), dt)
@@ -495,11 +496,14 @@ class CausalLM(TransformerBase):
     #: the CPU's gated MLP computed transposed (:meth:`_mlp_transposed`); False: row layout
     mlp_transposed = True
 
-    def _mlp_transposed_ok(self, m: dict) -> bool:
+    def _mlp_transposed_ok(self, m: dict, rows: int) -> bool:
         """Whether :meth:`_mlp_transposed` computes block ``m``'s MLP: on the CPU in float32
         products, a gated pre-norm MLP without biases, sandwich norms or LoRA on its
-        projections, weights stored (out, in)."""
+        projections, weights stored (out, in); not for a few rows of bfloat16 weights, which
+        read the bits in place (:meth:`_upcast_rows`)."""
         s = self.config
+        if self._upcast_rows(rows):
+            return False
         if not (self.mlp_transposed and self.xp is np and self.matmul != "bfloat16" and
                 self.dtype == np.float32 and self.layout == "out_in" and s.gated and
                 s.pre_norm and not s.mlp_bias and not s.sandwich):
@@ -560,10 +564,11 @@ class CausalLM(TransformerBase):
         s = self.config
         return self.prefix + s.names.embed if s.tied else s.names.lm_head
 
-    def _head_weight(self):
+    def _head_weight(self, rows: int | None = None):
         """The LM head matrix as :meth:`_head` takes it: float32 (bfloat16 storage: upcast),
-        or with ``matmul == "bfloat16"`` the stored bfloat16 bits."""
-        if self.matmul == "bfloat16":
+        or the stored bfloat16 bits with ``matmul == "bfloat16"`` or for ``rows`` few enough
+        to read them in place (:meth:`_upcast_rows`)."""
+        if self.matmul == "bfloat16" or (rows is not None and self._upcast_rows(rows, True)):
             return self.params[self.head_weight_name()]
         return self.fparam(self.head_weight_name())
 
@@ -572,10 +577,16 @@ class CausalLM(TransformerBase):
     def _head(self, hs2, w=None, out=None):
         """float32 logits (N, V) of final hidden states (N, E); ``out``: a C-contiguous
         float32 (N, V) to write them into (the same sgemm, so the same bits)."""
-        w = self._head_weight() if w is None else w
-        if w.dtype == BF16:                         # model.matmul = "bfloat16"
-            z = matmul_bf16(hs2, w, out if out is not None else
-                            self.xp.empty((hs2.shape[0], w.shape[0]), self.xp.float32))
+        w = self._head_weight(hs2.shape[0]) if w is None else w
+        if w.dtype == BF16:             # model.matmul = "bfloat16", or a few rows in place
+            o = out if out is not None else self.xp.empty((hs2.shape[0], w.shape[0]),
+                                                          self.xp.float32)
+            if self.matmul == "bfloat16":
+                z = matmul_bf16(hs2, w, o)
+            elif upcast_usable(hs2, w, o):
+                z = matmul_upcast(hs2, w, o)
+            else:
+                z = np.matmul(hs2, to_float32(w).T, out=o)
         elif out is not None and hs2.dtype == np.float32 and w.dtype == np.float32:
             z = np.matmul(hs2, w.T, out=out)
         else:
