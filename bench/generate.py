@@ -8,9 +8,9 @@ llamacpp``, llama.cpp, on the same prompt and threads, in one run.
 A prompt of ``--prompt`` random token ids is processed once (not timed), then ``--new``
 tokens are generated greedily one at a time (each a forward of one row through every block
 and the LM head, reading every weight once): the timed part, best and median of
-``--repeat``, in tokens per second. semzo runs three ways: float32 weights; bfloat16
-weights with float32 products (``--dtype bfloat16``: for a few rows
-``gemm_cpu.matmul_upcast``, the weight's bits widened in registers, read in place, any CPU);
+``--repeat``, in tokens per second. semzo runs three ways: float32 weights and bfloat16
+weights with float32 products (``--dtype bfloat16``), both through ``gemm_cpu.gemv_f32`` for
+a few rows (the weight read in place, bfloat16 bits widened in registers; any CPU);
 and bfloat16 weights with bfloat16 GEMMs (``--dtype bfloat16 --matmul bfloat16``: on CPUs
 with AVX512_BF16 the few-row GEMV form of :mod:`semzo.model.gemm_cpu`, the tile's bits, the
 weight read in place); both cut the columns over the threads. The peers: torch in float32 and in bfloat16

@@ -240,27 +240,27 @@ def test_generate_with_bfloat16_gemms(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["llama_gqa_llama3_untied", "opt_post_proj", "gpt2_unscaled"])
-def test_one_token_at_a_time_reads_bfloat16_weights_in_place(name, tmp_path_factory,
-                                                              monkeypatch):
-    """Generating with bfloat16 weights and float32 products: every one-row step multiplies
-    by the stored bits in place (gemm_cpu.matmul_upcast; never a float32 copy of a weight
-    for (out, in) weights: GPT-2's Conv1D keeps the upcast, its LM head does not), and the
-    logits of the tokens fed one at a time through the KV cache are the full forward's
-    within 1e-5."""
+@pytest.mark.parametrize("storage", ["bfloat16", "float32"])
+def test_one_token_at_a_time_reads_the_weights_in_place(name, storage, tmp_path_factory,
+                                                         monkeypatch):
+    """Generating with float32 products: every one-row step multiplies by the stored weight
+    in place (gemm_cpu.gemv_f32; for bfloat16 no float32 copy of a weight; for (out, in)
+    weights: GPT-2's Conv1D keeps the float32 path, its LM head does not), and the logits of
+    the tokens fed one at a time through the KV cache are the full forward's within 1e-5."""
     from semzo.model import base, causal, gemm_cpu
     folder, _ = build(name, tmp_path_factory)
-    model = load_model(folder, dtype="bfloat16")
+    model = load_model(folder, dtype=storage)
     ids, mask = padded_batch(np.random.default_rng(4), V, 1, 11)
     ids = ids[:, :int(mask.sum())]
     want = model.logits(ids)
     calls = []
-    real = gemm_cpu.matmul_upcast
+    real = gemm_cpu.gemv_f32
 
     def counted(x, w, out):
         calls.append(x.shape[0])
         return real(x, w, out)
-    monkeypatch.setattr(base, "matmul_upcast", counted)
-    monkeypatch.setattr(causal, "matmul_upcast", counted)
+    monkeypatch.setattr(base, "gemv_f32", counted)
+    monkeypatch.setattr(causal, "gemv_f32", counted)
     cache = model.new_cache(1, ids.shape[1])
     got = np.concatenate([model.forward_cached(ids[:, j:j + 1], cache)
                           for j in range(ids.shape[1])], axis=1)
@@ -271,7 +271,7 @@ def test_one_token_at_a_time_reads_bfloat16_weights_in_place(name, tmp_path_fact
     else:
         assert set(calls) == {1} and len(calls) == ids.shape[1]     # the LM head only
     calls.clear()
-    model.logits(ids)                           # 11 rows: the float32 path as before
+    model.logits(ids)                           # 11 rows: OpenBLAS as before
     assert not calls
 
 

@@ -146,35 +146,38 @@ def test_gemv_columns_cut_over_threads_keep_the_bits():
 
 
 @pytest.mark.parametrize("k", [1, 7, 64, 576, 1000])
-def test_few_rows_of_float32_products_read_the_bfloat16_weight_in_place(k):
-    """bfloat16 storage with float32 products (any CPU): a few rows multiplied by the
-    weight's exact upcast, read from its bits in place; within K float32 roundings of the
-    float64 product; a row's bits the same alone or among 8, for any cut of the columns over
-    threads; a NaN in a row's input makes that row NaN and no other."""
+@pytest.mark.parametrize("storage", ["bfloat16", "float32"])
+def test_few_rows_of_float32_products_read_the_weight_in_place(k, storage):
+    """float32 products of a few rows (any CPU), the weight read in place (bfloat16 bits
+    widened exactly, or float32): within K float32 roundings of the float64 product; a row's
+    bits the same alone or among 8, for any cut of the columns over threads; a NaN in a
+    row's input makes that row NaN and no other."""
     r = np.random.default_rng(k)
     n = 77
     x = r.standard_normal((8, k)).astype(np.float32)
-    w = bits(r.standard_normal((n, k)))
+    w = r.standard_normal((n, k)).astype(np.float32)
+    if storage == "bfloat16":
+        w = bits(w)
     out = np.full((8, n), 7.0, np.float32)
-    assert gemm_cpu.upcast_usable(x, w, out)
-    gemm_cpu.matmul_upcast(x, w, out)
-    wf = to_float32(w).astype(np.float64)
+    assert gemm_cpu.gemv_f32_usable(x, w, out)
+    gemm_cpu.gemv_f32(x, w, out)
+    wf = (to_float32(w) if storage == "bfloat16" else w).astype(np.float64)
     ref = x.astype(np.float64) @ wf.T
     bound = (k + 1) * 2.0 ** -24 * (np.abs(x).astype(np.float64) @ np.abs(wf).T)
     assert np.all(np.abs(out - ref) <= bound)
     for lo, hi in ((0, 1), (3, 4), (2, 7)):
         part = np.empty((hi - lo, n), np.float32)
-        gemm_cpu.matmul_upcast(x[lo:hi], w, part)
+        gemm_cpu.gemv_f32(x[lo:hi], w, part)
         assert np.array_equal(part, out[lo:hi])
     for parts in (2, 3, 5):
         cut = np.empty_like(out)
-        gemm_cpu._gemv_upcast_par(x, w, cut, parts)
+        gemm_cpu._gemv_f32_par(x, w, cut, parts)
         assert np.array_equal(cut, out)
     x[2, k // 2] = np.nan
-    gemm_cpu.matmul_upcast(x, w, out)
+    gemm_cpu.gemv_f32(x, w, out)
     assert np.all(np.isnan(out[2])) and not np.isnan(np.delete(out, 2, axis=0)).any()
-    assert not gemm_cpu.upcast_usable(np.ones((9, k), np.float32), w, np.empty((9, n)))
-    assert not gemm_cpu.upcast_usable(x, w.astype(np.float32), out)
+    assert not gemm_cpu.gemv_f32_usable(np.ones((9, k), np.float32), w, np.empty((9, n)))
+    assert not gemm_cpu.gemv_f32_usable(x, w.astype(np.float64), out)
 
 
 def test_operands_it_does_not_take_go_to_float32():

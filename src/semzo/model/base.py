@@ -52,7 +52,7 @@ import numpy as np
 
 from semzo.model.gemm import MODES as MATMUL_MODES
 from semzo.model.gemm import bf16_input, matmul_bf16, matmul_f32
-from semzo.model.gemm_cpu import GEMV_ROWS, matmul_upcast, upcast_usable
+from semzo.model.gemm_cpu import GEMV_ROWS, gemv_f32, gemv_f32_usable
 from semzo.model.kernels import matmul_into, run_slices, run_split, scratch, split_slices
 from semzo.model.kernels_lm import token_nll
 from semzo.model.losses import (
@@ -282,13 +282,16 @@ class TransformerBase(StagedModel):
                              f"as {self.storage}")
         self.matmul = mode
 
-    def _upcast_rows(self, rows: int, out_in: bool = False) -> bool:
-        """Whether a GEMM of ``rows`` rows reads bfloat16 weights in place with float32
-        products (:func:`semzo.model.gemm_cpu.matmul_upcast`): bfloat16 storage on the CPU,
-        ``matmul == "float32"``, weights (out, in) (``out_in``: this one is, as an LM head
-        always is), at most GEMV_ROWS rows (a generated token): upcasting a whole weight to
-        multiply one row by it costs more than the product."""
-        return (self.storage == "bfloat16" and self.xp is np and self.matmul == "float32"
+    def _gemv_rows(self, rows: int, out_in: bool = False) -> bool:
+        """Whether a GEMM of ``rows`` rows of a decoder reads its weight in place with float32
+        products (:func:`semzo.model.gemm_cpu.gemv_f32`): on the CPU, ``matmul ==
+        "float32"``, weights (out, in) (``out_in``: this one is, as an LM head always is),
+        at most GEMV_ROWS rows (a generated token): upcasting a bfloat16 weight whole to
+        multiply one row by it costs more than the product, and OpenBLAS's one-row products
+        read float32 weights slower. Decoders only: an encoder's embeddings keep OpenBLAS's
+        sums at every batch size."""
+        return (self.kind == "decoder" and self.xp is np and self.matmul == "float32"
+                and self.storage in ("float32", "bfloat16")
                 and (out_in or self.layout == "out_in") and rows <= GEMV_ROWS)
 
     def gemm_input(self, x):
@@ -305,9 +308,9 @@ class TransformerBase(StagedModel):
         """
         if self.matmul == "bfloat16":
             matmul_bf16(x, self.params[module + ".weight"], out, self.layout == "out_in", xb)
-        elif self._upcast_rows(x.shape[0]) and upcast_usable(x, self.params[module + ".weight"],
+        elif self._gemv_rows(x.shape[0]) and gemv_f32_usable(x, self.params[module + ".weight"],
                                                              out):
-            matmul_upcast(x, self.params[module + ".weight"], out)   # a few rows: bits in place
+            gemv_f32(x, self.params[module + ".weight"], out)   # a few rows: weight in place
         else:
             w = self.fweight(module + ".weight")
             # the GPU: one cuBLAS sgemm straight into out (a column slice: no copy)

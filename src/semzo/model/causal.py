@@ -26,7 +26,7 @@ import numpy as np
 from semzo.model import variants as vx
 from semzo.model.base import TransformerBase
 from semzo.model.gemm import batched_matmul_f32, matmul_bf16
-from semzo.model.gemm_cpu import matmul_upcast, upcast_usable
+from semzo.model.gemm_cpu import gemv_f32, gemv_f32_usable
 from semzo.model.kernels import (
     OutputCache,
     bias_act,
@@ -500,9 +500,9 @@ class CausalLM(TransformerBase):
         """Whether :meth:`_mlp_transposed` computes block ``m``'s MLP: on the CPU in float32
         products, a gated pre-norm MLP without biases, sandwich norms or LoRA on its
         projections, weights stored (out, in); not for a few rows of bfloat16 weights, which
-        read the bits in place (:meth:`_upcast_rows`)."""
+        read the weights in place (:meth:`_gemv_rows`)."""
         s = self.config
-        if self._upcast_rows(rows):
+        if self._gemv_rows(rows):
             return False
         if not (self.mlp_transposed and self.xp is np and self.matmul != "bfloat16" and
                 self.dtype == np.float32 and self.layout == "out_in" and s.gated and
@@ -564,11 +564,10 @@ class CausalLM(TransformerBase):
         s = self.config
         return self.prefix + s.names.embed if s.tied else s.names.lm_head
 
-    def _head_weight(self, rows: int | None = None):
+    def _head_weight(self):
         """The LM head matrix as :meth:`_head` takes it: float32 (bfloat16 storage: upcast),
-        or the stored bfloat16 bits with ``matmul == "bfloat16"`` or for ``rows`` few enough
-        to read them in place (:meth:`_upcast_rows`)."""
-        if self.matmul == "bfloat16" or (rows is not None and self._upcast_rows(rows, True)):
+        or with ``matmul == "bfloat16"`` the stored bfloat16 bits."""
+        if self.matmul == "bfloat16":
             return self.params[self.head_weight_name()]
         return self.fparam(self.head_weight_name())
 
@@ -577,16 +576,14 @@ class CausalLM(TransformerBase):
     def _head(self, hs2, w=None, out=None):
         """float32 logits (N, V) of final hidden states (N, E); ``out``: a C-contiguous
         float32 (N, V) to write them into (the same sgemm, so the same bits)."""
-        w = self._head_weight(hs2.shape[0]) if w is None else w
-        if w.dtype == BF16:             # model.matmul = "bfloat16", or a few rows in place
-            o = out if out is not None else self.xp.empty((hs2.shape[0], w.shape[0]),
-                                                          self.xp.float32)
-            if self.matmul == "bfloat16":
-                z = matmul_bf16(hs2, w, o)
-            elif upcast_usable(hs2, w, o):
-                z = matmul_upcast(hs2, w, o)
-            else:
-                z = np.matmul(hs2, to_float32(w).T, out=o)
+        if w is None and self._gemv_rows(hs2.shape[0], True):     # a few rows: in place
+            w = self.params[self.head_weight_name()]
+            o = out if out is not None else np.empty((hs2.shape[0], w.shape[0]), np.float32)
+            z = gemv_f32(hs2, w, o) if gemv_f32_usable(hs2, w, o) else \
+                np.matmul(hs2, to_float32(w).T, out=o)
+        elif (w := self._head_weight() if w is None else w).dtype == BF16:
+            z = matmul_bf16(hs2, w, out if out is not None else     # model.matmul bfloat16
+                            self.xp.empty((hs2.shape[0], w.shape[0]), self.xp.float32))
         elif out is not None and hs2.dtype == np.float32 and w.dtype == np.float32:
             z = np.matmul(hs2, w.T, out=out)
         else:
