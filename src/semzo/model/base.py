@@ -304,7 +304,8 @@ class TransformerBase(StagedModel):
 
         x: (N, in) of the model dtype; out: (N, out), written in full. With
         ``matmul == "bfloat16"`` the product is :func:`semzo.model.gemm.matmul_bf16` of the
-        stored bits (``xb``: :meth:`gemm_input` of x, or None; the LoRA delta stays float32).
+        stored bits (``xb``: :meth:`gemm_input` of x, or None; the LoRA delta stays float32);
+        a decoder's few rows on the CPU read the weight in place (:meth:`_gemv_rows`).
         """
         if self.matmul == "bfloat16":
             matmul_bf16(x, self.params[module + ".weight"], out, self.layout == "out_in", xb)
