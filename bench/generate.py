@@ -22,6 +22,9 @@ for the matching storage, how many of the generated tokens equal semzo float32's
 an early difference of rounding changes what follows), and the CPU model; the bytes of
 weights each token reads over its time, as GB/s, since decoding one row is bound by memory.
 semzo's loop is checked to generate the tokens ``semzo.generate.generate_ids`` does.
+``--batch B`` (default 8; 0 skips it): then B prompts generated together, semzo's
+``generate_many`` (the ``semzo generate --prompt ... --prompt ...`` path) against
+transformers' ``generate`` on the same batch, in float32 and bfloat16, aggregate tokens/s.
 """
 
 from __future__ import annotations
@@ -92,6 +95,9 @@ def main() -> None:
     ap.add_argument("--peer", choices=("torch", "llamacpp"), default="torch",
                     help="llamacpp: llama.cpp too, after torch (needs make bench-llamacpp)")
     ap.add_argument("--gguf-dir", default="build/gguf")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="then B prompts at once: semzo's generate_many against torch's "
+                         "generate on the same B prompts (0: skip)")
     args = ap.parse_args()
 
     import torch
@@ -145,9 +151,50 @@ def main() -> None:
         if peer in res:
             print(f"ratio {peer} / {us} (time a token): best {res[peer][0] / res[us][0]:.2f}x, "
                   f"median {res[peer][1] / res[us][1]:.2f}x")
+    if args.batch > 1:
+        batched(args, ours, folder, rng)
     for name in ("bfloat16 weights", "bfloat16 GEMMs"):
         print(f"semzo {name}: {res['semzo float32'][0] / res['semzo ' + name][0]:.2f}x "
               f"faster than semzo float32")
+
+
+def batched(args, ours, folder, rng) -> None:
+    """B prompts of --prompt random ids each, --new tokens generated greedily for every one:
+    semzo's ``generate_many`` (one KV cache, one row a prompt a step) against transformers'
+    ``generate`` on the same batch (greedy, its KV cache), prompt processing included in
+    both; aggregate tokens/s, and how many rows generate the same tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from semzo.generate import generate_many
+    b = args.batch
+    vocab = ours["float32"].config.vocab_size
+    prompts = [[int(i) for i in rng.integers(0, vocab, args.prompt)] for _ in range(b)]
+    tids = torch.tensor(prompts)
+    print(f"batch of {b} prompts ({args.prompt} tokens each), {args.new} tokens each, greedy, "
+          f"prompt processing included:")
+    for dt, name in (("float32", "float32"), ("bfloat16", "bfloat16 weights")):
+        def ours_run(m=ours[name]):
+            t0 = time.perf_counter()
+            out = generate_many(m, prompts, args.new, batch=b)
+            return time.perf_counter() - t0, out
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dt)).eval()
+
+        def ref_run(ref=ref):
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                out = ref.generate(tids, attention_mask=torch.ones_like(tids), do_sample=False,
+                                   max_new_tokens=args.new, min_new_tokens=args.new,
+                                   pad_token_id=0)
+                return time.perf_counter() - t0, out[:, args.prompt:].tolist()
+        sb, sm, so = timed(ours_run, args.repeat)
+        tb, tm, to = timed(ref_run, args.repeat)
+        same = sum(a == c for a, c in zip(so, to))
+        print(f"  {dt:8s}: semzo {b * args.new / sb:7.1f} tokens/s best ({b * args.new / sm:.1f} "
+              f"median), torch {b * args.new / tb:7.1f} ({b * args.new / tm:.1f}); torch/semzo "
+              f"time best {tb / sb:.2f}x, median {tm / sm:.2f}x; {same} of {b} rows the same "
+              f"tokens")
+        del ref
 
 
 def llamacpp(args, model, prompt) -> dict:

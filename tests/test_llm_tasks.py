@@ -300,6 +300,51 @@ def test_sampling_seed_eos_and_chat(llama):
         load_for_generation(str(llama / "nothing"))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_prompts_generated_together_as_each_alone(llama, dtype):
+    """generate_many: prompts of different lengths right-padded in one KV cache, 2 or 8 at a
+    time, give each prompt's generate_ids tokens, greedy and sampled (each row its own
+    generator of the seed), and a row that meets an end-of-sequence id stops there while
+    the others go on."""
+    from semzo.generate import generate_ids, generate_many, load_for_generation
+    g = load_for_generation(str(llama), dtype)
+    prompts = [g.tk.encode(t).ids for t in ("the cat", "a movie that was great and long",
+                                            "the moon was a great")]
+    assert len({len(p) for p in prompts}) == 3
+    for kw in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 3}):
+        alone = [generate_ids(g.model, p, 9, **kw) for p in prompts]
+        for batch in (2, 8):
+            assert generate_many(g.model, prompts, 9, batch=batch, **kw) == alone, (kw, batch)
+    greedy = [generate_ids(g.model, p, 9) for p in prompts]
+    eos = {greedy[1][2]}                  # the second row ends at its third token (or before)
+    alone = [generate_ids(g.model, p, 9, eos_ids=eos) for p in prompts]
+    together = generate_many(g.model, prompts, 9, eos_ids=eos)
+    assert together == alone and len(together[1]) <= 3 < max(map(len, together))
+
+
+def test_generate_several_prompts_prints_json_lines(llama):
+    import json
+    import subprocess
+
+    def run(*extra):
+        return subprocess.run([sys.executable, "-m", "semzo", "generate", str(llama),
+                               "--prompt", "the cat", "--prompt", "a movie",
+                               "--max-new-tokens", "4", *extra],
+                              check=False, capture_output=True, text=True, timeout=120)
+    proc = run()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in proc.stdout.strip().splitlines()]
+    assert [r["prompt"] for r in rows] == ["the cat", "a movie"]
+    one = subprocess.run([sys.executable, "-m", "semzo", "generate", str(llama), "--prompt",
+                          "a movie", "--max-new-tokens", "4"], check=False,
+                         capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0 and rows[1]["text"] == one.stdout.rstrip("\n")
+    bad = run("--batch", "0")
+    assert bad.returncode == 2 and not bad.stdout
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: generate: --batch: must be >= 1")
+
+
 @pytest.mark.parametrize("opt,value,want", [
     ("--temperature", "nan", "--temperature: must be a finite number >= 0 (0 = greedy), got nan"),
     ("--temperature", "inf", "--temperature: must be a finite number >= 0 (0 = greedy), got inf"),

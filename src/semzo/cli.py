@@ -79,7 +79,12 @@ def _parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with a decoder: a Hugging Face folder, "
                        "a named model (smollm2), a GGUF file or a semzo checkpoint")
     g.add_argument("model", metavar="MODEL_OR_CHECKPOINT")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, action="append",
+                   help="the prompt; repeat for several (printed as JSON lines, "
+                        "generated --batch at a time)")
+    g.add_argument("--batch", type=int, default=8,
+                   help="prompts generated together in one KV cache (default 8): each "
+                        "step reads the weights once for all of them")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")

@@ -10,7 +10,10 @@ an error. The checkpoint's trained tensors (LoRA adapters included) then replace
 Decoding: greedy (``temperature = 0``) or sampling (temperature, nucleus ``top_p``, a seeded
 ``numpy.random.Generator``), with the model's KV cache (``new_cache`` / ``forward_cached``)
 when it has one, else full recomputation; stops at an end-of-sequence id (``eos_token_id`` of
-config.json and generation_config.json) or after ``max_new_tokens``. ``chat``: the prompt is
+config.json and generation_config.json) or after ``max_new_tokens``. Several ``--prompt``
+options: ``--batch`` of them (default 8) generated together in one cache
+(:func:`generate_many`), each as it would be alone; printed as JSON lines ``{"prompt",
+"text"}`` in the order given. ``chat``: the prompt is
 rendered as one user message with the ``chat_template`` of tokenizer_config.json (jinja2).
 
 Arithmetic: ``--matmul bfloat16`` (with bfloat16 weights) computes the projections and the
@@ -307,6 +310,65 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, *, temperature: float =
     return out
 
 
+def generate_many(model, prompts, max_new_tokens: int, *, temperature: float = 0.0,
+                  top_p: float = 1.0, seed: int = 0, eos_ids=frozenset(),
+                  batch: int = 8) -> list[list[int]]:
+    """:func:`generate_ids` for each prompt (lists of ids), ``batch`` prompts at a time in
+    one KV cache: the prompts right-padded and masked, then one token a row a step, so each
+    step reads every weight once for all the rows (decoding is bound by memory: several rows
+    cost about what one does). Each row samples with its own generator seeded ``seed``, as
+    alone; a row that has ended feeds its last token until the others end (never read).
+    Without a KV cache, prompt by prompt. Returns the generated ids of each prompt."""
+    if batch < 1:
+        raise SemzoError(f"--batch: must be >= 1, got {batch}")
+    if not hasattr(model, "new_cache") or batch == 1:
+        return [generate_ids(model, p, max_new_tokens, temperature=temperature, top_p=top_p,
+                             seed=seed, eos_ids=eos_ids) for p in prompts]
+    outs: list[list[int]] = []
+    for lo in range(0, len(prompts), batch):
+        outs += _generate_batch(model, [list(map(int, p)) for p in prompts[lo:lo + batch]],
+                                max_new_tokens, temperature, top_p, seed, eos_ids)
+    return outs
+
+
+def _generate_batch(model, prompts, max_new_tokens, temperature, top_p, seed, eos_ids):
+    limit = int(model.config.max_positions)
+    for p in prompts:
+        if not p:
+            raise SemzoError("--prompt: a prompt encodes to no tokens")
+        if len(p) >= limit:
+            raise SemzoError(f"--prompt: {len(p)} tokens, the model's context is {limit}")
+    n_new = [min(max_new_tokens, limit - len(p)) for p in prompts]
+    b, t = len(prompts), max(len(p) for p in prompts)
+    ids = np.zeros((b, t), np.int64)
+    mask = np.zeros((b, t), np.int64)
+    for r, p in enumerate(prompts):
+        ids[r, :len(p)] = p
+        mask[r, :len(p)] = 1
+    cache = model.new_cache(b, t + max(n_new))
+
+    def host(a):
+        return np.asarray(a.get() if hasattr(a, "get") else a)
+    z = host(model.forward_cached(ids, cache, mask))
+    logits = [z[r, len(p) - 1] for r, p in enumerate(prompts)]
+    rngs = [np.random.default_rng(seed) for _ in prompts]
+    outs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * b
+    while not all(done):
+        nxt = np.zeros((b, 1), np.int64)
+        for r in range(b):
+            if not done[r]:
+                tok = sample_next(logits[r], temperature, top_p, rngs[r])
+                outs[r].append(tok)
+                done[r] = tok in eos_ids or len(outs[r]) == n_new[r]
+            nxt[r, 0] = outs[r][-1]
+        if all(done):
+            break
+        z = host(model.forward_cached(nxt, cache))
+        logits = [z[r, -1] for r in range(b)]
+    return outs
+
+
 def check_options(args) -> None:
     """The sampling options, before any model is loaded: :class:`SemzoError` (exit 2) naming
     the first bad one. ``nan`` and ``inf`` are refused (argparse's float() accepts them)."""
@@ -320,6 +382,8 @@ def check_options(args) -> None:
         err = f"--max-new-tokens: must be >= 1, got {args.max_new_tokens}"
     elif args.seed < 0:
         err = f"--seed: must be >= 0, got {args.seed}"
+    elif getattr(args, "batch", 1) < 1:
+        err = f"--batch: must be >= 1, got {args.batch}"
     if err:
         exc = SemzoError(f"generate: {err}")
         exc.all_ranks = True          # the command line: the same on any rank ("error: ...")
@@ -333,9 +397,15 @@ def run_generate(args) -> str:
                                  getattr(args, "matmul", None))
     if getattr(args, "device", "cpu") == "gpu":
         _on_gpu(loaded)
-    text = chat_prompt(loaded, args.prompt) if args.chat else args.prompt
-    ids = loaded.tk.encode(text, add_special_tokens=not args.chat).ids
-    out = generate_ids(loaded.model, ids, args.max_new_tokens, temperature=args.temperature,
-                       top_p=args.top_p, seed=args.seed, eos_ids=loaded.eos_ids)
-    return loaded.tk.decode([i for i in out if i not in loaded.eos_ids],
-                            skip_special_tokens=True)
+    prompts = args.prompt if isinstance(args.prompt, list) else [args.prompt]
+    ids = [loaded.tk.encode(chat_prompt(loaded, p) if args.chat else p,
+                            add_special_tokens=not args.chat).ids for p in prompts]
+    outs = generate_many(loaded.model, ids, args.max_new_tokens,
+                         temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                         eos_ids=loaded.eos_ids, batch=getattr(args, "batch", 8))
+    texts = [loaded.tk.decode([i for i in out if i not in loaded.eos_ids],
+                              skip_special_tokens=True) for out in outs]
+    if len(prompts) == 1:
+        return texts[0]
+    return "\n".join(json.dumps({"prompt": p, "text": t}, ensure_ascii=False)
+                     for p, t in zip(prompts, texts))
