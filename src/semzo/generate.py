@@ -277,6 +277,11 @@ def sample_next(logits: np.ndarray, temperature: float, top_p: float,
     return int(rng.choice(p.size, p=p))
 
 
+def host(a) -> np.ndarray:
+    """A NumPy array of ``a`` (a CuPy array copied to the host)."""
+    return np.asarray(a.get() if hasattr(a, "get") else a)
+
+
 def generate_ids(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0,
                  top_p: float = 1.0, seed: int = 0, eos_ids=frozenset()) -> list[int]:
     """Generated token ids (the prompt excluded; an end-of-sequence id that stops generation is
@@ -291,9 +296,6 @@ def generate_ids(model, prompt_ids, max_new_tokens: int, *, temperature: float =
     n_new = min(max_new_tokens, limit - len(ids))
     out: list[int] = []
     cache = model.new_cache(1, len(ids) + n_new) if hasattr(model, "new_cache") else None
-
-    def host(a):
-        return np.asarray(a.get() if hasattr(a, "get") else a)
     if cache is not None:
         logits = host(model.forward_cached(np.array([ids], np.int64), cache)[0, -1])
     else:
@@ -346,9 +348,6 @@ def _generate_batch(model, prompts, max_new_tokens, temperature, top_p, seed, eo
         ids[r, :len(p)] = p
         mask[r, :len(p)] = 1
     cache = model.new_cache(b, t + max(n_new))
-
-    def host(a):
-        return np.asarray(a.get() if hasattr(a, "get") else a)
     z = host(model.forward_cached(ids, cache, mask))
     logits = [z[r, len(p) - 1] for r, p in enumerate(prompts)]
     rngs = [np.random.default_rng(seed) for _ in prompts]

@@ -499,8 +499,8 @@ class CausalLM(TransformerBase):
     def _mlp_transposed_ok(self, m: dict, rows: int) -> bool:
         """Whether :meth:`_mlp_transposed` computes block ``m``'s MLP: on the CPU in float32
         products, a gated pre-norm MLP without biases, sandwich norms or LoRA on its
-        projections, weights stored (out, in); not for a few rows of bfloat16 weights, which
-        read the weights in place (:meth:`_gemv_rows`)."""
+        projections, weights stored (out, in); not for a few rows, which read the weights in
+        place (:meth:`_gemv_rows`)."""
         s = self.config
         if self._gemv_rows(rows):
             return False
