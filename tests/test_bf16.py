@@ -244,9 +244,11 @@ def test_generate_with_bfloat16_gemms(tmp_path_factory):
 def test_one_token_at_a_time_reads_the_weights_in_place(name, storage, tmp_path_factory,
                                                          monkeypatch):
     """Generating with float32 products: every one-row step multiplies by the stored weight
-    in place (gemm_cpu.gemv_f32; for bfloat16 no float32 copy of a weight; for (out, in)
-    weights: GPT-2's Conv1D keeps the float32 path, its LM head does not), and the logits of
-    the tokens fed one at a time through the KV cache are the full forward's within 1e-5."""
+    in place (gemm_cpu.gemv_f32, q/k/v and gate/up in one gemv_f32_many launch each; for
+    bfloat16 no float32 copy of a weight; for (out, in) weights: GPT-2's Conv1D keeps the
+    float32 path, its LM head does not), and the logits of the tokens fed one at a time
+    through the KV cache are the full forward's within 1e-5, and bit for bit those of one
+    launch a weight."""
     from semzo.model import base, causal, gemm_cpu
     folder, _ = build(name, tmp_path_factory)
     model = load_model(folder, dtype=storage)
@@ -259,12 +261,28 @@ def test_one_token_at_a_time_reads_the_weights_in_place(name, storage, tmp_path_
     def counted(x, w, out):
         calls.append(x.shape[0])
         return real(x, w, out)
+    real_many = gemm_cpu.gemv_f32_many
+
+    def counted_many(x, ws, outs):
+        calls.extend([x.shape[0]] * len(ws))
+        return real_many(x, ws, outs)
     monkeypatch.setattr(base, "gemv_f32", counted)
     monkeypatch.setattr(causal, "gemv_f32", counted)
-    cache = model.new_cache(1, ids.shape[1])
-    got = np.concatenate([model.forward_cached(ids[:, j:j + 1], cache)
-                          for j in range(ids.shape[1])], axis=1)
+    monkeypatch.setattr(base, "gemv_f32_many", counted_many)
+
+    def one_at_a_time():
+        cache = model.new_cache(1, ids.shape[1])
+        return np.concatenate([model.forward_cached(ids[:, j:j + 1], cache)
+                               for j in range(ids.shape[1])], axis=1)
+    got = one_at_a_time()
     assert rel_err(got, want, np.ones(ids.shape, bool)) < 1e-5
+    n_calls = len(calls)
+    monkeypatch.setattr(base, "gemv_f32_many", lambda *a: pytest.fail("not one a weight"))
+    monkeypatch.setattr(base.TransformerBase, "_proj_many", lambda self, x, mods, outs, xb:
+                        [self._proj(x, mod, o, xb) for mod, o in zip(mods, outs)])
+    assert np.array_equal(one_at_a_time(), got)
+    assert len(calls) == 2 * n_calls                # the same weights, one launch each
+    del calls[n_calls:]
     if model.layout == "out_in":
         assert calls and set(calls) == {1}
         assert len(calls) >= ids.shape[1] * model.config.num_layers * 3, len(calls)

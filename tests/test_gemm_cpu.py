@@ -180,6 +180,43 @@ def test_few_rows_of_float32_products_read_the_weight_in_place(k, storage):
     assert not gemm_cpu.gemv_f32_usable(x, w.astype(np.float64), out)
 
 
+@pytest.mark.parametrize("storage", ["bfloat16", "float32"])
+def test_several_weights_in_one_launch_keep_each_ones_bits(storage):
+    """gemv_f32_many (a block's q, k, v or gate and up: one x, one launch): each weight's
+    outputs, written into column slices of one array, are gemv_f32's bits for that weight
+    alone, for any cut of the weights' rows over threads (cuts across weight boundaries
+    included) and from a part of a split forward (no launch)."""
+    from semzo.model import kernels
+    r = np.random.default_rng(11)
+    for k in (1, 30, 576):
+        ws = [r.standard_normal((n, k)).astype(np.float32) for n in (40, 9, 9)]
+        if storage == "bfloat16":
+            ws = [bits(w) for w in ws]
+        for rows in (1, 5, 8):
+            x = r.standard_normal((rows, k)).astype(np.float32)
+            alone = [gemm_cpu.gemv_f32(x, w, np.empty((rows, w.shape[0]), np.float32))
+                     for w in ws]
+            big = np.full((rows, 60), np.nan, np.float32)
+            outs = (big[:, :40], big[:, 40:49], big[:, 49:58])
+            gemm_cpu.gemv_f32_many(x, ws, outs)
+            assert np.array_equal(big[:, :58], np.concatenate(alone, axis=1))
+            assert np.isnan(big[:, 58:]).all()              # nothing written past the last
+            for parts in (2, 3, 7, 58):
+                big[:] = np.nan
+                gemm_cpu._gemv_f32_many_par(x, tuple(ws), outs, parts)
+                assert np.array_equal(big[:, :58], np.concatenate(alone, axis=1)), parts
+            big[:] = np.nan
+            saved = kernels.get_threads()
+            kernels.set_threads(2)
+            try:
+                kernels.run_slices(lambda sl, x=x, ws=ws, outs=outs:
+                                   gemm_cpu.gemv_f32_many(x, ws, outs),
+                                   [slice(0, 1)] * 2)
+            finally:
+                kernels.set_threads(saved)
+            assert np.array_equal(big[:, :58], np.concatenate(alone, axis=1))
+
+
 def test_operands_it_does_not_take_go_to_float32():
     x16 = bits(np.ones((4, 6)))
     w = bits(np.ones((3, 6)))

@@ -212,6 +212,11 @@ def test_scratch_buffers_are_reused_per_name_and_thread(monkeypatch):
     big = K.scratch(np, "t-a", (64, 64), np.float64)         # larger: a new buffer
     assert big.shape == (64, 64) and big.dtype == np.float64 and big.flags.c_contiguous
     assert np.shares_memory(big, K.scratch(np, "t-a", (64, 64), np.float64))
+    # a shape asked before the buffer grew: a view of the new buffer, not of the old one
+    again = K.scratch(np, "t-a", (4, 8), np.float32)
+    assert np.shares_memory(again, big) and not np.shares_memory(again, a)
+    assert again is K.scratch(np, "t-a", (4, 8), np.float32)     # the same request: kept
+    assert K.scratch(np, "t-a", [4, 8], np.float32).shape == (4, 8)   # a list: not kept
     other = []
     th = threading.Thread(target=lambda: other.append(K.scratch(np, "t-a", (64, 64),
                                                                   np.float64)))

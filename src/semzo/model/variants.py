@@ -38,9 +38,8 @@ def project_qkv(model, a, m: dict, qkv, nh: int, nkv: int, d: int, ab=None):
     else:
         if ab is None:
             ab = model.gemm_input(a)                # bfloat16 GEMMs: a converted once
-        model._proj(a, m["q"], qkv[:, :nq], ab)
-        model._proj(a, m["k"], qkv[:, nq:nq + nk], ab)
-        model._proj(a, m["v"], qkv[:, nq + nk:], ab)
+        model._proj_many(a, (m["q"], m["k"], m["v"]),
+                         (qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:]), ab)
         biases = tuple(model.fparam(m[r] + ".bias") for r in "qkv") if s.qkv_bias else None
     if not s.qk_norm:
         return biases
@@ -64,8 +63,7 @@ def project_gate_up(model, a, m: dict, gu, ab=None):
         return tuple(xp.split(model.fparam(m["gate_up"] + ".bias"), 2))
     if ab is None:
         ab = model.gemm_input(a)
-    model._proj(a, m["gate"], gu[:, :i_], ab)
-    model._proj(a, m["up"], gu[:, i_:], ab)
+    model._proj_many(a, (m["gate"], m["up"]), (gu[:, :i_], gu[:, i_:]), ab)
     if not s.mlp_bias:
         return None, None
     return model.fparam(m["gate"] + ".bias"), model.fparam(m["up"] + ".bias")
