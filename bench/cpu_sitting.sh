@@ -23,6 +23,9 @@ PY=${PY:-$PWD/.venv/bin/python}
 OUT=${1:-runs/bench/cpu_sitting.txt}
 BEFORE=${2:-}
 mkdir -p "$(dirname "$OUT")"
+# absolute: the BEFORE run appends from inside the other checkout (a relative OUT put its
+# figures in that checkout's file: the thirty-fifth session's sitting has an empty "before")
+OUT=$(realpath "$(dirname "$OUT")")/$(basename "$OUT")
 note() { echo "(rc=$1, $(date +%T), $(uptime | sed 's/.*load/load/'))" >> "$OUT"; echo >> "$OUT"; }
 run() {
     echo "## $*" >> "$OUT"
@@ -35,7 +38,8 @@ if [ -n "$BEFORE" ]; then
     echo "## before ($(git -C "$BEFORE" rev-parse --short HEAD)): bench/decoder.py --repeat 8" >> "$OUT"
     model=$PWD/models/smollm2-135m-instruct
     (cd "$BEFORE" && PYTHONPATH="$PWD/src" timeout 900 "$PY" bench/decoder.py --repeat 8 \
-        --model "$model" 2>&1 | grep -v -E "Loading weights|it/s\]" >> "$OUT")
+        --model "$model" 2>&1 | grep -v -E "Loading weights|it/s\]" >> "$OUT"
+        exit "${PIPESTATUS[0]}")
     note "$?"
 fi
 run "$PY" bench/decoder.py --repeat 8
