@@ -125,8 +125,9 @@ def test_gpu_llm_tasks_match_cpu(llama, dtype):
 def _same_generation(folder, xp) -> None:
     """``semzo generate``'s path with ``--device gpu``: the decoder built on the host, moved by
     generate.to_device to ``xp``, generates the host's tokens (greedy, KV cache, bfloat16 too),
-    with a LoRA adapter carried."""
-    from semzo.generate import generate_ids, to_device
+    with a LoRA adapter carried; several prompts of different lengths in one padded KV cache
+    (``generate_many``, the path of repeated ``--prompt``) give each host row's tokens."""
+    from semzo.generate import generate_ids, generate_many, to_device
     for dtype in ("float32", "bfloat16"):
         host_model = _model(folder, np, dtype)
         host_model.add_lora(rank=2, alpha=4.0, targets=("model.layers.0.self_attn.q_proj",))
@@ -137,6 +138,11 @@ def _same_generation(folder, xp) -> None:
         for prompt in ([5, 7, 9], [11, 3, 2, 8, 30]):
             want = generate_ids(host_model, prompt, 6)
             assert generate_ids(dev, prompt, 6) == want and len(want) == 6, (dtype, prompt)
+        prompts = [[5, 7, 9], [11, 3, 2, 8, 30], [4]]
+        want = generate_many(host_model, prompts, 5, batch=1)
+        assert generate_many(dev, prompts, 5, batch=3) == want, dtype
+        assert generate_many(dev, prompts, 5, temperature=0.8, seed=3, batch=2) == \
+            generate_many(host_model, prompts, 5, temperature=0.8, seed=3, batch=1), dtype
 
 
 def test_generate_on_a_device_harness_on_cpu(llama, generic_xp):
