@@ -115,6 +115,26 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     return c0, c1, c2, c3
 
 
+def neg2_log_tail(m, e):
+    """-2 ln u for u = m 2**(e - 32), m in [1, 2) and e float64 (both exact): m folded into
+    (sqrt(2)/2, sqrt(2)], then ln m by its polynomial in s = (m - 1) / (m + 1). The part of
+    :func:`neg2_log_u` and :func:`neg2_log_u_bits` after their (exact) reductions."""
+    c = m > SQRT2
+    m = m * 0.5 if c else m
+    e = e + 1.0 if c else e
+    # m in (sqrt(2)/2, sqrt(2)], ln u = (e - 32) ln 2 + ln m
+    s = (m - 1.0) / (m + 1.0)
+    s2 = s * s
+    poly = LOG_C[4]
+    poly = poly * s2 + LOG_C[3]
+    poly = poly * s2 + LOG_C[2]
+    poly = poly * s2 + LOG_C[1]
+    poly = poly * s2 + LOG_C[0]
+    poly = poly * s2 + 1.0
+    # -2 ln u = (32 - e) 2 ln 2 - 4 s poly; exactly +0.0 (never -0.0) for u = 1
+    return (32.0 - e) * (2.0 * LN2) - 4.0 * s * poly
+
+
 def neg2_log_u(x):
     """-2 ln u for u = (x + 1) 2**-32, x a uint64 < 2**32; float64, >= 0, abs error < 1e-10."""
     m = np.float64(x) + 1.0                   # 1 .. 2**32, exact
@@ -138,20 +158,7 @@ def neg2_log_u(x):
     c = m >= 2.0
     m = m * 0.5 if c else m
     e = e + 1.0 if c else e
-    c = m > SQRT2
-    m = m * 0.5 if c else m
-    e = e + 1.0 if c else e
-    # m in (sqrt(2)/2, sqrt(2)], ln u = (e - 32) ln 2 + ln m
-    s = (m - 1.0) / (m + 1.0)
-    s2 = s * s
-    poly = LOG_C[4]
-    poly = poly * s2 + LOG_C[3]
-    poly = poly * s2 + LOG_C[2]
-    poly = poly * s2 + LOG_C[1]
-    poly = poly * s2 + LOG_C[0]
-    poly = poly * s2 + 1.0
-    # -2 ln u = (32 - e) 2 ln 2 - 4 s poly; exactly +0.0 (never -0.0) for u = 1
-    return (32.0 - e) * (2.0 * LN2) - 4.0 * s * poly
+    return neg2_log_tail(m, e)
 
 
 def neg2_log_u_bits(x):
@@ -164,18 +171,7 @@ def neg2_log_u_bits(x):
     bits = np.float64(m).view(np.uint64)
     e = np.float64(bits >> U52) - 1023.0
     m = np.uint64((bits & M52) | EXP1023).view(np.float64)
-    c = m > SQRT2
-    m = m * 0.5 if c else m
-    e = e + 1.0 if c else e
-    s = (m - 1.0) / (m + 1.0)
-    s2 = s * s
-    poly = LOG_C[4]
-    poly = poly * s2 + LOG_C[3]
-    poly = poly * s2 + LOG_C[2]
-    poly = poly * s2 + LOG_C[1]
-    poly = poly * s2 + LOG_C[0]
-    poly = poly * s2 + 1.0
-    return (32.0 - e) * (2.0 * LN2) - 4.0 * s * poly
+    return neg2_log_tail(m, e)
 
 
 def cos_sin_2pi(x):

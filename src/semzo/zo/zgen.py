@@ -23,8 +23,9 @@ from .. import rng
 CHUNK = 32768       # elements per parallel task (a multiple of 128, the Rademacher block)
 SUB = 1024          # elements per z buffer inside a task (8 KiB of float64: stays in L1)
 
-DEVICE_FUNCTIONS = ("philox4x32_10", "neg2_log_u", "cos_sin_2pi", "box_muller", "gauss4",
-                    "gauss_at", "rad_words", "rad_bit", "rad_at", "fast_words", "fast_at")
+DEVICE_FUNCTIONS = ("philox4x32_10", "neg2_log_tail", "neg2_log_u", "cos_sin_2pi", "box_muller",
+                    "gauss4", "gauss_at", "rad_words", "rad_bit", "rad_at", "fast_words",
+                    "fast_at")
 
 
 def build_device_functions(decorator: Callable, *, cpu: bool = False) -> dict:
