@@ -116,8 +116,10 @@ def test_set_matmul_refuses_what_it_cannot_do(folders):
 @pytest.mark.parametrize("kind", ["llama", "llama_tied", "gpt2"])
 def test_decoder_projections_and_head_take_the_bf16_product(folders, monkeypatch, kind):
     """Every projection and the LM head go through matmul_bf16 (GPT-2's Conv1D weights as
-    (in, out)); the logits move from the float32-matmul ones by bfloat16 rounding only; the
-    next-token loss (the chunked head of the CPU) agrees with the logits' own."""
+    (in, out); q, k, v and gate, up of (out, in) weights through matmul_bf16_many, the bits
+    of one matmul_bf16 each); the logits move from the float32-matmul ones by bfloat16
+    rounding only; the next-token loss (the chunked head of the CPU) agrees with the
+    logits' own."""
     from semzo.model import base, causal
     m = load_model(folders[kind], dtype="bfloat16")
     ids = np.random.default_rng(3).integers(2, m.config.vocab_size, size=(3, 10))
@@ -130,9 +132,19 @@ def test_decoder_projections_and_head_take_the_bf16_product(folders, monkeypatch
     def counted(x, w, out, transposed=True, xb=None):
         seen.append((w.shape, transposed))
         return matmul_bf16(x, w, out, transposed, xb)
+    from semzo.model.gemm import matmul_bf16_many
+
+    def counted_many(x, ws, outs, xb=None):
+        seen.extend((w.shape, True) for w in ws)
+        return matmul_bf16_many(x, ws, outs, xb)
     monkeypatch.setattr(base, "matmul_bf16", counted)
     monkeypatch.setattr(causal, "matmul_bf16", counted)
-    got = m.logits(ids, mask)
+    monkeypatch.setattr(base, "matmul_bf16_many", counted_many)
+    got = m.logits(ids, mask).copy()
+    monkeypatch.setattr(base, "matmul_bf16_many", lambda x, ws, outs, xb=None: [
+        counted(x, w, o, True, xb) for w, o in zip(ws, outs)])
+    assert np.array_equal(m.logits(ids, mask), got)     # one matmul_bf16 a weight: the bits
+    del seen[len(seen) // 2:]
     mats = [n for n, a in m.params.items() if a.ndim == 2 and "embed" not in n and "wte" not in
             n and "wpe" not in n and "lm_head" not in n]
     assert len(seen) == len(mats) + 1                  # each projection once, then the head

@@ -93,6 +93,41 @@ def test_matmul_bf16_takes_the_dot_products_and_the_switch_keeps_float32(monkeyp
     assert np.abs(f32 - want).max() <= 1e-5 * np.abs(want).max()
 
 
+@pytest.mark.parametrize("m", [1, 8, 9, 60, 100])
+def test_several_weights_share_one_packing_of_the_activations(m, monkeypatch):
+    """matmul_bf16_many (q, k, v or gate and up with bfloat16 GEMMs): each weight's outputs,
+    written into column slices of one array, are matmul_bf16's bits for that weight alone
+    (the activations packed once for all; tails of rows and columns; few rows take the GEMV
+    form); a weight it cannot take (odd K) sends every one through matmul_bf16; bad operands
+    are refused as matmul_bf16 refuses them. Without the instruction: the float32 path."""
+    from semzo.model.gemm import matmul_bf16_many
+    r = np.random.default_rng(m)
+    x = r.standard_normal((m, 96)).astype(np.float32)
+    ws = [bits(r.standard_normal((n, 96))) for n in (40, 9, 17)]
+    alone = [matmul_bf16(x, w, np.empty((m, w.shape[0]), np.float32)) for w in ws]
+    big = np.full((m, 70), np.nan, np.float32)
+    outs = (big[:, :40], big[:, 40:49], big[:, 49:66])
+    packs = []
+    real = gemm_cpu._packed
+    monkeypatch.setattr(gemm_cpu, "_packed", lambda p: packs.append(p.shape) or real(p))
+    matmul_bf16_many(x, ws, outs, to_bits(x))
+    assert np.array_equal(big[:, :66], np.concatenate(alone, axis=1))
+    assert np.isnan(big[:, 66:]).all()
+    if gemm_cpu.enabled():
+        assert packs == ([] if m <= gemm_cpu.GEMV_ROWS else [(m, 48)])
+    big[:] = np.nan
+    matmul_bf16_many(x, ws, outs)                      # xb made here: the same bits
+    assert np.array_equal(big[:, :66], np.concatenate(alone, axis=1))
+    with pytest.raises(ValueError, match="the weight must be"):
+        matmul_bf16_many(x, [ws[0], ws[1].astype(np.float32)], outs[:2])
+    xo = r.standard_normal((m, 5)).astype(np.float32)     # odd K: the float32 path for all
+    wo = [bits(r.standard_normal((3, 5))), bits(r.standard_normal((4, 5)))]
+    oo = (np.empty((m, 3), np.float32), np.empty((m, 4), np.float32))
+    matmul_bf16_many(xo, wo, oo)
+    for w, o in zip(wo, oo):
+        assert np.array_equal(o, matmul_bf16(xo, w, np.empty_like(o)))
+
+
 @needs_dot
 @pytest.mark.parametrize("m", range(1, gemm_cpu.GEMV_ROWS + 1))
 def test_few_rows_take_the_gemv_kernel_with_the_gemm_kernels_bits(m):

@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from semzo.model.gemm import MODES as MATMUL_MODES
-from semzo.model.gemm import bf16_input, matmul_bf16, matmul_f32
+from semzo.model.gemm import bf16_input, matmul_bf16, matmul_bf16_many, matmul_f32
 from semzo.model.gemm_cpu import GEMV_ROWS, gemv_f32, gemv_f32_many, gemv_f32_usable
 from semzo.model.kernels import matmul_into, run_slices, run_split, scratch, split_slices
 from semzo.model.kernels_lm import token_nll
@@ -327,19 +327,29 @@ class TransformerBase(StagedModel):
         block's q, k, v, or gate and up): for a few rows (:meth:`_gemv_rows`) one launch of
         :func:`semzo.model.gemm_cpu.gemv_f32_many` for all of them (the bits of one
         :meth:`_proj` each; a generated token then pays one launch and its Python for
-        the three), else one :meth:`_proj` each."""
+        the three); with ``matmul == "bfloat16"`` :func:`semzo.model.gemm.matmul_bf16_many`
+        (on the CPU the activations packed once for all); else one :meth:`_proj` each."""
+        if self.matmul == "bfloat16" and self.layout == "out_in":
+            matmul_bf16_many(x, [self.params[mod + ".weight"] for mod in modules], outs, xb)
+            self._lora_adds(x, modules, outs)
+            return
         if self.matmul == "float32" and self._gemv_rows(x.shape[0]):
             ws = [self.params[mod + ".weight"] for mod in modules]
             if all(w.dtype == ws[0].dtype and gemv_f32_usable(x, w, o)
                    for w, o in zip(ws, outs)):
                 gemv_f32_many(x, ws, outs)
-                for mod, o in zip(modules, outs):
-                    spec = self.lora.get(mod)
-                    if spec is not None:
-                        self._lora_add(x, spec, o)
+                self._lora_adds(x, modules, outs)
                 return
         for mod, o in zip(modules, outs):
             self._proj(x, mod, o, xb)
+
+    def _lora_adds(self, x, modules, outs) -> None:
+        """Each LoRA delta of ``modules`` added into the matching ``outs`` (:meth:`_proj`'s
+        last step)."""
+        for mod, o in zip(modules, outs):
+            spec = self.lora.get(mod)
+            if spec is not None:
+                self._lora_add(x, spec, o)
 
     def _lora_add(self, x, spec: LoraSpec, out) -> None:
         """``out += (x @ A.T) @ B.T * scale`` (out may be a column slice). On the GPU in

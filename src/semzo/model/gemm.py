@@ -113,6 +113,23 @@ def matmul_bf16(x, w, out, transposed: bool = True, xb=None):
     return out
 
 
+def matmul_bf16_many(x, ws, outs, xb=None) -> None:
+    """:func:`matmul_bf16` of one x by each (O, I) weight of ``ws`` into the matching
+    ``outs`` (a block's q, k, v, or gate and up): on the CPU with AVX512_BF16 the activations
+    packed once for all (:func:`semzo.model.gemm_cpu.matmul_many`, the same bits), else one
+    :func:`matmul_bf16` each."""
+    if xb is None:
+        xb = bf16_input(x)
+    if array_module(x) is np and xb.shape == x.shape and xb.dtype == BF16:
+        for w, o in zip(ws, outs):
+            _check(x, w, o)                 # what matmul_bf16 refuses, refused alike
+        if all(gemm_cpu.usable(xb, w, o, True) for w, o in zip(ws, outs)):
+            gemm_cpu.matmul_many(xb, ws, outs)
+            return
+    for w, o in zip(ws, outs):
+        matmul_bf16(x, w, o, True, xb)
+
+
 def _gemm_ex(xp, w, xb, out, args) -> None:
     """One ``cublasGemmEx``: bfloat16 A (the weight) and B (the activations), float32 C and
     compute, on the current stream (CuPy's handle sets it), host scalars."""

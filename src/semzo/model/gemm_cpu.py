@@ -303,15 +303,27 @@ def _pack(pairs, ap):
 
 
 @njit(cache=True, nogil=True)
+def _packed(pairs):
+    """The activations' pairs (M, P) packed for the tile: (ceil(M / 48), P, NG, 16)."""
+    m_rows, npr = pairs.shape
+    ap = np.empty(((m_rows + MB - 1) // MB, npr, NG, 16), np.uint32)
+    _pack(pairs, ap)
+    return ap
+
+
+@njit(cache=True, nogil=True)
 def _gemm(pairs, w32, out):
     """out[m, n] = sum over k of bf16(x)[m, k] * w[n, k] (see the module's arithmetic):
     pairs (M, P) and w32 (N, P) uint32 (bfloat16 pairs, C-contiguous), out (M, N) float32
     with contiguous rows."""
-    m_rows, npr = pairs.shape
+    _gemm_packed(_packed(pairs), pairs.shape[0], w32, out)
+
+
+@njit(cache=True, nogil=True)
+def _gemm_packed(ap, m_rows, w32, out):
+    """:func:`_gemm` of activations already packed (:func:`_packed`) for ``m_rows`` rows."""
+    nb, npr = ap.shape[0], ap.shape[1]
     n_out = w32.shape[0]
-    nb = (m_rows + MB - 1) // MB
-    ap = np.empty((nb, npr, NG, 16), np.uint32)
-    _pack(pairs, ap)
     tile = np.empty((NR, NG, 16), np.float32)
     wtail = np.zeros((NR, npr), np.uint32)
     a0 = np.intp(ap.ctypes.data)
@@ -700,6 +712,22 @@ def usable(xb, w, out, transposed: bool) -> bool:
             and xb.flags.c_contiguous and w.flags.c_contiguous
             and xb.ctypes.data % 4 == 0 and w.ctypes.data % 4 == 0
             and out.shape == (xb.shape[0], w.shape[0]) and enabled())
+
+
+def matmul_many(xb, ws, outs):
+    """:func:`matmul` of one x by each weight of ``ws`` into the matching ``outs`` (each
+    pair :func:`usable`): a block's q, k and v, or gate and up. The activations are packed
+    once for all of them (3 of 5 packings a block saved: 73 us each for 512 rows of
+    SmolLM2's, 1.3 % of its GEMM time; AMD EPYC); the same bits. Returns outs."""
+    if xb.shape[0] <= GEMV_ROWS:
+        for w, out in zip(ws, outs):
+            matmul(xb, w, out)
+        return outs
+    pairs = xb.view(np.uint32)
+    ap = _packed(pairs)
+    for w, out in zip(ws, outs):
+        _gemm_packed(ap, pairs.shape[0], w.view(np.uint32), out)
+    return outs
 
 
 def matmul(xb, w, out):
