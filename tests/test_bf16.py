@@ -293,6 +293,40 @@ def test_one_token_at_a_time_reads_the_weights_in_place(name, storage, tmp_path_
     assert not calls
 
 
+@pytest.mark.parametrize("matmul", ["float32", "bfloat16"])
+def test_projections_of_one_input_in_one_call_keep_lora_and_bits(matmul, tmp_path_factory,
+                                                                  monkeypatch):
+    """_proj_many (q, k, v and gate, up in one call: one GEMV launch of a few rows, or one
+    packing of the activations for bfloat16 GEMMs) with LoRA adapters on some of them: the
+    logits of a prompt and of tokens fed one at a time are bit for bit those of one _proj a
+    module, and the adapters count (they change the logits)."""
+    from semzo.model import base
+    folder, _ = build("llama_gqa_llama3_untied", tmp_path_factory)
+    model = load_model(folder, dtype="bfloat16")
+    model.set_matmul(matmul)
+    ids, mask = padded_batch(np.random.default_rng(6), V, 2, 11)
+
+    def run():
+        cache = model.new_cache(2, ids.shape[1] + 3)
+        out = [model.forward_cached(ids, cache, mask)]
+        for j in range(3):
+            out.append(model.forward_cached(ids[:, j:j + 1], cache))
+        return np.concatenate(out, axis=1)
+    plain = run()
+    model.add_lora(rank=2, alpha=4.0, targets=("q_proj", "v_proj", "up_proj"))
+    r = np.random.default_rng(1)
+    for name in model.params:
+        if name.endswith("lora_B.weight"):
+            b = model.params[name]
+            b[...] = to_bits(r.standard_normal(b.shape).astype(np.float32) * 0.2) \
+                if b.dtype == np.uint16 else r.standard_normal(b.shape) * 0.2
+    got = run()
+    assert not np.array_equal(got, plain)
+    monkeypatch.setattr(base.TransformerBase, "_proj_many", lambda self, x, mods, outs, xb:
+                        [self._proj(x, mod, o, xb) for mod, o in zip(mods, outs)])
+    assert np.array_equal(run(), got)
+
+
 def test_resume_across_storages_is_refused(tmp_path_factory):
     """A bfloat16 tensor never meets a float array through a numeric cast."""
     from semzo.model.storage import same_storage_copy
