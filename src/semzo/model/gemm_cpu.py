@@ -16,7 +16,8 @@ values along K) times 8 weight rows (each pair of a weight row broadcast to the 
 read in place from the stored bfloat16 bits: the weight is never copied or repacked, so an
 in-place ZO perturbation costs nothing here); 24 accumulators. The activations are packed
 once per call (rows grouped by 48, pairs interleaved; zero rows pad the last group, whose
-tile computes only the 16-row groups it fills). A full tile is transposed in registers and
+tile computes only the 16-row groups it fills), or once for several weights
+(:func:`matmul_many`). A full tile is transposed in registers and
 stored straight into the output; columns go in chunks whose weight rows (about 256 KiB)
 stay in L2 while every row block passes them. The micro-kernel alone: about 228 GFLOP/s a
 thread on an AMD EPYC (Zen 4), 3.55 ``vdpbf16ps`` a nanosecond; SmolLM2's GEMMs 199-221.
