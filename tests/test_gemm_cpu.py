@@ -250,6 +250,16 @@ def test_several_weights_in_one_launch_keep_each_ones_bits(storage):
             finally:
                 kernels.set_threads(saved)
             assert np.array_equal(big[:, :58], np.concatenate(alone, axis=1))
+    # outs of different layouts (a C-contiguous array beside column slices), weights of
+    # different dtypes: one gemv_f32 each, the same bits
+    w16 = bits(r.standard_normal((9, 30)))
+    w32 = r.standard_normal((9, 30)).astype(np.float32)
+    x = r.standard_normal((3, 30)).astype(np.float32)
+    big = np.empty((3, 20), np.float32)
+    outs = (big[:, :9], np.empty((3, 9), np.float32))
+    gemm_cpu.gemv_f32_many(x, [w16, w32], outs)
+    for w, o in zip((w16, w32), outs):
+        assert np.array_equal(o, gemm_cpu.gemv_f32(x, w, np.empty((3, 9), np.float32)))
 
 
 def test_operands_it_does_not_take_go_to_float32():

@@ -677,9 +677,16 @@ def gemv_f32_usable(x, w, out) -> bool:
 
 def gemv_f32_many(x, ws, outs):
     """``out[...] = x @ float32(W).T`` for each pair of ``ws`` and ``outs`` (each pair
-    :func:`gemv_f32_usable`, all weights of one dtype, all outs of one layout): one parallel
-    launch instead of one a weight, the bits of :func:`gemv_f32`. Returns outs."""
+    :func:`gemv_f32_usable`): one parallel launch instead of one a weight, the bits of
+    :func:`gemv_f32`. Weights of different dtypes or outs of different layouts (which the
+    launch, indexing its tuples by a loop variable, cannot take) go one :func:`gemv_f32`
+    each. Returns outs."""
     ws, outs = tuple(ws), tuple(outs)
+    if any(w.dtype != ws[0].dtype for w in ws) or \
+            len({o.flags.c_contiguous for o in outs}) > 1:
+        for w, out in zip(ws, outs):
+            gemv_f32(x, w, out)
+        return outs
     parts = _gemv_parts(sum(w.shape[0] for w in ws))
     if parts > 1:
         _gemv_f32_many_par(x, ws, outs, parts)
