@@ -393,6 +393,10 @@ def main() -> None:
               f"{size} ranks); async - sync, paired by round: "
               + " ".join(f"{x:+.2f}" for x in diff) + f" s, median {np.median(diff):+.2f} s "
               "(goal <= 0)")
+        if how == ["synchronous"]:
+            print("  (async_save = true saved synchronously here, as the synchronous row does: "
+                  "the two rows run the same code, so their difference is the host's noise; "
+                  "the noise floor row shows its size)")
         print("  lost = sum over steps from the checkpoint on of (step time - median step time "
               "before it) + close; blocked = time inside save() and close()")
 
