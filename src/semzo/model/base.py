@@ -335,8 +335,7 @@ class TransformerBase(StagedModel):
             return
         if self.matmul == "float32" and self._gemv_rows(x.shape[0]):
             ws = [self.params[mod + ".weight"] for mod in modules]
-            if all(w.dtype == ws[0].dtype and gemv_f32_usable(x, w, o)
-                   for w, o in zip(ws, outs)):
+            if all(gemv_f32_usable(x, w, o) for w, o in zip(ws, outs)):
                 gemv_f32_many(x, ws, outs)
                 self._lora_adds(x, modules, outs)
                 return
