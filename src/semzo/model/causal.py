@@ -39,6 +39,8 @@ from semzo.model.kernels import (
     split_slices,
 )
 from semzo.model.kernels_lm import (
+    attend_one,
+    attend_one_usable,
     attn_softmax,
     gated_act,
     heads_to_rows,
@@ -351,9 +353,9 @@ class CausalLM(TransformerBase):
 
     def _nw(self, mod: str):
         s = self.config
-        if s.norm_affine and self.xp is not np and s.norm == "rmsnorm" and \
-                not s.norm_plus_one and self.storage == "bfloat16":
-            g = self.params[mod + ".weight"]        # bits: the GPU's RMSNorm reads them
+        if s.norm_affine and s.norm == "rmsnorm" and not s.norm_plus_one and \
+                self.storage == "bfloat16":         # bits: both RMSNorm kernels widen them
+            g = self.params[mod + ".weight"]        # (no float32 copy a call)
         else:
             g = self.fparam(mod + ".weight") if s.norm_affine else self._ones
         if s.norm_plus_one:
@@ -422,9 +424,9 @@ class CausalLM(TransformerBase):
     def _block_rows(self, i: int, x, rows, maskf, pos, kc, vc, past: int) -> None:
         xp, s, dt, m = self.xp, self.config, self.dtype, self._mods[i]
         b, t = pos.shape
-        n, h, nh, nkv, d = b * t, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim
-        g, nq, nk = nh // nkv, nh * d, nkv * d
-        nr = x.shape[0]                             # rows computed (n, or fewer packed)
+        h, nh, nkv, d = s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim
+        nq, nk = nh * d, nkv * d
+        nr = x.shape[0]                             # rows computed (b t, or fewer packed)
         ab = self._norm_bits(x.shape) if s.pre_norm else None
         a = self._norm(x, m["norm1"], scratch(xp, "a", x.shape, x.dtype), ab) if s.pre_norm \
             else x
@@ -440,26 +442,15 @@ class CausalLM(TransformerBase):
             cos, sin = vx.rope_tables(self, past + t, rope)
         # into the padded layout attention reads (qkv holds the packed rows when rows)
         rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, kc, vc, past, rows)
-        tk = past + t
-        sc = scratch(xp, "scores", (b, nkv, g * t, tk), dt)
-        self._bmm(q.reshape(b, nkv, g * t, d), kc[:, :, :tk].transpose(0, 1, 3, 2), sc)
         scale = self.scale / (i + 1) if s.scale_by_layer else self.scale   # GPT-2's option
-        if s.attn_softcap:                          # c * tanh(scale * s / c), then softmax
-            scale = vx.softcap(sc, s.attn_softcap, scale)
-        attn_softmax(sc.reshape(b * nkv, g, t, tk), maskf, scale, nkv, past, s.window(i))
         cb = None                                   # the bits of ctx, when a kernel writes them
-        if xp is np or dt != np.float32:
-            ctx = scratch(xp, "ctx", (b, t, nh, d), dt)
-            view = ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)
-            matmul_into(sc.reshape(b, nkv, g, t, tk), vc[:, :, None, :tk], view)
-            ctx = ctx.reshape(n, nq)
-            if rows is not None:
-                ctx = ctx[rows]
-        else:                   # one strided-batched GEMM into (b, nkv, g*t, d), then the
-            tmp = scratch(xp, "ctx_heads", (b, nkv, g * t, d), dt)   # (real) rows out of it
-            batched_matmul_f32(sc, vc[:, :, :tk], tmp)
-            cb = self._norm_bits((nr, nq))
-            ctx = heads_to_rows(tmp, rows, t, g, scratch(xp, "ctx", (nr, nq), dt), cb)
+        one = scratch(xp, "ctx", (b, nq), dt) if t == 1 and not s.attn_softcap else None
+        if one is not None and attend_one_usable(q, kc, vc, maskf, one):
+            # a generated token on the CPU: scores, softmax and context in one call
+            attend_one(q, kc, vc, maskf, scale, past, s.window(i), one)
+            ctx = one if rows is None else one[rows]
+        else:
+            ctx, cb = self._attend(i, q, kc, vc, maskf, scale, past, rows, nr)
         o = scratch(xp, "o", (nr, h), dt)
         self._proj(ctx, m["o"], o, cb)
         ob = self._bias(m["o"], s.o_bias)
@@ -492,6 +483,31 @@ class CausalLM(TransformerBase):
             residual_add(down, db, x)
         else:
             self._residual_norm(down, db, x, m["norm2"], x)
+
+    def _attend(self, i: int, q, kc, vc, maskf, scale: float, past: int, rows, nr: int):
+        """Attention of queries q (B, nh, T, d) at ``past``.. against kc, vc (B, nkv, L, d):
+        batched products and :func:`attn_softmax`. Returns (ctx (nr, nh d): the rows
+        ``rows``, or all; its bfloat16 bits when the GPU's kernel wrote them, or None)."""
+        xp, s, dt = self.xp, self.config, self.dtype
+        b, nh, t, d = q.shape
+        nkv = kc.shape[1]
+        g, nq, tk = nh // nkv, nh * d, past + t
+        sc = scratch(xp, "scores", (b, nkv, g * t, tk), dt)
+        self._bmm(q.reshape(b, nkv, g * t, d), kc[:, :, :tk].transpose(0, 1, 3, 2), sc)
+        if s.attn_softcap:                          # c * tanh(scale * s / c), then softmax
+            scale = vx.softcap(sc, s.attn_softcap, scale)
+        attn_softmax(sc.reshape(b * nkv, g, t, tk), maskf, scale, nkv, past, s.window(i))
+        if xp is np or dt != np.float32:
+            ctx = scratch(xp, "ctx", (b, t, nh, d), dt)
+            view = ctx.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)
+            matmul_into(sc.reshape(b, nkv, g, t, tk), vc[:, :, None, :tk], view)
+            ctx = ctx.reshape(b * t, nq)
+            return (ctx if rows is None else ctx[rows]), None
+        # one strided-batched GEMM into (b, nkv, g*t, d), then the (real) rows out of it
+        tmp = scratch(xp, "ctx_heads", (b, nkv, g * t, d), dt)
+        batched_matmul_f32(sc, vc[:, :, :tk], tmp)
+        cb = self._norm_bits((nr, nq))
+        return heads_to_rows(tmp, rows, t, g, scratch(xp, "ctx", (nr, nq), dt), cb), cb
 
     #: the CPU's gated MLP computed transposed (:meth:`_mlp_transposed`); False: row layout
     mlp_transposed = True

@@ -17,6 +17,7 @@ from numba import njit
 
 from semzo.backend import array_module
 from semzo.model.gemm import bf16_input
+from semzo.model.gemm_cpu import _widen
 from semzo.model.kernels import (
     _KEY_MIN,
     SAFE_FAST,
@@ -46,6 +47,8 @@ GATED_ACTS = {"silu": 0, "swish": 0, "gelu": 1, "gelu_new": 2, "gelu_pytorch_tan
 
 @njit(fastmath=True, cache=True, nogil=True)
 def _nb_rmsnorm(x, gamma, eps, out):
+    """gamma float32 or bfloat16 bits (widened exactly in the loop: the bits of its float32
+    upcast, without making one a call)."""
     n, h = x.shape
     for i in range(n):
         s = F32(0.0)
@@ -53,7 +56,7 @@ def _nb_rmsnorm(x, gamma, eps, out):
             s += x[i, j] * x[i, j]
         r = F32(1.0) / math.sqrt(s / F32(h) + eps)
         for j in range(h):
-            out[i, j] = gamma[j] * (x[i, j] * r)
+            out[i, j] = _widen(gamma[j]) * (x[i, j] * r)
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -70,7 +73,7 @@ def _nb_residual_rmsnorm(x, bias, resid, gamma, eps, out):
             s += t * t
         r = F32(1.0) / math.sqrt(s / F32(h) + eps)
         for j in range(h):
-            out[i, j] = gamma[j] * (resid[i, j] * r)
+            out[i, j] = _widen(gamma[j]) * (resid[i, j] * r)
 
 
 @njit(fastmath=True, cache=True, nogil=True)
@@ -168,6 +171,44 @@ def _nb_attn_softmax(s, maskf, scale, nkv, past, window):
                 _softmax_row(s[gi, hq, i], lo, hi, keep, mk, scale)
 
 
+@njit(fastmath=True, cache=True, nogil=True, error_model="numpy")
+def _nb_attend_one(q, kc, vc, maskf, scale, past, window, ctx):
+    """Attention of one new token a row: q (B, nh, 1, d) against keys and values 0..past of
+    kc, vc (B, nkv, L, d) into ctx (B, nh d). Each score a dot product over d, the softmax of
+    :func:`_softmax_row` (causal by construction, key mask, sliding window), each context
+    element a sum over the keys in their order: one call for what took two batched matmuls
+    and the softmax call a block."""
+    b_, nh = q.shape[0], q.shape[1]
+    d = q.shape[3]
+    g = nh // kc.shape[1]
+    tk = past + 1
+    lo = max(0, past - window + 1) if window > 0 else 0
+    keep = np.empty(tk, np.int32)
+    mk = np.empty(tk, np.float32)
+    row = np.empty(tk, np.float32)
+    for b in range(b_):
+        _key_masks(maskf, b, keep, mk)
+        for h in range(nh):
+            qh = q[b, h, 0]
+            kk = kc[b, h // g]
+            for j in range(tk):
+                kj = kk[j]
+                acc = F32(0.0)
+                for e in range(d):
+                    acc += qh[e] * kj[e]
+                row[j] = acc
+            _softmax_row(row, lo, tk, keep, mk, scale)
+            out = ctx[b, h * d:(h + 1) * d]
+            out[:] = F32(0.0)
+            vv = vc[b, h // g, lo:tk]
+            ps = row[lo:tk]
+            for j in range(vv.shape[0]):
+                p = ps[j]
+                vj = vv[j]
+                for e in range(d):
+                    out[e] += p * vj[e]
+
+
 @njit(inline="always", fastmath=True, cache=True)
 def _act(x, kind):
     if kind == 0:
@@ -218,12 +259,17 @@ def _empty_like_bias(x, bias):
     return bias if bias is not None else np.empty(0, F32)
 
 
+def _cpu_gamma(g) -> bool:
+    """A norm weight the CPU kernels take: float32, or bfloat16 bits (widened in the loop)."""
+    return isinstance(g, np.ndarray) and (g.dtype == F32 or g.dtype == np.uint16)
+
+
 def rmsnorm(x, gamma, eps: float, out, bits=None):
     """``out = gamma * x / sqrt(mean(x**2) + eps)`` over the last axis of x (N, H); gamma
     float32 or bfloat16 bits. ``bits``: a uint16 (N, H) that also receives the bfloat16 bits
     of out (:func:`semzo.model.gemm.bf16_input`'s, the projections' input of
     model.matmul = "bfloat16"; on the GPU written by the same kernel)."""
-    if _is_cpu32(x, gamma, out):
+    if _is_cpu32(x, out) and _cpu_gamma(gamma):
         _nb_rmsnorm(x, gamma, F32(eps), out)
         return with_bf16_bits(out, bits)
     xp = array_module(x)
@@ -238,7 +284,7 @@ def rmsnorm(x, gamma, eps: float, out, bits=None):
 def residual_rmsnorm(x, bias, resid, gamma, eps: float, out, bits=None):
     """``resid += x (+ bias)`` in place, then ``out = rmsnorm(resid)`` (``bits``: as
     :func:`rmsnorm`); on the GPU without a bias one reduction and one kernel in all."""
-    if _is_cpu32(x, resid, gamma, out) and (bias is None or _is_cpu32(bias)):
+    if _is_cpu32(x, resid, out) and _cpu_gamma(gamma) and (bias is None or _is_cpu32(bias)):
         _nb_residual_rmsnorm(x, _empty_like_bias(x, bias), resid, gamma, F32(eps), out)
         return with_bf16_bits(out, bits)
     if bias is None and array_module(x) is not np and \
@@ -369,6 +415,21 @@ def attn_softmax(s, maskf, scale: float, nkv: int, past: int, window: int | None
     e /= xp.where(tot > 0, tot, 1.0)
     s[...] = e.reshape(g, grp, tq, tk).astype(s.dtype, copy=False)
     return s
+
+
+def attend_one_usable(q, kc, vc, maskf, ctx) -> bool:
+    """True when :func:`attend_one` takes these operands: float32 NumPy arrays, one query a
+    row, the layouts it reads (contiguous last axes)."""
+    return (_is_cpu32(q, kc, vc, maskf, ctx) and q.shape[2] == 1 and q.flags.c_contiguous
+            and kc.strides[3] == 4 and vc.strides[3] == 4 and ctx.flags.c_contiguous)
+
+
+def attend_one(q, kc, vc, maskf, scale: float, past: int, window: int | None, ctx):
+    """``ctx`` (B, nh d) = softmax(scale q k^T) v for one new token a row at position
+    ``past`` (:func:`_nb_attend_one`; :func:`attend_one_usable`): the masks of
+    :func:`attn_softmax`. Returns ctx."""
+    _nb_attend_one(q, kc, vc, maskf, F32(scale), past, int(window or 0), ctx)
+    return ctx
 
 
 def gated_act(gu, bg, bu, act: str, out, bits=None):
