@@ -248,10 +248,12 @@ def test_one_token_at_a_time_reads_the_weights_in_place(name, storage, tmp_path_
     bfloat16 no float32 copy of a weight; for (out, in) weights: GPT-2's Conv1D keeps the
     float32 path, its LM head does not), and the logits of the tokens fed one at a time
     through the KV cache are the full forward's within 1e-5, and bit for bit those of one
-    launch a weight."""
+    launch a weight. (Block by block: the compiled step of semzo.model.decode, which calls
+    the same kernels, has its own tests in test_decode_step.py.)"""
     from semzo.model import base, causal, gemm_cpu
     folder, _ = build(name, tmp_path_factory)
     model = load_model(folder, dtype=storage)
+    model.decode_compiled = False
     ids, mask = padded_batch(np.random.default_rng(4), V, 1, 11)
     ids = ids[:, :int(mask.sum())]
     want = model.logits(ids)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from semzo.model import decode
 from semzo.model import variants as vx
 from semzo.model.base import TransformerBase
 from semzo.model.gemm import batched_matmul_f32, matmul_bf16
@@ -509,6 +510,10 @@ class CausalLM(TransformerBase):
         cb = self._norm_bits((nr, nq))
         return heads_to_rows(tmp, rows, t, g, scratch(xp, "ctx", (nr, nq), dt), cb), cb
 
+    #: a generated token's blocks in one compiled call where :mod:`semzo.model.decode`
+    #: takes them (False: block by block, the same bits)
+    decode_compiled = True
+
     #: the CPU's gated MLP computed transposed (:meth:`_mlp_transposed`); False: row layout
     mlp_transposed = True
 
@@ -663,7 +668,8 @@ class CausalLM(TransformerBase):
         cache.seen += (maskf > 0).sum(axis=1).astype(cache.seen.dtype)
         cm = cache.maskf[:, :past + t]
         x = self._embed(ids, pos).reshape(b * t, -1)
-        self._blocks(range(self.config.num_layers), x, cm, pos, self._pack_rows(maskf), cache,
-                     past)
+        rows = self._pack_rows(maskf)
+        if not decode.run(self, x, cm, pos, rows, cache, past):    # one compiled call, or
+            self._blocks(range(self.config.num_layers), x, cm, pos, rows, cache, past)
         cache.length = past + t
         return self._head(self._final(x)).reshape(b, t, -1)

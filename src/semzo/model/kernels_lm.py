@@ -68,7 +68,7 @@ def _nb_residual_rmsnorm(x, bias, resid, gamma, eps, out):
         for j in range(h):
             t = resid[i, j] + x[i, j]
             if hb:
-                t += bias[j]
+                t += _widen(bias[j])
             resid[i, j] = t
             s += t * t
         r = F32(1.0) / math.sqrt(s / F32(h) + eps)
@@ -84,7 +84,7 @@ def _nb_residual_add(x, bias, resid):
         for j in range(h):
             t = resid[i, j] + x[i, j]
             if hb:
-                t += bias[j]
+                t += _widen(bias[j])
             resid[i, j] = t
 
 
@@ -127,8 +127,8 @@ def _nb_rope_split(qkv, bq, bk, bv, pos, cos, sin, nh, nkv, d, rot, q, k, v, pas
                     bias = bk[(hh - nh) * d:(hh - nh + 1) * d]
                 if rot and hb:
                     for j in range(half):
-                        x1 = src[j] + bias[j]
-                        x2 = src[j + half] + bias[j + half]
+                        x1 = src[j] + _widen(bias[j])
+                        x2 = src[j + half] + _widen(bias[j + half])
                         dst[j] = x1 * cs[j] - x2 * sn[j]
                         dst[j + half] = x2 * cs[j] + x1 * sn[j]
                 elif rot:
@@ -149,7 +149,7 @@ def _copy_bias(src, bias, hb, dst):
     """``dst[:] = src (+ bias)`` over 1-D views from 0."""
     if hb:
         for j in range(dst.shape[0]):
-            dst[j] = src[j] + bias[j]
+            dst[j] = src[j] + _widen(bias[j])
     else:
         for j in range(dst.shape[0]):
             dst[j] = src[j]
@@ -233,8 +233,8 @@ def _nb_gated(gu, bg, bu, kind, out):
     if bg.shape[0] > 0:                  # biases: add them in place first (rare: mlp_bias)
         for r in range(n):
             for j in range(m):
-                gu[r, j] += bg[j]
-                gu[r, m + j] += bu[j]
+                gu[r, j] += _widen(bg[j])
+                gu[r, m + j] += _widen(bu[j])
     for r in range(n):                   # one branch-free loop per kind, so LLVM vectorizes
         o = out[r]
         g = gu[r, :m]

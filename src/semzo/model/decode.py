@@ -1,0 +1,207 @@
+"""A generated token's decoder blocks, each as one compiled call (the CPU).
+
+Generating a token is a forward of one row a prompt: in each block a few GEMVs that read the
+weights once (:func:`semzo.model.gemm_cpu.gemv_f32`) and small kernels (RMSNorm, rotary,
+attention, SwiGLU, residual adds). Block by block from Python (:meth:`CausalLM._block_rows`)
+the step spent time between those kernels: SmolLM2-135M with bfloat16 weights took 12.4 ms
+a token of which the GEMV kernels were 8.1 (cProfile of 100 tokens; the rest calls, checks,
+scratch arrays, dtype dispatch; AMD EPYC, 2 threads, 2026-11-29). :func:`run` calls the same
+Numba kernels in the same order from one Numba function a block, :func:`_nb_block` (the
+GEMV launches from compiled code: a parallel Numba function called from another runs on
+Numba's threads as from Python), about 10 us of Python a block. All the blocks in one call
+was faster still (9.3 against 10.4 ms a token) but Numba indexes a tuple of arrays by a
+loop variable through a switch over its length: 25 s to compile for SmolLM2's 30 blocks,
+growing with the depth; one block compiles in about 7 s, once (``cache=True``), whatever
+the depth.
+
+The logits agree with the block-by-block path to float32 rounding (Numba compiles the kernels
+again inside the block, where LLVM may contract or vectorize an operation differently: an
+ulp here and there; on the development host bit for bit for float32 weights) and are the
+same at any thread count (``tests/test_decode_step.py``). It takes the decoders whose blocks
+are the plain pre-norm ones: RMSNorm, separate q/k/v and gate/up projections, a gated MLP,
+rotary or no positions per block, sliding windows, grouped-query attention, biases (Qwen2's
+q/k/v, Llama's attention and MLP biases, read as stored); float32 or bfloat16 weights read
+in place, float32 products: Llama, Mistral, Qwen2, SmolLM2/3. Anything else (LoRA adapters,
+QK norms, sandwich norms, soft-capping, fused projections, ``model.matmul = "bfloat16"``,
+CuPy, more than :data:`~semzo.model.gemm_cpu.GEMV_ROWS` rows, padding among the new tokens)
+goes block by block. ``CausalLM.decode_compiled = False`` turns it off.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import numpy as np
+from numba import njit
+
+from semzo.model.gemm_cpu import (
+    GEMV_ROWS,
+    _gemv_f32,
+    _gemv_f32_many_par,
+    _gemv_f32_par,
+    _gemv_parts,
+)
+from semzo.model.kernels_lm import (
+    GATED_ACTS,
+    _nb_attend_one,
+    _nb_gated,
+    _nb_residual_add,
+    _nb_residual_rmsnorm,
+    _nb_rmsnorm,
+    _nb_rope_split,
+)
+from semzo.model.variants import rope_tables
+
+F32 = np.float32
+
+
+@njit(cache=True, nogil=True)
+def _gemv(x, w, out, parts):
+    """:func:`semzo.model.gemm_cpu.gemv_f32` of a whole weight (its launch, or the serial
+    kernel on one thread)."""
+    if parts > 1:
+        _gemv_f32_par(x, w, out, parts)
+    else:
+        _gemv_f32(x, w, out, 0, w.shape[0])
+
+
+@njit(cache=True, nogil=True)
+def _gemv2(x, w1, w2, o1, o2, parts):
+    """Two weights of one input: one launch (:func:`_gemv_f32_many_par`)."""
+    if parts > 1:
+        _gemv_f32_many_par(x, (w1, w2), (o1, o2), parts)
+    else:
+        _gemv_f32(x, w1, o1, 0, w1.shape[0])
+        _gemv_f32(x, w2, o2, 0, w2.shape[0])
+
+
+@njit(cache=True, nogil=True)
+def _gemv3(x, w1, w2, w3, o1, o2, o3, parts):
+    """Three weights of one input: one launch (:func:`_gemv_f32_many_par`)."""
+    if parts > 1:
+        _gemv_f32_many_par(x, (w1, w2, w3), (o1, o2, o3), parts)
+    else:
+        _gemv_f32(x, w1, o1, 0, w1.shape[0])
+        _gemv_f32(x, w2, o2, 0, w2.shape[0])
+        _gemv_f32(x, w3, o3, 0, w3.shape[0])
+
+
+@njit(cache=True, nogil=True)
+def _nb_block(x, wq, wk, wv, wo, wg, wu, wd, n1, n2, bq, bk, bv, bo, bg, bu, bd, kc, vc, pos,
+              rot, cos, sin, maskf, window, scale, eps, past, nh, nkv, d, act, parts):
+    """One block on the residual stream x (B, H) in place, for one new token a row at
+    position ``past`` (its key and value appended to kc, vc (B, nkv, L, d)): the weights
+    ``wq`` .. ``wd`` (out, in), the norm weights ``n1``, ``n2``, the biases ``bq`` .. ``bd``
+    (empty: none), rotary tables ``cos``, ``sin`` when ``rot``, a sliding ``window`` (0:
+    none). ``parts``: the GEMV launches' thread counts (q/k/v, o, gate/up, down). The
+    kernels and their order are :meth:`CausalLM._block_rows`'s."""
+    b, h = x.shape
+    nq, nk = nh * d, nkv * d
+    inter_n = wg.shape[0]
+    a = np.empty((b, h), F32)
+    qkv = np.empty((b, nq + 2 * nk), F32)
+    q = np.empty((b, nh, 1, d), F32)
+    ctx = np.empty((b, nq), F32)
+    o = np.empty((b, h), F32)
+    gu = np.empty((b, 2 * inter_n), F32)
+    inter = np.empty((b, inter_n), F32)
+    down = np.empty((b, h), F32)
+    _nb_rmsnorm(x, n1, eps, a)
+    _gemv3(a, wq, wk, wv, qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:], parts[0])
+    _nb_rope_split(qkv, bq, bk, bv, pos, cos, sin, nh, nkv, d, rot, q, kc, vc, past)
+    _nb_attend_one(q, kc, vc, maskf, scale, past, window, ctx)
+    _gemv(ctx, wo, o, parts[1])
+    _nb_residual_rmsnorm(o, bo, x, n2, eps, a)
+    _gemv2(a, wg, wu, gu[:, :inter_n], gu[:, inter_n:], parts[2])
+    _nb_gated(gu, bg, bu, act, inter)
+    _gemv(inter, wd, down, parts[3])
+    _nb_residual_add(down, bd, x)
+
+
+def _plain(model) -> bool:
+    """Whether ``model``'s blocks are the ones :func:`_nb_block` computes (the config and
+    the model's settings; the arrays are checked by :func:`run`)."""
+    s = model.config
+    return (model.kind == "decoder" and model.xp is np and model.dtype == np.float32
+            and model.matmul == "float32" and model.storage in ("float32", "bfloat16")
+            and model.layout == "out_in" and s.pre_norm and s.norm == "rmsnorm"
+            and s.norm_affine and not s.norm_plus_one and not s.norm_bias and s.gated
+            and s.act in GATED_ACTS and not s.sandwich
+            and not s.attn_softcap and not s.qk_norm and not model.lora
+            and all(r in m for m in model._mods for r in ("q", "k", "v", "gate", "up")))
+
+
+_ROLES = ("q", "k", "v", "o", "gate", "up", "down", "norm1", "norm2")
+_BIASED = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+def _arrays(model):
+    """The arrays of :func:`_nb_block` a block: the weights of ``_ROLES``, then the biases
+    of ``_BIASED`` (empty arrays where the config has none), checked once
+    for the arrays ``model.params`` holds now (their shapes against the config: Numba does
+    not check bounds; one dtype; C order) and kept until an array is replaced; None when
+    they do not fit (then the blocks run one by one)."""
+    s, p = model.config, model.params
+    has = {"q": s.qkv_bias, "k": s.qkv_bias, "v": s.qkv_bias, "o": s.o_bias,
+           "gate": s.mlp_bias, "up": s.mlp_bias, "down": s.mlp_bias}
+    names = [m[r] + ".weight" for r in _ROLES for m in model._mods] + \
+        [m[r] + ".bias" for r in _BIASED if has[r] for m in model._mods]
+    now = [p[n] for n in names]
+    kept = model.__dict__.get("_decode_arrays")
+    if kept is not None and len(kept[0]) == len(now) and all(map(operator.is_, kept[0], now)):
+        return kept[1]
+    h, nq, nk, i_ = (s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+                     s.intermediate_size)
+    want = {"q": (nq, h), "k": (nk, h), "v": (nk, h), "o": (h, nq), "gate": (i_, h),
+            "up": (i_, h), "down": (h, i_), "norm1": (h,), "norm2": (h,)}
+    layers, dt = len(model._mods), now[0].dtype
+    arrays = {r: now[j * layers:(j + 1) * layers] for j, r in enumerate(_ROLES)}
+    j = len(_ROLES)
+    for r in _BIASED:
+        want["b" + r] = (want[r][0],) if has[r] else (0,)
+        if has[r]:
+            arrays["b" + r] = now[j * layers:(j + 1) * layers]
+            j += 1
+        else:
+            arrays["b" + r] = [np.empty(0, dt)] * layers
+    ok = all(a.shape == want[r] and a.dtype == dt and a.flags.c_contiguous
+             and a.dtype in (np.float32, np.uint16) for r, t in arrays.items() for a in t)
+    order = list(_ROLES) + ["b" + r for r in _BIASED]
+    blocks = [tuple(arrays[r][i] for r in order) for i in range(layers)] if ok else None
+    model.__dict__["_decode_arrays"] = (now, blocks)
+    return blocks
+
+
+def run(model, x, maskf, pos, rows, cache, past: int) -> bool:
+    """Blocks 0..L-1 of ``model`` on the residual stream x (B, H) for one new token a row,
+    as :meth:`CausalLM._blocks` with ``cache`` at ``past`` computes them, one call of
+    :func:`_nb_block` a block; True when done, False (nothing done) when it does not take
+    them (see the module docstring): the caller then runs the blocks one by one."""
+    b, t = pos.shape
+    if not (model.decode_compiled and t == 1 and rows is None and b <= GEMV_ROWS
+            and cache is not None and _plain(model) and x.dtype == F32
+            and x.flags.c_contiguous):
+        return False
+    blocks = _arrays(model)
+    if blocks is None:
+        return False
+    s = model.config
+    tables = {}
+    for i in range(len(blocks)):
+        rope = s.layer_rope(i)
+        if rope is not None and rope not in tables:
+            tables[rope] = rope_tables(model, past + 1, rope)
+    off = np.zeros((1, 1), F32)
+    nh, nkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+    w = blocks[0]
+    parts = np.array([_gemv_parts(w[0].shape[0] + w[1].shape[0] + w[2].shape[0]),
+                      _gemv_parts(w[3].shape[0]), _gemv_parts(w[4].shape[0] + w[5].shape[0]),
+                      _gemv_parts(w[6].shape[0])], np.int64)
+    eps, act = F32(s.norm_eps), GATED_ACTS[s.act]
+    for i, w in enumerate(blocks):
+        rope = s.layer_rope(i)
+        cos, sin = tables[rope] if rope is not None else (off, off)
+        scale = model.scale / (i + 1) if s.scale_by_layer else model.scale
+        _nb_block(x, *w, cache.k[i], cache.v[i], pos, rope is not None, cos, sin, maskf,
+                  int(s.window(i) or 0), F32(scale), eps, past, nh, nkv, d, act, parts)
+    return True
