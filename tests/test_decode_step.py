@@ -1,7 +1,8 @@
 """A generated token's blocks as one compiled call each (semzo.model.decode): the logits of
-the block-by-block path to float32 rounding (the same kernels; Numba compiles them again
-inside the block, so an operation LLVM may contract or vectorize differently there can move
-a logit by an ulp) and the same tokens, for every decoder family it takes, float32 and
+the block-by-block path to float32 rounding (the same kernels; Numba inlines them into the
+block or calls them, depending on whether it compiled them in this process or loaded them
+from its cache, and LLVM may contract or vectorize an inlined operation differently: an ulp
+here and there) and the same tokens, for every decoder family it takes, float32 and
 bfloat16 weights, one and several rows; bit for bit the same at one and two threads; the
 families and settings it does not take go block by block; weights replaced or perturbed in
 place are read as they are now; arrays that do not fit the config never reach the kernel."""

@@ -14,10 +14,11 @@ loop variable through a switch over its length: 25 s to compile for SmolLM2's 30
 growing with the depth; one block compiles in about 7 s, once (``cache=True``), whatever
 the depth.
 
-The logits agree with the block-by-block path to float32 rounding (Numba compiles the kernels
-again inside the block, where LLVM may contract or vectorize an operation differently: an
-ulp here and there; on the development host bit for bit for float32 weights) and are the
-same at any thread count (``tests/test_decode_step.py``). It takes the decoders whose blocks
+The logits agree with the block-by-block path to float32 rounding and are the same at any
+thread count (``tests/test_decode_step.py``): Numba inlines a kernel into the block when it
+compiled that kernel in the same process and calls it when it loaded it from its cache, and
+LLVM may contract or vectorize an inlined operation differently (an ulp here and there: seen
+with bfloat16 biases; bit for bit in the other cases on the development host). It takes the decoders whose blocks
 are the plain pre-norm ones: RMSNorm, separate q/k/v and gate/up projections, a gated MLP,
 rotary or no positions per block, sliding windows, grouped-query attention, biases (Qwen2's
 q/k/v, Llama's attention and MLP biases, read as stored); float32 or bfloat16 weights read
