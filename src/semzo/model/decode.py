@@ -37,11 +37,11 @@ from numba import njit
 
 from semzo.model.gemm_cpu import (
     GEMV_ROWS,
-    _gemv_f32,
     _gemv_f32_many_par,
     _gemv_f32_par,
     _gemv_parts,
 )
+from semzo.model.kernels import nested
 from semzo.model.kernels_lm import (
     GATED_ACTS,
     _nb_attend_one,
@@ -58,33 +58,22 @@ F32 = np.float32
 
 @njit(cache=True, nogil=True)
 def _gemv(x, w, out, parts):
-    """:func:`semzo.model.gemm_cpu.gemv_f32` of a whole weight (its launch, or the serial
-    kernel on one thread)."""
-    if parts > 1:
-        _gemv_f32_par(x, w, out, parts)
-    else:
-        _gemv_f32(x, w, out, 0, w.shape[0])
+    """:func:`semzo.model.gemm_cpu.gemv_f32` of a whole weight: its launch, also for one
+    part (not the serial kernel, which Numba could compile into the block differently: the
+    launch's code is the same at every thread count)."""
+    _gemv_f32_par(x, w, out, parts)
 
 
 @njit(cache=True, nogil=True)
 def _gemv2(x, w1, w2, o1, o2, parts):
     """Two weights of one input: one launch (:func:`_gemv_f32_many_par`)."""
-    if parts > 1:
-        _gemv_f32_many_par(x, (w1, w2), (o1, o2), parts)
-    else:
-        _gemv_f32(x, w1, o1, 0, w1.shape[0])
-        _gemv_f32(x, w2, o2, 0, w2.shape[0])
+    _gemv_f32_many_par(x, (w1, w2), (o1, o2), parts)
 
 
 @njit(cache=True, nogil=True)
 def _gemv3(x, w1, w2, w3, o1, o2, o3, parts):
     """Three weights of one input: one launch (:func:`_gemv_f32_many_par`)."""
-    if parts > 1:
-        _gemv_f32_many_par(x, (w1, w2, w3), (o1, o2, o3), parts)
-    else:
-        _gemv_f32(x, w1, o1, 0, w1.shape[0])
-        _gemv_f32(x, w2, o2, 0, w2.shape[0])
-        _gemv_f32(x, w3, o3, 0, w3.shape[0])
+    _gemv_f32_many_par(x, (w1, w2, w3), (o1, o2, o3), parts)
 
 
 @njit(cache=True, nogil=True)
@@ -181,8 +170,8 @@ def run(model, x, maskf, pos, rows, cache, past: int) -> bool:
     b, t = pos.shape
     if not (model.decode_compiled and t == 1 and rows is None and b <= GEMV_ROWS
             and cache is not None and _plain(model) and x.dtype == F32
-            and x.flags.c_contiguous):
-        return False
+            and x.flags.c_contiguous and not nested()):   # (a part of a split forward:
+        return False                                        # no launch of its own)
     blocks = _arrays(model)
     if blocks is None:
         return False
