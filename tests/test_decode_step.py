@@ -216,3 +216,22 @@ def test_attention_of_one_token_against_float64(window):
             want[r, h] = (p / p.sum()) @ vc[r, h // 3, keys]
     assert np.abs(ctx.reshape(b, nh, d) - want).max() < 1e-5
     assert not attend_one_usable(q.repeat(2, axis=2), kc, vc, maskf, ctx)   # two queries
+
+
+def test_a_cache_of_another_layout_is_refused(tmp_path_factory):
+    """The kernels append keys and values without bounds checks: a cache of another model's
+    layout (heads, head size, layers, dtype) is refused by name before they run."""
+    folder, _ = build("mistral", tmp_path_factory)
+    model = load_model(folder)
+    other = load_model(build("llama_tied_sharded", tmp_path_factory)[0])
+    ids = np.array([[1, 2, 3]])
+    for cache in (other.new_cache(1, 8), model.new_cache(1, 8)):
+        if cache.k[0].shape[1:] == model.new_cache(1, 8).k[0].shape[1:]:
+            cache.k[1] = cache.k[1][:, :, :, :-1].copy()         # one layer's head size
+        with pytest.raises(ValueError, match="KV cache does not fit"):
+            model.forward_cached(ids, cache)
+    cache = model.new_cache(1, 8)
+    cache.v = cache.v[:-1]                                       # a layer short
+    with pytest.raises(ValueError, match="KV cache does not fit"):
+        model.forward_cached(ids, cache)
+    assert model.forward_cached(ids, model.new_cache(1, 8)).shape == (1, 3, V)

@@ -650,6 +650,17 @@ class CausalLM(TransformerBase):
                        [xp.zeros(shape, self.dtype) for _ in range(s.num_layers)],
                        xp.zeros((batch, max_len), xp.float32), xp.zeros(batch, xp.int64))
 
+    def _check_cache(self, cache: KVCache) -> None:
+        """ValueError unless ``cache`` has this model's layout (:meth:`new_cache`'s): the
+        kernels that append to it do not check bounds."""
+        s = self.config
+        want = (cache.maskf.shape[0], s.num_kv_heads, cache.maskf.shape[1], s.head_dim)
+        if len(cache.k) != s.num_layers or len(cache.v) != s.num_layers or any(
+                a.shape != want or a.dtype != self.dtype or not a.flags.c_contiguous
+                for a in (*cache.k, *cache.v)):
+            raise ValueError(f"the KV cache does not fit this model: {s.num_layers} layers of "
+                             f"{want} {self.dtype} wanted (make it with new_cache)")
+
     def forward_cached(self, ids_new, cache: KVCache, attention_mask=None):
         """Logits (B, t, V) float32 of ``ids_new`` (B, t), attending to the cached tokens and
         each other; appends their keys and values. ``attention_mask`` (B, t) marks new
@@ -663,6 +674,7 @@ class CausalLM(TransformerBase):
         if b != cache.maskf.shape[0] or past + t > cache.maskf.shape[1]:
             raise ValueError(f"{b} x {t} new tokens do not fit a cache of "
                              f"{tuple(cache.maskf.shape)} holding {past}")
+        self._check_cache(cache)
         cache.maskf[:, past:past + t] = maskf
         pos = self._positions(maskf, past, cache.seen)
         cache.seen += (maskf > 0).sum(axis=1).astype(cache.seen.dtype)
