@@ -17,15 +17,17 @@ the depth.
 The logits agree with the block-by-block path to float32 rounding and are the same at any
 thread count (``tests/test_decode_step.py``): Numba inlines a kernel into the block when it
 compiled that kernel in the same process and calls it when it loaded it from its cache, and
-LLVM may contract or vectorize an inlined operation differently (an ulp here and there: seen
-with bfloat16 biases; bit for bit in the other cases on the development host). It takes the decoders whose blocks
-are the plain pre-norm ones: RMSNorm, separate q/k/v and gate/up projections, a gated MLP,
-rotary or no positions per block, sliding windows, grouped-query attention, biases (Qwen2's
-q/k/v, Llama's attention and MLP biases, read as stored); float32 or bfloat16 weights read
-in place, float32 products: Llama, Mistral, Qwen2, SmolLM2/3. Anything else (LoRA adapters,
-QK norms, sandwich norms, soft-capping, fused projections, ``model.matmul = "bfloat16"``,
-CuPy, more than :data:`~semzo.model.gemm_cpu.GEMV_ROWS` rows, padding among the new tokens)
-goes block by block. ``CausalLM.decode_compiled = False`` turns it off.
+LLVM may contract or vectorize an inlined operation differently (an ulp here and there).
+
+It takes the pre-norm decoders with RMSNorm, separate q/k/v and gate/up projections and a
+gated MLP: rotary or no positions per block (one table or Gemma's local and global ones),
+sliding windows, grouped-query attention, biases (read as stored), QK norms (Qwen3,
+Gemma 3), Gemma's sandwich norms and ``1 + w`` scales; float32 or bfloat16 weights read in
+place, float32 products: Llama, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM2/3. Anything else
+(LoRA adapters, soft-capped attention (Gemma 2), fused projections (Phi-3), LayerNorm
+blocks (OPT, GPT-2), ``model.matmul = "bfloat16"``, CuPy, more than
+:data:`~semzo.model.gemm_cpu.GEMV_ROWS` rows, padding among the new tokens) goes block by
+block. ``CausalLM.decode_compiled = False`` turns it off.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from semzo.model.gemm_cpu import (
     _gemv_f32_many_par,
     _gemv_f32_par,
     _gemv_parts,
+    _widen,
 )
 from semzo.model.kernels import nested
 from semzo.model.kernels_lm import (
@@ -77,14 +80,52 @@ def _gemv3(x, w1, w2, w3, o1, o2, o3, parts):
 
 
 @njit(cache=True, nogil=True)
-def _nb_block(x, wq, wk, wv, wo, wg, wu, wd, n1, n2, bq, bk, bv, bo, bg, bu, bd, kc, vc, pos,
-              rot, cos, sin, maskf, window, scale, eps, past, nh, nkv, d, act, parts):
+def _norm(x, g, plus, eps, out):
+    """``out = rmsnorm(x)`` with the scale ``g`` (float32 or bfloat16 bits), or ``1 + g``
+    (Gemma's, ``variants.plus_one``: float32(g) + 1 in float32) when ``plus``."""
+    if plus:
+        gp = np.empty(g.shape[0], F32)
+        for j in range(g.shape[0]):
+            gp[j] = _widen(g[j]) + F32(1.0)
+        _nb_rmsnorm(x, gp, eps, out)
+    else:
+        _nb_rmsnorm(x, g, eps, out)
+
+
+@njit(cache=True, nogil=True)
+def _resnorm(y, bias, x, g, plus, eps, out):
+    """``x += y (+ bias)``, then ``out = rmsnorm(x)`` with the scale of :func:`_norm`."""
+    if plus:
+        gp = np.empty(g.shape[0], F32)
+        for j in range(g.shape[0]):
+            gp[j] = _widen(g[j]) + F32(1.0)
+        _nb_residual_rmsnorm(y, bias, x, gp, eps, out)
+    else:
+        _nb_residual_rmsnorm(y, bias, x, g, eps, out)
+
+
+@njit(cache=True, nogil=True)
+def _head_norm(qkv, lo, hi, d, g, plus, eps):
+    """Columns lo..hi of qkv (B, .) normed a head (d values) at a time in place (a QK norm,
+    as ``variants.project_qkv``: a contiguous copy of the heads as rows, normed, put back)."""
+    b = qkv.shape[0]
+    part = np.ascontiguousarray(qkv[:, lo:hi]).reshape(b * (hi - lo) // d, d)
+    _norm(part, g, plus, eps, part)
+    qkv[:, lo:hi] = part.reshape(b, hi - lo)
+
+
+@njit(cache=True, nogil=True)
+def _nb_block(x, wq, wk, wv, wo, wg, wu, wd, n1, n2, bq, bk, bv, bo, bg, bu, bd, nqn, nkn,
+              npa, npm, kc, vc, pos, rot, cos, sin, maskf, window, scale, eps, plus, qk_norm,
+              sandwich, past, nh, nkv, d, act, parts):
     """One block on the residual stream x (B, H) in place, for one new token a row at
     position ``past`` (its key and value appended to kc, vc (B, nkv, L, d)): the weights
     ``wq`` .. ``wd`` (out, in), the norm weights ``n1``, ``n2``, the biases ``bq`` .. ``bd``
-    (empty: none), rotary tables ``cos``, ``sin`` when ``rot``, a sliding ``window`` (0:
-    none). ``parts``: the GEMV launches' thread counts (q/k/v, o, gate/up, down). The
-    kernels and their order are :meth:`CausalLM._block_rows`'s."""
+    (empty: none), with ``qk_norm`` the heads' norms ``nqn``, ``nkn`` (d,), with ``sandwich``
+    the norms of the attention's and the MLP's outputs ``npa``, ``npm`` (Gemma's), every
+    norm's scale ``1 + w`` when ``plus``; rotary tables ``cos``, ``sin`` when ``rot``, a
+    sliding ``window`` (0: none). ``parts``: the GEMV launches' thread counts (q/k/v, o,
+    gate/up, down). The kernels and their order are :meth:`CausalLM._block_rows`'s."""
     b, h = x.shape
     nq, nk = nh * d, nkv * d
     inter_n = wg.shape[0]
@@ -96,15 +137,32 @@ def _nb_block(x, wq, wk, wv, wo, wg, wu, wd, n1, n2, bq, bk, bv, bo, bg, bu, bd,
     gu = np.empty((b, 2 * inter_n), F32)
     inter = np.empty((b, inter_n), F32)
     down = np.empty((b, h), F32)
-    _nb_rmsnorm(x, n1, eps, a)
+    _norm(x, n1, plus, eps, a)
     _gemv3(a, wq, wk, wv, qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:], parts[0])
-    _nb_rope_split(qkv, bq, bk, bv, pos, cos, sin, nh, nkv, d, rot, q, kc, vc, past)
+    if qk_norm:                     # biases first, then each head of q and k normed
+        if bq.shape[0] > 0:
+            for r in range(b):
+                for j in range(nq):
+                    qkv[r, j] += _widen(bq[j])
+                for j in range(nk):
+                    qkv[r, nq + j] += _widen(bk[j])
+                    qkv[r, nq + nk + j] += _widen(bv[j])
+        _head_norm(qkv, 0, nq, d, nqn, plus, eps)
+        _head_norm(qkv, nq, nq + nk, d, nkn, plus, eps)
+        _nb_rope_split(qkv, bq[:0], bk[:0], bv[:0], pos, cos, sin, nh, nkv, d, rot, q, kc,
+                       vc, past)
+    else:
+        _nb_rope_split(qkv, bq, bk, bv, pos, cos, sin, nh, nkv, d, rot, q, kc, vc, past)
     _nb_attend_one(q, kc, vc, maskf, scale, past, window, ctx)
     _gemv(ctx, wo, o, parts[1])
-    _nb_residual_rmsnorm(o, bo, x, n2, eps, a)
+    if sandwich:                    # Gemma: the output normed, then added (no biases)
+        _norm(o, npa, plus, eps, o)
+    _resnorm(o, bo, x, n2, plus, eps, a)
     _gemv2(a, wg, wu, gu[:, :inter_n], gu[:, inter_n:], parts[2])
     _nb_gated(gu, bg, bu, act, inter)
     _gemv(inter, wd, down, parts[3])
+    if sandwich:
+        _norm(down, npm, plus, eps, down)
     _nb_residual_add(down, bd, x)
 
 
@@ -115,49 +173,55 @@ def _plain(model) -> bool:
     return (model.kind == "decoder" and model.xp is np and model.dtype == np.float32
             and model.matmul == "float32" and model.storage in ("float32", "bfloat16")
             and model.layout == "out_in" and s.pre_norm and s.norm == "rmsnorm"
-            and s.norm_affine and not s.norm_plus_one and not s.norm_bias and s.gated
-            and s.act in GATED_ACTS and not s.sandwich
-            and not s.attn_softcap and not s.qk_norm and not model.lora
-            and all(r in m for m in model._mods for r in ("q", "k", "v", "gate", "up")))
+            and s.norm_affine and not s.norm_bias and s.gated and s.act in GATED_ACTS
+            and not (s.sandwich and (s.o_bias or s.mlp_bias))
+            and not s.attn_softcap and not model.lora)
 
 
-_ROLES = ("q", "k", "v", "o", "gate", "up", "down", "norm1", "norm2")
-_BIASED = ("q", "k", "v", "o", "gate", "up", "down")
+def _layout(s) -> list:
+    """(module role, tensor, shape or None when the config has none) of each array
+    :func:`_nb_block` takes a block, in its order: weights, norms, biases, head norms,
+    sandwich norms."""
+    h, nq, nk, i_, d = (s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
+                        s.intermediate_size, s.head_dim)
+    out = {"q": nq, "k": nk, "v": nk, "o": h, "gate": i_, "up": i_, "down": h}
+    inn = {"q": h, "k": h, "v": h, "o": nq, "gate": h, "up": h, "down": i_}
+    bias = {"q": s.qkv_bias, "k": s.qkv_bias, "v": s.qkv_bias, "o": s.o_bias,
+            "gate": s.mlp_bias, "up": s.mlp_bias, "down": s.mlp_bias}
+    return ([(r, "weight", (out[r], inn[r])) for r in out]
+            + [(r, "weight", (h,)) for r in ("norm1", "norm2")]
+            + [(r, "bias", (out[r],) if bias[r] else None) for r in out]
+            + [(r, "weight", (d,) if s.qk_norm else None) for r in ("qnorm", "knorm")]
+            + [(r, "weight", (h,) if s.sandwich else None) for r in ("norm_pa", "norm_pm")])
 
 
 def _arrays(model):
-    """The arrays of :func:`_nb_block` a block: the weights of ``_ROLES``, then the biases
-    of ``_BIASED`` (empty arrays where the config has none), checked once
-    for the arrays ``model.params`` holds now (their shapes against the config: Numba does
-    not check bounds; one dtype; C order) and kept until an array is replaced; None when
-    they do not fit (then the blocks run one by one)."""
-    s, p = model.config, model.params
-    has = {"q": s.qkv_bias, "k": s.qkv_bias, "v": s.qkv_bias, "o": s.o_bias,
-           "gate": s.mlp_bias, "up": s.mlp_bias, "down": s.mlp_bias}
-    names = [m[r] + ".weight" for r in _ROLES for m in model._mods] + \
-        [m[r] + ".bias" for r in _BIASED if has[r] for m in model._mods]
-    now = [p[n] for n in names]
+    """The arrays of :func:`_nb_block` a block (:func:`_layout`; empty arrays for what the
+    config has none of), checked once for the arrays ``model.params`` holds now (their
+    shapes against the config: Numba does not check bounds; one dtype, float32 or bfloat16
+    bits; C order) and kept until an array is replaced; None when they do not fit (then the
+    blocks run one by one)."""
+    p, lay = model.params, _layout(model.config)
+    now = [p.get(m[r] + "." + t) if r in m else None
+           for r, t, shape in lay if shape is not None for m in model._mods]
     kept = model.__dict__.get("_decode_arrays")
     if kept is not None and len(kept[0]) == len(now) and all(map(operator.is_, kept[0], now)):
         return kept[1]
-    h, nq, nk, i_ = (s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
-                     s.intermediate_size)
-    want = {"q": (nq, h), "k": (nk, h), "v": (nk, h), "o": (h, nq), "gate": (i_, h),
-            "up": (i_, h), "down": (h, i_), "norm1": (h,), "norm2": (h,)}
+    if now[0] is None:
+        return None
     layers, dt = len(model._mods), now[0].dtype
-    arrays = {r: now[j * layers:(j + 1) * layers] for j, r in enumerate(_ROLES)}
-    j = len(_ROLES)
-    for r in _BIASED:
-        want["b" + r] = (want[r][0],) if has[r] else (0,)
-        if has[r]:
-            arrays["b" + r] = now[j * layers:(j + 1) * layers]
-            j += 1
-        else:
-            arrays["b" + r] = [np.empty(0, dt)] * layers
-    ok = all(a.shape == want[r] and a.dtype == dt and a.flags.c_contiguous
-             and a.dtype in (np.float32, np.uint16) for r, t in arrays.items() for a in t)
-    order = list(_ROLES) + ["b" + r for r in _BIASED]
-    blocks = [tuple(arrays[r][i] for r in order) for i in range(layers)] if ok else None
+    cols, j, ok = [], 0, True
+    for _, _, shape in lay:
+        if shape is None:
+            cols.append([np.empty(0, dt)] * layers)
+            continue
+        col = now[j:j + layers]
+        j += layers
+        ok = ok and all(isinstance(a, np.ndarray) and a.shape == shape and a.dtype == dt
+                        and a.flags.c_contiguous for a in col)
+        cols.append(col)
+    ok = ok and dt in (np.float32, np.uint16)
+    blocks = [tuple(c[i] for c in cols) for i in range(layers)] if ok else None
     model.__dict__["_decode_arrays"] = (now, blocks)
     return blocks
 
@@ -193,5 +257,6 @@ def run(model, x, maskf, pos, rows, cache, past: int) -> bool:
         cos, sin = tables[rope] if rope is not None else (off, off)
         scale = model.scale / (i + 1) if s.scale_by_layer else model.scale
         _nb_block(x, *w, cache.k[i], cache.v[i], pos, rope is not None, cos, sin, maskf,
-                  int(s.window(i) or 0), F32(scale), eps, past, nh, nkv, d, act, parts)
+                  int(s.window(i) or 0), F32(scale), eps, s.norm_plus_one, s.qk_norm,
+                  s.sandwich, past, nh, nkv, d, act, parts)
     return True
