@@ -105,7 +105,7 @@ def main() -> None:
 
     from semzo.backend import set_threads as limit_threads
     from semzo.generate import generate_ids
-    from semzo.model import gemm_cpu, load_model
+    from semzo.model import decode, gemm_cpu, load_model
     from semzo.model.zoo import resolve_model_path
     folder = args.model or str(resolve_model_path("smollm2"))
     limit_threads(args.threads)
@@ -156,6 +156,9 @@ def main() -> None:
     for name in ("bfloat16 weights", "bfloat16 GEMMs"):
         print(f"semzo {name}: {res['semzo float32'][0] / res['semzo ' + name][0]:.2f}x "
               f"faster than semzo float32")
+    print("semzo's blocks of a generated token: " + ", ".join(
+        f"{name} {'compiled (semzo.model.decode)' if decode.takes(m) else 'block by block'}"
+        for name, m in ours.items()))
 
 
 def batched(args, ours, folder, rng) -> None:

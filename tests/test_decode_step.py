@@ -238,3 +238,15 @@ def test_a_cache_of_another_layout_is_refused(tmp_path_factory):
     with pytest.raises(ValueError, match="KV cache does not fit"):
         model.forward_cached(ids, cache)
     assert model.forward_cached(ids, model.new_cache(1, 8)).shape == (1, 3, V)
+
+
+def test_takes_says_which_path_a_generated_token_takes(tmp_path_factory):
+    folder, _ = build("qwen3_bias", tmp_path_factory)
+    model = load_model(folder, dtype="bfloat16")
+    assert decode.takes(model)
+    model.set_matmul("bfloat16")
+    assert not decode.takes(model)
+    model.set_matmul("float32")
+    model.decode_compiled = False
+    assert not decode.takes(model)
+    assert not decode.takes(load_model(build("gemma2", tmp_path_factory)[0]))

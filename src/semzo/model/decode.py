@@ -226,6 +226,12 @@ def _arrays(model):
     return blocks
 
 
+def takes(model) -> bool:
+    """Whether ``model``'s generated tokens (one a row, none padded) take the compiled
+    blocks (what benchmarks print beside their figures)."""
+    return bool(model.decode_compiled and _plain(model) and _arrays(model) is not None)
+
+
 def run(model, x, maskf, pos, rows, cache, past: int) -> bool:
     """Blocks 0..L-1 of ``model`` on the residual stream x (B, H) for one new token a row,
     as :meth:`CausalLM._blocks` with ``cache`` at ``past`` computes them, one call of
