@@ -219,6 +219,11 @@ def test_attention_of_one_token_against_float64(window):
             want[r, h] = (p / p.sum()) @ vc[r, h // 3, keys]
     assert np.abs(ctx.reshape(b, nh, d) - want).max() < 1e-5
     assert not attend_one_usable(q.repeat(2, axis=2), kc, vc, maskf, ctx)   # two queries
+    for bad in ((q, kc, vc, maskf, 0.3, size, window, ctx),             # past the cache
+                (q, kc, vc, maskf[:, :3], 0.3, past, window, ctx),       # a short mask
+                (q, kc[:, :, :, :4], vc, maskf, 0.3, past, window, ctx)):  # head size
+        with pytest.raises(ValueError, match="attend_one"):
+            attend_one(*bad)
 
 
 def test_a_cache_of_another_layout_is_refused(tmp_path_factory):

@@ -445,7 +445,8 @@ class CausalLM(TransformerBase):
         rope_split(qkv, biases, pos, cos, sin, nh, nkv, d, q, kc, vc, past, rows)
         scale = self.scale / (i + 1) if s.scale_by_layer else self.scale   # GPT-2's option
         cb = None                                   # the bits of ctx, when a kernel writes them
-        one = scratch(xp, "ctx", (b, nq), dt) if t == 1 and not s.attn_softcap else None
+        one = scratch(xp, "ctx", (b, nq), dt) if t == 1 and not s.attn_softcap and \
+            xp is np else None
         if one is not None and attend_one_usable(q, kc, vc, maskf, one):
             # a generated token on the CPU: scores, softmax and context in one call
             attend_one(q, kc, vc, maskf, scale, past, s.window(i), one)
@@ -510,8 +511,8 @@ class CausalLM(TransformerBase):
         cb = self._norm_bits((nr, nq))
         return heads_to_rows(tmp, rows, t, g, scratch(xp, "ctx", (nr, nq), dt), cb), cb
 
-    #: a generated token's blocks in one compiled call where :mod:`semzo.model.decode`
-    #: takes them (False: block by block, the same bits)
+    #: a generated token's blocks one compiled call each where :mod:`semzo.model.decode`
+    #: takes them (False: block by block; the two agree to float32 rounding)
     decode_compiled = True
 
     #: the CPU's gated MLP computed transposed (:meth:`_mlp_transposed`); False: row layout

@@ -427,7 +427,14 @@ def attend_one_usable(q, kc, vc, maskf, ctx) -> bool:
 def attend_one(q, kc, vc, maskf, scale: float, past: int, window: int | None, ctx):
     """``ctx`` (B, nh d) = softmax(scale q k^T) v for one new token a row at position
     ``past`` (:func:`_nb_attend_one`; :func:`attend_one_usable`): the masks of
-    :func:`attn_softmax`. Returns ctx."""
+    :func:`attn_softmax`. The shapes are checked first (the kernel does not check bounds).
+    Returns ctx."""
+    b, nh, _, d = q.shape
+    if not (kc.shape == vc.shape and kc.shape[0] == b and kc.shape[3] == d
+            and kc.shape[2] > past >= 0 and nh % kc.shape[1] == 0
+            and maskf.shape[0] == b and maskf.shape[1] > past and ctx.shape == (b, nh * d)):
+        raise ValueError(f"attend_one: q {q.shape}, keys {kc.shape}, values {vc.shape}, "
+                         f"mask {maskf.shape}, out {ctx.shape} at position {past}")
     _nb_attend_one(q, kc, vc, maskf, F32(scale), past, int(window or 0), ctx)
     return ctx
 
