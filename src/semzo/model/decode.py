@@ -11,8 +11,9 @@ GEMV launches from compiled code: a parallel Numba function called from another 
 Numba's threads as from Python), about 10 us of Python a block. All the blocks in one call
 was faster still (9.3 against 10.4 ms a token) but Numba indexes a tuple of arrays by a
 loop variable through a switch over its length: 25 s to compile for SmolLM2's 30 blocks,
-growing with the depth; one block compiles in about 7 s, once (``cache=True``), whatever
-the depth.
+growing with the depth; with one block a call the first generated token of an empty cache
+takes about 13 s (every kernel of the step compiled, ``cache=True``: once), whatever the
+depth.
 
 The logits agree with the block-by-block path to float32 rounding and are the same at any
 thread count (``tests/test_decode_step.py``): Numba inlines a kernel into the block when it
