@@ -23,13 +23,13 @@ from test_decoder_parity import CASES, V, build, padded_batch
 
 from semzo.model import decode, load_model
 
-#: the cases whose blocks the compiled step takes (pre-norm RMSNorm blocks, separate
-#: projections; biases, sliding windows, layers without rotary, QK norms, Gemma 3's sandwich
-#: norms, 1 + w scales and local/global rotary included; not Gemma 2's soft-capped
-#: attention, Phi-3's fused projections, OPT's and GPT-2's LayerNorm blocks)
+#: the cases whose blocks the compiled step takes (pre-norm RMSNorm blocks with a gated MLP;
+#: biases, sliding windows, layers without rotary, QK norms, Gemma 3's sandwich norms, 1 + w
+#: scales and local/global rotary, Phi-3's fused projections and partial rotary included;
+#: not Gemma 2's soft-capped attention, OPT's and GPT-2's LayerNorm blocks)
 TAKEN = {"llama_gqa_llama3_untied", "llama_tied_sharded", "llama_linear_rope", "qwen2",
          "qwen2_window", "mistral", "mistral_window", "smollm3", "qwen3_bias",
-         "qwen3_window", "gemma3"}
+         "qwen3_window", "gemma3", "phi3_partial", "phi3_window"}
 
 
 @contextlib.contextmanager

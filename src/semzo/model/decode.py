@@ -20,13 +20,13 @@ thread count (``tests/test_decode_step.py``): Numba inlines a kernel into the bl
 compiled that kernel in the same process and calls it when it loaded it from its cache, and
 LLVM may contract or vectorize an inlined operation differently (an ulp here and there).
 
-It takes the pre-norm decoders with RMSNorm, separate q/k/v and gate/up projections and a
-gated MLP: rotary or no positions per block (one table or Gemma's local and global ones),
-sliding windows, grouped-query attention, biases (read as stored), QK norms (Qwen3,
-Gemma 3), Gemma's sandwich norms and ``1 + w`` scales; float32 or bfloat16 weights read in
-place, float32 products: Llama, Mistral, Qwen2, Qwen3, Gemma 3, SmolLM2/3. Anything else
-(LoRA adapters, soft-capped attention (Gemma 2), fused projections (Phi-3), LayerNorm
-blocks (OPT, GPT-2), ``model.matmul = "bfloat16"``, CuPy, more than
+It takes the pre-norm decoders with RMSNorm and a gated MLP: separate or fused (Phi-3)
+q/k/v and gate/up projections, rotary or no positions per block (one table, partial
+rotary, or Gemma's local and global ones), sliding windows, grouped-query attention, biases
+(read as stored), QK norms (Qwen3, Gemma 3), Gemma's sandwich norms and ``1 + w`` scales;
+float32 or bfloat16 weights read in place, float32 products: Llama, Mistral, Qwen2, Qwen3,
+Gemma 3, Phi-3, SmolLM2/3. Anything else (LoRA adapters, soft-capped attention (Gemma 2),
+LayerNorm blocks (OPT, GPT-2), ``model.matmul = "bfloat16"``, CuPy, more than
 :data:`~semzo.model.gemm_cpu.GEMV_ROWS` rows, padding among the new tokens) goes block by
 block. ``CausalLM.decode_compiled = False`` turns it off.
 """
@@ -121,7 +121,8 @@ def _nb_block(x, wq, wk, wv, wo, wg, wu, wd, n1, n2, bq, bk, bv, bo, bg, bu, bd,
               sandwich, past, nh, nkv, d, act, parts):
     """One block on the residual stream x (B, H) in place, for one new token a row at
     position ``past`` (its key and value appended to kc, vc (B, nkv, L, d)): the weights
-    ``wq`` .. ``wd`` (out, in), the norm weights ``n1``, ``n2``, the biases ``bq`` .. ``bd``
+    ``wq`` .. ``wd`` (out, in; a fused [q | k | v] in wq with wk, wv empty, a fused
+    [gate | up] in wg with wu empty), the norm weights ``n1``, ``n2``, the biases ``bq`` .. ``bd``
     (empty: none), with ``qk_norm`` the heads' norms ``nqn``, ``nkn`` (d,), with ``sandwich``
     the norms of the attention's and the MLP's outputs ``npa``, ``npm`` (Gemma's), every
     norm's scale ``1 + w`` when ``plus``; rotary tables ``cos``, ``sin`` when ``rot``, a
@@ -129,7 +130,8 @@ def _nb_block(x, wq, wk, wv, wo, wg, wu, wd, n1, n2, bq, bk, bv, bo, bg, bu, bd,
     gate/up, down). The kernels and their order are :meth:`CausalLM._block_rows`'s."""
     b, h = x.shape
     nq, nk = nh * d, nkv * d
-    inter_n = wg.shape[0]
+    fused_gu = wu.shape[0] == 0                     # [gate | up] in wg (Phi-3)
+    inter_n = wg.shape[0] // 2 if fused_gu else wg.shape[0]
     a = np.empty((b, h), F32)
     qkv = np.empty((b, nq + 2 * nk), F32)
     q = np.empty((b, nh, 1, d), F32)
@@ -139,7 +141,10 @@ def _nb_block(x, wq, wk, wv, wo, wg, wu, wd, n1, n2, bq, bk, bv, bo, bg, bu, bd,
     inter = np.empty((b, inter_n), F32)
     down = np.empty((b, h), F32)
     _norm(x, n1, plus, eps, a)
-    _gemv3(a, wq, wk, wv, qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:], parts[0])
+    if wk.shape[0] == 0:                            # [q | k | v] in wq (Phi-3)
+        _gemv(a, wq, qkv, parts[0])
+    else:
+        _gemv3(a, wq, wk, wv, qkv[:, :nq], qkv[:, nq:nq + nk], qkv[:, nq + nk:], parts[0])
     if qk_norm:                     # biases first, then each head of q and k normed
         if bq.shape[0] > 0:
             for r in range(b):
@@ -159,7 +164,10 @@ def _nb_block(x, wq, wk, wv, wo, wg, wu, wd, n1, n2, bq, bk, bv, bo, bg, bu, bd,
     if sandwich:                    # Gemma: the output normed, then added (no biases)
         _norm(o, npa, plus, eps, o)
     _resnorm(o, bo, x, n2, plus, eps, a)
-    _gemv2(a, wg, wu, gu[:, :inter_n], gu[:, inter_n:], parts[2])
+    if fused_gu:
+        _gemv(a, wg, gu, parts[2])
+    else:
+        _gemv2(a, wg, wu, gu[:, :inter_n], gu[:, inter_n:], parts[2])
     _nb_gated(gu, bg, bu, act, inter)
     _gemv(inter, wd, down, parts[3])
     if sandwich:
@@ -179,21 +187,29 @@ def _plain(model) -> bool:
             and not s.attn_softcap and not model.lora)
 
 
-def _layout(s) -> list:
-    """(module role, tensor, shape or None when the config has none) of each array
-    :func:`_nb_block` takes a block, in its order: weights, norms, biases, head norms,
-    sandwich norms."""
+def _layout(model) -> list:
+    """(module role, tensor, shape or None when the model has none, ndim) of each array
+    :func:`_nb_block` takes a block, in its order: weights (a fused [q | k | v] or
+    [gate | up] projection in the place of q or gate, k, v or up then absent), norms,
+    biases, head norms, sandwich norms."""
+    s, m0 = model.config, model._mods[0]
     h, nq, nk, i_, d = (s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim,
                         s.intermediate_size, s.head_dim)
     out = {"q": nq, "k": nk, "v": nk, "o": h, "gate": i_, "up": i_, "down": h}
     inn = {"q": h, "k": h, "v": h, "o": nq, "gate": h, "up": h, "down": i_}
     bias = {"q": s.qkv_bias, "k": s.qkv_bias, "v": s.qkv_bias, "o": s.o_bias,
             "gate": s.mlp_bias, "up": s.mlp_bias, "down": s.mlp_bias}
-    return ([(r, "weight", (out[r], inn[r])) for r in out]
-            + [(r, "weight", (h,)) for r in ("norm1", "norm2")]
-            + [(r, "bias", (out[r],) if bias[r] else None) for r in out]
-            + [(r, "weight", (d,) if s.qk_norm else None) for r in ("qnorm", "knorm")]
-            + [(r, "weight", (h,) if s.sandwich else None) for r in ("norm_pa", "norm_pm")])
+    weights = [(r, "weight", (out[r], inn[r]), 2) for r in out]
+    if "qkv" in m0:
+        weights[0:3] = [("qkv", "weight", (nq + 2 * nk, h), 2), ("k", "weight", None, 2),
+                        ("v", "weight", None, 2)]
+    if "gate_up" in m0:
+        weights[4:6] = [("gate_up", "weight", (2 * i_, h), 2), ("up", "weight", None, 2)]
+    return (weights
+            + [(r, "weight", (h,), 1) for r in ("norm1", "norm2")]
+            + [(r, "bias", (out[r],) if bias[r] else None, 1) for r in out]
+            + [(r, "weight", (d,) if s.qk_norm else None, 1) for r in ("qnorm", "knorm")]
+            + [(r, "weight", (h,) if s.sandwich else None, 1) for r in ("norm_pa", "norm_pm")])
 
 
 def _arrays(model):
@@ -202,9 +218,9 @@ def _arrays(model):
     shapes against the config: Numba does not check bounds; one dtype, float32 or bfloat16
     bits; C order) and kept until an array is replaced; None when they do not fit (then the
     blocks run one by one)."""
-    p, lay = model.params, _layout(model.config)
+    p, lay = model.params, _layout(model)
     now = [p.get(m[r] + "." + t) if r in m else None
-           for r, t, shape in lay if shape is not None for m in model._mods]
+           for r, t, shape, _ in lay if shape is not None for m in model._mods]
     kept = model.__dict__.get("_decode_arrays")
     if kept is not None and len(kept[0]) == len(now) and all(map(operator.is_, kept[0], now)):
         return kept[1]
@@ -212,9 +228,9 @@ def _arrays(model):
         return None
     layers, dt = len(model._mods), now[0].dtype
     cols, j, ok = [], 0, True
-    for _, _, shape in lay:
+    for _, _, shape, ndim in lay:
         if shape is None:
-            cols.append([np.empty(0, dt)] * layers)
+            cols.append([np.empty((0,) * ndim, dt)] * layers)
             continue
         col = now[j:j + layers]
         j += layers
