@@ -10,7 +10,7 @@ What is supported, and refused by name otherwise (:class:`SemzoError`, one line,
 - tensor types :data:`SUPPORTED_TYPES` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
   Q5_K, Q6_K), dequantized to float32 by ``gguf.quants.dequantize``; any other type, a
   truncated file, a file that is not GGUF or a big-endian GGUF is refused;
-- architectures :data:`ARCHS`: ``llama`` (Llama 2/3 without ``rope_freqs``, SmolLM/SmolLM2,
+- architectures :data:`ARCHS`: ``llama`` (Llama 2, Llama 3.x with llama3 rope scaling, SmolLM/SmolLM2,
   Mistral written as llama) -> ``LlamaForCausalLM``; ``qwen2`` -> ``Qwen2ForCausalLM`` (q/k/v
   biases); ``gemma3`` (text) -> ``Gemma3ForCausalLM``. Every ``<arch>.*`` metadata key is
   either mapped onto the config or refused.
@@ -33,9 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
+from semzo.model.spec import llama3_from_factors
 from semzo.runtime import SemzoError
 
 GGUF_MAGIC = b"GGUF"
+ROPE_FREQS = "rope_freqs.weight"     # llama3 rope scaling's frequency divisors (llama.cpp)
 
 
 def _gguf():
@@ -223,8 +225,8 @@ class GGUFModel:
         """A transformers ``config.json`` dict for this file's architecture.
 
         Every ``<arch>.*`` key is mapped (table ``_ARCH_KEYS``) or refused by name; a ``llama``
-        file with a ``rope_freqs`` tensor (Llama 3.1 rope scaling) is refused, since its
-        parameters are not recoverable from the file.
+        file's ``rope_freqs`` tensor (Llama 3.1 and later) becomes llama3 ``rope_scaling``
+        (:meth:`_llama3`).
         """
         a = self.arch_name
         for key in self.reader.fields:
@@ -251,8 +253,6 @@ class GGUFModel:
         if rot != head_dim:
             raise self.error(f"{a}.rope.dimension_count: partial rotary ({rot} of {head_dim} "
                              f"dimensions) is not supported")
-        if "rope_freqs.weight" in self.tensors:
-            raise self.error("tensor 'rope_freqs.weight' (llama3 rope scaling): not supported")
         rope_scaling = None
         kind = self.value(f"{a}.rope.scaling.type", "none")
         if kind == "linear":
@@ -261,6 +261,8 @@ class GGUFModel:
         elif kind != "none":
             raise self.error(f"{a}.rope.scaling.type: {kind!r} is not supported "
                              f"(none or linear)")
+        if ROPE_FREQS in self.tensors:
+            rope_scaling = self._llama3(kind, head_dim)
         embd = self.tensors.get("token_embd.weight")
         n_vocab = self._int(f"{a}.vocab_size", int(embd.shape[-1]) if embd is not None else 0)
         eps = self._float(f"{a}.attention.layer_norm_rms_epsilon")
@@ -295,6 +297,27 @@ class GGUFModel:
                           ("pad_token_id", "padding")):
             cfg[name] = self.token_id(key, n_vocab)
         return cfg
+
+    def _llama3(self, kind: str, head_dim: int) -> dict | None:
+        """The llama3 ``rope_scaling`` of the file's ``rope_freqs.weight`` (Llama 3.1 and
+        later: llama.cpp keeps the divisor of each rotary frequency, not the parameters;
+        :func:`semzo.model.spec.llama3_from_factors` reads them back and checks that they
+        give the file's frequencies); an error naming the tensor when they are not llama3's
+        or the file is not a ``llama``."""
+        if self.arch_name != "llama" or kind != "none":
+            raise self.error(f"tensor {ROPE_FREQS!r}: frequency factors are read for llama "
+                             f"files without rope.scaling.type (this one: "
+                             f"{self.arch_name}, {kind})")
+        t = self.tensors[ROPE_FREQS]
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if shape != (head_dim // 2,):
+            raise self.error(f"tensor {ROPE_FREQS!r} has shape {shape}, the metadata implies "
+                             f"{(head_dim // 2,)}")
+        theta = self._float(f"{self.arch_name}.rope.freq_base", 10000.0)
+        try:
+            return llama3_from_factors(self.dequantize(ROPE_FREQS), theta, head_dim)
+        except ValueError as exc:
+            raise self.error(f"tensor {ROPE_FREQS!r}: {exc}") from None
 
     def _gemma3_config(self, cfg: dict, rope_scaling: dict | None) -> None:
         """Gemma 3 text as llama.cpp runs it (``llama-model.cpp``, LLM_ARCH_GEMMA3): GeGLU
@@ -358,7 +381,7 @@ class GGUFModel:
         if not cfg["tie_word_embeddings"]:
             want["output.weight"] = ("lm_head.weight", (v, h))
         for name in self.tensors:
-            if name not in want:
+            if name not in want and name != ROPE_FREQS:     # (read by hf_config)
                 raise self.error(f"tensor {name!r} is not part of a {self.arch_name} model "
                                  f"semzo can convert")
         out = []

@@ -6,9 +6,11 @@ of its folder (``tokenizer.json``) as ``tokenizer.ggml.*`` metadata, and the cha
 ``tokenizer_config.json``. Tensor names, shapes and transforms follow llama.cpp's
 ``convert_hf_to_gguf.py``:
 
-- ``llama`` (LlamaForCausalLM: SmolLM2, Llama 2/3 without rope scaling other than linear):
-  q and k rows permuted for llama.cpp's rotary layout (:func:`semzo.model.gguf.permute_qk`,
-  q with the attention heads, k with the KV heads); ``output.weight`` only when untied;
+- ``llama`` (LlamaForCausalLM: SmolLM2, Llama 2/3): q and k rows permuted for llama.cpp's
+  rotary layout (:func:`semzo.model.gguf.permute_qk`, q with the attention heads, k with the
+  KV heads); ``output.weight`` only when untied; linear rope scaling as metadata, llama3's
+  as the tensor ``rope_freqs.weight`` of frequency divisors (F32, as llama.cpp's converter
+  computes it: :func:`semzo.model.spec.llama3_rope_factors`);
 - ``gemma3`` (Gemma3ForCausalLM, text): every ``*norm.weight`` written as ``1 + w`` (float32),
   the four block norms and the q/k norms named as llama.cpp names them; the sliding window in
   ``gemma3.attention.sliding_window`` (the layer pattern, the local rotary base 10000 and the
@@ -20,7 +22,8 @@ a multiple of 32 in F16 (named in the log). ``semzo convert gguf`` reads every o
 (``semzo.model.gguf``): F32 exactly, the others within the type's rounding.
 
 Tokenizers: byte-level BPE (``tokenizer.ggml.model = gpt2``; the pre-tokenizer tag ``smollm``
-for digits-then-ByteLevel, ``gpt2`` for plain ByteLevel; tokens, merges, token types) and
+for digits-then-ByteLevel, ``gpt2`` for plain ByteLevel, ``llama-bpe`` for Llama 3's split
+(with ``ignore_merges``, as llama.cpp runs it); tokens, merges, token types) and
 SentencePiece BPE with byte fallback (``llama``, Gemma: tokens, scores decreasing with the id
 of the normal tokens -- the order :mod:`semzo.model.gguf_tokenizer` and llama.cpp merge by --,
 token types CONTROL / USER_DEFINED / BYTE / NORMAL). Anything else is refused by name.
@@ -37,7 +40,9 @@ import numpy as np
 
 from semzo.model.base import TransformerBase
 from semzo.model.export import merged_weights
-from semzo.model.gguf import BLOCK_NAMES, GEMMA3_BLOCK_NAMES, _gguf, permute_qk
+from semzo.model.gguf import BLOCK_NAMES, GEMMA3_BLOCK_NAMES, ROPE_FREQS, _gguf, permute_qk
+from semzo.model.gguf_tokenizer import LLAMA3_SPLIT
+from semzo.model.spec import llama3_rope_factors
 from semzo.model.storage import to_float32
 from semzo.runtime import SemzoError, get_logger
 
@@ -57,8 +62,9 @@ def _need(cfg: dict, key: str, ok, what: str) -> None:
         raise SemzoError(f"GGUF export: config {key} = {v!r}: {what}")
 
 
-def _metadata(cfg: dict) -> tuple[str, dict]:
-    """``(arch, {key: value})`` of the ``<arch>.*`` keys; refuses what llama.cpp would run
+def _metadata(cfg: dict) -> tuple[str, dict, dict]:
+    """``(arch, {key: value}, {tensor: array})``: the ``<arch>.*`` keys and the tensors the
+    config adds (llama3's ``rope_freqs.weight``); refuses what llama.cpp would run
     differently."""
     mt = cfg.get("model_type")
     arch = _ARCH_OF.get(mt)
@@ -76,7 +82,7 @@ def _metadata(cfg: dict) -> tuple[str, dict]:
          "vocab_size": int(cfg["vocab_size"])}
     if hd != h // heads or arch == "gemma3":
         m["attention.key_length"] = m["attention.value_length"] = hd
-    rope = cfg.get("rope_parameters") or {}
+    rope, extra = cfg.get("rope_parameters") or {}, {}
     if arch == "llama":
         _need(cfg, "attention_bias", lambda v: not v, "biases are not supported")
         _need(cfg, "mlp_bias", lambda v: not v, "biases are not supported")
@@ -89,10 +95,20 @@ def _metadata(cfg: dict) -> tuple[str, dict]:
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind == "linear":
             m["rope.scaling.type"], m["rope.scaling.factor"] = "linear", float(rope["factor"])
+        elif kind == "llama3":      # llama.cpp reads the frequency divisors from a tensor
+            try:
+                extra = {ROPE_FREQS: llama3_rope_factors(
+                    m["rope.freq_base"], hd, float(rope["factor"]),
+                    float(rope["low_freq_factor"]), float(rope["high_freq_factor"]),
+                    int(rope.get("original_max_position_embeddings")
+                        or cfg["max_position_embeddings"]))}
+            except KeyError as exc:
+                raise SemzoError(f"GGUF export: llama3 rope scaling lacks {exc.args[0]!r}") \
+                    from None
         elif kind != "default":
             raise SemzoError(f"GGUF export: rope type {kind!r} is not supported "
-                             f"(default, linear)")
-        return arch, m
+                             f"(default, linear, llama3)")
+        return arch, m, extra
     # gemma3: what llama.cpp hard-codes must hold
     every = 6
     want_types = ["sliding_attention" if (i + 1) % every else "full_attention"
@@ -123,7 +139,7 @@ def _metadata(cfg: dict) -> tuple[str, dict]:
     elif kind != "default":
         raise SemzoError(f"GGUF export: rope type {kind!r} is not supported (default, linear)")
     m["attention.sliding_window"] = int(cfg["sliding_window"])
-    return arch, m
+    return arch, m, extra
 
 
 def gguf_tensors(weights: dict[str, np.ndarray], cfg: dict, arch: str) -> dict[str, np.ndarray]:
@@ -222,13 +238,23 @@ def _tokenizer_meta(folder: Path, cfg: dict, arch: str) -> dict:
         seq = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
         kinds = [(p.get("type"), p.get("individual_digits"), p.get("use_regex"),
                   p.get("add_prefix_space")) for p in seq or []]
+        split = (seq[0].get("pattern") or {}).get("Regex") if seq and seq[0] else None
         if kinds == [("Digits", True, None, None), ("ByteLevel", None, True, False)]:
             tag = "smollm"
         elif kinds == [("ByteLevel", None, True, False)]:
             tag = "gpt2"
+        elif kinds == [("Split", None, None, None), ("ByteLevel", None, False, False)] \
+                and split == LLAMA3_SPLIT and seq[0].get("behavior") == "Isolated" \
+                and not seq[0].get("invert"):
+            if not model.get("ignore_merges"):
+                raise SemzoError(f"GGUF export: {f}: Llama 3's split without ignore_merges "
+                                 f"(llama.cpp's llama-bpe takes a word in the vocabulary "
+                                 f"whole)")
+            tag = "llama-bpe"
         else:
             raise SemzoError(f"GGUF export: {f}: pre-tokenizer {json.dumps(pre)[:120]} has "
-                             f"no llama.cpp tag semzo knows (ByteLevel; Digits + ByteLevel)")
+                             f"no llama.cpp tag semzo knows (ByteLevel; Digits + ByteLevel; "
+                         f"Llama 3's Split + ByteLevel)")
         meta.update({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": tag,
                      "tokens": tokens, "types": types, "merges": merges, "unk": None})
     else:
@@ -305,12 +331,13 @@ def export_gguf(model: TransformerBase, path: str | Path, *, gguf_type: str = "f
         raise SemzoError(f"--gguf-type {gguf_type!r}: choose one of {', '.join(GGUF_TYPES)}")
     gguf = _gguf()
     cfg = dict(model.config.raw)
-    arch, arch_meta = _metadata(cfg)
+    arch, arch_meta, extra = _metadata(cfg)
     folder = Path(tokenizer_folder) if tokenizer_folder is not None else model.source
     if folder is None:
         raise SemzoError("GGUF export: the model has no folder to take the tokenizer from")
     tok = _tokenizer_meta(Path(folder), cfg, arch)
     tensors = gguf_tensors(merged_weights(model), cfg, arch)
+    tensors.update(extra)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

@@ -114,6 +114,108 @@ class RopeSpec:
         return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
 
 
+# ---- llama3 rope scaling as llama.cpp stores it ---------------------------------------------
+#: (original context, low, high) tried first when reading llama.cpp's factors back: Meta's
+#: values for every Llama 3.1 / 3.2 / 3.3 model
+LLAMA3_DEFAULTS = (8192, 1.0, 4.0)
+#: relative agreement asked of factors recomputed from the recovered parameters
+LLAMA3_FACTOR_RTOL = 2e-6
+
+
+def llama3_rope_factors(theta: float, dim: int, factor: float, low: float, high: float,
+                        old: int) -> np.ndarray:
+    """llama.cpp's ``rope_freqs.weight`` for llama3 rope scaling: float32 (dim // 2,), the
+    divisor of each rotary frequency (``convert_hf_to_gguf.py``, ``LlamaModel``): 1 where the
+    wavelength is below ``old / high``, ``factor`` above ``old / low``, and
+    ``1 / ((1 - s) / factor + s)`` between, ``s = (old / wavelength - low) / (high - low)``;
+    computed in float32 as that script does."""
+    freqs = RopeSpec(theta).inv_freq(dim)
+    f32 = np.float32
+    wavelen = f32(2 * math.pi) / freqs
+    smooth = (f32(old) / wavelen - f32(low)) / f32(high - low)
+    mid = (f32(1) / ((f32(1) - smooth) / f32(factor) + smooth)).astype(f32)
+    out = np.where(wavelen < old / high, f32(1), np.where(wavelen > old / low, f32(factor), mid))
+    return out.astype(f32)
+
+
+def llama3_from_factors(factors: np.ndarray, theta: float, dim: int) -> dict | None:
+    """The llama3 ``rope_scaling`` whose frequencies are ``theta``'s divided by ``factors``
+    (a GGUF file's ``rope_freqs.weight``, :func:`llama3_rope_factors`) to
+    :data:`LLAMA3_FACTOR_RTOL`; None when every factor is 1 (no scaling). ValueError saying
+    why when the factors are not of that form.
+
+    The file keeps the factors, not the four parameters. ``factor`` is the largest; each
+    factor between 1 and it gives a point of the line ``s = old / (high - low) / wavelength -
+    low / (high - low)``, and the groups at 1 and at ``factor`` bound where the line crosses
+    0 and 1; (old, low, high) are known only up to a common scale. Candidates: Meta's
+    (8192, 1, 4); with two points or more, the fitted line with an ``old`` for which low
+    and high come out round (to 1/64; the one giving low 1, or a power of two; low nearest 1
+    first), else ``old`` 8192; with one point, low 1
+    and high 4 through it when that gives an integer ``old``, else ``old`` 8192 and a ratio
+    high / low of 4, 3, 2, ...; with none, boundaries midway between the groups. Each is
+    checked by both formulas (llama.cpp's factors, :meth:`RopeSpec.inv_freq`'s transformers
+    frequencies); the first within four float32 ulps is taken, else the closest within the
+    tolerance."""
+    f = np.asarray(factors, dtype=np.float64).reshape(-1)
+    if f.shape[0] != dim // 2:
+        raise ValueError(f"{f.shape[0]} values for {dim // 2} rotary frequencies")
+    if not np.isfinite(f).all() or f.min() < 1.0:
+        raise ValueError("values must be finite and at least 1 (llama3 divides the "
+                         "frequencies)")
+    if (f == 1.0).all():
+        return None
+    if (np.diff(f) < 0).any():
+        raise ValueError("values decrease along the frequencies (llama3's rise from 1 to the "
+                         "factor as the wavelength grows)")
+    factor = float(np.float32(f.max()))
+    base = RopeSpec(theta).inv_freq(dim).astype(np.float64)
+    x = base / float(np.float32(2 * math.pi))                          # 1 / wavelength
+    mid = (f > 1.0) & (f < factor)
+    s = (1.0 / f[mid] - 1.0 / factor) / (1.0 - 1.0 / factor)           # 0 < s < 1
+    cands: list[tuple[float, float, float]] = [LLAMA3_DEFAULTS]
+    if mid.sum() >= 2:
+        a, b = np.polyfit(x[mid], s, 1)                                 # s = a x + b
+        if a > 0 and b < 0:
+            nice = []
+            for old in [round(-a / b)] + [2 ** k for k in range(5, 21)]:
+                low, high = -b * old / a, (1.0 - b) * old / a
+                rl, rh = round(low * 64) / 64, round(high * 64) / 64
+                if 0 < rl < rh and abs(rl - low) <= 1e-5 * low and abs(rh - high) <= 1e-5 * high:
+                    nice.append((old, rl, rh))
+            cands += sorted(nice, key=lambda c: abs(math.log(c[1])))    # low nearest 1 first
+            cands.append((8192, -b * 8192 / a, (1.0 - b) * 8192 / a))
+    elif mid.sum() == 1:
+        old = (3.0 * s[0] + 1.0) / x[mid][0]
+        if abs(old - round(old)) <= 1e-4 * old:
+            cands.append((round(old), 1.0, 4.0))
+        for ratio in (4.0, 3.0, 2.0, 1.5, 1.25, 1.1, 6.0, 8.0, 16.0):
+            low = 8192 * x[mid][0] / (1.0 + (ratio - 1.0) * s[0])
+            cands.append((8192, low, ratio * low))
+    else:
+        w = 1.0 / x
+        hi_w = w[f == 1.0].max() if (f == 1.0).any() else w.min() / 2
+        lo_w = w[f == factor].min()
+        r = (lo_w / hi_w) ** (1 / 3)
+        cands.append((8192, 8192 / lo_w * r, 8192 / hi_w / r))
+    best, err_best = None, math.inf
+    for old, low, high in cands:
+        if not 0 < low < high:
+            continue
+        got = llama3_rope_factors(theta, dim, factor, low, high, old).astype(np.float64)
+        hf = RopeSpec(theta, "llama3", factor, low, high, old).inv_freq(dim).astype(np.float64)
+        err = max(float(np.max(np.abs(got - f) / f)), float(np.max(np.abs(hf * f / base - 1))))
+        if err < err_best:
+            best, err_best = (old, low, high), err
+        if err <= 4.8e-7:
+            break
+    if best is None or err_best > LLAMA3_FACTOR_RTOL:
+        raise ValueError("not the factors of llama3 rope scaling for any (factor, low, high, "
+                         "original context)")
+    old, low, high = best
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": float(low),
+            "high_freq_factor": float(high), "original_max_position_embeddings": int(old)}
+
+
 @dataclass(frozen=True)
 class Names:
     """Weight names relative to the checkpoint prefix; ``{i}`` is the layer index. A role the
