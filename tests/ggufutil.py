@@ -85,11 +85,12 @@ _HF_TO_GGUF = {v: k for k, v in {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj"}.items()}
+    "ffn_down": "mlp.down_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm"}.items()}
 
 
 def hf_to_gguf(state: dict[str, np.ndarray], cfg: dict, arch: str) -> dict[str, np.ndarray]:
-    """A Hugging Face Llama/Qwen2 state dict as GGUF tensors, permuted as llama.cpp's
+    """A Hugging Face Llama/Qwen2/Qwen3 state dict as GGUF tensors, permuted as llama.cpp's
     ``convert_hf_to_gguf.py`` does for llama (q with the heads, k with the KV heads)."""
     out = {}
     for name, w in state.items():

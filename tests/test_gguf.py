@@ -162,6 +162,10 @@ def _tiny_hf(tmp_path, family: str, tie: bool):
     torch.manual_seed(0)
     if family == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
+    elif family == "qwen3":
+        # head size 128 != hidden / heads, as in Qwen3's own models (and transformers' GGUF
+        # loader, the reference below, ignores qwen3.attention.key_length: 128 is its default)
+        model = tf.Qwen3ForCausalLM(tf.Qwen3Config(**common, head_dim=128))
     else:
         model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**common))
     model.eval()
@@ -174,14 +178,19 @@ def _tiny_hf(tmp_path, family: str, tie: bool):
     return model, state, cfg
 
 
-@pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("family,tie", [("llama", False), ("llama", True), ("qwen2", False),
+                                        ("qwen3", False), ("qwen3", True)])
 def test_tiny_model_gguf_round_trip(tmp_path, family, tie):
     import torch
     from safetensors.numpy import load_file
     from transformers import AutoModelForCausalLM
 
     model, state, cfg = _tiny_hf(tmp_path, family, tie)
-    src = write_gguf(tmp_path / "tiny.gguf", family, hf_meta(cfg), hf_to_gguf(state, cfg, family))
+    meta = hf_meta(cfg)
+    hd = 128 if family == "qwen3" else 16
+    if family == "qwen3":   # llama.cpp's converter writes the head size of a config that has one
+        meta.update({"attention.key_length": hd, "attention.value_length": hd})
+    src = write_gguf(tmp_path / "tiny.gguf", family, meta, hf_to_gguf(state, cfg, family))
     out = tmp_path / "out"
     s = convert_gguf(src, out)
     assert s["tensors"] == len(state) - (1 if tie else 0)
@@ -193,7 +202,7 @@ def test_tiny_model_gguf_round_trip(tmp_path, family, tie):
     conf = json.loads((out / "config.json").read_text())
     assert conf["architectures"] == [type(model).__name__]
     assert conf["tie_word_embeddings"] is tie
-    assert (conf["num_key_value_heads"], conf["head_dim"]) == (2, 16)
+    assert (conf["num_key_value_heads"], conf["head_dim"]) == (2, hd)
     # transformers reads the converted folder and the GGUF itself to the same weights
     ours = AutoModelForCausalLM.from_pretrained(out)
     ref = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="tiny.gguf",

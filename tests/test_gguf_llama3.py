@@ -1,6 +1,6 @@
 """Llama 3.1 and later in GGUF: llama3 rope scaling kept as llama.cpp keeps it (the tensor
-``rope_freqs.weight`` of frequency divisors) when reading and when exporting, and Llama 3's
-pre-tokenizer (``llama-bpe``) on export.
+``rope_freqs.weight`` of frequency divisors) when reading and when exporting; Llama 3's and
+Qwen2's pre-tokenizers (``llama-bpe``, ``qwen2``) on export.
 
 transformers' own GGUF loader drops ``rope_freqs`` (it loads such a file with the default
 rope, 2 % off in the logits of the tiny model below), so the references here are the
@@ -223,25 +223,31 @@ def test_export_refuses_llama3_without_its_parameters(tmp_path):
         _metadata(cfg)
 
 
-def test_llama3_pretokenizer_exported_as_llama_bpe(tmp_path):
-    """A GGUF with Llama 3's pre-tokenizer, converted, exported and converted again: the tag
-    and the tokenization survive; without ignore_merges (which llama.cpp's llama-bpe
-    applies) the export is refused."""
+@pytest.mark.parametrize("tag, whole", [("llama-bpe", True), ("qwen2", False)])
+def test_split_pretokenizers_exported_with_their_tags(tmp_path, tag, whole):
+    """A GGUF with Llama 3's or Qwen2's pre-tokenizer, converted, exported and converted
+    again: the tag and the tokenization survive (Qwen's NFC normalizer, which llama.cpp does
+    not have, is dropped); ignore_merges other than llama.cpp's for that tag is refused."""
     _, state, cfg = _tiny_llama3()
     src = write_gguf(tmp_path / "a.gguf", "llama", hf_meta(cfg),
-                     hf_to_gguf(state, cfg, "llama"), pre="llama-bpe")
+                     hf_to_gguf(state, cfg, "llama"), pre=tag)
     convert_gguf(src, tmp_path / "a")
+    tj = json.loads((tmp_path / "a" / "tokenizer.json").read_text())
+    assert bool(tj["model"].get("ignore_merges")) is whole
+    if tag == "qwen2":                      # as Qwen's own tokenizer.json has it
+        tj["normalizer"] = {"type": "NFC"}
+        (tmp_path / "a" / "tokenizer.json").write_text(json.dumps(tj))
     export_gguf(load_model(tmp_path / "a"), tmp_path / "b.gguf", gguf_type="f32")
-    assert GGUFModel(tmp_path / "b.gguf").value("tokenizer.ggml.pre") == "llama-bpe"
+    assert GGUFModel(tmp_path / "b.gguf").value("tokenizer.ggml.pre") == tag
     convert_gguf(tmp_path / "b.gguf", tmp_path / "b")
     texts = ["The  theory 1234567 in\n\n  the they're", "  x", "😀 日本語 \t\n", "onon atat"]
     t0, t1 = Tokenizer.from_folder(tmp_path / "a"), Tokenizer.from_folder(tmp_path / "b")
     enc = [x.tolist() for x in t0.encode_batch(texts)]
     assert enc == [x.tolist() for x in t1.encode_batch(texts)]
     assert max(enc[0]) >= 3 + 256          # merged tokens (" the"), not bytes alone
-    tj = json.loads((tmp_path / "a" / "tokenizer.json").read_text())
-    tj["model"]["ignore_merges"] = False
+    tj["model"]["ignore_merges"] = not whole
     (tmp_path / "a" / "tokenizer.json").write_text(json.dumps(tj))
-    with pytest.raises(SemzoError, match="without ignore_merges"):
+    with pytest.raises(SemzoError, match=f"ignore_merges = {not whole} with the split of "
+                                         f"llama.cpp's '{tag}'"):
         export_gguf(load_model(tmp_path / "a"), tmp_path / "c.gguf")
     assert not list(tmp_path.glob("c.gguf*")) and not list(tmp_path.glob(".c.gguf*"))

@@ -12,7 +12,8 @@ What is supported, and refused by name otherwise (:class:`SemzoError`, one line,
   truncated file, a file that is not GGUF or a big-endian GGUF is refused;
 - architectures :data:`ARCHS`: ``llama`` (Llama 2, Llama 3.x with llama3 rope scaling, SmolLM/SmolLM2,
   Mistral written as llama) -> ``LlamaForCausalLM``; ``qwen2`` -> ``Qwen2ForCausalLM`` (q/k/v
-  biases); ``gemma3`` (text) -> ``Gemma3ForCausalLM``. Every ``<arch>.*`` metadata key is
+  biases); ``qwen3`` -> ``Qwen3ForCausalLM`` (q/k norms, no biases); ``gemma3`` (text) ->
+  ``Gemma3ForCausalLM``. Every ``<arch>.*`` metadata key is
   either mapped onto the config or refused.
 
 llama.cpp stores Gemma's RMSNorm weights as ``1 + w`` (``convert_hf_to_gguf.py`` adds 1 to
@@ -21,7 +22,7 @@ GGUF value minus 1 in float32, as transformers' ``Gemma2TensorProcessor`` does).
 
 llama.cpp stores the rows of the llama q/k projections permuted for its rotary layout
 (``convert_hf_to_gguf.py``: ``LlamaModel.permute``); :func:`unpermute_qk` undoes it, exactly
-as transformers' ``LlamaTensorProcessor`` does. Qwen2 is written unpermuted.
+as transformers' ``LlamaTensorProcessor`` does. Qwen2 and Qwen3 are written unpermuted.
 """
 
 from __future__ import annotations
@@ -75,6 +76,12 @@ GEMMA3_BLOCK_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Qwen3: Qwen2's block without biases, with the per-head q/k norms
+QWEN3_BLOCK_NAMES = {
+    **BLOCK_NAMES,
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
 TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
              "output": "lm_head"}
 
@@ -97,6 +104,8 @@ ARCHS = {
                   block=BLOCK_NAMES),
     "qwen2": Arch("qwen2", "Qwen2ForCausalLM", permute_qk=False, qkv_bias=True,
                   block=BLOCK_NAMES),
+    "qwen3": Arch("qwen3", "Qwen3ForCausalLM", permute_qk=False, qkv_bias=False,
+                  block=QWEN3_BLOCK_NAMES),
     "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", permute_qk=False, qkv_bias=False,
                    block=GEMMA3_BLOCK_NAMES, norm_shift=1.0,
                    extra_keys=("attention.sliding_window", "attention.sliding_window_pattern")),
@@ -288,6 +297,9 @@ class GGUFModel:
         }
         if self.arch.model_type == "llama":
             cfg.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+        elif self.arch.model_type == "qwen3":
+            cfg.update(attention_bias=False, use_sliding_window=False, sliding_window=None,
+                       max_window_layers=cfg["num_hidden_layers"])
         elif self.arch.model_type == "gemma3_text":
             self._gemma3_config(cfg, rope_scaling)
         else:
@@ -367,10 +379,11 @@ class GGUFModel:
                  "ffn_down.weight": (h, f)}
         if self.arch.qkv_bias:
             block.update({"attn_q.bias": (hq,), "attn_k.bias": (hk,), "attn_v.bias": (hk,)})
-        if "post_ffw_norm" in self.arch.block:
+        if "attn_q_norm" in self.arch.block:
             hd = cfg["head_dim"]
-            block.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,),
-                          "post_attention_norm.weight": (h,), "post_ffw_norm.weight": (h,)})
+            block.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+        if "post_ffw_norm" in self.arch.block:
+            block.update({"post_attention_norm.weight": (h,), "post_ffw_norm.weight": (h,)})
         want: dict[str, tuple[str, tuple[int, ...]]] = {
             "token_embd.weight": ("model.embed_tokens.weight", (v, h))}
         for i in range(cfg["num_hidden_layers"]):

@@ -11,6 +11,10 @@ of its folder (``tokenizer.json``) as ``tokenizer.ggml.*`` metadata, and the cha
   KV heads); ``output.weight`` only when untied; linear rope scaling as metadata, llama3's
   as the tensor ``rope_freqs.weight`` of frequency divisors (F32, as llama.cpp's converter
   computes it: :func:`semzo.model.spec.llama3_rope_factors`);
+- ``qwen2`` (Qwen2ForCausalLM: q/k/v biases) and ``qwen3`` (Qwen3ForCausalLM: q/k norms
+  ``attn_q_norm`` / ``attn_k_norm``, the head size always written): rows as they are (llama.cpp
+  runs them with NEOX rotary, transformers' ``rotate_half``); a sliding window, Qwen3's
+  attention biases, rope types other than default and linear are refused;
 - ``gemma3`` (Gemma3ForCausalLM, text): every ``*norm.weight`` written as ``1 + w`` (float32),
   the four block norms and the q/k norms named as llama.cpp names them; the sliding window in
   ``gemma3.attention.sliding_window`` (the layer pattern, the local rotary base 10000 and the
@@ -22,8 +26,10 @@ a multiple of 32 in F16 (named in the log). ``semzo convert gguf`` reads every o
 (``semzo.model.gguf``): F32 exactly, the others within the type's rounding.
 
 Tokenizers: byte-level BPE (``tokenizer.ggml.model = gpt2``; the pre-tokenizer tag ``smollm``
-for digits-then-ByteLevel, ``gpt2`` for plain ByteLevel, ``llama-bpe`` for Llama 3's split
-(with ``ignore_merges``, as llama.cpp runs it); tokens, merges, token types) and
+for digits-then-ByteLevel, ``gpt2`` for plain ByteLevel, ``llama-bpe`` and ``qwen2`` for
+Llama 3's and Qwen2's splits, with ``ignore_merges`` as llama.cpp runs each (on for
+``llama-bpe`` only); Qwen's NFC normalizer is dropped, as llama.cpp's converter drops it;
+tokens, merges, token types) and
 SentencePiece BPE with byte fallback (``llama``, Gemma: tokens, scores decreasing with the id
 of the normal tokens -- the order :mod:`semzo.model.gguf_tokenizer` and llama.cpp merge by --,
 token types CONTROL / USER_DEFINED / BYTE / NORMAL). Anything else is refused by name.
@@ -40,8 +46,8 @@ import numpy as np
 
 from semzo.model.base import TransformerBase
 from semzo.model.export import merged_weights
-from semzo.model.gguf import BLOCK_NAMES, GEMMA3_BLOCK_NAMES, ROPE_FREQS, _gguf, permute_qk
-from semzo.model.gguf_tokenizer import LLAMA3_SPLIT
+from semzo.model.gguf import ARCHS, ROPE_FREQS, _gguf, permute_qk
+from semzo.model.gguf_tokenizer import LLAMA3_SPLIT, QWEN2_SPLIT
 from semzo.model.spec import llama3_rope_factors
 from semzo.model.storage import to_float32
 from semzo.runtime import SemzoError, get_logger
@@ -53,7 +59,9 @@ _FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}     # llama_ftype
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, BYTE = 1, 2, 3, 4, 6
 _BYTE_TOKEN = re.compile(r"^<0x[0-9A-F]{2}>$")
 
-_ARCH_OF = {"llama": "llama", "gemma3_text": "gemma3"}
+# the Split regex of a byte-level tokenizer -> (llama.cpp's pre tag, its ignore_merges)
+_SPLIT_TAGS = {LLAMA3_SPLIT: ("llama-bpe", True), QWEN2_SPLIT: ("qwen2", False)}
+_ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 
 
 def _need(cfg: dict, key: str, ok, what: str) -> None:
@@ -69,8 +77,8 @@ def _metadata(cfg: dict) -> tuple[str, dict, dict]:
     mt = cfg.get("model_type")
     arch = _ARCH_OF.get(mt)
     if arch is None:
-        raise SemzoError(f"GGUF export: model_type {mt!r} is not supported (llama, "
-                         f"gemma3_text)")
+        raise SemzoError(f"GGUF export: model_type {mt!r} is not supported "
+                         f"({', '.join(_ARCH_OF)})")
     h, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     kv = int(cfg.get("num_key_value_heads") or heads)
     hd = int(cfg.get("head_dim") or h // heads)
@@ -80,13 +88,18 @@ def _metadata(cfg: dict) -> tuple[str, dict, dict]:
          "attention.head_count": heads, "attention.head_count_kv": kv,
          "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
          "vocab_size": int(cfg["vocab_size"])}
-    if hd != h // heads or arch == "gemma3":
+    if hd != h // heads or arch in ("gemma3", "qwen3"):
         m["attention.key_length"] = m["attention.value_length"] = hd
     rope, extra = cfg.get("rope_parameters") or {}, {}
-    if arch == "llama":
-        _need(cfg, "attention_bias", lambda v: not v, "biases are not supported")
-        _need(cfg, "mlp_bias", lambda v: not v, "biases are not supported")
-        _need(cfg, "hidden_act", lambda v: v in (None, "silu"), "llama.cpp's llama is SiLU")
+    if arch in ("llama", "qwen2", "qwen3"):
+        if arch != "qwen2":         # (Qwen2's q/k/v biases are part of its architecture)
+            _need(cfg, "attention_bias", lambda v: not v, "biases are not supported")
+        if arch == "llama":
+            _need(cfg, "mlp_bias", lambda v: not v, "biases are not supported")
+        else:
+            _need(cfg, "use_sliding_window", lambda v: not v,
+                  f"llama.cpp's {arch} has no sliding window")
+        _need(cfg, "hidden_act", lambda v: v in (None, "silu"), f"llama.cpp's {arch} is SiLU")
         if "rope_type" not in rope:
             rope = {"rope_theta": cfg.get("rope_theta", 10000.0),
                     **(cfg.get("rope_scaling") or {})}
@@ -95,7 +108,7 @@ def _metadata(cfg: dict) -> tuple[str, dict, dict]:
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind == "linear":
             m["rope.scaling.type"], m["rope.scaling.factor"] = "linear", float(rope["factor"])
-        elif kind == "llama3":      # llama.cpp reads the frequency divisors from a tensor
+        elif kind == "llama3" and arch == "llama":   # llama.cpp reads the divisors from a tensor
             try:
                 extra = {ROPE_FREQS: llama3_rope_factors(
                     m["rope.freq_base"], hd, float(rope["factor"]),
@@ -106,8 +119,8 @@ def _metadata(cfg: dict) -> tuple[str, dict, dict]:
                 raise SemzoError(f"GGUF export: llama3 rope scaling lacks {exc.args[0]!r}") \
                     from None
         elif kind != "default":
-            raise SemzoError(f"GGUF export: rope type {kind!r} is not supported "
-                             f"(default, linear, llama3)")
+            raise SemzoError(f"GGUF export: rope type {kind!r} is not supported for {arch} "
+                             f"(default, linear{', llama3' if arch == 'llama' else ''})")
         return arch, m, extra
     # gemma3: what llama.cpp hard-codes must hold
     every = 6
@@ -144,7 +157,7 @@ def _metadata(cfg: dict) -> tuple[str, dict, dict]:
 
 def gguf_tensors(weights: dict[str, np.ndarray], cfg: dict, arch: str) -> dict[str, np.ndarray]:
     """Hugging Face tensors (float32) -> GGUF names and values (permuted / shifted)."""
-    block = {v: k for k, v in (GEMMA3_BLOCK_NAMES if arch == "gemma3" else BLOCK_NAMES).items()}
+    block = {v: k for k, v in ARCHS[arch].block.items()}
     heads = int(cfg["num_attention_heads"])
     kv = int(cfg.get("num_key_value_heads") or heads)
     out: dict[str, np.ndarray] = {}
@@ -233,7 +246,10 @@ def _tokenizer_meta(folder: Path, cfg: dict, arch: str) -> dict:
         meta.update({"tokenizer.ggml.model": "llama", "tokenizer.ggml.pre": "default",
                      "tokens": tokens, "scores": scores, "types": types,
                      "add_space_prefix": False, "unk": unk})
-    elif not byte_fallback and norm in ({}, None):
+    elif not byte_fallback and (norm or {}).get("type") in (None, "NFC"):
+        if norm:        # Qwen's; llama.cpp does not normalize (nor does its own converter)
+            log.info("%s: the NFC normalizer is not kept (llama.cpp has none): text that is "
+                     "not in NFC may tokenize differently there", f)
         pre = tj.get("pre_tokenizer") or {}
         seq = pre.get("pretokenizers") if pre.get("type") == "Sequence" else [pre]
         kinds = [(p.get("type"), p.get("individual_digits"), p.get("use_regex"),
@@ -244,17 +260,17 @@ def _tokenizer_meta(folder: Path, cfg: dict, arch: str) -> dict:
         elif kinds == [("ByteLevel", None, True, False)]:
             tag = "gpt2"
         elif kinds == [("Split", None, None, None), ("ByteLevel", None, False, False)] \
-                and split == LLAMA3_SPLIT and seq[0].get("behavior") == "Isolated" \
+                and split in _SPLIT_TAGS and seq[0].get("behavior") == "Isolated" \
                 and not seq[0].get("invert"):
-            if not model.get("ignore_merges"):
-                raise SemzoError(f"GGUF export: {f}: Llama 3's split without ignore_merges "
-                                 f"(llama.cpp's llama-bpe takes a word in the vocabulary "
-                                 f"whole)")
-            tag = "llama-bpe"
+            tag, whole = _SPLIT_TAGS[split]
+            if bool(model.get("ignore_merges")) != whole:
+                raise SemzoError(f"GGUF export: {f}: ignore_merges = "
+                                 f"{bool(model.get('ignore_merges'))} with the split of "
+                                 f"llama.cpp's {tag!r}, which it runs with {whole}")
         else:
             raise SemzoError(f"GGUF export: {f}: pre-tokenizer {json.dumps(pre)[:120]} has "
                              f"no llama.cpp tag semzo knows (ByteLevel; Digits + ByteLevel; "
-                         f"Llama 3's Split + ByteLevel)")
+                         f"Llama 3's or Qwen2's Split + ByteLevel)")
         meta.update({"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": tag,
                      "tokens": tokens, "types": types, "merges": merges, "unk": None})
     else:

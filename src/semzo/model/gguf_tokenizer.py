@@ -48,11 +48,11 @@ if TYPE_CHECKING:
 
 _GPT2_PRE = ("default", "gpt2", "gpt-2")
 _DIGITS_PRE = ("smollm", "starcoder", "refact", "codeshell")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {"qwen2": _QWEN2_SPLIT, "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT,
+_SPLITS = {"qwen2": QWEN2_SPLIT, "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT,
            "llama-v3": LLAMA3_SPLIT}
 PRE_TOKENIZERS = _GPT2_PRE + _DIGITS_PRE + tuple(_SPLITS)
 CONTROL, USER_DEFINED = 3, 4
