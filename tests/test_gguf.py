@@ -330,3 +330,28 @@ def test_nan_or_infinite_metadata_is_one_error(tmp_path, key, value, want):
     msg = str(e.value)
     assert msg.startswith(f"{p}: ") and key in msg and want in msg and "\n" not in msg, msg
     assert not (tmp_path / "o").exists()
+
+
+def test_gemma2_config_as_llamacpp_runs_it(tmp_path):
+    """llama.cpp's Gemma 2 defaults when the file leaves them out (window 4096, soft-caps 50
+    and 30), the file's values when present, sliding layers 0, 2, ..., and the 27B's
+    attention scale (hidden / heads, 46 blocks)."""
+    meta = {**META, "block_count": 4, "attention.key_length": 32,
+            "attention.value_length": 32, "vocab_size": N_VOCAB}
+    cfg = GGUFModel(write_gguf(tmp_path / "a.gguf", "gemma2", meta, {})).hf_config()
+    assert cfg["architectures"] == ["Gemma2ForCausalLM"] and cfg["model_type"] == "gemma2"
+    assert (cfg["sliding_window"], cfg["attn_logit_softcapping"],
+            cfg["final_logit_softcapping"]) == (4096, 50.0, 30.0)
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] * 2
+    assert cfg["query_pre_attn_scalar"] == 32 and cfg["head_dim"] == 32
+    assert cfg["hidden_activation"] == "gelu_pytorch_tanh" and "hidden_act" not in cfg
+    more = {**meta, "block_count": 46, "attention.sliding_window": 5,
+            "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0}
+    cfg = GGUFModel(write_gguf(tmp_path / "b.gguf", "gemma2", more, {})).hf_config()
+    assert (cfg["sliding_window"], cfg["attn_logit_softcapping"],
+            cfg["final_logit_softcapping"]) == (5, 20.0, 10.0)
+    assert cfg["query_pre_attn_scalar"] == 64 // 4        # hidden / heads
+    bad = write_gguf(tmp_path / "c.gguf", "gemma2", {**meta, "attn_logit_softcapping": -1.0},
+                     {})
+    with pytest.raises(SemzoError, match="gemma2.attn_logit_softcapping"):
+        GGUFModel(bad).hf_config()

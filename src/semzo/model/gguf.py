@@ -12,7 +12,8 @@ What is supported, and refused by name otherwise (:class:`SemzoError`, one line,
   truncated file, a file that is not GGUF or a big-endian GGUF is refused;
 - architectures :data:`ARCHS`: ``llama`` (Llama 2, Llama 3.x with llama3 rope scaling, SmolLM/SmolLM2,
   Mistral written as llama) -> ``LlamaForCausalLM``; ``qwen2`` -> ``Qwen2ForCausalLM`` (q/k/v
-  biases); ``qwen3`` -> ``Qwen3ForCausalLM`` (q/k norms, no biases); ``gemma3`` (text) ->
+  biases); ``qwen3`` -> ``Qwen3ForCausalLM`` (q/k norms, no biases); ``gemma2`` ->
+  ``Gemma2ForCausalLM`` (soft-capping, sliding windows); ``gemma3`` (text) ->
   ``Gemma3ForCausalLM``. Every ``<arch>.*`` metadata key is
   either mapped onto the config or refused.
 
@@ -76,6 +77,9 @@ GEMMA3_BLOCK_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+# Gemma 2: Gemma 3's block without the q/k norms
+GEMMA2_BLOCK_NAMES = {k: v for k, v in GEMMA3_BLOCK_NAMES.items()
+                      if k not in ("attn_q_norm", "attn_k_norm")}
 # Qwen3: Qwen2's block without biases, with the per-head q/k norms
 QWEN3_BLOCK_NAMES = {
     **BLOCK_NAMES,
@@ -106,6 +110,10 @@ ARCHS = {
                   block=BLOCK_NAMES),
     "qwen3": Arch("qwen3", "Qwen3ForCausalLM", permute_qk=False, qkv_bias=False,
                   block=QWEN3_BLOCK_NAMES),
+    "gemma2": Arch("gemma2", "Gemma2ForCausalLM", permute_qk=False, qkv_bias=False,
+                   block=GEMMA2_BLOCK_NAMES, norm_shift=1.0,
+                   extra_keys=("attention.sliding_window", "attn_logit_softcapping",
+                               "final_logit_softcapping")),
     "gemma3": Arch("gemma3_text", "Gemma3ForCausalLM", permute_qk=False, qkv_bias=False,
                    block=GEMMA3_BLOCK_NAMES, norm_shift=1.0,
                    extra_keys=("attention.sliding_window", "attention.sliding_window_pattern")),
@@ -302,6 +310,8 @@ class GGUFModel:
                        max_window_layers=cfg["num_hidden_layers"])
         elif self.arch.model_type == "gemma3_text":
             self._gemma3_config(cfg, rope_scaling)
+        elif self.arch.model_type == "gemma2":
+            self._gemma2_config(cfg)
         else:
             cfg.update(use_sliding_window=False, sliding_window=None,
                        max_window_layers=cfg["num_hidden_layers"])
@@ -330,6 +340,29 @@ class GGUFModel:
             return llama3_from_factors(self.dequantize(ROPE_FREQS), theta, head_dim)
         except ValueError as exc:
             raise self.error(f"tensor {ROPE_FREQS!r}: {exc}") from None
+
+    def _gemma2_config(self, cfg: dict) -> None:
+        """Gemma 2 as llama.cpp runs it (``llama-model.cpp``, LLM_ARCH_GEMMA2): GeGLU with
+        tanh GELU, a sliding window on every other layer from the first (the pattern
+        llama.cpp hard-codes; ``attention.sliding_window``, default 4096 as there), the
+        scores soft-capped by ``attn_logit_softcapping`` (default 50) and the logits by
+        ``final_logit_softcapping`` (default 30), attention scale 1/sqrt(head_dim)
+        (1/sqrt(hidden/heads) for the 46-block 27B), one rotary (the file's base and linear
+        scaling) on every layer."""
+        a = self.arch_name
+        n = cfg["num_hidden_layers"]
+        scalar = cfg["head_dim"]
+        if n == 46:   # llama.cpp: LLM_TYPE_27B scales by hidden / heads
+            scalar = cfg["hidden_size"] // cfg["num_attention_heads"]
+        cfg.update(
+            hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+            query_pre_attn_scalar=scalar,
+            sliding_window=self._int(f"{a}.attention.sliding_window", 4096),
+            layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention"
+                         for i in range(n)],
+            attn_logit_softcapping=self._float(f"{a}.attn_logit_softcapping", 50.0),
+            final_logit_softcapping=self._float(f"{a}.final_logit_softcapping", 30.0))
+        cfg.pop("hidden_act")
 
     def _gemma3_config(self, cfg: dict, rope_scaling: dict | None) -> None:
         """Gemma 3 text as llama.cpp runs it (``llama-model.cpp``, LLM_ARCH_GEMMA3): GeGLU

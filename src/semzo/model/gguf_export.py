@@ -15,6 +15,9 @@ of its folder (``tokenizer.json``) as ``tokenizer.ggml.*`` metadata, and the cha
   ``attn_q_norm`` / ``attn_k_norm``, the head size always written): rows as they are (llama.cpp
   runs them with NEOX rotary, transformers' ``rotate_half``); a sliding window, Qwen3's
   attention biases, rope types other than default and linear are refused;
+- ``gemma2`` (Gemma2ForCausalLM): as Gemma 3 without q/k norms, the two soft-caps written
+  (llama.cpp always applies them: a config without them is refused), a global layer every
+  2nd, one rotary for every layer;
 - ``gemma3`` (Gemma3ForCausalLM, text): every ``*norm.weight`` written as ``1 + w`` (float32),
   the four block norms and the q/k norms named as llama.cpp names them; the sliding window in
   ``gemma3.attention.sliding_window`` (the layer pattern, the local rotary base 10000 and the
@@ -61,7 +64,8 @@ _BYTE_TOKEN = re.compile(r"^<0x[0-9A-F]{2}>$")
 
 # the Split regex of a byte-level tokenizer -> (llama.cpp's pre tag, its ignore_merges)
 _SPLIT_TAGS = {LLAMA3_SPLIT: ("llama-bpe", True), QWEN2_SPLIT: ("qwen2", False)}
-_ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+_ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+            "gemma3_text": "gemma3"}
 
 
 def _need(cfg: dict, key: str, ok, what: str) -> None:
@@ -88,7 +92,7 @@ def _metadata(cfg: dict) -> tuple[str, dict, dict]:
          "attention.head_count": heads, "attention.head_count_kv": kv,
          "attention.layer_norm_rms_epsilon": float(cfg["rms_norm_eps"]),
          "vocab_size": int(cfg["vocab_size"])}
-    if hd != h // heads or arch in ("gemma3", "qwen3"):
+    if hd != h // heads or arch in ("gemma2", "gemma3", "qwen3"):
         m["attention.key_length"] = m["attention.value_length"] = hd
     rope, extra = cfg.get("rope_parameters") or {}, {}
     if arch in ("llama", "qwen2", "qwen3"):
@@ -122,30 +126,43 @@ def _metadata(cfg: dict) -> tuple[str, dict, dict]:
             raise SemzoError(f"GGUF export: rope type {kind!r} is not supported for {arch} "
                              f"(default, linear{', llama3' if arch == 'llama' else ''})")
         return arch, m, extra
-    # gemma3: what llama.cpp hard-codes must hold
-    every = 6
+    # gemma2 / gemma3: what llama.cpp hard-codes must hold
+    g3 = arch == "gemma3"
+    name, every = ("Gemma 3", 6) if g3 else ("Gemma 2", 2)
     want_types = ["sliding_attention" if (i + 1) % every else "full_attention"
                   for i in range(n)]
     _need(cfg, "layer_types", lambda v: v is None or list(v) == want_types,
-          "llama.cpp's Gemma 3 has a global layer every 6th")
-    scalar = h // heads if n == 62 else hd
+          f"llama.cpp's {name} has a global layer every {every}th")
+    scalar = h // heads if n == (62 if g3 else 46) else hd
     _need(cfg, "query_pre_attn_scalar", lambda v: v is None or float(v) == scalar,
           f"llama.cpp scales attention by 1/sqrt({scalar})")
     for k in ("attn_logit_softcapping", "final_logit_softcapping"):
-        _need(cfg, k, lambda v: v is None, "llama.cpp's Gemma 3 has no soft-capping")
+        if g3:
+            _need(cfg, k, lambda v: v is None, "llama.cpp's Gemma 3 has no soft-capping")
+        else:       # llama.cpp's Gemma 2 always soft-caps, with the file's values
+            _need(cfg, k, lambda v: isinstance(v, int | float) and v > 0,
+                  "llama.cpp's Gemma 2 always soft-caps")
+            m[k] = float(cfg[k])
     _need(cfg, "use_bidirectional_attention", lambda v: not v, "not supported")
     _need(cfg, "hidden_activation", lambda v: v in (None, "gelu_pytorch_tanh"),
-          "llama.cpp's Gemma 3 uses tanh GELU")
+          f"llama.cpp's {name} uses tanh GELU")
     _need(cfg, "attention_bias", lambda v: not v, "biases are not supported")
-    full = rope.get("full_attention") or {"rope_theta": cfg.get("rope_theta", 1e6),
-                                          **(cfg.get("rope_scaling") or {})}
-    local = rope.get("sliding_attention") or {"rope_theta": cfg.get("rope_local_base_freq",
-                                                                     10000.0)}
-    if float(local.get("rope_theta", 0)) != 10000.0 or \
-            local.get("rope_type", "default") != "default":
-        raise SemzoError(f"GGUF export: sliding-layer rope {local}: llama.cpp's Gemma 3 uses "
-                         f"the default rope with base 10000")
-    m["rope.freq_base"] = float(full.get("rope_theta", 1e6))
+    if g3:
+        full = rope.get("full_attention") or {"rope_theta": cfg.get("rope_theta", 1e6),
+                                              **(cfg.get("rope_scaling") or {})}
+        local = rope.get("sliding_attention") or {
+            "rope_theta": cfg.get("rope_local_base_freq", 10000.0)}
+        if float(local.get("rope_theta", 0)) != 10000.0 or \
+                local.get("rope_type", "default") != "default":
+            raise SemzoError(f"GGUF export: sliding-layer rope {local}: llama.cpp's Gemma 3 "
+                             f"uses the default rope with base 10000")
+    else:           # one rotary for every layer
+        full = rope.get("full_attention") or rope or {
+            "rope_theta": cfg.get("rope_theta", 10000.0), **(cfg.get("rope_scaling") or {})}
+        if rope.get("sliding_attention", full) != full:
+            raise SemzoError(f"GGUF export: per-layer rope {rope}: llama.cpp's Gemma 2 has "
+                             f"one rotary for every layer")
+    m["rope.freq_base"] = float(full.get("rope_theta", 1e6 if g3 else 10000.0))
     kind = full.get("rope_type", full.get("type", "default"))
     if kind == "linear":
         m["rope.scaling.type"], m["rope.scaling.factor"] = "linear", float(full["factor"])
@@ -186,8 +203,8 @@ def gguf_tensors(weights: dict[str, np.ndarray], cfg: dict, arch: str) -> dict[s
                 w = permute_qk(w, heads)
             elif arch == "llama" and stem == "attn_k":
                 w = permute_qk(w, kv)
-        if arch == "gemma3" and g.endswith("norm.weight"):
-            w = w + np.float32(1.0)
+        if ARCHS[arch].norm_shift and g.endswith("norm.weight"):
+            w = w + np.float32(ARCHS[arch].norm_shift)
         out[g] = np.ascontiguousarray(w)
     return out
 
