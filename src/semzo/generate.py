@@ -248,13 +248,14 @@ def _on_gpu(loaded: Loaded) -> None:
 
 def chat_prompt(loaded: Loaded, text: str) -> str:
     """``text`` as one user message through the model's chat template (generation prompt
-    added; :func:`semzo.model.chat.render_chat`, the renderer the ``sft`` task uses). A model
+    added, today's date for ``strftime_now``; :func:`semzo.model.chat.render_chat`, the
+    renderer the ``sft`` task uses). A model
     without a template, or no jinja2, is a :class:`SemzoError`."""
     if not chat_template(loaded.tok_config, loaded.what):
         raise SemzoError(f"{loaded.what}: --chat: the model has no chat_template in "
                          f"tokenizer_config.json")
     return render_chat(loaded.tok_config, [{"role": "user", "content": text}], True,
-                       loaded.what)
+                       loaded.what, today=True)
 
 
 def sample_next(logits: np.ndarray, temperature: float, top_p: float,

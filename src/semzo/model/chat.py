@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -61,24 +62,71 @@ def _special(tok_config: dict, key: str) -> str:
 
 
 class ChatRenderer:
-    """A compiled chat template: ``render(messages, add_generation_prompt)`` -> str."""
+    """A compiled chat template: ``render(messages, add_generation_prompt)`` -> str.
 
-    def __init__(self, template: str, tok_config: dict, what: str) -> None:
+    The environment is transformers' (``_compile_jinja_template``), so templates in the wild
+    render as there: the immutable sandbox with ``trim_blocks`` and ``lstrip_blocks``, loop
+    controls (``{% break %}``, ``{% continue %}``), a ``tojson`` that does not escape HTML
+    characters (``ensure_ascii=False`` and the ``indent``, ``separators``, ``sort_keys``
+    options), ``raise_exception``, ``dict`` and a ``namespace`` that refuses underscore
+    names, and the ``{% generation %}`` block (rendered as its body: the sft task finds the
+    assistant turns itself). ``strftime_now`` (Llama 3.x writes today's date into the system
+    turn) is defined only with ``today=True`` (``semzo generate --chat``): the sft task renders
+    its records without it, so the tokens of a record do not depend on the day or the rank
+    that renders them (the templates then take their own fallback date)."""
+
+    def __init__(self, template: str, tok_config: dict, what: str, today: bool = False) -> None:
         try:
+            import jinja2
+            import jinja2.ext
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:      # a runtime dependency; only chat models need it
             raise SemzoError("chat templates need the jinja2 package (a runtime dependency: "
                              "run make setup)") from None
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
-        from jinja2 import TemplateError
+        class Generation(jinja2.ext.Extension):
+            tags = frozenset({"generation"})
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+        class Namespace(jinja2.utils.Namespace):
+            def __init__(*args, **kwargs):
+                self, args = args[0], args[1:]
+                attrs = dict(*args, **kwargs)
+                for name in attrs:
+                    Namespace._check(name)
+                jinja2.utils.Namespace.__init__(self, attrs)
+
+            def __setitem__(self, name, value):
+                Namespace._check(name)
+                jinja2.utils.Namespace.__setitem__(self, name, value)
+
+            @staticmethod
+            def _check(name):
+                if isinstance(name, str) and name.startswith("_"):
+                    raise jinja2.exceptions.SecurityError(
+                        f"a namespace attribute may not start with '_' ({name!r})")
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
 
         def raise_exception(msg):
             raise SemzoError(f"{what}: chat template: {msg}")
-        env.globals["raise_exception"] = raise_exception
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[Generation, jinja2.ext.loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals.update(raise_exception=raise_exception, namespace=Namespace,
+                           dict=lambda *a, **k: dict(*a, **k))
+        if today:
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         try:
             self.tpl = env.from_string(template)
-        except TemplateError as exc:       # TemplateSyntaxError and the like
+        except jinja2.TemplateError as exc:       # TemplateSyntaxError and the like
             raise SemzoError(f"{what}: {TEMPLATE_KEY}: not a valid jinja2 template "
                              f"({_one_line(exc)})") from None
         self.what = what
@@ -100,13 +148,14 @@ class ChatRenderer:
 
 
 def render_chat(tok_config: dict, messages: list[dict], add_generation_prompt: bool = True,
-                what: str = "model") -> str:
-    """``messages`` through the model's chat template. A model without a template, or no
-    jinja2, is a :class:`SemzoError`."""
+                what: str = "model", today: bool = False) -> str:
+    """``messages`` through the model's chat template (``today``: ``strftime_now`` defined,
+    see :class:`ChatRenderer`). A model without a template, or no jinja2, is a
+    :class:`SemzoError`."""
     tpl = chat_template(tok_config, what)
     if not tpl:
         raise SemzoError(f"{what}: the model has no chat_template in tokenizer_config.json")
-    return ChatRenderer(tpl, tok_config, what).render(messages, add_generation_prompt)
+    return ChatRenderer(tpl, tok_config, what, today).render(messages, add_generation_prompt)
 
 
 def _enc(tk, text: str, special: bool) -> list[int]:
