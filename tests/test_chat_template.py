@@ -73,3 +73,78 @@ def test_sandbox_still_refuses(tpl):
     with pytest.raises(SemzoError, match="chat_template: cannot render"):
         render_chat({"chat_template": tpl}, [dict(m) for m in MSGS], False, today=True)
     assert MSGS[0]["role"] == "system"
+
+
+# ---- the assistant turns of a conversation (the sft task's loss mask) ------------------------
+# ChatML with a think block on the assistant turns after the last user message only, the way
+# Qwen3's template renders them: a turn renders differently once another follows, so the
+# renders of the first turns are not prefixes of the conversation's
+THINK = ("{%- set ns = namespace(last=-1) %}{%- for m in messages %}{%- if m.role == 'user' %}"
+         "{%- set ns.last = loop.index0 %}{%- endif %}{%- endfor %}"
+         "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+         "{%- if m.role == 'assistant' and loop.index0 > ns.last %}<think>\n\n</think>\n\n"
+         "{%- endif %}{{ m.content }}<|im_end|>\n{% endfor %}"
+         "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+# the same with the assistant's text marked by the template ({% generation %})
+MARKED = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+          "{%- if m.role == 'assistant' %}{% generation %}{{ m.content }}<|im_end|>\n"
+          "{% endgeneration %}{%- else %}{{ m.content }}<|im_end|>\n{%- endif %}{%- endfor %}"
+          "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+CONV = [{"role": "system", "content": "be brief"},
+        {"role": "user", "content": "good"},          # the next answer's words, said first
+        {"role": "assistant", "content": "good"},
+        {"role": "user", "content": "sun or moon?"},
+        {"role": "assistant", "content": "moon tree"}]
+
+
+def _loss_text(tpl, msgs):
+    from semzo.model import zoo
+    from semzo.model.chat import sft_tokens
+    from semzo.model.tokenizer import Tokenizer
+    tk = Tokenizer.from_folder(zoo.resolve_model_path("smollm2"), max_length=None).tk
+    ids, loss, _ = sft_tokens(tk, {"messages": msgs}, ChatRenderer(tpl, {}, "m"), None)
+    return tk, ids, loss, tk.decode(ids[loss].tolist(), skip_special_tokens=False)
+
+
+def test_turns_found_by_content_when_the_template_is_not_prefix_stable(caplog):
+    r = ChatRenderer(THINK, {}, "m")
+    assert not r.render(CONV).startswith(r.render(CONV[:3]))     # the case this is for
+    tk, ids, loss, text = _loss_text(THINK, CONV)
+    assert text == "good<|im_end|>\nmoon tree<|im_end|>\n"
+    first = int(loss.argmax())          # the assistant's "good", not the user's before it
+    assert tk.decode(ids[:first].tolist(), skip_special_tokens=False).endswith(
+        "<|im_start|>assistant")
+    assert "found by their content" in caplog.text
+    # one turn: the renders are prefixes, so the think block the template writes before the
+    # last answer is part of what is learned, as before
+    _, _, _, one = _loss_text(THINK, CONV[:3])
+    assert one == r.render(CONV[:3])[len(r.render(CONV[:2], True)):]
+    assert one.startswith("<think>") and one.endswith("good<|im_end|>\n")
+
+
+def test_generation_blocks_are_the_loss_tokens_as_in_transformers():
+    from transformers import AutoTokenizer
+
+    from semzo.model import zoo
+    _, ids, loss, text = _loss_text(MARKED, CONV)
+    assert text == "good<|im_end|>\nmoon tree<|im_end|>\n"
+    hf = AutoTokenizer.from_pretrained(zoo.resolve_model_path("smollm2"))
+    out = hf.apply_chat_template(CONV, chat_template=MARKED, tokenize=True, return_dict=True,
+                                 return_assistant_tokens_mask=True)
+    assert out["input_ids"] == ids.tolist()
+    assert out["assistant_masks"] == loss.astype(int).tolist()
+
+
+def test_turns_that_cannot_be_found_are_one_error():
+    from semzo.model import zoo
+    from semzo.model.chat import sft_tokens
+    from semzo.model.tokenizer import Tokenizer
+    tk = Tokenizer.from_folder(zoo.resolve_model_path("smollm2"), max_length=None).tk
+    # the content rewritten (upper case) and not prefix-stable: neither way finds the turns
+    tpl = THINK.replace("{{ m.content }}", "{{ m.content | upper }}")
+    with pytest.raises(SemzoError, match="m: chat template: the assistant turns cannot be told"):
+        sft_tokens(tk, {"messages": CONV}, ChatRenderer(tpl, {}, "m"), None)
+    bad = [dict(m) for m in CONV]
+    bad[2]["content"] = "a \ufdd0 b"
+    with pytest.raises(SemzoError, match="reserves"):
+        sft_tokens(tk, {"messages": bad}, ChatRenderer(MARKED, {}, "m"), None)

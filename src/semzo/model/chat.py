@@ -15,15 +15,19 @@ Nothing here is collective.
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 
-from ..runtime import SemzoError
+from ..runtime import SemzoError, get_logger
 from .tokenizer import Tokenizer
 from .zoo import resolve_model_path
+
+log = get_logger(__name__)
 
 
 def _json(path: Path) -> dict:
@@ -84,13 +88,21 @@ class ChatRenderer:
             raise SemzoError("chat templates need the jinja2 package (a runtime dependency: "
                              "run make setup)") from None
 
+        renderer = self
+
         class Generation(jinja2.ext.Extension):
             tags = frozenset({"generation"})
 
             def parse(self, parser):
                 lineno = next(parser.stream).lineno
                 body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-                return jinja2.nodes.Scope(body).set_lineno(lineno)
+                renderer.tracks = True
+                return jinja2.nodes.CallBlock(self.call_method("_block"), [], [],
+                                              body).set_lineno(lineno)
+
+            def _block(self, caller):
+                text = caller()
+                return MARKS[0] + text + MARKS[1] if renderer._marking else text
 
         class Namespace(jinja2.utils.Namespace):
             def __init__(*args, **kwargs):
@@ -117,6 +129,7 @@ class ChatRenderer:
         def raise_exception(msg):
             raise SemzoError(f"{what}: chat template: {msg}")
 
+        self.tracks, self._marking, self.logged = False, False, False
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                             extensions=[Generation, jinja2.ext.loopcontrols])
         env.filters["tojson"] = tojson
@@ -147,6 +160,34 @@ class ChatRenderer:
                              f"({type(exc).__name__}: {_one_line(exc)})") from None
 
 
+    def render_marked(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation (no generation prompt) and the character spans of its
+        ``{% generation %}`` blocks (templates that mark the assistant's text themselves)."""
+        if any(c in str(m.get("content", "")) for m in messages for c in MARKS):
+            raise SemzoError(f"{self.what}: a message holds U+FDD0 or U+FDD1, which semzo "
+                             f"reserves to find the template's generation blocks")
+        self._marking = True
+        try:
+            marked = self.render(messages, False)
+        finally:
+            self._marking = False
+        text, spans, start = [], [], None
+        n = 0
+        for part in re.split(f"([{MARKS[0]}{MARKS[1]}])", marked):
+            if part == MARKS[0]:
+                start = n
+            elif part == MARKS[1]:
+                spans.append((start, n))
+            else:
+                text.append(part)
+                n += len(part)
+        return "".join(text), spans
+
+
+#: noncharacters that wrap a {% generation %} block's text in :meth:`ChatRenderer.render_marked`
+MARKS = ("\ufdd0", "\ufdd1")
+
+
 def render_chat(tok_config: dict, messages: list[dict], add_generation_prompt: bool = True,
                 what: str = "model", today: bool = False) -> str:
     """``messages`` through the model's chat template (``today``: ``strftime_now`` defined,
@@ -162,6 +203,50 @@ def _enc(tk, text: str, special: bool) -> list[int]:
     return list(tk.encode(text, add_special_tokens=special).ids) if text else []
 
 
+def _prefix_spans(renderer: ChatRenderer, msgs: list[dict], full: str
+                  ) -> list[tuple[int, int]] | None:
+    """Assistant turn i = the characters between the render of ``msgs[:i]`` with the
+    generation prompt and the render of ``msgs[:i+1]``; None when those are not prefixes of
+    each other and of ``full``."""
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        head = renderer.render(msgs[:i], True) if i else ""
+        upto = renderer.render(msgs[:i + 1], False)
+        if not (full.startswith(upto) and upto.startswith(head)):
+            return None
+        spans.append((len(head), len(upto)))
+    return spans
+
+
+def _content_spans(renderer: ChatRenderer, msgs: list[dict], full: str
+                   ) -> list[tuple[int, int]] | None:
+    """For templates that render a turn differently once another follows (Qwen3 drops the
+    empty think block of earlier assistant turns): assistant turn i = its content where it
+    first occurs in ``full`` after the part ``full`` shares with the render of ``msgs[:i]``
+    (generation prompt included) and after the previous turn, plus the end of turn the
+    template writes after it when it is the last turn, which must follow it in ``full``;
+    None when a content is empty or not found, or the end of turn does not follow."""
+    spans, pos = [], 0
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        c = m["content"]
+        upto = renderer.render(msgs[:i + 1], False)
+        k = upto.rfind(c)
+        if not c or k < 0:
+            return None
+        end = upto[k + len(c):]
+        head = renderer.render(msgs[:i], True) if i else ""
+        j = full.find(c, max(pos, len(os.path.commonprefix([full, head]))))
+        if j < 0 or not full.startswith(end, j + len(c)):
+            return None
+        pos = j + len(c) + len(end)
+        spans.append((j, pos))
+    return spans
+
+
 def sft_tokens(tk, rec: dict, renderer: ChatRenderer | None, eos_id: int | None
                ) -> tuple[np.ndarray, np.ndarray, int]:
     """``(ids, loss, n_prompt)`` of one instruction record (a dict as
@@ -171,12 +256,14 @@ def sft_tokens(tk, rec: dict, renderer: ChatRenderer | None, eos_id: int | None
     * ``{"prompt", "completion"}``: the prompt's tokens (special tokens added as the tokenizer
       does), then the completion's, then ``eos_id`` (when the tokenizer has one, so that the
       model learns to stop); the completion and the end token are the loss tokens.
-    * ``{"messages"}`` with a chat ``renderer``: the whole conversation rendered once; the
-      characters of assistant turn i are those between the render of ``messages[:i]`` with
-      the generation prompt and the render of ``messages[:i+1]`` (the template's end of turn
-      included); a token is a loss token when its first character lies in such a span. A
-      template whose renders are not prefixes of each other cannot be masked this way
-      (:class:`SemzoError`).
+    * ``{"messages"}`` with a chat ``renderer``: the whole conversation rendered once; a
+      token is a loss token when its first character lies in an assistant span: the
+      template's own ``{% generation %}`` blocks when it has them; else the characters
+      between the render of ``messages[:i]`` with the generation prompt and the render of
+      ``messages[:i+1]`` (the template's end of turn included) when those renders are
+      prefixes of each other (:func:`_prefix_spans`); else each assistant's content and end
+      of turn found in the render (:func:`_content_spans`, logged once); else a
+      :class:`SemzoError`.
     * ``{"messages"}`` without a template (plain concatenation): each system/user turn's
       content and a newline, each assistant turn's content and ``eos_id`` (the loss tokens).
     """
@@ -201,17 +288,26 @@ def sft_tokens(tk, rec: dict, renderer: ChatRenderer | None, eos_id: int | None
         ids, loss = np.array(parts, np.int64), np.array(flags, bool)
     else:
         full = renderer.render(msgs, False)
-        spans = []
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            head = renderer.render(msgs[:i], True) if i else ""
-            upto = renderer.render(msgs[:i + 1], False)
-            if not (full.startswith(upto) and upto.startswith(head)):
-                raise SemzoError(f"{renderer.what}: chat template: the render of the first "
-                                 f"{i} messages is not a prefix of the conversation's: the "
-                                 f"assistant turns cannot be told from the template")
-            spans.append((len(head), len(upto)))
+        if renderer.tracks:
+            text, spans = renderer.render_marked(msgs)
+            if text != full:
+                raise SemzoError(f"{renderer.what}: chat template: renders differently with "
+                                 f"its generation blocks marked")
+        else:
+            spans = _prefix_spans(renderer, msgs, full)
+            if spans is None:
+                spans = _content_spans(renderer, msgs, full)
+                if spans is None:
+                    raise SemzoError(f"{renderer.what}: chat template: the assistant turns "
+                                     f"cannot be told from it (its renders of the first "
+                                     f"turns are not prefixes of the conversation's, and an "
+                                     f"assistant's content or end of turn is not found in it "
+                                     f"as rendered last)")
+                if not renderer.logged:
+                    renderer.logged = True
+                    log.info("%s: chat template not prefix-stable (a turn renders "
+                             "differently once another follows): assistant turns found by "
+                             "their content and end of turn", renderer.what)
         enc = tk.encode(full, add_special_tokens=False)
         ids = np.array(enc.ids, np.int64)
         starts = np.array([o[0] for o in enc.offsets], np.int64)
