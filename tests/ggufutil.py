@@ -48,11 +48,13 @@ def add_tokenizer(w: gguf.GGUFWriter, pre: str = "smollm", template: str | None 
 
 def write_gguf(path: Path, arch: str, meta: dict, tensors: dict, *, tokenizer: bool = True,
                pre: str = "smollm", template: str | None = None,
-               floats: dict | None = None) -> Path:
+               floats: dict | None = None, split_max_tensors: int = 0) -> Path:
     """``meta``: key (without the arch prefix) -> int/float/str; ``tensors``: GGUF name ->
     float array (float16 written F16, others F32) or ``(uint8 bytes, GGMLQuantizationType)``;
-    ``floats``: full keys written last as float32 (replacing the tokenizer's)."""
-    w = gguf.GGUFWriter(str(path), arch)
+    ``floats``: full keys written last as float32 (replacing the tokenizer's);
+    ``split_max_tensors``: shards of at most that many tensors (``PATH-0000k-of-0000N.gguf``,
+    as llama.cpp's gguf-split names them)."""
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     for k, v in meta.items():
         key = f"{arch}.{k}"
         if isinstance(v, bool):
@@ -111,6 +113,16 @@ def hf_to_gguf(state: dict[str, np.ndarray], cfg: dict, arch: str) -> dict[str, 
                 w = permute_qk(w, cfg["num_key_value_heads"])
             out[f"blk.{i}.{stem}.{kind}"] = w
     return out
+
+
+def tiny_config(vocab: int, tie: bool, max_positions: int = 64) -> dict:
+    """The config fields of the tiny transformers decoders the GGUF tests build (hidden 64,
+    2 blocks, 4 heads, 2 KV heads)."""
+    return {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 96,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": max_positions, "rms_norm_eps": 1e-5,
+            "rope_theta": 10000.0, "tie_word_embeddings": tie, "bos_token_id": 1,
+            "eos_token_id": 2, "pad_token_id": 2}
 
 
 def hf_meta(cfg: dict) -> dict:

@@ -23,6 +23,7 @@ from ggufutil import (
     ref_q5_k,
     ref_q6_k,
     ref_q8_0,
+    tiny_config,
     tiny_vocab,
     write_gguf,
 )
@@ -154,11 +155,7 @@ def test_qk_permutation_round_trip(heads, rows_per_head):
 def _tiny_hf(tmp_path, family: str, tie: bool):
     import torch
     import transformers as tf
-    common = {"vocab_size": N_VOCAB, "hidden_size": 64, "intermediate_size": 96,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "tie_word_embeddings": tie, "bos_token_id": 1, "eos_token_id": 2,
-              "pad_token_id": 2}
+    common = tiny_config(N_VOCAB, tie)
     torch.manual_seed(0)
     if family == "llama":
         model = tf.LlamaForCausalLM(tf.LlamaConfig(**common))
@@ -355,3 +352,37 @@ def test_gemma2_config_as_llamacpp_runs_it(tmp_path):
                      {})
     with pytest.raises(SemzoError, match="gemma2.attn_logit_softcapping"):
         GGUFModel(bad).hf_config()
+
+
+def test_split_model_read_from_its_first_shard(tmp_path):
+    """A model in shards (llama.cpp's gguf-split layout, here written by gguf.GGUFWriter's
+    split_max_tensors) converts to the same folder as the one file; a missing shard, opening
+    another shard than the first, a shard that says it is another one and a tensor count that
+    disagrees are one line each naming the file."""
+    from safetensors.numpy import load_file
+    t = _block_tensors(np.random.default_rng(7))
+    one = write_gguf(tmp_path / "one.gguf", "llama", META, t)
+    write_gguf(tmp_path / "m.gguf", "llama", META, t, split_max_tensors=4)
+    shards = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert [p.name for p in shards] == [f"m-{k:05d}-of-00003.gguf" for k in (1, 2, 3)]
+    convert_gguf(one, tmp_path / "a")
+    convert_gguf(shards[0], tmp_path / "b")
+    a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in "ab")
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+    with pytest.raises(SemzoError, match="open the first of the 3 shards"):
+        GGUFModel(shards[1])
+    shards[2].rename(tmp_path / "away.gguf")
+    with pytest.raises(SemzoError, match="shard 3 of 3 not found"):
+        GGUFModel(shards[0])
+    (tmp_path / "away.gguf").rename(shards[2])
+    shards[1].write_bytes(shards[2].read_bytes())          # shard 3's bytes under 2's name
+    with pytest.raises(SemzoError, match="m-00002-of-00003.gguf: split.no / split.count = "
+                                         "2 / 3, expected 1 / 3"):
+        GGUFModel(shards[0])
+    write_gguf(tmp_path / "n.gguf", "llama", META, t, split_max_tensors=4)
+    fewer = dict(list(t.items())[:-1])                    # 10 tensors: shards of 4, 4, 2
+    write_gguf(tmp_path / "p.gguf", "llama", META, fewer, split_max_tensors=4)
+    (tmp_path / "p-00003-of-00003.gguf").replace(tmp_path / "n-00003-of-00003.gguf")
+    with pytest.raises(SemzoError, match="n-00001-of-00003.gguf: split.tensors.count 11: "
+                                         "the 3 shards hold 10 tensors"):
+        GGUFModel(tmp_path / "n-00001-of-00003.gguf")

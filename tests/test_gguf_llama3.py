@@ -17,7 +17,7 @@ import sys
 import gguf
 import numpy as np
 import pytest
-from ggufutil import hf_meta, hf_to_gguf, tiny_vocab, write_gguf
+from ggufutil import hf_meta, hf_to_gguf, tiny_config, tiny_vocab, write_gguf
 
 from semzo.model import Tokenizer, load_model, zoo
 from semzo.model.convert import convert_gguf
@@ -111,11 +111,7 @@ def test_other_factors_refused():
 def _tiny_llama3(tie: bool = True, vocab: int = N_VOCAB):
     import torch
     import transformers as tf
-    common = {"vocab_size": vocab, "hidden_size": 64, "intermediate_size": 96,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-              "tie_word_embeddings": tie, "bos_token_id": 1, "eos_token_id": 2,
-              "pad_token_id": 2}
+    common = tiny_config(vocab, tie, max_positions=256)
     torch.manual_seed(0)
     model = tf.LlamaForCausalLM(tf.LlamaConfig(**common, rope_scaling=dict(TINY))).eval()
     with torch.no_grad():

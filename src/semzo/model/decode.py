@@ -81,14 +81,21 @@ def _gemv3(x, w1, w2, w3, o1, o2, o3, parts):
 
 
 @njit(cache=True, nogil=True)
+def _plus_one(g):
+    """Gemma's norm scale ``1 + g`` (``variants.plus_one``: float32(g) + 1 in float32) of a
+    float32 or bfloat16-bits ``g``."""
+    gp = np.empty(g.shape[0], F32)
+    for j in range(g.shape[0]):
+        gp[j] = _widen(g[j]) + F32(1.0)
+    return gp
+
+
+@njit(cache=True, nogil=True)
 def _norm(x, g, plus, eps, out):
-    """``out = rmsnorm(x)`` with the scale ``g`` (float32 or bfloat16 bits), or ``1 + g``
-    (Gemma's, ``variants.plus_one``: float32(g) + 1 in float32) when ``plus``."""
+    """``out = rmsnorm(x)`` with the scale ``g`` (float32 or bfloat16 bits), or
+    :func:`_plus_one` of it when ``plus``."""
     if plus:
-        gp = np.empty(g.shape[0], F32)
-        for j in range(g.shape[0]):
-            gp[j] = _widen(g[j]) + F32(1.0)
-        _nb_rmsnorm(x, gp, eps, out)
+        _nb_rmsnorm(x, _plus_one(g), eps, out)
     else:
         _nb_rmsnorm(x, g, eps, out)
 
@@ -97,10 +104,7 @@ def _norm(x, g, plus, eps, out):
 def _resnorm(y, bias, x, g, plus, eps, out):
     """``x += y (+ bias)``, then ``out = rmsnorm(x)`` with the scale of :func:`_norm`."""
     if plus:
-        gp = np.empty(g.shape[0], F32)
-        for j in range(g.shape[0]):
-            gp[j] = _widen(g[j]) + F32(1.0)
-        _nb_residual_rmsnorm(y, bias, x, gp, eps, out)
+        _nb_residual_rmsnorm(y, bias, x, _plus_one(g), eps, out)
     else:
         _nb_residual_rmsnorm(y, bias, x, g, eps, out)
 

@@ -7,6 +7,8 @@ metadata plus the temporaries of its largest tensor, not the memory of the model
 
 What is supported, and refused by name otherwise (:class:`SemzoError`, one line, exit 2):
 
+- one file, or a model split into shards (``PREFIX-00001-of-0000N.gguf``, llama.cpp's
+  ``gguf-split``), opened from the first (:meth:`GGUFModel._join_shards`);
 - tensor types :data:`SUPPORTED_TYPES` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
   Q5_K, Q6_K), dequantized to float32 by ``gguf.quants.dequantize``; any other type, a
   truncated file, a file that is not GGUF or a big-endian GGUF is refused;
@@ -29,6 +31,7 @@ as transformers' ``LlamaTensorProcessor`` does. Qwen2 and Qwen3 are written unpe
 from __future__ import annotations
 
 import math
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -168,6 +171,8 @@ class GGUFModel:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.reader = _open_reader(self.path)
+        if "split.count" in self.reader.fields:
+            self.reader = self._join_shards()
         self.tensors = {t.name: t for t in self.reader.tensors}
         self._check_types()
         arch = self.value("general.architecture", None)
@@ -181,6 +186,48 @@ class GGUFModel:
 
     def error(self, msg: str) -> SemzoError:
         return SemzoError(f"{self.path}: {msg}")
+
+    def _join_shards(self) -> _Reader:
+        """A model split by llama.cpp's ``gguf-split`` (or ``GGUFWriter(split_max_...)``):
+        ``PREFIX-00001-of-0000N.gguf`` holds the metadata and ``split.*`` keys, every shard
+        some of the tensors. Opened from the first shard, the others found beside it by
+        name; each must say it is shard k of N (``split.no`` k - 1, ``split.count`` N), and
+        the tensors of all of them, each once, must number ``split.tensors.count``."""
+        f = self.reader.fields
+
+        def count(fields: dict, key: str, path: Path) -> int:
+            v = fields.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise SemzoError(f"{path}: metadata key {key!r}: expected a non-negative "
+                                 f"integer, got {v!r}")
+            return v
+
+        n = count(f, "split.count", self.path)
+        if n <= 1:
+            return self.reader
+        m = re.fullmatch(r"(.*)-(\d{5})-of-(\d{5})\.gguf", self.path.name)
+        if m is None or int(m.group(2)) != 1 or int(m.group(3)) != n \
+                or count(f, "split.no", self.path) != 0:
+            raise self.error(f"split.count {n}: open the first of the {n} shards, "
+                             f"PREFIX-00001-of-{n:05d}.gguf")
+        total = count(f, "split.tensors.count", self.path)
+        tensors = list(self.reader.tensors)
+        for k in range(2, n + 1):
+            shard = self.path.with_name(f"{m.group(1)}-{k:05d}-of-{n:05d}.gguf")
+            if not shard.is_file():
+                raise self.error(f"shard {k} of {n} not found: {shard}")
+            r = _open_reader(shard)
+            if count(r.fields, "split.no", shard) != k - 1 or \
+                    count(r.fields, "split.count", shard) != n:
+                raise SemzoError(f"{shard}: split.no / split.count = "
+                                 f"{r.fields.get('split.no')} / {r.fields.get('split.count')}, "
+                                 f"expected {k - 1} / {n}")
+            tensors += r.tensors
+        names = [t.name for t in tensors]
+        if len(set(names)) != len(names) or len(names) != total:
+            raise self.error(f"split.tensors.count {total}: the {n} shards hold "
+                             f"{len(names)} tensors ({len(set(names))} names)")
+        return _Reader(f, tensors)
 
     # ---- metadata -------------------------------------------------------------------------
     def has(self, key: str) -> bool:
