@@ -386,3 +386,79 @@ def test_split_model_read_from_its_first_shard(tmp_path):
     with pytest.raises(SemzoError, match="n-00001-of-00003.gguf: split.tensors.count 11: "
                                          "the 3 shards hold 10 tensors"):
         GGUFModel(tmp_path / "n-00001-of-00003.gguf")
+
+
+# ---- a SentencePiece (Gemma) vocabulary ---------------------------------------------------------
+SP_PIECES = ["▁", "a", "b", "c", "▁a", "ab", "bc", "▁ab", "abc", "▁abc", "▁b", "ca"]
+
+
+def _sp_gguf(path, scores_fall: bool = True):
+    """A tiny gemma2 file with a SentencePiece-BPE vocabulary as llama.cpp writes Gemma's:
+    control <pad> <eos> <bos>, <unk>, the 256 byte tokens, normal pieces scored minus their
+    position (or, ``scores_fall=False``, two of them swapped)."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)] \
+        + SP_PIECES
+    types = [3, 3, 3, 2] + [6] * 256 + [1] * len(SP_PIECES)
+    scores = [0.0] * 4 + [0.0] * 256 + [-float(i) for i in range(260, len(tokens))]
+    if not scores_fall:
+        scores[-1], scores[-2] = scores[-2], scores[-1]
+    h, f, hd = 64, 96, 32
+    rng = np.random.default_rng(8)
+    t = {"token_embd.weight": rng.standard_normal((len(tokens), h)),
+         "output_norm.weight": rng.standard_normal(h)}
+    for name, shape in {"attn_norm": (h,), "attn_q": (2 * hd, h), "attn_k": (hd, h),
+                        "attn_v": (hd, h), "attn_output": (h, 2 * hd),
+                        "post_attention_norm": (h,), "ffn_norm": (h,), "ffn_gate": (f, h),
+                        "ffn_up": (f, h), "ffn_down": (h, f), "post_ffw_norm": (h,)}.items():
+        t[f"blk.0.{name}.weight"] = rng.standard_normal(shape)
+    w = gguf.GGUFWriter(str(path), "gemma2")
+    for k, v in {"block_count": 1, "context_length": 64, "embedding_length": h,
+                 "feed_forward_length": f, "attention.head_count": 2,
+                 "attention.head_count_kv": 1, "attention.key_length": hd,
+                 "attention.value_length": hd, "vocab_size": len(tokens)}.items():
+        w.add_uint32(f"gemma2.{k}", v)
+    w.add_float32("gemma2.attention.layer_norm_rms_epsilon", 1e-6)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_space_prefix(False)
+    for name, arr in t.items():
+        w.add_tensor(name, np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_gemma2_sentencepiece_vocabulary_as_transformers_reads_it(tmp_path):
+    """A Gemma-style SentencePiece vocabulary in a gemma2 file: semzo's tokenizer.json gives
+    the ids transformers' own GGUF tokenizer gives (merges, byte fallback, spaces, <bos>);
+    a vocabulary whose normal tokens' scores do not fall with their position is refused."""
+    from transformers import AutoTokenizer
+
+    from semzo.model import Tokenizer
+    src = _sp_gguf(tmp_path / "g2.gguf")
+    convert_gguf(src, tmp_path / "out")
+    ours = Tokenizer.from_folder(tmp_path / "out")
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file="g2.gguf")
+    texts = ["abc ab a", " a  b", "bca abc", "xyz ab", "a\nb", "日本 ab", "abcabc bc"]
+    got = [x.tolist() for x in ours.encode_batch(texts)]
+    assert got == [ref(t)["input_ids"] for t in texts]
+    assert got[0][0] == 2 and any(i >= 260 + 4 for i in got[0])     # <bos>, merged pieces
+    # exported by semzo (a Gemma 2 model with this vocabulary) and read back: the same ids
+    from semzo.model import load_model
+    from semzo.model.gguf_export import export_gguf
+    export_gguf(load_model(tmp_path / "out"), tmp_path / "back.gguf", gguf_type="f32")
+    assert GGUFModel(tmp_path / "back.gguf").value("tokenizer.ggml.model") == "llama"
+    convert_gguf(tmp_path / "back.gguf", tmp_path / "back")
+    again = Tokenizer.from_folder(tmp_path / "back")
+    assert [x.tolist() for x in again.encode_batch(texts)] == got
+    with pytest.raises(SemzoError, match="scores do not fall with their position"):
+        convert_gguf(_sp_gguf(tmp_path / "bad.gguf", scores_fall=False), tmp_path / "o2")

@@ -15,13 +15,14 @@ follows llama.cpp's ``tokenizer.ggml.pre`` (``llama-vocab.cpp``):
 Any other tokenizer model or pre-tokenizer is refused by name. Tokens marked CONTROL (3) become
 special added tokens, USER_DEFINED (4) plain added tokens, as llama.cpp matches both whole.
 
-SentencePiece (``llama``, architecture ``gemma3``): a BPE model with byte fallback (the
-``<0xNN>`` tokens), spaces written as ``▁`` by a normalizer (no prefix space: Gemma's
+SentencePiece (``llama``, architectures ``gemma2`` and ``gemma3``): a BPE model with byte
+fallback (the ``<0xNN>`` tokens), spaces written as ``▁`` by a normalizer (no prefix space: Gemma's
 ``add_space_prefix`` is false, and other values are refused), ``<unk>`` for what byte
 fallback cannot reach, ``<bos>`` prepended when ``add_bos_token``. The file stores no merges:
 they are recovered from the vocabulary (every split of a token into two tokens), ranked by
 the merged token's position in the file -- for Gemma's normal tokens the score is exactly
-minus that position, so this is the score order llama.cpp's SentencePiece merge loop uses,
+minus that position (checked: normal tokens whose scores do not fall with their position are
+refused), so this is the score order llama.cpp's SentencePiece merge loop uses,
 and it is the order transformers' GGUF loader uses (``gemma_tokenizer``), so the two agree
 token for token. Tokens of two or more spaces are stored with real spaces and respelled with
 ``▁`` (the normalizer has replaced every space before the model sees it), as transformers
@@ -30,6 +31,7 @@ does.
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 from tokenizers import (
@@ -55,7 +57,7 @@ LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,
 _SPLITS = {"qwen2": QWEN2_SPLIT, "llama-bpe": LLAMA3_SPLIT, "llama3": LLAMA3_SPLIT,
            "llama-v3": LLAMA3_SPLIT}
 PRE_TOKENIZERS = _GPT2_PRE + _DIGITS_PRE + tuple(_SPLITS)
-CONTROL, USER_DEFINED = 3, 4
+NORMAL, CONTROL, USER_DEFINED = 1, 3, 4
 
 
 def _byte_alphabet() -> dict[int, str]:
@@ -81,11 +83,11 @@ def build_tokenizer(g: GGUFModel, cfg: dict):
     kind = g.value("tokenizer.ggml.model", None)
     if kind is None:
         raise g.error("no tokenizer (tokenizer.ggml.model missing)")
-    if kind == "llama" and g.arch_name == "gemma3":
+    if kind == "llama" and g.arch_name in ("gemma2", "gemma3"):
         return _sentencepiece(g, cfg)
     if kind != "gpt2":
         raise g.error(f"tokenizer.ggml.model {kind!r} is not supported (byte-level BPE 'gpt2'; "
-                      f"SentencePiece 'llama' for gemma3)")
+                      f"SentencePiece 'llama' for gemma2 and gemma3)")
     pre = g.value("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
         raise g.error(f"tokenizer.ggml.pre {pre!r} is not supported "
@@ -208,6 +210,11 @@ def _sentencepiece(g: GGUFModel, cfg: dict):
     if g.has("tokenizer.ggml.precompiled_charsmap"):
         raise g.error("tokenizer.ggml.precompiled_charsmap: SentencePiece normalization is "
                       "not supported")
+    normal = [float(sc) for sc, ty in zip(scores, types) if ty == NORMAL]
+    if any(b >= a for a, b in itertools.pairwise(normal)):
+        raise g.error("tokenizer.ggml.scores: the normal tokens' scores do not fall with their "
+                      "position (semzo merges in the order of the positions, which is the "
+                      "scores' order in Gemma's vocabularies)")
 
     def tok(key: str, default: str | None = None) -> str | None:
         i = g.token_id(key, len(tokens))
