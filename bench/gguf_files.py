@@ -9,7 +9,7 @@
    rebuilt), against transformers loading the same file (``from_pretrained(gguf_file=...)``,
    its own dequantization into a model); best wall time of ``--repeat`` each, the ratio.
 2. **Families through GGUF**: a tiny random model of each family semzo writes (Llama, Llama
-   3.1+ with llama3 rope scaling, Qwen2, Qwen3, Gemma 2) made by transformers, exported by
+   3.1+ with llama3 rope scaling, Mistral, Qwen2, Qwen3, Gemma 2) made by transformers, exported by
    semzo (F32), then run by llama.cpp (``bench/llamacpp_peer.py`` in ``$BENCHVENV``, default
    ``.venv-bench``: ``make bench-llamacpp``) and read by transformers' GGUF loader: each one's
    logits against semzo's on the same 31-token prompt (max difference over the largest
@@ -49,6 +49,8 @@ def families():
         "llama": lambda: tf.LlamaConfig(**SMALL, tie_word_embeddings=True),
         "llama3": lambda: tf.LlamaConfig(**SMALL, tie_word_embeddings=False,
                                          rope_scaling=dict(LLAMA3)),
+        "mistral": lambda: tf.MistralConfig(**SMALL, head_dim=32, sliding_window=None,
+                                            tie_word_embeddings=False),
         "qwen2": lambda: tf.Qwen2Config(**SMALL, tie_word_embeddings=False),
         "qwen3": lambda: tf.Qwen3Config(**SMALL, head_dim=128, tie_word_embeddings=True),
         "gemma2": lambda: tf.Gemma2Config(**{**SMALL, "num_attention_heads": 2,
@@ -110,7 +112,9 @@ def through_gguf(use_llamacpp: bool, threads: int) -> None:
             ids, mask = Tokenizer.from_folder(folder)([PROMPT])
             ours = model.logits(ids, mask)[0]
             gguf = tmp / f"{name}.gguf"
-            export_gguf(model, gguf, gguf_type="f32")
+            # general.name "tiny": transformers takes a llama file named "...mistral..." for
+            # its mistral architecture, which its gguf package does not know
+            export_gguf(model, gguf, gguf_type="f32", name="tiny")
             cols = []
             if use_llamacpp:
                 np.save(tmp / "ids.npy", ids)

@@ -62,7 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("outdir", help="folder (hf) or file (gguf) to write")
     e.add_argument("--format", choices=("hf", "gguf"), default="hf",
                    help="hf: Hugging Face folder (default); gguf: one GGUF file for "
-                   "llama.cpp / Ollama (llama, qwen2, qwen3, gemma2 and gemma3 models, "
+                   "llama.cpp / Ollama (llama, mistral, qwen2, qwen3, gemma2 and gemma3 models, "
                    "tokenizer included)")
     e.add_argument("--gguf-type", choices=("f32", "f16", "bf16", "q8_0"), default="f32",
                    help="GGUF tensor type of the matrices (norms stay f32; default f32)")

@@ -6,7 +6,9 @@ of its folder (``tokenizer.json``) as ``tokenizer.ggml.*`` metadata, and the cha
 ``tokenizer_config.json``. Tensor names, shapes and transforms follow llama.cpp's
 ``convert_hf_to_gguf.py``:
 
-- ``llama`` (LlamaForCausalLM: SmolLM2, Llama 2/3): q and k rows permuted for llama.cpp's
+- ``llama`` (LlamaForCausalLM: SmolLM2, Llama 2/3; MistralForCausalLM without a sliding
+  window shorter than its context, as llama.cpp's converter writes Mistral): q and k rows
+  permuted for llama.cpp's
   rotary layout (:func:`semzo.model.gguf.permute_qk`, q with the attention heads, k with the
   KV heads); ``output.weight`` only when untied; linear rope scaling as metadata, llama3's
   as the tensor ``rope_freqs.weight`` of frequency divisors (F32, as llama.cpp's converter
@@ -64,8 +66,8 @@ _BYTE_TOKEN = re.compile(r"^<0x[0-9A-F]{2}>$")
 
 # the Split regex of a byte-level tokenizer -> (llama.cpp's pre tag, its ignore_merges)
 _SPLIT_TAGS = {LLAMA3_SPLIT: ("llama-bpe", True), QWEN2_SPLIT: ("qwen2", False)}
-_ARCH_OF = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-            "gemma3_text": "gemma3"}
+_ARCH_OF = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+            "gemma2": "gemma2", "gemma3_text": "gemma3"}
 
 
 def _need(cfg: dict, key: str, ok, what: str) -> None:
@@ -100,6 +102,10 @@ def _metadata(cfg: dict) -> tuple[str, dict, dict]:
             _need(cfg, "attention_bias", lambda v: not v, "biases are not supported")
         if arch == "llama":
             _need(cfg, "mlp_bias", lambda v: not v, "biases are not supported")
+            if mt == "mistral":         # written as llama, as llama.cpp's converter does
+                _need(cfg, "sliding_window",
+                      lambda v: v is None or int(v) >= int(cfg["max_position_embeddings"]),
+                      "llama.cpp's llama has no sliding window")
         else:
             _need(cfg, "use_sliding_window", lambda v: not v,
                   f"llama.cpp's {arch} has no sliding window")
