@@ -550,7 +550,10 @@ def test_greedy_generation_of_the_later_families_equals_transformers(name, tmp_p
     ("gemma3", "rope_parameters", {"rope_type": "default", "rope_theta": 1e4}),
     ("gemma2", "layer_types", ["full_attention"]),
     ("smollm3", "no_rope_layers", [1, 0, 2, 1]),
-    ("qwen3_window", "layer_types", ["chunked_attention"] * 3)])
+    ("qwen3_window", "layer_types", ["chunked_attention"] * 3),
+    # a window of 0 tokens (the kernels would take it for none)
+    ("mistral_window", "sliding_window", 0), ("gemma2", "sliding_window", 0),
+    ("qwen2_window", "sliding_window", 0), ("phi3_partial", "sliding_window", 0)])
 def test_later_families_refuse_by_name(name, key, value, tmp_path_factory, tmp_path):
     import json
 

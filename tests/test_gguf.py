@@ -352,6 +352,9 @@ def test_gemma2_config_as_llamacpp_runs_it(tmp_path):
                      {})
     with pytest.raises(SemzoError, match="gemma2.attn_logit_softcapping"):
         GGUFModel(bad).hf_config()
+    bad = write_gguf(tmp_path / "d.gguf", "gemma2", {**meta, "attention.sliding_window": 0}, {})
+    with pytest.raises(SemzoError, match="sliding window must be at least 1 token, got 0"):
+        GGUFModel(bad).hf_config()
 
 
 def test_split_model_read_from_its_first_shard(tmp_path):

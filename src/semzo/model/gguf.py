@@ -388,6 +388,15 @@ class GGUFModel:
         except ValueError as exc:
             raise self.error(f"tensor {ROPE_FREQS!r}: {exc}") from None
 
+    def _window(self, default=...) -> int:
+        """``<arch>.attention.sliding_window``: at least 1 token."""
+        key = f"{self.arch_name}.attention.sliding_window"
+        w = self._int(key, default)
+        if w < 1:
+            raise self.error(f"metadata key {key!r}: a sliding window must be at least 1 "
+                             f"token, got {w}")
+        return w
+
     def _gemma2_config(self, cfg: dict) -> None:
         """Gemma 2 as llama.cpp runs it (``llama-model.cpp``, LLM_ARCH_GEMMA2): GeGLU with
         tanh GELU, a sliding window on every other layer from the first (the pattern
@@ -404,7 +413,7 @@ class GGUFModel:
         cfg.update(
             hidden_activation="gelu_pytorch_tanh", attention_bias=False,
             query_pre_attn_scalar=scalar,
-            sliding_window=self._int(f"{a}.attention.sliding_window", 4096),
+            sliding_window=self._window(4096),
             layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention"
                          for i in range(n)],
             attn_logit_softcapping=self._float(f"{a}.attn_logit_softcapping", 50.0),
@@ -421,7 +430,7 @@ class GGUFModel:
         config through Gemma3TextConfig's defaults."""
         a = self.arch_name
         n = cfg["num_hidden_layers"]
-        window = self._int(f"{a}.attention.sliding_window")
+        window = self._window()
         every = self._int(f"{a}.attention.sliding_window_pattern", 6)
         if every < 1:
             raise self.error(f"{a}.attention.sliding_window_pattern: {every} (need >= 1)")

@@ -383,6 +383,15 @@ def int_field(f: Fields, key: str, default: Any = None, req: bool = False) -> in
     return int(v)
 
 
+def window_field(f: Fields, key: str = "sliding_window", default: Any = None) -> int:
+    """A sliding window: a positive integer (0 would let a query see no key at all, which
+    the attention kernels would take for no window)."""
+    v = int_field(f, key, default)
+    if v < 1:
+        f.refuse(key, f"a sliding window must be at least 1 token, got {v}")
+    return v
+
+
 #: config keys that describe rotary embeddings (transformers 5 ``rope_parameters``; older files
 #: ``rope_theta`` and ``rope_scaling``)
 ROPE_KEYS = frozenset({"rope_parameters", "rope_theta", "rope_scaling"})

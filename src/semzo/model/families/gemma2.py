@@ -8,7 +8,16 @@ and soft-capped (``attn_logit_softcapping``: c * tanh(s / c)), logits soft-cappe
 "sliding_attention" (default: every other layer, from the first), tied LM head."""
 
 from semzo.model.families import llama
-from semzo.model.spec import ROPE_KEYS, DecoderSpec, Fields, Names, RopeSpec, int_field, rope_from
+from semzo.model.spec import (
+    ROPE_KEYS,
+    DecoderSpec,
+    Fields,
+    Names,
+    RopeSpec,
+    int_field,
+    rope_from,
+    window_field,
+)
 
 ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma2Model")
 MODEL_TYPE = "gemma2"
@@ -44,7 +53,7 @@ def windows(f: Fields, n: int, every: int) -> tuple:
     win = f("sliding_window", None)
     if win is None and "sliding_attention" in types:
         f.refuse("sliding_window", "sliding_attention layers need a window")
-    win = None if win is None else int_field(f, "sliding_window")
+    win = None if win is None else window_field(f)
     return tuple(win if t == "sliding_attention" else None for t in types)
 
 

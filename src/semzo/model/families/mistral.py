@@ -3,7 +3,7 @@ attention on every layer when ``sliding_window`` is set (a query sees the ``slid
 most recent keys, itself included)."""
 
 from semzo.model.families import llama
-from semzo.model.spec import ROPE_KEYS, DecoderSpec, Fields, int_field
+from semzo.model.spec import ROPE_KEYS, DecoderSpec, Fields, int_field, window_field
 
 ARCHITECTURES = ("MistralForCausalLM", "MistralModel")
 MODEL_TYPE = "mistral"
@@ -21,5 +21,5 @@ REFUSED: dict = {}
 def spec(f: Fields) -> DecoderSpec:
     n = int_field(f, "num_hidden_layers", req=True)
     win = f("sliding_window", None)
-    win = None if win is None else int_field(f, "sliding_window")
+    win = None if win is None else window_field(f)
     return llama.spec(f, "mistral", NAMES, qkv_bias=False, windows=(win,) * n)

@@ -6,7 +6,15 @@ fused: LoRA targets ``qkv_proj`` / ``gate_up_proj``, as PEFT does), no biases, p
 ``sliding_window`` is set. "longrope" scaling (Phi-3-*-128k, Phi-4-mini) is refused by name."""
 
 from semzo.model.families import llama
-from semzo.model.spec import ROPE_KEYS, DecoderSpec, Fields, Names, int_field, rope_from
+from semzo.model.spec import (
+    ROPE_KEYS,
+    DecoderSpec,
+    Fields,
+    Names,
+    int_field,
+    rope_from,
+    window_field,
+)
 
 ARCHITECTURES = ("Phi3ForCausalLM", "Phi3Model")
 MODEL_TYPE = "phi3"
@@ -31,7 +39,7 @@ REFUSED: dict = {}
 def spec(f: Fields) -> DecoderSpec:
     n = int_field(f, "num_hidden_layers", req=True)
     win = f("sliding_window", None)
-    win = None if win is None else int_field(f, "sliding_window")
+    win = None if win is None else window_field(f)
     rope = rope_from(f, int_field(f, "max_position_embeddings", 4096), partial=True)
     return llama.spec(f, "phi3", NAMES, qkv_bias=False, windows=(win,) * n, rope=rope,
                       model_type=MODEL_TYPE)

@@ -4,7 +4,7 @@ MLP) and optional sliding-window attention on the layers ``layer_types`` marks
 ``max_window_layers`` on)."""
 
 from semzo.model.families import llama
-from semzo.model.spec import ROPE_KEYS, DecoderSpec, Fields, int_field
+from semzo.model.spec import ROPE_KEYS, DecoderSpec, Fields, int_field, window_field
 
 ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen2Model")
 MODEL_TYPE = "qwen2"
@@ -26,7 +26,7 @@ def spec(f: Fields) -> DecoderSpec:
 def windows(f: Fields) -> tuple:
     """The window of each layer (None: full attention); Qwen3 reads the same keys."""
     n = int_field(f, "num_hidden_layers", req=True)
-    win = int_field(f, "sliding_window", 4096) if f("use_sliding_window", False) else None
+    win = window_field(f, "sliding_window", 4096) if f("use_sliding_window", False) else None
     types = f("layer_types", None)
     if types is None:
         first = int_field(f, "max_window_layers", 28)

@@ -5,7 +5,7 @@ q/k/v/o, ``mlp_bias``), optional sliding windows on the layers ``layer_types`` m
 "sliding_attention" when ``use_sliding_window`` (transformers' default: the no-rope layers)."""
 
 from semzo.model.families import llama
-from semzo.model.spec import ROPE_KEYS, DecoderSpec, Fields, int_field
+from semzo.model.spec import ROPE_KEYS, DecoderSpec, Fields, int_field, window_field
 
 ARCHITECTURES = ("SmolLM3ForCausalLM", "SmolLM3Model")
 MODEL_TYPE = "smollm3"
@@ -31,7 +31,7 @@ def spec(f: Fields) -> DecoderSpec:
     if len(rope) != n or any(v not in (0, 1) for v in rope):
         f.refuse("no_rope_layers", f"need {n} values 0 / 1")
     win = f("sliding_window", None) if f("use_sliding_window", False) else None
-    win = None if win is None else int_field(f, "sliding_window")
+    win = None if win is None else window_field(f)
     types = f("layer_types", None)
     if types is None:
         types = ["sliding_attention" if win is not None and not r else "full_attention"
