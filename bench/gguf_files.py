@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "tests"))         # ggufutil: the tests' random tiny models
 
 SMALL = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -87,6 +87,7 @@ def reading(repeat: int) -> None:
 
 def through_gguf(use_llamacpp: bool, threads: int) -> None:
     import torch
+    from ggufutil import random_folder
     from transformers import AutoModelForCausalLM
 
     from semzo.model import Tokenizer, load_model, zoo
@@ -99,15 +100,7 @@ def through_gguf(use_llamacpp: bool, threads: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name, make in families().items():
-            torch.manual_seed(0)
-            m = AutoModelForCausalLM.from_config(make()).float()
-            with torch.no_grad():
-                for p in m.parameters():
-                    p.normal_(0.0, 0.2)
-            folder = tmp / name
-            m.save_pretrained(folder)
-            for f in ("tokenizer.json", "tokenizer_config.json"):
-                shutil.copyfile(tok_src / f, folder / f)
+            folder = random_folder(make(), tmp / name, tok_src)
             model = load_model(folder)
             ids, mask = Tokenizer.from_folder(folder)([PROMPT])
             ours = model.logits(ids, mask)[0]

@@ -115,6 +115,24 @@ def hf_to_gguf(state: dict[str, np.ndarray], cfg: dict, arch: str) -> dict[str, 
     return out
 
 
+def random_folder(cfg, out: Path, tokenizer_from: Path) -> Path:
+    """A transformers model of config ``cfg`` with weights drawn from N(0, 0.2) (seed 0),
+    saved in ``out`` with the tokenizer files of ``tokenizer_from`` beside it."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    m = AutoModelForCausalLM.from_config(cfg).float()
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0.0, 0.2)
+    m.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(tokenizer_from / f, out / f)
+    return out
+
+
 def tiny_config(vocab: int, tie: bool, max_positions: int = 64) -> dict:
     """The config fields of the tiny transformers decoders the GGUF tests build (hidden 64,
     2 blocks, 4 heads, 2 KV heads)."""

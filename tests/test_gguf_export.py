@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+from ggufutil import random_folder
 from mpiutil import ROOT
 
 from semzo.model import Tokenizer, load_model, zoo
@@ -30,9 +30,7 @@ PROMPTS = ["The capital of France is", "def f(x):\n    return x", "  spaces and 
 
 def _tiny(tmp: Path, kind: str) -> Path:
     """A random tiny model saved by transformers, with a real tokenizer beside it."""
-    import torch
     from transformers import (
-        AutoModelForCausalLM,
         Gemma2Config,
         Gemma3TextConfig,
         LlamaConfig,
@@ -72,16 +70,7 @@ def _tiny(tmp: Path, kind: str) -> Path:
                                num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
                                sliding_window=3, max_position_embeddings=256,
                                bos_token_id=2, eos_token_id=1, pad_token_id=0)
-    torch.manual_seed(0)
-    m = AutoModelForCausalLM.from_config(cfg).float()
-    with torch.no_grad():
-        for p in m.parameters():
-            p.normal_(0.0, 0.2)
-    out = tmp / kind
-    m.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copyfile(src / f, out / f)
-    return out
+    return random_folder(cfg, tmp / kind, src)
 
 
 @pytest.fixture(scope="module",
