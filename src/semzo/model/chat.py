@@ -73,8 +73,8 @@ class ChatRenderer:
     controls (``{% break %}``, ``{% continue %}``), a ``tojson`` that does not escape HTML
     characters (``ensure_ascii=False`` and the ``indent``, ``separators``, ``sort_keys``
     options), ``raise_exception``, ``dict`` and a ``namespace`` that refuses underscore
-    names, and the ``{% generation %}`` block (rendered as its body: the sft task finds the
-    assistant turns itself). ``strftime_now`` (Llama 3.x writes today's date into the system
+    names, and the ``{% generation %}`` block (rendered as its body; :meth:`render_marked`
+    also says where its text lies: the sft task's assistant turns). ``strftime_now`` (Llama 3.x writes today's date into the system
     turn) is defined only with ``today=True`` (``semzo generate --chat``): the sft task renders
     its records without it, so the tokens of a record do not depend on the day or the rank
     that renders them (the templates then take their own fallback date)."""
