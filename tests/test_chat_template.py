@@ -148,3 +148,45 @@ def test_turns_that_cannot_be_found_are_one_error():
     bad[2]["content"] = "a \ufdd0 b"
     with pytest.raises(SemzoError, match="reserves"):
         sft_tokens(tk, {"messages": bad}, ChatRenderer(MARKED, {}, "m"), None)
+
+
+# ---- template variables (semzo generate --chat --chat-var KEY=VALUE) ----------------------------
+def test_chat_vars_parsed_as_transformers_keywords():
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    from semzo.generate import chat_vars
+    got = chat_vars(["enable_thinking=false", "n=3", "name=Bob", 'q="x y"', "l=[1, 2]"], True)
+    assert got == {"enable_thinking": False, "n": 3, "name": "Bob", "q": "x y", "l": [1, 2]}
+    assert chat_vars([], False) == {}
+    for bad, why in ((["novalue"], "expected KEY=VALUE"), (["1x=3"], "expected KEY=VALUE"),
+                     (["messages=[]"], "set by semzo"), (["a=1", "a=2"], "given twice"),
+                     (["bos_token=x"], "set by semzo")):
+        with pytest.raises(ValueError, match=why):
+            chat_vars(bad, True)
+    with pytest.raises(ValueError, match="needs --chat"):
+        chat_vars(["a=1"], False)
+    # Qwen3's switch: the empty think block in the generation prompt when it is false
+    tpl = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
+           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+           "{% if enable_thinking is defined and enable_thinking is false %}"
+           "<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}]
+    for v in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
+        want = _compile_jinja_template(tpl).render(messages=msgs, add_generation_prompt=True,
+                                                    **v)
+        assert render_chat({"chat_template": tpl}, msgs, True, variables=v) == want
+    assert "<think>" in render_chat({"chat_template": tpl}, msgs, True,
+                                    variables={"enable_thinking": False})
+
+
+def test_chat_var_on_the_command_line_is_checked_before_loading():
+    import subprocess
+    import sys
+    for extra, phrase in ((["--chat-var", "a=1"], "needs --chat"),
+                          (["--chat", "--chat-var", "eos_token=x"], "set by semzo")):
+        r = subprocess.run([sys.executable, "-m", "semzo", "generate", "no-such-model",
+                            "--prompt", "x", *extra], capture_output=True, text=True,
+                           timeout=120, check=False)
+        lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert "--chat-var" in lines[0] and phrase in lines[0], lines

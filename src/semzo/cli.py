@@ -104,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
                         "visible GPU, CuPy)")
     g.add_argument("--chat", action="store_true",
                    help="render the prompt as a user message with the model's chat template")
+    g.add_argument("--chat-var", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --chat: a variable for the template, as transformers' "
+                        "apply_chat_template(KEY=VALUE) (VALUE as JSON when it parses, "
+                        "else a string), e.g. enable_thinking=false for Qwen3; repeatable")
     sub.add_parser("deck-doc", help="print the deck reference (docs/deck.md)")
     return p
 

@@ -246,16 +246,17 @@ def _on_gpu(loaded: Loaded) -> None:
     loaded.model = to_device(loaded.model, cupy)
 
 
-def chat_prompt(loaded: Loaded, text: str) -> str:
+def chat_prompt(loaded: Loaded, text: str, variables: dict | None = None) -> str:
     """``text`` as one user message through the model's chat template (generation prompt
-    added, today's date for ``strftime_now``; :func:`semzo.model.chat.render_chat`, the
+    added, today's date for ``strftime_now``, ``variables`` (``--chat-var``) passed to the
+    template; :func:`semzo.model.chat.render_chat`, the
     renderer the ``sft`` task uses). A model
     without a template, or no jinja2, is a :class:`SemzoError`."""
     if not chat_template(loaded.tok_config, loaded.what):
         raise SemzoError(f"{loaded.what}: --chat: the model has no chat_template in "
                          f"tokenizer_config.json")
     return render_chat(loaded.tok_config, [{"role": "user", "content": text}], True,
-                       loaded.what, today=True)
+                       loaded.what, today=True, variables=variables)
 
 
 def sample_next(logits: np.ndarray, temperature: float, top_p: float,
@@ -369,6 +370,32 @@ def _generate_batch(model, prompts, max_new_tokens, temperature, top_p, seed, eo
     return outs
 
 
+#: the variables semzo itself passes to a chat template (not settable by --chat-var)
+CHAT_OWN_VARS = ("messages", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def chat_vars(items: list[str], chat: bool) -> dict:
+    """``--chat-var KEY=VALUE`` options as template variables: VALUE parsed as JSON when it
+    parses (``false``, ``3``, ``"x"``, ``[...]``), else taken as a string; ValueError naming
+    the item for one without ``=``, a key that is not an identifier, one of
+    :data:`CHAT_OWN_VARS`, a key given twice, or any without ``--chat``."""
+    out: dict = {}
+    for item in items:
+        key, eq, raw = item.partition("=")
+        if not eq or not key.isidentifier():
+            raise ValueError(f"{item!r}: expected KEY=VALUE with KEY a name")
+        if key in CHAT_OWN_VARS or key in out:
+            raise ValueError(f"{item!r}: {key} is "
+                             f"{'set by semzo' if key in CHAT_OWN_VARS else 'given twice'}")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    if out and not chat:
+        raise ValueError("needs --chat (the variables are the chat template's)")
+    return out
+
+
 def check_options(args) -> None:
     """The sampling options, before any model is loaded: :class:`SemzoError` (exit 2) naming
     the first bad one. ``nan`` and ``inf`` are refused (argparse's float() accepts them)."""
@@ -384,6 +411,12 @@ def check_options(args) -> None:
         err = f"--seed: must be >= 0, got {args.seed}"
     elif getattr(args, "batch", 1) < 1:
         err = f"--batch: must be >= 1, got {args.batch}"
+    else:
+        try:
+            args.chat_vars = chat_vars(getattr(args, "chat_var", None) or [],
+                                       getattr(args, "chat", False))
+        except ValueError as exc:
+            err = f"--chat-var: {exc}"
     if err:
         exc = SemzoError(f"generate: {err}")
         exc.all_ranks = True          # the command line: the same on any rank ("error: ...")
@@ -398,7 +431,8 @@ def run_generate(args) -> str:
     if getattr(args, "device", "cpu") == "gpu":
         _on_gpu(loaded)
     prompts = args.prompt if isinstance(args.prompt, list) else [args.prompt]
-    ids = [loaded.tk.encode(chat_prompt(loaded, p) if args.chat else p,
+    ids = [loaded.tk.encode(chat_prompt(loaded, p, getattr(args, "chat_vars", None))
+                            if args.chat else p,
                             add_special_tokens=not args.chat).ids for p in prompts]
     outs = generate_many(loaded.model, ids, args.max_new_tokens,
                          temperature=args.temperature, top_p=args.top_p, seed=args.seed,

@@ -145,12 +145,14 @@ class ChatRenderer:
         self.what = what
         self.bos, self.eos = _special(tok_config, "bos_token"), _special(tok_config, "eos_token")
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The rendered conversation; a template that fails (its own ``raise_exception``, a
-        division by zero, a call the sandbox refuses, an undefined test...) is a
-        :class:`SemzoError` naming the template."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = False,
+               variables: dict | None = None) -> str:
+        """The rendered conversation (``variables``: more template variables, as the keyword
+        arguments of transformers' ``apply_chat_template``); a template that fails (its own
+        ``raise_exception``, a division by zero, a call the sandbox refuses, an undefined
+        test...) is a :class:`SemzoError` naming the template."""
         try:
-            return self.tpl.render(messages=messages,
+            return self.tpl.render(**(variables or {}), messages=messages,
                                    add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos, eos_token=self.eos)
         except SemzoError:
@@ -189,14 +191,15 @@ MARKS = ("\ufdd0", "\ufdd1")
 
 
 def render_chat(tok_config: dict, messages: list[dict], add_generation_prompt: bool = True,
-                what: str = "model", today: bool = False) -> str:
+                what: str = "model", today: bool = False, variables: dict | None = None) -> str:
     """``messages`` through the model's chat template (``today``: ``strftime_now`` defined,
-    see :class:`ChatRenderer`). A model without a template, or no jinja2, is a
-    :class:`SemzoError`."""
+    see :class:`ChatRenderer`; ``variables``: more template variables). A model without a
+    template, or no jinja2, is a :class:`SemzoError`."""
     tpl = chat_template(tok_config, what)
     if not tpl:
         raise SemzoError(f"{what}: the model has no chat_template in tokenizer_config.json")
-    return ChatRenderer(tpl, tok_config, what, today).render(messages, add_generation_prompt)
+    return ChatRenderer(tpl, tok_config, what, today).render(messages, add_generation_prompt,
+                                                             variables)
 
 
 def _enc(tk, text: str, special: bool) -> list[int]:
