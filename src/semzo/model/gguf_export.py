@@ -8,9 +8,8 @@ of its folder (``tokenizer.json``) as ``tokenizer.ggml.*`` metadata, and the cha
 
 - ``llama`` (LlamaForCausalLM: SmolLM2, Llama 2/3; MistralForCausalLM without a sliding
   window shorter than its context, as llama.cpp's converter writes Mistral): q and k rows
-  permuted for llama.cpp's
-  rotary layout (:func:`semzo.model.gguf.permute_qk`, q with the attention heads, k with the
-  KV heads); ``output.weight`` only when untied; linear rope scaling as metadata, llama3's
+  permuted for llama.cpp's rotary layout (:func:`semzo.model.gguf.permute_qk`, q with the
+  attention heads, k with the KV heads); ``output.weight`` only when untied; linear rope scaling as metadata, llama3's
   as the tensor ``rope_freqs.weight`` of frequency divisors (F32, as llama.cpp's converter
   computes it: :func:`semzo.model.spec.llama3_rope_factors`);
 - ``qwen2`` (Qwen2ForCausalLM: q/k/v biases) and ``qwen3`` (Qwen3ForCausalLM: q/k norms
@@ -138,7 +137,7 @@ def _metadata(cfg: dict) -> tuple[str, dict, dict]:
     want_types = ["sliding_attention" if (i + 1) % every else "full_attention"
                   for i in range(n)]
     _need(cfg, "layer_types", lambda v: v is None or list(v) == want_types,
-          f"llama.cpp's {name} has a global layer every {every}th")
+          f"llama.cpp's {name} has one global layer in every {every}, the last")
     scalar = h // heads if n == (62 if g3 else 46) else hd
     _need(cfg, "query_pre_attn_scalar", lambda v: v is None or float(v) == scalar,
           f"llama.cpp scales attention by 1/sqrt({scalar})")
