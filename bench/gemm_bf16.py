@@ -1,6 +1,7 @@
-"""bfloat16 GEMMs on the CPU: semzo's AVX512_BF16 kernel (semzo.model.gemm_cpu, what
-``model.matmul = "bfloat16"`` runs) against torch's bfloat16 matmul (oneDNN) and NumPy's
-float32 sgemm, the same shapes, one thread each, in one run; GFLOP/s and the ratios.
+"""bfloat16 GEMMs on the CPU: semzo's kernel (semzo.model.gemm_cpu, what ``model.matmul =
+"bfloat16"`` runs: AMX tiles where the CPU has them, else AVX512_BF16 dot products) against
+torch's bfloat16 matmul (oneDNN) and NumPy's float32 sgemm, the same shapes, one thread
+each, in one run; GFLOP/s and the ratios. With AMX, the AVX512_BF16 kernel is timed too.
 
     python bench/gemm_bf16.py [--rows 512] [--repeat 7]
 
@@ -71,9 +72,14 @@ def one_shape(rng, name: str, n: int, k: int, args) -> dict:
     def sgemm():
         np.matmul(xf, wf.T, out=of)
 
+    def dot():
+        gemm_cpu._gemm(xb.view(np.uint32), w.view(np.uint32), out)
+
     t = {"semzo": best_time(ours, args.repeat, flop),
          "torch": best_time(theirs, args.repeat, flop),
          "sgemm": best_time(sgemm, args.repeat, flop)}
+    amx = gemm_cpu.kind() == "amx" and k % 32 == 0
+    t["dot"] = best_time(dot, args.repeat, flop) if amx else t["semzo"]
     ours()
     ref = xf.astype(np.float64) @ wf.astype(np.float64).T
     scale = np.abs(ref).max()
@@ -82,7 +88,9 @@ def one_shape(rng, name: str, n: int, k: int, args) -> dict:
     print(f"{name:9s} N {n:6d} K {k:5d}: semzo {flop / t['semzo'] / 1e9:6.1f} GFLOP/s, "
           f"torch bfloat16 {flop / t['torch'] / 1e9:6.1f}, numpy sgemm "
           f"{flop / t['sgemm'] / 1e9:6.1f}; torch/semzo time {t['torch'] / t['semzo']:.2f}x;"
-          f" largest difference from float64: semzo {err_s:.1e}, torch {err_t:.1e}")
+          f" largest difference from float64: semzo {err_s:.1e}, torch {err_t:.1e}"
+          + (f"; semzo AVX512_BF16 kernel {flop / t['dot'] / 1e9:.1f} (AMX / it: "
+             f"{t['dot'] / t['semzo']:.2f}x)" if amx else ""))
     return t
 
 
@@ -104,7 +112,8 @@ def main() -> int:
     torch.set_num_threads(1)
     print(f"CPU: {cpu_model()}; one thread each; {args.rows} rows; torch {torch.__version__}")
     rng = np.random.default_rng(0)
-    tot = {"semzo": 0.0, "torch": 0.0, "sgemm": 0.0}
+    print(f"semzo's kernel: {gemm_cpu.KINDS[gemm_cpu.kind()]}")
+    tot = {"semzo": 0.0, "torch": 0.0, "sgemm": 0.0, "dot": 0.0}
     for name, n, k in SHAPES:
         t = one_shape(rng, name, n, k, args)
         for key in tot:
@@ -112,7 +121,8 @@ def main() -> int:
     print(f"all five shapes (one decoder layer's GEMMs with q/o and k/v counted once, plus the "
           f"head): semzo {tot['semzo'] * 1e3:.1f} ms, torch bfloat16 {tot['torch'] * 1e3:.1f} "
           f"ms, numpy sgemm {tot['sgemm'] * 1e3:.1f} ms; ratio torch/semzo "
-          f"{tot['torch'] / tot['semzo']:.2f}x, sgemm/semzo {tot['sgemm'] / tot['semzo']:.2f}x")
+          f"{tot['torch'] / tot['semzo']:.2f}x, sgemm/semzo {tot['sgemm'] / tot['semzo']:.2f}x, "
+          f"semzo's AVX512_BF16 kernel/semzo {tot['dot'] / tot['semzo']:.2f}x")
     return 0
 
 

@@ -120,7 +120,7 @@ def main() -> None:
     print(f"model {folder}: {n_params / 1e6:.1f}M parameters; prompt {args.prompt} tokens, "
           f"{args.new} generated greedily, {args.threads} threads, best of {args.repeat}")
     print(f"CPU: {cpu_model()}; bfloat16 GEMMs by "
-          f"{'AVX512_BF16 dot products' if gemm_cpu.enabled() else 'float32 emulation'}")
+          f"{gemm_cpu.KINDS[gemm_cpu.kind()].split(' (')[0]}")
 
     res = {}
     for name, m in ours.items():

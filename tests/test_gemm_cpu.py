@@ -108,13 +108,16 @@ def test_several_weights_share_one_packing_of_the_activations(m, monkeypatch):
     big = np.full((m, 70), np.nan, np.float32)
     outs = (big[:, :40], big[:, 40:49], big[:, 49:66])
     packs = []
-    real = gemm_cpu._packed
+    real, real_amx = gemm_cpu._packed, gemm_cpu._packed_amx
     monkeypatch.setattr(gemm_cpu, "_packed", lambda p: packs.append(p.shape) or real(p))
+    monkeypatch.setattr(gemm_cpu, "_packed_amx",
+                        lambda p: packs.append(p.shape) or real_amx(p))
     matmul_bf16_many(x, ws, outs, to_bits(x))
     assert np.array_equal(big[:, :66], np.concatenate(alone, axis=1))
     assert np.isnan(big[:, 66:]).all()
-    if gemm_cpu.enabled():
-        assert packs == ([] if m <= gemm_cpu.GEMV_ROWS else [(m, 48)])
+    if gemm_cpu.enabled():           # AMX tiles (K = 96) pack every row count
+        few = m <= gemm_cpu.GEMV_ROWS and not gemm_cpu.amx_enabled()
+        assert packs == ([] if few else [(m, 48)])
     big[:] = np.nan
     matmul_bf16_many(x, ws, outs)                      # xb made here: the same bits
     assert np.array_equal(big[:, :66], np.concatenate(alone, axis=1))
@@ -130,11 +133,13 @@ def test_several_weights_share_one_packing_of_the_activations(m, monkeypatch):
 
 @needs_dot
 @pytest.mark.parametrize("m", range(1, gemm_cpu.GEMV_ROWS + 1))
-def test_few_rows_take_the_gemv_kernel_with_the_gemm_kernels_bits(m):
+def test_few_rows_take_the_gemv_kernel_with_the_gemm_kernels_bits(m, monkeypatch):
     """Calls of at most GEMV_ROWS rows (a generated token, say) take the GEMV kernel (lanes
     over weight rows, the weight transposed in registers): the 48 x 8 kernel's bits, for
     every tail of pairs (K mod 32) and of weight rows (N mod 16), with infinities and NaNs
-    among the activations and the weights (a NaN's payload included)."""
+    among the activations and the weights (a NaN's payload included). (With AMX tiles,
+    switched off here, every row count takes the tiles: test_amx_*.)"""
+    monkeypatch.setenv("SEMZO_CPU_AMX", "0")
     r = np.random.default_rng(100 + m)
     for k in (2, 30, 32, 34, 96, 576):
         for n in (1, 15, 16, 17, 77):
@@ -364,3 +369,159 @@ def test_the_kernel_lowers_to_vdpbf16ps_for_every_cpu_that_has_it(cpu, kernel, n
     n, zmm = map(int, proc.stdout.split()[1:3])
     per = (16 if kernel == "gemv" else 8) * ng
     assert n > 0 and n % per == 0 and zmm == n, proc.stdout
+
+
+# ------------------------------------------------------------------ AMX tiles
+needs_amx = pytest.mark.skipif(not gemm_cpu.amx_supported(),
+                               reason="this CPU (or Linux) gives no AMX bfloat16 tiles")
+
+
+def _spy_amx(monkeypatch):
+    """Count the calls that reach the AMX kernel (through _gemm_any's lookup)."""
+    calls = []
+    real, real_par = gemm_cpu._gemm_amx, gemm_cpu._gemm_amx_par
+    monkeypatch.setattr(gemm_cpu, "_gemm_amx", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(gemm_cpu, "_gemm_amx_par",
+                        lambda *a: calls.append(a[-1]) or real_par(*a))
+    return calls
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [1, 5, 8, 9, 15, 16, 17, 31, 32, 33, 48, 49, 97])
+@pytest.mark.parametrize("n", [1, 15, 16, 31, 32, 33, 77])
+@pytest.mark.parametrize("k", [32, 96])
+def test_amx_exact_where_float32_sums_are_exact(m, n, k, monkeypatch):
+    """Small integers (every partial sum exact in float32): the tiles give the exact product
+    bit for bit through every tail: rows (one group or two, full or not; a lone last group
+    paired with itself), weight rows (the zero-padded block), the direct 32 x 32 stores; a
+    few rows take the tiles too, their columns cut over the threads."""
+    calls = _spy_amx(monkeypatch)
+    r = np.random.default_rng(m * 1000 + n * 10 + k)
+    x = r.integers(-8, 9, (m, k))
+    w = r.integers(-8, 9, (n, k))
+    out = np.full((m, n), np.nan, np.float32)
+    gemm_cpu.matmul(bits(x), bits(w), out)
+    assert np.array_equal(out, (x @ w.T).astype(np.float32))
+    assert len(calls) == 1
+
+
+@needs_amx
+def test_amx_rows_independent_columns_cut_and_slices_in_place(monkeypatch):
+    """A row's bits do not depend on the other rows of the call (1 to 100 of them: threads,
+    ranks, a generated token against its prompt), nor on how the columns are cut over
+    threads; a column slice is written in place; within float32 rounding of the sums of the
+    float64 product, and of the AVX512_BF16 kernel (another order of the sums)."""
+    from semzo.model import kernels
+    r = np.random.default_rng(11)
+    xb, w = bits(r.standard_normal((100, 576))), bits(r.standard_normal((333, 576)))
+    whole = np.empty((100, 333), np.float32)
+    gemm_cpu.matmul(xb, w, whole)
+    for lo, hi in ((0, 1), (3, 11), (48, 100), (17, 18), (20, 100), (36, 100), (0, 8)):
+        part = np.full((hi - lo, 333), np.nan, np.float32)
+        gemm_cpu.matmul(np.ascontiguousarray(xb[lo:hi]), w, part)
+        assert np.array_equal(part, whole[lo:hi]), (lo, hi)
+    ap = gemm_cpu._packed_amx(xb[:5].view(np.uint32))
+    assert ap.shape == (2, 288, 16) and not ap[0, :, 5:].any() and not ap[1].any()
+    for parts in (2, 3, 11):
+        cut = np.full((5, 333), np.nan, np.float32)
+        gemm_cpu._gemm_amx_par(ap, 5, w.view(np.uint32), cut, parts)
+        assert np.array_equal(cut, whole[:5]), parts
+    saved = kernels.get_threads()
+    kernels.set_threads(2)
+    try:
+        calls = _spy_amx(monkeypatch)
+        few = np.empty((5, 333), np.float32)
+        gemm_cpu.matmul(np.ascontiguousarray(xb[:5]), w, few)
+        assert calls == [2] and np.array_equal(few, whole[:5])    # cut over 2 threads
+    finally:
+        kernels.set_threads(saved)
+    wide = np.full((100, 400), -7.0, np.float32)
+    gemm_cpu.matmul(xb, w, wide[:, 40:373])
+    assert np.all(wide[:, :40] == -7.0) and np.all(wide[:, 373:] == -7.0)
+    assert np.array_equal(wide[:, 40:373], whole)
+    xf, wf = to_float32(xb).astype(np.float64), to_float32(w).astype(np.float64)
+    bound = 577 * 2.0 ** -24 * (np.abs(xf) @ np.abs(wf).T)
+    assert np.all(np.abs(whole - xf @ wf.T) <= bound)
+    dot = np.empty_like(whole)
+    gemm_cpu._gemm(xb.view(np.uint32), w.view(np.uint32), dot)
+    assert np.all(np.abs(whole - dot) <= 2 * bound)
+
+
+@needs_amx
+def test_amx_switch_and_odd_k_keep_the_dot_kernel(monkeypatch):
+    """SEMZO_CPU_AMX=0, or K not a multiple of 32 (a tile row), take the AVX512_BF16 kernel
+    (its bits); the finetune stage's log names what each rank computes with."""
+    r = np.random.default_rng(12)
+    for k, amx in ((64, False), (48, True)):
+        xb, w = bits(r.standard_normal((60, k))), bits(r.standard_normal((40, k)))
+        if amx:
+            monkeypatch.delenv("SEMZO_CPU_AMX", raising=False)
+        else:
+            monkeypatch.setenv("SEMZO_CPU_AMX", "0")
+        assert gemm_cpu.kind() == ("amx" if amx else "dot")
+        calls = _spy_amx(monkeypatch)
+        got = np.empty((60, 40), np.float32)
+        gemm_cpu.matmul(xb, w, got)
+        want = np.empty((60, 40), np.float32)
+        gemm_cpu._gemm(xb.view(np.uint32), w.view(np.uint32), want)
+        assert calls == [] and np.array_equal(got, want)
+        monkeypatch.undo()
+
+
+def test_numba_without_amx_is_not_amx_supported(monkeypatch):
+    """Compiling the tile intrinsics for a target without +amx-tile aborts the process in
+    LLVM ('Cannot select'): amx_supported() must say no when NUMBA_CPU_FEATURES leaves the
+    features out."""
+    from numba.core import config
+    gemm_cpu.amx_supported.cache_clear()
+    try:
+        monkeypatch.setattr(config, "CPU_FEATURES", "+avx512bf16,-amx-tile,-amx-bf16")
+        assert not gemm_cpu.amx_supported()
+        assert gemm_cpu.kind() in ("dot", "float32")
+    finally:
+        monkeypatch.undo()
+        gemm_cpu.amx_supported.cache_clear()
+
+
+def test_t16_plan_transposes():
+    """The register transpose of the AMX stores, simulated: output vector j lane i is input
+    vector i lane j."""
+    vecs = [[(v, lane) for lane in range(16)] for v in range(16)]
+    for ops in gemm_cpu._T16:
+        vecs = [[(vecs[a] + vecs[b])[i] for i in mask] for a, b, mask in ops]
+    assert vecs == [[(i, j) for i in range(16)] for j in range(16)]
+
+
+LOWER_AMX = """
+import sys
+import llvmlite.binding as llvm
+from semzo.model import gemm_cpu
+llvm.initialize_all_targets()
+llvm.initialize_all_asmprinters()
+mod = llvm.parse_assembly(gemm_cpu.amx_ir())
+mod.verify()
+tm = llvm.Target.from_triple("x86_64-unknown-linux-gnu").create_target_machine(
+    cpu=sys.argv[1], features="", opt=3)
+asm = tm.emit_assembly(mod).splitlines()
+print("amx", *(sum(op in x for x in asm) for op in ("tdpbf16ps", "tileloadd", "ldtilecfg")))
+"""
+
+
+@pytest.mark.parametrize("cpu", ["sapphirerapids", "graniterapids", "znver4"])
+def test_the_amx_kernel_lowers_to_tile_instructions(cpu):
+    """On any x86 host (nothing run): the AMX kernel's IR compiled for Intel's CPUs with AMX
+    gives 4 tdpbf16ps and 4 tile loads per iteration; for one without (Zen 4) LLVM aborts,
+    which is why amx_supported() checks the features (a child process)."""
+    import subprocess
+    import sys
+
+    from llvmlite import binding as llvm
+    if "x86" not in llvm.get_process_triple():
+        pytest.skip("not an x86 host: llvmlite may lack the x86 target")
+    proc = subprocess.run([sys.executable, "-c", LOWER_AMX, cpu],
+                          capture_output=True, text=True, timeout=120, check=False)
+    if cpu == "znver4":
+        assert "LLVM ERROR" in proc.stderr, proc.stdout
+        return
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["amx", "4", "4", "1"], proc.stdout

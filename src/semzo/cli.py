@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--matmul", choices=("float32", "bfloat16"), default=None,
                    help="the GEMMs' arithmetic: float32 (default) or bfloat16 (bfloat16 "
                         "inputs, float32 sums; needs bfloat16 weights; the CPU's "
-                        "AVX512_BF16 dot products where it has them); a checkpoint uses the "
+                        "AMX tiles or AVX512_BF16 dot products where it has them); a "
+                        "checkpoint uses the "
                         "model.matmul of its deck")
     g.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
                    help="where the forward passes run: cpu (default) or gpu (the first "

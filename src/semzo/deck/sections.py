@@ -96,8 +96,9 @@ class ModelSection:
                       "`float32` (every product in float32: the same bits on CPU and GPU) or "
                       "`bfloat16` (with `dtype = \"bfloat16\"`: activations rounded to "
                       "bfloat16, float32 accumulation; on the GPU cuBLAS's tensor cores, on a "
-                      "CPU with AVX512_BF16 its bfloat16 dot products (about twice the float32 "
-                      "GEMMs' speed), on other CPUs emulated in float32). Changes the numbers "
+                      "CPU with AMX its tiles (K a multiple of 32), with AVX512_BF16 its "
+                      "bfloat16 dot products, on other CPUs emulated in float32). Changes "
+                      "the numbers "
                       "by bfloat16 "
                       "rounding; attention, norms, the embed stage's encoder and `semzo "
                       "generate` stay float32.",

@@ -84,23 +84,22 @@ def _deck_error(msg: str) -> SemzoError:
 
 
 def _log_cpu_bf16(comm) -> None:
-    """Collective (one allreduce). Say how the CPU ranks compute ``model.matmul =
-    "bfloat16"``: the CPU's bfloat16 dot products, or the same arithmetic emulated in float32
-    (no AVX512_BF16, or ``SEMZO_CPU_BF16_DOT=0``); the two differ by the sums' order, so a
-    run whose ranks differ is said to."""
-    n = comm.allreduce(int(gemm_cpu.enabled()))
+    """Collective (one allgather). Say how the CPU ranks compute ``model.matmul =
+    "bfloat16"`` (:func:`semzo.model.gemm_cpu.kind`): AMX tiles, the CPU's bfloat16 dot
+    products, or the same arithmetic emulated in float32 (no AVX512_BF16, or
+    ``SEMZO_CPU_BF16_DOT=0``); they sum in different orders, so a run whose ranks differ is
+    said to."""
+    kinds = comm.allgather(gemm_cpu.kind())
     size = comm.Get_size()
-    if n == size:
-        log.info("finetune: model.matmul = \"bfloat16\": the CPU's AVX512_BF16 dot products "
-                 "(semzo.model.gemm_cpu)")
-    elif n == 0:
-        log.info("finetune: model.matmul = \"bfloat16\": emulated in float32 (this CPU has no "
-                 "AVX512_BF16, or SEMZO_CPU_BF16_DOT=0): the same arithmetic, slower")
+    if len(set(kinds)) == 1:
+        log.info("finetune: model.matmul = \"bfloat16\": %s (semzo.model.gemm_cpu)",
+                 gemm_cpu.KINDS[kinds[0]])
     else:
-        log.warning("finetune: model.matmul = \"bfloat16\": %d of %d ranks use the CPU's "
-                    "AVX512_BF16 dot products, the others emulate them in float32; the two "
-                    "sum in different orders, so the run's numbers depend on which nodes it "
-                    "got", n, size)
+        log.warning("finetune: model.matmul = \"bfloat16\": the ranks compute it differently "
+                    "(%s); the ways sum in different orders, so the run's numbers depend on "
+                    "which nodes it got",
+                    "; ".join(f"{kinds.count(k)} of {size} ranks: {gemm_cpu.KINDS[k]}"
+                              for k in gemm_cpu.KINDS if k in kinds))
 
 
 def run_finetune_stage(ctx) -> dict:

@@ -1,5 +1,7 @@
-"""bfloat16 GEMMs on CPUs with bfloat16 dot products (AVX512_BF16): the CPU side of
-``model.matmul = "bfloat16"`` (:func:`semzo.model.gemm.matmul_bf16`).
+"""bfloat16 GEMMs on CPUs with bfloat16 dot products (AVX512_BF16) or AMX tiles: the CPU
+side of ``model.matmul = "bfloat16"`` (:func:`semzo.model.gemm.matmul_bf16`). AMX (Intel
+Sapphire Rapids and later) takes every call whose K is a multiple of 32 (the "AMX tiles"
+section below); the rest of this docstring is the AVX512_BF16 kernel's.
 
 NumPy's OpenBLAS wheels have no bfloat16 GEMM (``sbgemm`` is not built in), so on the CPU
 ``matmul_bf16`` used to upcast the weight and the rounded activations to float32 and call
@@ -359,6 +361,339 @@ def _gemm_packed(ap, m_rows, w32, out):
                     g, lane = i // 16, i % 16
                     for r in range(nr):
                         out[b * MB + i, n0 + r] = tile[r, g, lane]
+
+
+# ------------------------------------------------------------------ AMX tiles
+# Intel's Advanced Matrix Extensions (Sapphire Rapids and later): eight tile registers of
+# 16 rows x 64 bytes and ``tdpbf16ps``, a 16 x 16 float32 tile accumulating the 16 x 32
+# bfloat16 products of two tiles in one instruction (16 times the multiply-adds of
+# ``vdpbf16ps``). The kernel computes out.T's 32 x 32 blocks: its first operand is 16 weight
+# rows read in place (a tile row is 32 consecutive bfloat16 values of one weight row, rows a
+# weight row apart: the weight is never copied), its second the activations packed per group
+# of 16 rows so that a tile is 1 KiB in one piece (:func:`_packed_amx`; read with the stride
+# of :func:`_packed`'s 48-row groups, SmolLM2's GEMMs ran 1.05-1.75x slower); two weight
+# tiles by two activation tiles, four accumulators.
+# Linux hands the tile state to a process only on request (``arch_prctl``), once.
+
+#: tile registers: accumulators 0-3, weight tiles 4-5, activation tiles 6-7
+_AMX_W, _AMX_A = (4, 5), (6, 7)
+_ARCH_GET_XCOMP_PERM, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA = 0x1022, 0x1023, 18
+_VOID, _I8 = ir.VoidType(), ir.IntType(8)
+_P8 = _I8.as_pointer()
+
+
+def _amx_permission() -> bool:
+    """Ask Linux for the AMX tile data state of this process (``ARCH_REQ_XCOMP_PERM``); True
+    when it is granted (without it the first tile instruction is SIGILL)."""
+    import ctypes
+    import platform
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        if libc.syscall(158, _ARCH_REQ_XCOMP_PERM, _XFEATURE_XTILEDATA) != 0:
+            return False
+        mask = ctypes.c_ulong(0)
+        if libc.syscall(158, _ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
+            return False
+        return bool(mask.value >> _XFEATURE_XTILEDATA & 1)
+    except (OSError, AttributeError):
+        return False
+
+
+@functools.cache
+def amx_supported() -> bool:
+    """True when the CPU has AMX with bfloat16 tiles (``amx-tile``, ``amx-bf16``), Numba
+    compiles for them (``NUMBA_CPU_FEATURES``, when set, must name both) and Linux granted
+    this process the tile state (asked here, once)."""
+    host = get_host_cpu_features().split(",")
+    feats = (config.CPU_FEATURES.split(",") if config.CPU_FEATURES is not None else host)
+    need = ("+amx-tile", "+amx-bf16")
+    return (supported() and all(f in host and f in feats for f in need)
+            and _amx_permission())
+
+
+def amx_enabled() -> bool:
+    """:func:`enabled` and :func:`amx_supported`, unless ``SEMZO_CPU_AMX=0`` (keeps the
+    ``vdpbf16ps`` kernel, for comparisons; read at every call)."""
+    return (os.environ.get("SEMZO_CPU_AMX", "1") != "0" and enabled()
+            and amx_supported())
+
+
+#: how this process computes ``model.matmul = "bfloat16"`` (:func:`kind`), in words
+KINDS = {"amx": "AMX tiles (K a multiple of 32; other K: the AVX512_BF16 dot products)",
+         "dot": "the CPU's AVX512_BF16 dot products",
+         "float32": "emulated in float32 (this CPU has no AVX512_BF16, or "
+                    "SEMZO_CPU_BF16_DOT=0): the same arithmetic, slower"}
+
+
+def kind() -> str:
+    """``"amx"`` (:func:`amx_enabled`), ``"dot"`` (:func:`enabled`) or ``"float32"``."""
+    return "amx" if amx_enabled() else "dot" if enabled() else "float32"
+
+
+def _t16_plan() -> list[list[tuple[int, int, list[int]]]]:
+    """A 16 x 16 transpose in registers: four rounds of two-source shuffles, round b
+    exchanging bit b of the vector's index with bit b of the lane's. Each round: per output
+    vector, (first source, second source, the 16 lanes' indices into the two concatenated)."""
+    plan = []
+    for b in range(4):
+        ops = []
+        for v in range(16):
+            lo, hi = v & ~(1 << b), v | (1 << b)
+            mask = []
+            for lane in range(16):
+                src_v = (v & ~(1 << b)) | (((lane >> b) & 1) << b)
+                src_l = (lane & ~(1 << b)) | (((v >> b) & 1) << b)
+                mask.append(src_l if src_v == lo else 16 + src_l)
+            ops.append((lo, hi, mask))
+        plan.append(ops)
+    return plan
+
+
+_T16 = _t16_plan()
+
+
+def _amx_fn(module, name: str, args: list):
+    return cgutils.get_or_insert_function(module, ir.FunctionType(_VOID, args),
+                                          "llvm.x86." + name)
+
+
+def _emit_amx(builder, w_i, wst, b0_i, b1_i, npr, t_i) -> None:
+    """The AMX kernel's loop in IR: accumulators 0-3 = (weight rows 0-15, 16-31) x
+    (activation group b0, b1), over ``npr`` pairs (a multiple of 16) in steps of 16, then
+    the four tiles stored at ``t_i`` (tile t = 2 wi + gi: 16 x 16 float32, [weight row,
+    activation row]). ``wst``: bytes between weight rows; b0, b1: the groups' first pairs in
+    :func:`_packed_amx`'s packing (a pair of 16 rows: 64 bytes). The tile configuration is
+    loaded by the caller."""
+    load = _amx_fn(builder.module, "tileloadd64", [_I8, _P8, _I64])
+    dot = _amx_fn(builder.module, "tdpbf16ps", [_I8, _I8, _I8])
+    store = _amx_fn(builder.module, "tilestored64", [_I8, _P8, _I64])
+    zero = _amx_fn(builder.module, "tilezero", [_I8])
+    c8, c64 = (lambda v: ir.Constant(_I8, v)), (lambda v: ir.Constant(_I64, v))
+    p8 = lambda a: builder.inttoptr(a, _P8)
+    for t in range(4):
+        builder.call(zero, [c8(t)])
+    pre = builder.basic_block
+    loop = builder.append_basic_block("amx.loop")
+    done = builder.append_basic_block("amx.done")
+    builder.cbranch(builder.icmp_signed(">", npr, c64(0)), loop, done)
+    builder.position_at_end(loop)
+    p = builder.phi(_I64)
+    woff = builder.mul(p, c64(4))
+    w16 = builder.mul(wst, c64(16))
+    builder.call(load, [c8(_AMX_W[0]), p8(builder.add(w_i, woff)), wst])
+    builder.call(load, [c8(_AMX_W[1]), p8(builder.add(builder.add(w_i, w16), woff)), wst])
+    aoff = builder.mul(p, c64(64))
+    builder.call(load, [c8(_AMX_A[0]), p8(builder.add(b0_i, aoff)), c64(64)])
+    builder.call(load, [c8(_AMX_A[1]), p8(builder.add(b1_i, aoff)), c64(64)])
+    for wi in range(2):
+        for gi in range(2):
+            builder.call(dot, [c8(2 * wi + gi), c8(_AMX_W[wi]), c8(_AMX_A[gi])])
+    pn = builder.add(p, c64(16))
+    builder.cbranch(builder.icmp_signed("<", pn, npr), loop, done)
+    p.add_incoming(c64(0), pre)
+    p.add_incoming(pn, loop)
+    builder.position_at_end(done)
+    for t in range(4):
+        builder.call(store, [c8(t), p8(builder.add(t_i, c64(1024 * t))), c64(64)])
+
+
+def _emit_amx_store_out(builder, t_i, o_i, ldv) -> None:
+    """The four stored tiles (:func:`_emit_amx`) into the output at ``o_i`` (out[m0, n0],
+    rows ``ldv`` floats apart; all 32 x 32 inside it): each tile transposed in registers
+    (:data:`_T16`) and stored as 16 runs of 16 floats."""
+    tp = builder.inttoptr(t_i, _V16F.as_pointer())
+    row_bytes = builder.mul(ldv, ir.Constant(_I64, 4))
+    for t in range(4):
+        wi, gi = divmod(t, 2)
+        vecs = [builder.load(builder.gep(tp, [ir.Constant(_I64, 16 * t + i)]), align=4)
+                for i in range(16)]
+        for ops in _T16:
+            vecs = [builder.shuffle_vector(vecs[a], vecs[b], ir.Constant(_V16I, mask))
+                    for a, b, mask in ops]
+        for j, v in enumerate(vecs):
+            addr = builder.add(o_i, builder.add(
+                builder.mul(row_bytes, ir.Constant(_I64, 16 * gi + j)),
+                ir.Constant(_I64, 64 * wi)))
+            builder.store(v, builder.inttoptr(addr, _V16F.as_pointer()), align=4)
+
+
+def amx_ir() -> str:
+    """The AMX kernel with its direct store as a stand-alone LLVM module (text), for
+    compiling to other CPUs' code without running it (tests)."""
+    mod = ir.Module(name="semzo_amx_tile")
+    fn = ir.Function(mod, ir.FunctionType(_VOID, [_I64] * 9), name="amx_tile_out")
+    builder = ir.IRBuilder(fn.append_basic_block("entry"))
+    cfg, w_i, wst, b0, b1, npr, t_i, o_i, ldv = fn.args
+    builder.call(_amx_fn(mod, "ldtilecfg", [_P8]), [builder.inttoptr(cfg, _P8)])
+    _emit_amx(builder, w_i, wst, b0, b1, npr, t_i)
+    _emit_amx_store_out(builder, t_i, o_i, ldv)
+    builder.call(_amx_fn(mod, "tilerelease", []), [])
+    builder.ret_void()
+    return str(mod)
+
+
+@intrinsic
+def _amx_config(typingctx, cfg_addr):
+    """ldtilecfg from the 64-byte configuration at ``cfg_addr`` (this thread's tiles)."""
+    if not isinstance(cfg_addr, types.Integer):
+        return None
+    sig = types.void(types.intp)
+
+    def codegen(context, builder, sig, args):
+        (a,) = _int_args(context, builder, sig, args)
+        builder.call(_amx_fn(builder.module, "ldtilecfg", [_P8]), [builder.inttoptr(a, _P8)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _amx_release(typingctx):
+    """tilerelease: this thread's tiles back to their initial state."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):
+        builder.call(_amx_fn(builder.module, "tilerelease", []), [])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _amx_tile(typingctx, w_addr, w_stride, b0, b1, npairs, t_addr):
+    """:func:`_emit_amx` into the 4 x 16 x 16 float32 at ``t_addr``."""
+    for a in (w_addr, w_stride, b0, b1, npairs, t_addr):
+        if not isinstance(a, types.Integer):
+            return None
+    sig = types.void(*([types.intp] * 6))
+
+    def codegen(context, builder, sig, args):
+        _emit_amx(builder, *_int_args(context, builder, sig, args))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _amx_tile_out(typingctx, w_addr, w_stride, b0, b1, npairs, t_addr, o_addr, ld):
+    """:func:`_amx_tile`, then the 32 x 32 block stored transposed into the output."""
+    for a in (w_addr, w_stride, b0, b1, npairs, t_addr, o_addr, ld):
+        if not isinstance(a, types.Integer):
+            return None
+    sig = types.void(*([types.intp] * 8))
+
+    def codegen(context, builder, sig, args):
+        w_i, wst, b0_i, b1_i, npr, t_i, o_i, ldv = _int_args(context, builder, sig, args)
+        _emit_amx(builder, w_i, wst, b0_i, b1_i, npr, t_i)
+        _emit_amx_store_out(builder, t_i, o_i, ldv)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True)
+def _packed_amx(pairs):
+    """The activations' pairs (M, P) packed for the AMX tiles: (G, P, 16), G = ceil(M / 16)
+    rounded up to even, ap[g, p, l] = pairs[16 g + l, p] (zero past the last row)."""
+    m_rows, npr = pairs.shape
+    n_groups = (m_rows + 15) // 16
+    n_groups += n_groups % 2
+    ap = np.empty((n_groups, npr, 16), np.uint32)
+    for g in range(n_groups):
+        for p in range(npr):
+            for lane in range(16):
+                m = g * 16 + lane
+                ap[g, p, lane] = pairs[m, p] if m < m_rows else 0
+    return ap
+
+
+@njit(cache=True, nogil=True)
+def _gemm_amx(ap, m_rows, w32, out, n_lo, n_hi):
+    """out[:m_rows, n_lo:n_hi] (n_lo a multiple of 32) = the activations packed by
+    :func:`_packed_amx` times the weight's rows, by AMX tiles (:func:`amx_enabled`; pairs a
+    multiple of 16): 32-row blocks of the weight (they stay in L1) by every pair of 16-row
+    groups of the activations. Blocks that fill 32 x 32 of the output are stored directly;
+    the last rows or columns go through the tiles' buffer; the last weight rows are copied
+    into a zero-padded block (the tiles read 32 rows)."""
+    npr = ap.shape[1]
+    cfg = np.zeros(64, np.uint8)
+    cfg[0] = 1                                      # palette 1
+    for t in range(8):
+        cfg[16 + 2 * t] = 64                        # bytes per row (uint16, little-endian)
+        cfg[48 + t] = 16                            # rows
+    tiles = np.empty(4 * 256, np.float32)
+    wtail = np.zeros((32, npr), np.uint32)
+    a0 = np.intp(ap.ctypes.data)
+    t0 = np.intp(tiles.ctypes.data)
+    o0 = np.intp(out.ctypes.data)
+    ld = out.strides[0] // 4
+    g_step = npr * 64
+    wst = npr * 4
+    _amx_config(np.intp(cfg.ctypes.data))
+    for n0 in range(n_lo, n_hi, 32):
+        nr = min(32, n_hi - n0)
+        if nr == 32:
+            w_addr = np.intp(w32.ctypes.data) + n0 * wst
+        else:
+            for r in range(nr):
+                wtail[r, :] = w32[n0 + r, :]
+            w_addr = np.intp(wtail.ctypes.data)
+        for g0 in range(0, ap.shape[0], 2):
+            b0 = a0 + g0 * g_step
+            mr = min(32, m_rows - g0 * 16)
+            if nr == 32 and mr == 32:
+                _amx_tile_out(w_addr, wst, b0, b0 + g_step, npr, t0,
+                              o0 + (g0 * 16 * ld + n0) * 4, ld)
+                continue
+            _amx_tile(w_addr, wst, b0, b0 + g_step, npr, t0)
+            for t in range(4):
+                wi, gi = t // 2, t % 2
+                for i in range(min(16, nr - 16 * wi)):
+                    for j in range(min(16, mr - 16 * gi)):
+                        out[g0 * 16 + 16 * gi + j, n0 + 16 * wi + i] = \
+                            tiles[t * 256 + i * 16 + j]
+    _amx_release()
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def _gemm_amx_par(ap, m_rows, w32, out, parts):
+    """:func:`_gemm_amx` with the columns cut into ``parts`` runs of 32-column blocks, one
+    per Numba thread (the same bits: an output's tiles do not depend on the cut)."""
+    n_out = w32.shape[0]
+    blocks = (n_out + 31) // 32
+    for j in prange(parts):
+        lo = min(n_out, 32 * (blocks * j // parts))
+        hi = min(n_out, 32 * (blocks * (j + 1) // parts))
+        if hi > lo:
+            _gemm_amx(ap, m_rows, w32, out, lo, hi)
+
+
+def _amx_takes(npr: int) -> bool:
+    """AMX tiles for this K: pairs a multiple of 16 (a tile row) and :func:`amx_enabled`."""
+    return npr % 16 == 0 and amx_enabled()
+
+
+def _pack_for(pairs):
+    """The activations packed once for the kernel that will take them (:func:`_amx_takes`:
+    :func:`_packed_amx`, else :func:`_packed`)."""
+    return _packed_amx(pairs) if _amx_takes(pairs.shape[1]) else _packed(pairs)
+
+
+def _gemm_any(ap, m_rows, w32, out) -> None:
+    """The packed activations (:func:`_pack_for`) by one weight: AMX tiles where they run
+    (the columns cut over Numba's threads for a call of a few rows outside a split forward,
+    as the GEMV's), else the ``vdpbf16ps`` kernel."""
+    if ap.ndim == 3:
+        parts = _gemv_parts(w32.shape[0]) if m_rows <= GEMV_ROWS else 1
+        if parts > 1:
+            _gemm_amx_par(ap, m_rows, w32, out, parts)
+        else:
+            _gemm_amx(ap, m_rows, w32, out, 0, w32.shape[0])
+    else:
+        _gemm_packed(ap, m_rows, w32, out)
 
 
 # ------------------------------------------------------------------ few rows (GEMV)
@@ -727,14 +1062,14 @@ def matmul_many(xb, ws, outs):
     pair :func:`usable`): a block's q, k and v, or gate and up. The activations are packed
     once for all of them (3 of 5 packings a block saved: 73 us each for 512 rows of
     SmolLM2's, 1.3 % of its GEMM time; AMD EPYC); the same bits. Returns outs."""
-    if xb.shape[0] <= GEMV_ROWS:
+    if xb.shape[0] <= GEMV_ROWS and not _amx_takes(xb.shape[1] // 2):
         for w, out in zip(ws, outs):
             matmul(xb, w, out)
         return outs
     pairs = xb.view(np.uint32)
-    ap = _packed(pairs)
+    ap = _pack_for(pairs)
     for w, out in zip(ws, outs):
-        _gemm_packed(ap, pairs.shape[0], w.view(np.uint32), out)
+        _gemm_any(ap, pairs.shape[0], w.view(np.uint32), out)
     return outs
 
 
@@ -744,12 +1079,12 @@ def matmul(xb, w, out):
     slice of a wider array is written in place). The caller checked :func:`usable`.
     Returns out."""
     pairs, w32 = xb.view(np.uint32), w.view(np.uint32)
-    if pairs.shape[0] <= GEMV_ROWS:
+    if pairs.shape[0] <= GEMV_ROWS and not _amx_takes(pairs.shape[1]):
         parts = _gemv_parts(w32.shape[0])
         if parts > 1:
             _gemv_par(pairs, w32, out, parts)
         else:
             _gemv(pairs, w32, out, 0, w32.shape[0])
     else:
-        _gemm(pairs, w32, out)
+        _gemm_any(_pack_for(pairs), pairs.shape[0], w32, out)
     return out
