@@ -60,7 +60,10 @@ def test_within_float32_rounding_of_the_sums(shape):
 
 
 @needs_dot
-def test_column_slice_in_place_and_rows_independent():
+def test_column_slice_in_place_and_rows_independent(monkeypatch):
+    """The AVX512_BF16 kernel's (AMX tiles off: test_amx_rows_independent_and_slices_in_place
+    is theirs)."""
+    monkeypatch.setenv("SEMZO_CPU_AMX", "0")
     r = np.random.default_rng(5)
     xb, w = bits(r.standard_normal((100, 64))), bits(r.standard_normal((20, 64)))
     wide = np.full((100, 31), -7.0, np.float32)
@@ -115,9 +118,8 @@ def test_several_weights_share_one_packing_of_the_activations(m, monkeypatch):
     matmul_bf16_many(x, ws, outs, to_bits(x))
     assert np.array_equal(big[:, :66], np.concatenate(alone, axis=1))
     assert np.isnan(big[:, 66:]).all()
-    if gemm_cpu.enabled():           # AMX tiles (K = 96) pack every row count
-        few = m <= gemm_cpu.GEMV_ROWS and not gemm_cpu.amx_enabled()
-        assert packs == ([] if few else [(m, 48)])
+    if gemm_cpu.enabled():
+        assert packs == ([] if m <= gemm_cpu.GEMV_ROWS else [(m, 48)])
     big[:] = np.nan
     matmul_bf16_many(x, ws, outs)                      # xb made here: the same bits
     assert np.array_equal(big[:, :66], np.concatenate(alone, axis=1))
@@ -137,8 +139,9 @@ def test_few_rows_take_the_gemv_kernel_with_the_gemm_kernels_bits(m, monkeypatch
     """Calls of at most GEMV_ROWS rows (a generated token, say) take the GEMV kernel (lanes
     over weight rows, the weight transposed in registers): the 48 x 8 kernel's bits, for
     every tail of pairs (K mod 32) and of weight rows (N mod 16), with infinities and NaNs
-    among the activations and the weights (a NaN's payload included). (With AMX tiles,
-    switched off here, every row count takes the tiles: test_amx_*.)"""
+    among the activations and the weights (a NaN's payload included). The reference is
+    the 48 x 8 kernel, so AMX tiles (which larger calls take where the CPU has them) are
+    switched off here."""
     monkeypatch.setenv("SEMZO_CPU_AMX", "0")
     r = np.random.default_rng(100 + m)
     for k in (2, 30, 32, 34, 96, 576):
@@ -379,22 +382,20 @@ needs_amx = pytest.mark.skipif(not gemm_cpu.amx_supported(),
 def _spy_amx(monkeypatch):
     """Count the calls that reach the AMX kernel (through _gemm_any's lookup)."""
     calls = []
-    real, real_par = gemm_cpu._gemm_amx, gemm_cpu._gemm_amx_par
+    real = gemm_cpu._gemm_amx
     monkeypatch.setattr(gemm_cpu, "_gemm_amx", lambda *a: calls.append(1) or real(*a))
-    monkeypatch.setattr(gemm_cpu, "_gemm_amx_par",
-                        lambda *a: calls.append(a[-1]) or real_par(*a))
     return calls
 
 
 @needs_amx
-@pytest.mark.parametrize("m", [1, 5, 8, 9, 15, 16, 17, 31, 32, 33, 48, 49, 97])
+@pytest.mark.parametrize("m", [1, 8, 9, 15, 16, 17, 31, 32, 33, 48, 49, 97])
 @pytest.mark.parametrize("n", [1, 15, 16, 31, 32, 33, 77])
 @pytest.mark.parametrize("k", [32, 96])
 def test_amx_exact_where_float32_sums_are_exact(m, n, k, monkeypatch):
     """Small integers (every partial sum exact in float32): the tiles give the exact product
     bit for bit through every tail: rows (one group or two, full or not; a lone last group
-    paired with itself), weight rows (the zero-padded block), the direct 32 x 32 stores; a
-    few rows take the tiles too, their columns cut over the threads."""
+    with a zero group), weight rows (the zero-padded block), the direct 32 x 32 stores.
+    Calls of at most GEMV_ROWS rows keep the GEMV form (exact too)."""
     calls = _spy_amx(monkeypatch)
     r = np.random.default_rng(m * 1000 + n * 10 + k)
     x = r.integers(-8, 9, (m, k))
@@ -402,39 +403,30 @@ def test_amx_exact_where_float32_sums_are_exact(m, n, k, monkeypatch):
     out = np.full((m, n), np.nan, np.float32)
     gemm_cpu.matmul(bits(x), bits(w), out)
     assert np.array_equal(out, (x @ w.T).astype(np.float32))
-    assert len(calls) == 1
+    assert len(calls) == (0 if m <= gemm_cpu.GEMV_ROWS else 1)
 
 
 @needs_amx
-def test_amx_rows_independent_columns_cut_and_slices_in_place(monkeypatch):
-    """A row's bits do not depend on the other rows of the call (1 to 100 of them: threads,
-    ranks, a generated token against its prompt), nor on how the columns are cut over
-    threads; a column slice is written in place; within float32 rounding of the sums of the
-    float64 product, and of the AVX512_BF16 kernel (another order of the sums)."""
-    from semzo.model import kernels
+def test_amx_rows_independent_and_slices_in_place(monkeypatch):
+    """A row's bits do not depend on the other rows of a call the tiles take (9 to 100 of
+    them: threads, ranks); a call of at most GEMV_ROWS rows (a generated token) has the GEMV
+    form's bits, the 48 x 8 kernel's, within float32 rounding of the tiles'; a column slice
+    is written in place; within float32 rounding of the sums of the float64 product."""
     r = np.random.default_rng(11)
     xb, w = bits(r.standard_normal((100, 576))), bits(r.standard_normal((333, 576)))
     whole = np.empty((100, 333), np.float32)
+    calls = _spy_amx(monkeypatch)
     gemm_cpu.matmul(xb, w, whole)
-    for lo, hi in ((0, 1), (3, 11), (48, 100), (17, 18), (20, 100), (36, 100), (0, 8)):
+    assert calls == [1]
+    for lo, hi in ((3, 12), (48, 100), (20, 100), (36, 100), (0, 9), (50, 67)):
         part = np.full((hi - lo, 333), np.nan, np.float32)
         gemm_cpu.matmul(np.ascontiguousarray(xb[lo:hi]), w, part)
         assert np.array_equal(part, whole[lo:hi]), (lo, hi)
-    ap = gemm_cpu._packed_amx(xb[:5].view(np.uint32))
-    assert ap.shape == (2, 288, 16) and not ap[0, :, 5:].any() and not ap[1].any()
-    for parts in (2, 3, 11):
-        cut = np.full((5, 333), np.nan, np.float32)
-        gemm_cpu._gemm_amx_par(ap, 5, w.view(np.uint32), cut, parts)
-        assert np.array_equal(cut, whole[:5]), parts
-    saved = kernels.get_threads()
-    kernels.set_threads(2)
-    try:
-        calls = _spy_amx(monkeypatch)
-        few = np.empty((5, 333), np.float32)
-        gemm_cpu.matmul(np.ascontiguousarray(xb[:5]), w, few)
-        assert calls == [2] and np.array_equal(few, whole[:5])    # cut over 2 threads
-    finally:
-        kernels.set_threads(saved)
+    few = np.full((5, 333), np.nan, np.float32)
+    gemm_cpu.matmul(np.ascontiguousarray(xb[:5]), w, few)
+    dot = np.empty_like(whole)
+    gemm_cpu._gemm(xb.view(np.uint32), w.view(np.uint32), dot)
+    assert len(calls) == 7 and np.array_equal(few, dot[:5])
     wide = np.full((100, 400), -7.0, np.float32)
     gemm_cpu.matmul(xb, w, wide[:, 40:373])
     assert np.all(wide[:, :40] == -7.0) and np.all(wide[:, 373:] == -7.0)
@@ -442,8 +434,6 @@ def test_amx_rows_independent_columns_cut_and_slices_in_place(monkeypatch):
     xf, wf = to_float32(xb).astype(np.float64), to_float32(w).astype(np.float64)
     bound = 577 * 2.0 ** -24 * (np.abs(xf) @ np.abs(wf).T)
     assert np.all(np.abs(whole - xf @ wf.T) <= bound)
-    dot = np.empty_like(whole)
-    gemm_cpu._gemm(xb.view(np.uint32), w.view(np.uint32), dot)
     assert np.all(np.abs(whole - dot) <= 2 * bound)
 
 

@@ -416,7 +416,11 @@ def amx_supported() -> bool:
 
 def amx_enabled() -> bool:
     """:func:`enabled` and :func:`amx_supported`, unless ``SEMZO_CPU_AMX=0`` (keeps the
-    ``vdpbf16ps`` kernel, for comparisons; read at every call)."""
+    ``vdpbf16ps`` kernel, for comparisons; read at every call). Calls of at most
+    :data:`GEMV_ROWS` rows keep the ``vdpbf16ps`` GEMV form either way: a generated token
+    streams the weight once, which the GEMV does at memory speed and the tiles, computing 32
+    rows for the one real row, did at a third of it (bench/generate.py: 20.4 against 36.5
+    tokens/s, Intel Xeon)."""
     return (os.environ.get("SEMZO_CPU_AMX", "1") != "0" and enabled()
             and amx_supported())
 
@@ -658,19 +662,6 @@ def _gemm_amx(ap, m_rows, w32, out, n_lo, n_hi):
     _amx_release()
 
 
-@njit(cache=True, nogil=True, parallel=True)
-def _gemm_amx_par(ap, m_rows, w32, out, parts):
-    """:func:`_gemm_amx` with the columns cut into ``parts`` runs of 32-column blocks, one
-    per Numba thread (the same bits: an output's tiles do not depend on the cut)."""
-    n_out = w32.shape[0]
-    blocks = (n_out + 31) // 32
-    for j in prange(parts):
-        lo = min(n_out, 32 * (blocks * j // parts))
-        hi = min(n_out, 32 * (blocks * (j + 1) // parts))
-        if hi > lo:
-            _gemm_amx(ap, m_rows, w32, out, lo, hi)
-
-
 def _amx_takes(npr: int) -> bool:
     """AMX tiles for this K: pairs a multiple of 16 (a tile row) and :func:`amx_enabled`."""
     return npr % 16 == 0 and amx_enabled()
@@ -683,15 +674,10 @@ def _pack_for(pairs):
 
 
 def _gemm_any(ap, m_rows, w32, out) -> None:
-    """The packed activations (:func:`_pack_for`) by one weight: AMX tiles where they run
-    (the columns cut over Numba's threads for a call of a few rows outside a split forward,
-    as the GEMV's), else the ``vdpbf16ps`` kernel."""
+    """The packed activations (:func:`_pack_for`) by one weight: AMX tiles where they run,
+    else the ``vdpbf16ps`` kernel."""
     if ap.ndim == 3:
-        parts = _gemv_parts(w32.shape[0]) if m_rows <= GEMV_ROWS else 1
-        if parts > 1:
-            _gemm_amx_par(ap, m_rows, w32, out, parts)
-        else:
-            _gemm_amx(ap, m_rows, w32, out, 0, w32.shape[0])
+        _gemm_amx(ap, m_rows, w32, out, 0, w32.shape[0])
     else:
         _gemm_packed(ap, m_rows, w32, out)
 
@@ -1062,7 +1048,7 @@ def matmul_many(xb, ws, outs):
     pair :func:`usable`): a block's q, k and v, or gate and up. The activations are packed
     once for all of them (3 of 5 packings a block saved: 73 us each for 512 rows of
     SmolLM2's, 1.3 % of its GEMM time; AMD EPYC); the same bits. Returns outs."""
-    if xb.shape[0] <= GEMV_ROWS and not _amx_takes(xb.shape[1] // 2):
+    if xb.shape[0] <= GEMV_ROWS:
         for w, out in zip(ws, outs):
             matmul(xb, w, out)
         return outs
@@ -1079,7 +1065,7 @@ def matmul(xb, w, out):
     slice of a wider array is written in place). The caller checked :func:`usable`.
     Returns out."""
     pairs, w32 = xb.view(np.uint32), w.view(np.uint32)
-    if pairs.shape[0] <= GEMV_ROWS and not _amx_takes(pairs.shape[1]):
+    if pairs.shape[0] <= GEMV_ROWS:
         parts = _gemv_parts(w32.shape[0])
         if parts > 1:
             _gemv_par(pairs, w32, out, parts)
