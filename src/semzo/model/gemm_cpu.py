@@ -1,7 +1,8 @@
 """bfloat16 GEMMs on CPUs with bfloat16 dot products (AVX512_BF16) or AMX tiles: the CPU
 side of ``model.matmul = "bfloat16"`` (:func:`semzo.model.gemm.matmul_bf16`). AMX (Intel
-Sapphire Rapids and later) takes every call whose K is a multiple of 32 (the "AMX tiles"
-section below); the rest of this docstring is the AVX512_BF16 kernel's.
+Sapphire Rapids and later) takes every call of more than :data:`GEMV_ROWS` rows whose K is a
+multiple of 32 (the "AMX tiles" section below); the rest of this docstring is the
+AVX512_BF16 kernel's.
 
 NumPy's OpenBLAS wheels have no bfloat16 GEMM (``sbgemm`` is not built in), so on the CPU
 ``matmul_bf16`` used to upcast the weight and the rounded activations to float32 and call
@@ -426,7 +427,8 @@ def amx_enabled() -> bool:
 
 
 #: how this process computes ``model.matmul = "bfloat16"`` (:func:`kind`), in words
-KINDS = {"amx": "AMX tiles (K a multiple of 32; other K: the AVX512_BF16 dot products)",
+KINDS = {"amx": "AMX tiles (more than 8 rows and K a multiple of 32; other calls: the "
+                "AVX512_BF16 dot products)",
          "dot": "the CPU's AVX512_BF16 dot products",
          "float32": "emulated in float32 (this CPU has no AVX512_BF16, or "
                     "SEMZO_CPU_BF16_DOT=0): the same arithmetic, slower"}
@@ -615,8 +617,8 @@ def _packed_amx(pairs):
 
 
 @njit(cache=True, nogil=True)
-def _gemm_amx(ap, m_rows, w32, out, n_lo, n_hi):
-    """out[:m_rows, n_lo:n_hi] (n_lo a multiple of 32) = the activations packed by
+def _gemm_amx(ap, m_rows, w32, out):
+    """out[:m_rows] = the activations packed by
     :func:`_packed_amx` times the weight's rows, by AMX tiles (:func:`amx_enabled`; pairs a
     multiple of 16): 32-row blocks of the weight (they stay in L1) by every pair of 16-row
     groups of the activations. Blocks that fill 32 x 32 of the output are stored directly;
@@ -637,8 +639,9 @@ def _gemm_amx(ap, m_rows, w32, out, n_lo, n_hi):
     g_step = npr * 64
     wst = npr * 4
     _amx_config(np.intp(cfg.ctypes.data))
-    for n0 in range(n_lo, n_hi, 32):
-        nr = min(32, n_hi - n0)
+    n_out = w32.shape[0]
+    for n0 in range(0, n_out, 32):
+        nr = min(32, n_out - n0)
         if nr == 32:
             w_addr = np.intp(w32.ctypes.data) + n0 * wst
         else:
@@ -677,7 +680,7 @@ def _gemm_any(ap, m_rows, w32, out) -> None:
     """The packed activations (:func:`_pack_for`) by one weight: AMX tiles where they run,
     else the ``vdpbf16ps`` kernel."""
     if ap.ndim == 3:
-        _gemm_amx(ap, m_rows, w32, out, 0, w32.shape[0])
+        _gemm_amx(ap, m_rows, w32, out)
     else:
         _gemm_packed(ap, m_rows, w32, out)
 
